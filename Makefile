@@ -1,0 +1,30 @@
+# gpu-dra developer entry points. `make` alone lists them.
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+
+.PHONY: help demo test lint fmt k8s-binaries cluster-up cluster-down
+
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+demo: ## Run the demo on a local control plane (builds what is missing; leaves the cluster up)
+	e2e/demo.sh
+
+test: k8s-binaries lint ## Run every check and test CI runs (builds what is missing)
+	$(CARGO) test --locked --all-targets
+
+lint: ## cargo fmt --check and clippy with warnings as errors
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --locked --all-targets -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt --all
+
+k8s-binaries: ## Build etcd, Kubernetes and helm from their Go modules into the cache (skips what is cached)
+	e2e/build-k8s.sh
+
+cluster-up: ## Start the local control plane and print the KUBECONFIG export
+	e2e/cluster.sh up
+
+cluster-down: ## Stop the local control plane
+	e2e/cluster.sh down

@@ -1,0 +1,363 @@
+#!/usr/bin/env bash
+# A real, local Kubernetes control plane for tests and the demo: etcd, kube-apiserver (TLS, RBAC, service-account
+# signing keys), kube-scheduler and kube-controller-manager as local processes on 127.0.0.1. No kubelet: `add-node`
+# creates Ready Node objects that the scheduler places pods on.
+#
+# Usage:
+#   e2e/cluster.sh up [--with-kcm-claim-controller]   start (or find running) and print `export KUBECONFIG=...`
+#   e2e/cluster.sh env                                 print the KUBECONFIG and PATH exports of the running cluster
+#   e2e/cluster.sh add-node NAME [KEY=VALUE ...]      create a Ready Node (extra labels optional)
+#   e2e/cluster.sh down                                stop exactly what `up` started and remove the state directory
+#
+# Environment:
+#   GPU_DRA_E2E_DIR          state directory (default ${TMPDIR:-/tmp}/gpu-dra-e2e-$UID): certs, kubeconfig, logs, pids
+#   GPU_DRA_E2E_OWNER_PID    when set, a watchdog stops the cluster once that process is gone (tests set it)
+#   GPU_DRA_E2E_API_PORT     pin the API server's port (default: a free port); a pinned port in use is an error
+#   GPU_DRA_E2E_<C>_FLAGS    extra flags for component C (ETCD, APISERVER, SCHEDULER, KCM)
+#   GPU_DRA_KCM_CLAIM_CONTROLLER=1   same as --with-kcm-claim-controller: also run KCM's resourceclaim-controller
+#
+# Every process `up` starts is recorded by pid in $GPU_DRA_E2E_DIR/pids and carries the state directory in its
+# command line; `down` and the stale-state check signal a pid only when its command line still names that directory.
+set -euo pipefail
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=e2e/versions.sh
+source "$E2E_DIR/versions.sh"
+
+STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
+STATE="${STATE%/}"
+PIDS="$STATE/pids"
+LOGS="$STATE/logs"
+CLUSTER_NAME=gpu-dra-e2e
+START_TIMEOUT_S=${GPU_DRA_E2E_START_TIMEOUT_S:-90}
+
+log() { printf '[cluster] %s\n' "$*" >&2; }
+die() { printf '[cluster] error: %s\n' "$*" >&2; exit 1; }
+
+# --- process bookkeeping -------------------------------------------------------------------------------------
+
+# True when pid $1 is alive and its command line names the state directory (so a reused pid is never signalled).
+owned_alive() {
+    local pid=$1
+    [[ -r /proc/$pid/cmdline ]] || return 1
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$STATE" 
+}
+
+recorded_pids() { [[ -f "$PIDS" ]] && awk '{print $2}' "$PIDS" || true; }
+
+# Stops every recorded process that is still ours: SIGTERM, then SIGKILL after a grace period.
+stop_recorded() {
+    local pids=() pid
+    for pid in $(recorded_pids); do owned_alive "$pid" && pids+=("$pid"); done
+    [[ ${#pids[@]} -eq 0 ]] && return 0
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+        local left=()
+        for pid in "${pids[@]}"; do owned_alive "$pid" && left+=("$pid"); done
+        [[ ${#left[@]} -eq 0 ]] && return 0
+        sleep 0.1
+    done
+    for pid in "${pids[@]}"; do owned_alive "$pid" && kill -KILL "$pid" 2>/dev/null || true; done
+}
+
+# The cluster in $STATE is live when every recorded process is alive and the owner (if any) still runs.
+state_is_live() {
+    [[ -f "$PIDS" && -f "$STATE/kubeconfig" ]] || return 1
+    local name pid
+    while read -r name pid; do
+        owned_alive "$pid" || return 1
+    done <"$PIDS"
+    if [[ -f "$STATE/owner-pid" ]]; then
+        kill -0 "$(cat "$STATE/owner-pid")" 2>/dev/null || return 1
+    fi
+    kubectl_admin get --raw /readyz >/dev/null 2>&1
+}
+
+clean_stale_state() {
+    [[ -e "$STATE" ]] || return 0
+    local left=()
+    for pid in $(recorded_pids); do owned_alive "$pid" && left+=("$pid"); done
+    log "found stale state in $STATE from an earlier run; stopping its ${#left[@]} surviving process(es) and removing it"
+    stop_recorded
+    rm -rf "$STATE"
+}
+
+kubectl_admin() { "$K8S_BIN/kubectl" --kubeconfig "$STATE/kubeconfig" "$@"; }
+
+# --- ports -----------------------------------------------------------------------------------------------------
+
+free_port() {
+    python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+port_in_use() {
+    python3 - "$1" <<'PY'
+import socket, sys
+s = socket.socket()
+try:
+    s.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError:
+    sys.exit(0)
+sys.exit(1)
+PY
+}
+
+# --- certificates ----------------------------------------------------------------------------------------------
+
+make_certs() {
+    local d="$STATE/pki"
+    mkdir -p "$d"
+    (
+        cd "$d"
+        openssl ecparam -name prime256v1 -genkey -noout -out ca.key 2>/dev/null
+        openssl req -x509 -new -key ca.key -subj "/CN=gpu-dra-e2e-ca" -days 365 -out ca.crt 2>/dev/null
+        issue() { # name subject [san]
+            openssl ecparam -name prime256v1 -genkey -noout -out "$1.key" 2>/dev/null
+            openssl req -new -key "$1.key" -subj "$2" -out "$1.csr" 2>/dev/null
+            local ext="$1.ext"
+            if [[ -n "${3:-}" ]]; then
+                printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$3" >"$ext"
+            else
+                printf 'extendedKeyUsage=clientAuth\n' >"$ext"
+            fi
+            openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+                -extfile "$ext" -out "$1.crt" 2>/dev/null
+            rm -f "$1.csr" "$ext"
+        }
+        issue apiserver "/CN=kube-apiserver" "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc"
+        issue admin "/O=system:masters/CN=gpu-dra-e2e-admin"
+        issue scheduler "/CN=system:kube-scheduler"
+        issue kcm "/CN=system:kube-controller-manager"
+        openssl genrsa -out sa.key 2048 2>/dev/null
+        openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
+    ) || die "creating certificates with openssl failed in $d"
+}
+
+# kubeconfig FILE USER CERT-NAME
+write_kubeconfig() {
+    local b64='base64 -w0'
+    cat >"$1" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: $CLUSTER_NAME
+  cluster:
+    server: https://127.0.0.1:$API_PORT
+    certificate-authority-data: $($b64 <"$STATE/pki/ca.crt")
+users:
+- name: $2
+  user:
+    client-certificate-data: $($b64 <"$STATE/pki/$3.crt")
+    client-key-data: $($b64 <"$STATE/pki/$3.key")
+contexts:
+- name: $CLUSTER_NAME
+  context: {cluster: $CLUSTER_NAME, user: $2}
+current-context: $CLUSTER_NAME
+KC
+    chmod 600 "$1"
+}
+
+# --- components ------------------------------------------------------------------------------------------------
+
+# start NAME CMD...: starts a detached process logging to $LOGS/NAME.log and records its pid.
+start() {
+    local name=$1; shift
+    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    echo "$name $!" >>"$PIDS"
+}
+
+pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PIDS"; }
+
+# Stops everything, shows why NAME failed, and exits non-zero. The logs stay for inspection; the next `up`
+# treats the directory as stale and removes it.
+fail_component() {
+    local name=$1 why=$2
+    stop_recorded
+    printf '[cluster] error: %s %s; last lines of %s:\n' "$name" "$why" "$LOGS/$name.log" >&2
+    tail -n 25 "$LOGS/$name.log" | sed 's/^/    /' >&2
+    exit 1
+}
+
+# wait_healthy NAME CHECK-CMD...: waits until the check passes; fails when the process dies or time runs out.
+wait_healthy() {
+    local name=$1; shift
+    local pid deadline=$((SECONDS + START_TIMEOUT_S))
+    pid=$(pid_of "$name")
+    until "$@" >/dev/null 2>&1; do
+        owned_alive "$pid" || fail_component "$name" "exited during start-up"
+        ((SECONDS < deadline)) || fail_component "$name" "was not healthy after ${START_TIMEOUT_S}s"
+        sleep 0.2
+    done
+    log "$name healthy (pid $pid)"
+}
+
+https_ok() { curl -fsS --max-time 2 --cacert "$STATE/pki/ca.crt" --cert "$STATE/pki/admin.crt" --key "$STATE/pki/admin.key" "$1"; }
+
+start_etcd() {
+    ETCD_PORT=$(free_port)
+    # shellcheck disable=SC2086
+    start etcd "$ETCD_BIN/etcd" --name gpu-dra-e2e --data-dir "$STATE/etcd" \
+        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls "http://127.0.0.1:0" --unsafe-no-fsync --log-level warn ${GPU_DRA_E2E_ETCD_FLAGS:-}
+    wait_healthy etcd curl -fsS --max-time 2 "http://127.0.0.1:$ETCD_PORT/health"
+}
+
+start_apiserver() {
+    if [[ -n "${GPU_DRA_E2E_API_PORT:-}" ]]; then
+        API_PORT=$GPU_DRA_E2E_API_PORT
+        if port_in_use "$API_PORT"; then
+            stop_recorded
+            die "GPU_DRA_E2E_API_PORT=$API_PORT: port $API_PORT on 127.0.0.1 is already in use; free it or unset GPU_DRA_E2E_API_PORT to pick a free port"
+        fi
+    else
+        API_PORT=$(free_port)
+    fi
+    # shellcheck disable=SC2086
+    start kube-apiserver "$K8S_BIN/kube-apiserver" \
+        --etcd-servers "http://127.0.0.1:$ETCD_PORT" --cert-dir "$STATE/pki" \
+        --tls-cert-file "$STATE/pki/apiserver.crt" --tls-private-key-file "$STATE/pki/apiserver.key" \
+        --client-ca-file "$STATE/pki/ca.crt" --secure-port "$API_PORT" --bind-address 127.0.0.1 \
+        --advertise-address 127.0.0.1 --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true \
+        --authorization-mode RBAC --disable-admission-plugins ServiceAccount \
+        --service-account-issuer "https://127.0.0.1:$API_PORT/" \
+        --service-account-key-file "$STATE/pki/sa.pub" --service-account-signing-key-file "$STATE/pki/sa.key" \
+        --endpoint-reconciler-type none --profiling=false ${GPU_DRA_E2E_APISERVER_FLAGS:-}
+    wait_healthy kube-apiserver https_ok "https://127.0.0.1:$API_PORT/readyz"
+}
+
+# start_kube_component NAME BINARY KUBECONFIG FLAGS...: scheduler and controller-manager share their shape.
+start_kube_component() {
+    local name=$1 bin=$2 kubeconfig=$3; shift 3
+    local port; port=$(free_port)
+    start "$name" "$K8S_BIN/$bin" --kubeconfig "$kubeconfig" \
+        --authentication-kubeconfig "$kubeconfig" --authorization-kubeconfig "$kubeconfig" \
+        --leader-elect=false --bind-address 127.0.0.1 --secure-port "$port" "$@"
+    # Its serving certificate is self-signed (in --cert-dir); /healthz needs no client identity.
+    wait_healthy "$name" curl -fsSk --max-time 2 "https://127.0.0.1:$port/healthz"
+}
+
+print_env() {
+    printf 'export KUBECONFIG=%q\n' "$STATE/kubeconfig"
+    [[ "${1:-}" == "--with-path" ]] && printf 'export PATH=%q:%q:"$PATH"\n' "$K8S_BIN" "$HELM_BIN"
+    return 0
+}
+
+# --- commands --------------------------------------------------------------------------------------------------
+
+cmd_up() {
+    local kcm_claim_controller=${GPU_DRA_KCM_CLAIM_CONTROLLER:-0}
+    for arg in "$@"; do
+        case "$arg" in
+            --with-kcm-claim-controller) kcm_claim_controller=1 ;;
+            *) die "unknown option to up: $arg (known: --with-kcm-claim-controller)" ;;
+        esac
+    done
+    command -v openssl >/dev/null || die "openssl is needed to create the cluster's certificates; install it (apt-get install openssl)"
+    command -v python3 >/dev/null || die "python3 is needed to find free ports; install it"
+    command -v curl >/dev/null || die "curl is needed for health checks; install it (apt-get install curl)"
+
+    if [[ -e "$STATE" ]]; then
+        if state_is_live; then
+            log "cluster in $STATE is already up"
+            print_env
+            return 0
+        fi
+        clean_stale_state
+    fi
+    "$E2E_DIR/build-k8s.sh"
+
+    local t0=$SECONDS
+    mkdir -p "$STATE" "$LOGS"
+    : >"$PIDS"
+    # Whatever fails from here on (a component, openssl, a write) leaves nothing running.
+    trap 'rc=$?; [[ $rc -eq 0 ]] || stop_recorded' EXIT
+    make_certs
+
+    start_etcd
+    start_apiserver
+    write_kubeconfig "$STATE/kubeconfig" admin admin
+    mkdir -p "$STATE/pki/kube-scheduler" "$STATE/pki/kube-controller-manager"
+    write_kubeconfig "$STATE/scheduler.kubeconfig" system:kube-scheduler scheduler
+    start_kube_component kube-scheduler kube-scheduler "$STATE/scheduler.kubeconfig" \
+        --cert-dir "$STATE/pki/kube-scheduler" ${GPU_DRA_E2E_SCHEDULER_FLAGS:-}
+
+    local controllers=garbage-collector-controller,namespace-controller
+    [[ "$kcm_claim_controller" == 1 ]] && controllers+=,resourceclaim-controller
+    # shellcheck disable=SC2086
+    start_kube_component kube-controller-manager kube-controller-manager "$STATE/kubeconfig" \
+        --cert-dir "$STATE/pki/kube-controller-manager" --controllers "$controllers" \
+        --use-service-account-credentials=false ${GPU_DRA_E2E_KCM_FLAGS:-}
+
+    if [[ -n "${GPU_DRA_E2E_OWNER_PID:-}" ]]; then
+        echo "$GPU_DRA_E2E_OWNER_PID" >"$STATE/owner-pid"
+        start watchdog bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; GPU_DRA_E2E_DIR="$3" exec "$2" down' \
+            gpu-dra-e2e-watchdog "$GPU_DRA_E2E_OWNER_PID" "$E2E_DIR/cluster.sh" "$STATE"
+    fi
+    trap - EXIT
+    log "up in $((SECONDS - t0))s: Kubernetes $K8S_VERSION at https://127.0.0.1:$API_PORT (controllers: $controllers)"
+    print_env
+}
+
+cmd_down() {
+    if [[ ! -e "$STATE" ]]; then
+        log "nothing to stop: $STATE does not exist"
+        return 0
+    fi
+    stop_recorded
+    rm -rf "$STATE"
+    log "stopped and removed $STATE"
+}
+
+cmd_env() {
+    state_is_live || die "no running cluster in $STATE; start one with: e2e/cluster.sh up"
+    print_env --with-path
+}
+
+cmd_add_node() {
+    local name=${1:-}
+    [[ -n "$name" ]] || die "usage: e2e/cluster.sh add-node NAME [KEY=VALUE ...]"
+    shift
+    state_is_live || die "no running cluster in $STATE; start one with: e2e/cluster.sh up"
+    local labels="    kubernetes.io/hostname: \"$name\"
+    kubernetes.io/os: linux
+    kubernetes.io/arch: amd64"
+    for kv in "$@"; do
+        [[ "$kv" == *=* ]] || die "label '$kv' is not KEY=VALUE"
+        labels+=$'\n'"    \"${kv%%=*}\": \"${kv#*=}\""
+    done
+    if kubectl_admin get node "$name" >/dev/null 2>&1; then
+        log "node $name already exists"
+        return 0
+    fi
+    local now; now=$(date -u +%Y-%m-%dT%H:%M:%SZ)
+    # A Node may carry its status on create. Nothing marks it NotReady later: the node-lifecycle controller is
+    # not running, so no kubelet heartbeat is needed.
+    kubectl_admin create -f - >/dev/null <<NODE
+apiVersion: v1
+kind: Node
+metadata:
+  name: "$name"
+  labels:
+$labels
+status:
+  capacity: {cpu: "32", memory: 256Gi, pods: "110", ephemeral-storage: 500Gi}
+  allocatable: {cpu: "32", memory: 256Gi, pods: "110", ephemeral-storage: 500Gi}
+  conditions:
+  - {type: Ready, status: "True", reason: KubeletReady, message: "fake node without a kubelet (gpu-dra e2e)", lastHeartbeatTime: "$now", lastTransitionTime: "$now"}
+  nodeInfo: {architecture: amd64, operatingSystem: linux, kubeletVersion: $K8S_VERSION, kubeProxyVersion: "", bootID: "", containerRuntimeVersion: "", kernelVersion: "", machineID: "", osImage: "", systemUUID: ""}
+NODE
+    # The TaintNodesByCondition admission plugin taints every new node not-ready; the node-lifecycle controller
+    # that would lift it once the node reports Ready is not running here, so lift it the same way.
+    if kubectl_admin get node "$name" -o jsonpath='{.spec.taints[*].key}' | grep -qw node.kubernetes.io/not-ready; then
+        kubectl_admin taint node "$name" node.kubernetes.io/not-ready:NoSchedule- >/dev/null
+    fi
+    log "node $name created (Ready, untainted)"
+}
+
+case "${1:-}" in
+    up) shift; cmd_up "$@" ;;
+    down) cmd_down ;;
+    env) cmd_env ;;
+    add-node) shift; cmd_add_node "$@" ;;
+    *) die "usage: e2e/cluster.sh up [--with-kcm-claim-controller] | down | env | add-node NAME [KEY=VALUE ...]" ;;
+esac

@@ -1,0 +1,12 @@
+//! gpu-dra: Kubernetes Dynamic Resource Allocation (structured parameters) for NVIDIA GPUs.
+//!
+//! Two components share this crate and its binary:
+//! - [`controller`]: creates each pod's ResourceClaims from ResourceClaimTemplates (kube-controller-manager parity).
+//! - [`node_agent`]: discovers GPUs, publishes ResourceSlices and serves the kubelet's DRA plugin API.
+//!
+//! See ARCHITECTURE.md for the map.
+
+pub mod cli;
+pub mod controller;
+pub mod node_agent;
+pub mod telemetry;

@@ -1,0 +1,272 @@
+//! `e2e/cluster.sh` under faults: every test starts clusters of its own in its own state directory and checks
+//! what is left running afterwards (by the pids the script recorded).
+
+mod support;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail, ensure};
+use support::StandaloneTest;
+use support::cluster::script;
+
+fn main() {
+    support::run_standalone(&[
+        StandaloneTest {
+            name: "up_is_idempotent_and_down_twice_is_harmless",
+            body: up_is_idempotent_and_down_twice_is_harmless,
+        },
+        StandaloneTest {
+            name: "component_dying_during_up_fails_and_leaves_nothing",
+            body: component_dying_during_up_fails_and_leaves_nothing,
+        },
+        StandaloneTest {
+            name: "pinned_api_port_in_use_is_named",
+            body: pinned_api_port_in_use_is_named,
+        },
+        StandaloneTest {
+            name: "killed_owner_stops_the_cluster",
+            body: killed_owner_stops_the_cluster,
+        },
+        StandaloneTest {
+            name: "stale_state_from_a_killed_run_is_cleaned",
+            body: stale_state_from_a_killed_run_is_cleaned,
+        },
+    ])
+}
+
+fn state_dir(test: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("script-{test}"));
+    let _ = run(&dir, &["down"], &[]);
+    dir
+}
+
+fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Output> {
+    let mut cmd = script();
+    cmd.args(args)
+        .env("GPU_DRA_E2E_DIR", dir)
+        .env_remove("GPU_DRA_E2E_OWNER_PID");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output()
+        .with_context(|| format!("run e2e/cluster.sh {}", args.join(" ")))
+}
+
+fn run_ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(String, String)> {
+    let out = run(dir, args, env)?;
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    ensure!(
+        out.status.success(),
+        "cluster.sh {} failed ({}):\n{stderr}",
+        args.join(" "),
+        out.status
+    );
+    Ok((stdout, stderr))
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The `name pid` lines the script recorded.
+fn recorded(dir: &Path) -> anyhow::Result<Vec<(String, u32)>> {
+    let pids = std::fs::read_to_string(dir.join("pids")).context("read pids")?;
+    pids.lines()
+        .map(|l| {
+            let (name, pid) = l.split_once(' ').context("malformed pids line")?;
+            Ok((name.to_string(), pid.parse()?))
+        })
+        .collect()
+}
+
+/// Whether `pid` is a live process that still belongs to the cluster in `dir`.
+fn alive(dir: &Path, pid: u32) -> bool {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|c| text(&c).contains(&*dir.to_string_lossy()))
+        .unwrap_or(false)
+}
+
+fn ensure_none_alive(dir: &Path, pids: &[(String, u32)], within: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        let left: Vec<_> = pids.iter().filter(|(_, pid)| alive(dir, *pid)).collect();
+        if left.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("still running after {within:?}: {left:?}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn kubectl(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
+    let (stdout, _) = run_ok(dir, &["env"], &[])?;
+    let path = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("export PATH="))
+        .and_then(|p| p.split(':').next())
+        .context("env printed no PATH")?
+        .to_string();
+    let out = Command::new(Path::new(&path).join("kubectl"))
+        .arg("--kubeconfig")
+        .arg(dir.join("kubeconfig"))
+        .args(args)
+        .output()?;
+    ensure!(
+        out.status.success(),
+        "kubectl {args:?}: {}",
+        text(&out.stderr)
+    );
+    Ok(text(&out.stdout))
+}
+
+fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
+    let dir = state_dir("lifecycle");
+    let (stdout, _) = run_ok(&dir, &["up"], &[])?;
+    ensure!(
+        stdout.trim() == format!("export KUBECONFIG={}", dir.join("kubeconfig").display()),
+        "up printed {stdout:?}"
+    );
+    let pids = recorded(&dir)?;
+    let names: Vec<_> = pids.iter().map(|(n, _)| n.as_str()).collect();
+    ensure!(
+        names
+            == [
+                "etcd",
+                "kube-apiserver",
+                "kube-scheduler",
+                "kube-controller-manager"
+            ],
+        "up started {names:?}"
+    );
+
+    let (stdout, stderr) = run_ok(&dir, &["up"], &[])?;
+    ensure!(
+        stderr.contains("already up") && stdout.contains("KUBECONFIG"),
+        "second up: {stderr}"
+    );
+    ensure!(recorded(&dir)? == pids, "second up started new processes");
+
+    let (env, _) = run_ok(&dir, &["env"], &[])?;
+    ensure!(
+        env.contains("export KUBECONFIG=") && env.contains("export PATH="),
+        "env printed {env:?}"
+    );
+
+    run_ok(
+        &dir,
+        &["add-node", "lifecycle-node", "gpu-dra.dev/role=test"],
+        &[],
+    )?;
+    let ready = kubectl(
+        &dir,
+        &[
+            "get",
+            "node",
+            "lifecycle-node",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Ready\")].status} {.metadata.labels.gpu-dra\\.dev/role}",
+        ],
+    )?;
+    ensure!(ready == "True test", "node Ready/label: {ready:?}");
+
+    run_ok(&dir, &["down"], &[])?;
+    ensure!(!dir.exists(), "down left {}", dir.display());
+    ensure_none_alive(&dir, &pids, Duration::from_secs(1))?;
+    let (_, stderr) = run_ok(&dir, &["down"], &[])?;
+    ensure!(stderr.contains("nothing to stop"), "second down: {stderr}");
+    Ok(())
+}
+
+fn component_dying_during_up_fails_and_leaves_nothing() -> anyhow::Result<()> {
+    let dir = state_dir("dying");
+    let out = run(
+        &dir,
+        &["up"],
+        &[("GPU_DRA_E2E_SCHEDULER_FLAGS", "--no-such-flag")],
+    )?;
+    let stderr = text(&out.stderr);
+    ensure!(
+        !out.status.success(),
+        "up succeeded with a broken scheduler"
+    );
+    ensure!(
+        stderr.contains("kube-scheduler exited during start-up") && stderr.contains("no-such-flag"),
+        "up does not say which component died and why:\n{stderr}"
+    );
+    ensure_none_alive(&dir, &recorded(&dir)?, Duration::from_secs(1))?;
+    // The directory is stale now; the next up (or down) cleans it.
+    run_ok(&dir, &["down"], &[])?;
+    Ok(())
+}
+
+fn pinned_api_port_in_use_is_named() -> anyhow::Result<()> {
+    let dir = state_dir("port");
+    let taken = TcpListener::bind("127.0.0.1:0")?;
+    let port = taken.local_addr()?.port().to_string();
+    let out = run(&dir, &["up"], &[("GPU_DRA_E2E_API_PORT", &port)])?;
+    let stderr = text(&out.stderr);
+    ensure!(!out.status.success(), "up succeeded on a port in use");
+    ensure!(
+        stderr.contains(&format!("port {port} on 127.0.0.1 is already in use")),
+        "up does not name the port in use:\n{stderr}"
+    );
+    ensure_none_alive(&dir, &recorded(&dir)?, Duration::from_secs(1))?;
+    run_ok(&dir, &["down"], &[])?;
+    Ok(())
+}
+
+fn killed_owner_stops_the_cluster() -> anyhow::Result<()> {
+    let dir = state_dir("owner");
+    let mut owner = Command::new("sleep").arg("600").spawn()?;
+    let owner_pid = owner.id().to_string();
+    run_ok(&dir, &["up"], &[("GPU_DRA_E2E_OWNER_PID", &owner_pid)])?;
+    let pids = recorded(&dir)?;
+    ensure!(
+        pids.iter().any(|(n, _)| n == "watchdog"),
+        "no watchdog recorded: {pids:?}"
+    );
+    owner.kill()?;
+    owner.wait()?;
+    ensure_none_alive(&dir, &pids, Duration::from_secs(30))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dir.exists() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ensure!(
+        !dir.exists(),
+        "the watchdog did not remove {}",
+        dir.display()
+    );
+    Ok(())
+}
+
+fn stale_state_from_a_killed_run_is_cleaned() -> anyhow::Result<()> {
+    let dir = state_dir("stale");
+    run_ok(&dir, &["up"], &[])?;
+    let old = recorded(&dir)?;
+    let (_, apiserver) = old
+        .iter()
+        .find(|(n, _)| n == "kube-apiserver")
+        .context("no apiserver")?;
+    let status = Command::new("kill")
+        .args(["-KILL", &apiserver.to_string()])
+        .status()?;
+    ensure!(status.success(), "kill -KILL failed");
+
+    let (_, stderr) = run_ok(&dir, &["up"], &[])?;
+    ensure!(
+        stderr.contains("found stale state"),
+        "up did not report the stale state:\n{stderr}"
+    );
+    ensure_none_alive(&dir, &old, Duration::from_secs(1))
+        .context("processes of the killed run survived the next up")?;
+    let nodes = kubectl(&dir, &["get", "--raw", "/readyz"])?;
+    ensure!(nodes == "ok", "fresh cluster not ready: {nodes}");
+    run_ok(&dir, &["down"], &[])?;
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! The shared test cluster, started and stopped through `e2e/cluster.sh` so that tests, the demo and developers
+//! all run the very same control plane.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{Context as _, bail};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+
+/// The kubeconfig context `e2e/cluster.sh` writes; only a cluster with this context is ever reused.
+const E2E_CONTEXT: &str = "gpu-dra-e2e";
+
+/// A running local control plane.
+#[derive(Debug)]
+pub struct Cluster {
+    state_dir: PathBuf,
+    /// Whether this process started the cluster (and so stops it).
+    owned: bool,
+}
+
+impl Cluster {
+    /// Reuses the cluster `KUBECONFIG` points at when it is a gpu-dra e2e cluster; starts one otherwise.
+    pub fn start(binary: &str) -> anyhow::Result<Self> {
+        if let Some(state_dir) = reusable_state_dir() {
+            eprintln!("reusing the test cluster in {}", state_dir.display());
+            return Ok(Self {
+                state_dir,
+                owned: false,
+            });
+        }
+        let state_dir =
+            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{binary}"));
+        let status = script()
+            .arg("up")
+            .env("GPU_DRA_E2E_DIR", &state_dir)
+            .env("GPU_DRA_E2E_OWNER_PID", std::process::id().to_string())
+            .stdout(Stdio::null())
+            .status()
+            .context("run e2e/cluster.sh up")?;
+        if !status.success() {
+            bail!("e2e/cluster.sh up failed ({status}); its output above says why");
+        }
+        Ok(Self {
+            state_dir,
+            owned: true,
+        })
+    }
+
+    /// Stops the cluster if this process started it.
+    pub fn stop(&self) -> anyhow::Result<()> {
+        if self.owned {
+            self.script_command("down")?;
+        }
+        Ok(())
+    }
+
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.state_dir.join("kubeconfig")
+    }
+
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// A client with the cluster's admin identity.
+    pub async fn client(&self) -> anyhow::Result<kube::Client> {
+        let config = self.client_config().await?;
+        kube::Client::try_from(config).context("build kube client")
+    }
+
+    /// The admin client configuration, for tests that derive other identities from it.
+    pub async fn client_config(&self) -> anyhow::Result<kube::Config> {
+        let kubeconfig =
+            Kubeconfig::read_from(self.kubeconfig()).context("read test kubeconfig")?;
+        kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
+            .await
+            .context("load test kubeconfig")
+    }
+
+    /// Creates a Ready Node object (no kubelet) that the scheduler will place pods on.
+    pub fn add_node(&self, name: &str) -> anyhow::Result<()> {
+        self.script_command_args(&["add-node", name])
+    }
+
+    fn script_command(&self, command: &str) -> anyhow::Result<()> {
+        self.script_command_args(&[command])
+    }
+
+    fn script_command_args(&self, args: &[&str]) -> anyhow::Result<()> {
+        let output = script()
+            .args(args)
+            .env("GPU_DRA_E2E_DIR", &self.state_dir)
+            .output()
+            .with_context(|| format!("run e2e/cluster.sh {}", args.join(" ")))?;
+        if !output.status.success() {
+            bail!(
+                "e2e/cluster.sh {} failed: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Builds (or finds cached) the Kubernetes binaries through `e2e/build-k8s.sh`.
+pub fn build_binaries() -> anyhow::Result<()> {
+    let status = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-k8s.sh"))
+        .status()
+        .context("run e2e/build-k8s.sh")?;
+    if !status.success() {
+        bail!("e2e/build-k8s.sh failed ({status}); its output above says why");
+    }
+    Ok(())
+}
+
+/// `e2e/cluster.sh` of this repository.
+pub fn script() -> Command {
+    Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/cluster.sh"))
+}
+
+/// The state directory of the cluster `KUBECONFIG` points at, when it is one `e2e/cluster.sh` made.
+fn reusable_state_dir() -> Option<PathBuf> {
+    let path = PathBuf::from(std::env::var_os("KUBECONFIG")?);
+    let kubeconfig = Kubeconfig::read_from(&path).ok()?;
+    if kubeconfig.current_context.as_deref() != Some(E2E_CONTEXT) || !path.ends_with("kubeconfig") {
+        return None;
+    }
+    path.parent().map(Path::to_path_buf)
+}
+
+/// The Kubernetes version the cluster is pinned to, read from `e2e/versions.sh`.
+pub fn pinned_kubernetes_version() -> anyhow::Result<String> {
+    let versions =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/versions.sh"))?;
+    versions
+        .lines()
+        .find_map(|l| l.strip_prefix("K8S_VERSION=${K8S_VERSION:-"))
+        .and_then(|rest| rest.strip_suffix('}'))
+        .map(str::to_string)
+        .context("K8S_VERSION not found in e2e/versions.sh")
+}
