@@ -16,6 +16,9 @@
 #   GPU_DRA_E2E_<C>_FLAGS    extra flags for component C (ETCD, APISERVER, SCHEDULER, KCM)
 #   GPU_DRA_KCM_CLAIM_CONTROLLER=1   same as --with-kcm-claim-controller: also run KCM's resourceclaim-controller
 #
+# The API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the controller tests use it
+# to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim generation.
+#
 # Every process `up` starts is recorded by pid in $GPU_DRA_E2E_DIR/pids and carries the state directory in its
 # command line; `down` and the stale-state check signal a pid only when its command line still names that directory.
 set -euo pipefail
@@ -221,7 +224,8 @@ start_apiserver() {
         --authorization-mode RBAC --disable-admission-plugins ServiceAccount \
         --service-account-issuer "https://127.0.0.1:$API_PORT/" \
         --service-account-key-file "$STATE/pki/sa.pub" --service-account-signing-key-file "$STATE/pki/sa.key" \
-        --endpoint-reconciler-type none --profiling=false ${GPU_DRA_E2E_APISERVER_FLAGS:-}
+        --endpoint-reconciler-type none --profiling=false \
+        --feature-gates "DRADerivedAttributes=true" ${GPU_DRA_E2E_APISERVER_FLAGS:-}
     wait_healthy kube-apiserver https_ok "https://127.0.0.1:$API_PORT/readyz"
 }
 

@@ -2,6 +2,9 @@
 //!
 //! Every flag has an environment-variable twin so that a Helm chart can set it either way.
 
+use std::net::SocketAddr;
+use std::time::Duration;
+
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Kubernetes Dynamic Resource Allocation for NVIDIA GPUs.
@@ -41,7 +44,39 @@ pub enum LogFormat {
 
 /// Flags of `gpu-dra controller`.
 #[derive(Debug, Args)]
-pub struct ControllerArgs {}
+pub struct ControllerArgs {
+    /// Address of the HTTP endpoint serving /metrics, /healthz and /readyz (`127.0.0.1:0` picks a free port).
+    #[arg(long, env = "GPU_DRA_METRICS_ADDR", default_value = "0.0.0.0:8080")]
+    pub metrics_addr: SocketAddr,
+    /// Watch and act on one namespace only (tests, or one controller per tenant); default: all namespaces.
+    #[arg(long, env = "GPU_DRA_WATCH_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Concurrent syncs (kube-controller-manager's --concurrent-resource-claim-syncs, also 50 by default).
+    #[arg(long, env = "GPU_DRA_CONTROLLER_WORKERS", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
+    pub workers: u16,
+    /// Elect a leader through a Lease so that only one replica writes. `false` only for a single process.
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT_LEASE_NAME", default_value = "gpu-dra-controller")]
+    pub leader_elect_lease_name: String,
+    /// Namespace of the Lease; default: --namespace if set, else the client's namespace (the pod's own namespace
+    /// in a cluster).
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT_NAMESPACE")]
+    pub leader_elect_namespace: Option<String>,
+    /// How long a Lease stays valid without renewal; a standby takes over after this.
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT_LEASE_DURATION", default_value = "15s", value_parser = humantime::parse_duration)]
+    pub leader_elect_lease_duration: Duration,
+    /// How long the leader tries to renew before it stops leading (and exits).
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT_RENEW_DEADLINE", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub leader_elect_renew_deadline: Duration,
+    /// Pause between leader-election attempts.
+    #[arg(long, env = "GPU_DRA_LEADER_ELECT_RETRY_PERIOD", default_value = "2s", value_parser = humantime::parse_duration)]
+    pub leader_elect_retry_period: Duration,
+    /// This replica's identity in the Lease and in Events; default: POD_NAME, else host name and process id.
+    #[arg(long, env = "GPU_DRA_IDENTITY")]
+    pub identity: Option<String>,
+}
 
 /// Flags of `gpu-dra node-agent`.
 #[derive(Debug, Args)]

@@ -8,5 +8,6 @@
 
 pub mod cli;
 pub mod controller;
+pub mod leader;
 pub mod node_agent;
 pub mod telemetry;

@@ -116,11 +116,7 @@ fn kubectl(dir: &Path, args: &[&str]) -> anyhow::Result<String> {
         .arg(dir.join("kubeconfig"))
         .args(args)
         .output()?;
-    ensure!(
-        out.status.success(),
-        "kubectl {args:?}: {}",
-        text(&out.stderr)
-    );
+    ensure!(out.status.success(), "kubectl {args:?}: {}", text(&out.stderr));
     Ok(text(&out.stdout))
 }
 
@@ -134,13 +130,7 @@ fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
     let pids = recorded(&dir)?;
     let names: Vec<_> = pids.iter().map(|(n, _)| n.as_str()).collect();
     ensure!(
-        names
-            == [
-                "etcd",
-                "kube-apiserver",
-                "kube-scheduler",
-                "kube-controller-manager"
-            ],
+        names == ["etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"],
         "up started {names:?}"
     );
 
@@ -157,11 +147,7 @@ fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
         "env printed {env:?}"
     );
 
-    run_ok(
-        &dir,
-        &["add-node", "lifecycle-node", "gpu-dra.dev/role=test"],
-        &[],
-    )?;
+    run_ok(&dir, &["add-node", "lifecycle-node", "gpu-dra.dev/role=test"], &[])?;
     let ready = kubectl(
         &dir,
         &[
@@ -184,16 +170,9 @@ fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
 
 fn component_dying_during_up_fails_and_leaves_nothing() -> anyhow::Result<()> {
     let dir = state_dir("dying");
-    let out = run(
-        &dir,
-        &["up"],
-        &[("GPU_DRA_E2E_SCHEDULER_FLAGS", "--no-such-flag")],
-    )?;
+    let out = run(&dir, &["up"], &[("GPU_DRA_E2E_SCHEDULER_FLAGS", "--no-such-flag")])?;
     let stderr = text(&out.stderr);
-    ensure!(
-        !out.status.success(),
-        "up succeeded with a broken scheduler"
-    );
+    ensure!(!out.status.success(), "up succeeded with a broken scheduler");
     ensure!(
         stderr.contains("kube-scheduler exited during start-up") && stderr.contains("no-such-flag"),
         "up does not say which component died and why:\n{stderr}"
@@ -237,11 +216,7 @@ fn killed_owner_stops_the_cluster() -> anyhow::Result<()> {
     while dir.exists() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(200));
     }
-    ensure!(
-        !dir.exists(),
-        "the watchdog did not remove {}",
-        dir.display()
-    );
+    ensure!(!dir.exists(), "the watchdog did not remove {}", dir.display());
     Ok(())
 }
 
@@ -253,9 +228,7 @@ fn stale_state_from_a_killed_run_is_cleaned() -> anyhow::Result<()> {
         .iter()
         .find(|(n, _)| n == "kube-apiserver")
         .context("no apiserver")?;
-    let status = Command::new("kill")
-        .args(["-KILL", &apiserver.to_string()])
-        .status()?;
+    let status = Command::new("kill").args(["-KILL", &apiserver.to_string()]).status()?;
     ensure!(status.success(), "kill -KILL failed");
 
     let (_, stderr) = run_ok(&dir, &["up"], &[])?;

@@ -83,12 +83,7 @@ async fn fake_gpu_node(ctx: &TestContext) -> anyhow::Result<FakeGpuNode> {
 }
 
 /// Creates a claim for one device of `class` matching `cel`, and a pod on `node` that uses it.
-async fn claim_and_pod(
-    ctx: &TestContext,
-    gpus: &FakeGpuNode,
-    name: &str,
-    cel: &str,
-) -> anyhow::Result<()> {
+async fn claim_and_pod(ctx: &TestContext, gpus: &FakeGpuNode, name: &str, cel: &str) -> anyhow::Result<()> {
     let claim: ResourceClaim = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {"devices": {"requests": [{
@@ -116,33 +111,22 @@ async fn claim_and_pod(
     Ok(())
 }
 
-async fn scheduler_allocates_matching_device_and_reserves_claim(
-    ctx: TestContext,
-) -> anyhow::Result<()> {
+async fn scheduler_allocates_matching_device_and_reserves_claim(ctx: TestContext) -> anyhow::Result<()> {
     let gpus = fake_gpu_node(&ctx).await?;
     let cel = format!("device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100')");
     claim_and_pod(&ctx, &gpus, "h100", &cel).await?;
 
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace);
-    let pod = wait::until(
-        "the scheduler to bind the pod",
-        SCHEDULING_TIMEOUT,
-        || async {
-            let pod = pods.get("h100").await?;
-            Ok(pod
-                .spec
-                .as_ref()
-                .and_then(|s| s.node_name.clone())
-                .map(|node| (node, pod)))
-        },
-    )
+    let pod = wait::until("the scheduler to bind the pod", SCHEDULING_TIMEOUT, || async {
+        let pod = pods.get("h100").await?;
+        Ok(pod
+            .spec
+            .as_ref()
+            .and_then(|s| s.node_name.clone())
+            .map(|node| (node, pod)))
+    })
     .await?;
-    ensure!(
-        pod.0 == gpus.node,
-        "pod bound to {}, expected {}",
-        pod.0,
-        gpus.node
-    );
+    ensure!(pod.0 == gpus.node, "pod bound to {}, expected {}", pod.0, gpus.node);
     let pod_uid = pod.1.metadata.uid.clone().context("pod has no uid")?;
 
     let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace)
@@ -154,10 +138,7 @@ async fn scheduler_allocates_matching_device_and_reserves_claim(
         .and_then(|a| a.devices)
         .and_then(|d| d.results)
         .context("claim has no status.allocation.devices.results")?;
-    ensure!(
-        results.len() == 1,
-        "expected one allocated device, got {results:?}"
-    );
+    ensure!(results.len() == 1, "expected one allocated device, got {results:?}");
     let result = &results[0];
     ensure!(
         (
@@ -200,19 +181,13 @@ async fn claim_matching_no_device_leaves_pod_unschedulable(ctx: TestContext) -> 
         },
     )
     .await?;
-    ensure!(
-        reason == "Unschedulable",
-        "PodScheduled reason {reason:?}: {message}"
-    );
+    ensure!(reason == "Unschedulable", "PodScheduled reason {reason:?}: {message}");
     ensure!(
         message.contains("cannot allocate all claims"),
         "the scheduler's message does not name the claim as the reason: {message}"
     );
     let pod = pods.get("b200").await?;
-    ensure!(
-        pod.spec.and_then(|s| s.node_name).is_none(),
-        "pod was bound"
-    );
+    ensure!(pod.spec.and_then(|s| s.node_name).is_none(), "pod was bound");
     let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace)
         .get("b200")
         .await?;
@@ -229,8 +204,7 @@ async fn rbac_refuses_identity_without_grants(ctx: TestContext) -> anyhow::Resul
     let sa: ServiceAccount = serde_json::from_value(json!({"metadata": {"name": "nobody"}}))?;
     let service_accounts = Api::<ServiceAccount>::namespaced(ctx.client.clone(), &ctx.namespace);
     service_accounts.create(&PostParams::default(), &sa).await?;
-    let request: TokenRequest =
-        serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 600}}))?;
+    let request: TokenRequest = serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 600}}))?;
     let token = service_accounts
         .create_token_request("nobody", &PostParams::default(), &request)
         .await
@@ -269,14 +243,10 @@ async fn rbac_refuses_identity_without_grants(ctx: TestContext) -> anyhow::Resul
     Api::<RoleBinding>::namespaced(ctx.client.clone(), &ctx.namespace)
         .create(&PostParams::default(), &serde_json::from_value(binding)?)
         .await?;
-    wait::until(
-        "the RoleBinding to take effect",
-        Duration::from_secs(10),
-        || async { Ok(pods.list(&ListParams::default()).await.ok().map(|_| ())) },
-    )
+    wait::until("the RoleBinding to take effect", Duration::from_secs(10), || async {
+        Ok(pods.list(&ListParams::default()).await.ok().map(|_| ()))
+    })
     .await?;
-    let _ = service_accounts
-        .delete("nobody", &DeleteParams::default())
-        .await;
+    let _ = service_accounts.delete("nobody", &DeleteParams::default()).await;
     Ok(())
 }

@@ -28,8 +28,7 @@ impl Cluster {
                 owned: false,
             });
         }
-        let state_dir =
-            PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{binary}"));
+        let state_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{binary}"));
         let status = script()
             .arg("up")
             .env("GPU_DRA_E2E_DIR", &state_dir)
@@ -40,10 +39,7 @@ impl Cluster {
         if !status.success() {
             bail!("e2e/cluster.sh up failed ({status}); its output above says why");
         }
-        Ok(Self {
-            state_dir,
-            owned: true,
-        })
+        Ok(Self { state_dir, owned: true })
     }
 
     /// Stops the cluster if this process started it.
@@ -70,8 +66,7 @@ impl Cluster {
 
     /// The admin client configuration, for tests that derive other identities from it.
     pub async fn client_config(&self) -> anyhow::Result<kube::Config> {
-        let kubeconfig =
-            Kubeconfig::read_from(self.kubeconfig()).context("read test kubeconfig")?;
+        let kubeconfig = Kubeconfig::read_from(self.kubeconfig()).context("read test kubeconfig")?;
         kube::Config::from_custom_kubeconfig(kubeconfig, &KubeConfigOptions::default())
             .await
             .context("load test kubeconfig")
@@ -131,8 +126,7 @@ fn reusable_state_dir() -> Option<PathBuf> {
 
 /// The Kubernetes version the cluster is pinned to, read from `e2e/versions.sh`.
 pub fn pinned_kubernetes_version() -> anyhow::Result<String> {
-    let versions =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/versions.sh"))?;
+    let versions = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/versions.sh"))?;
     versions
         .lines()
         .find_map(|l| l.strip_prefix("K8S_VERSION=${K8S_VERSION:-"))

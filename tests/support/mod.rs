@@ -10,6 +10,8 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different part of this module.
 
 pub mod cluster;
+pub mod objects;
+pub mod process;
 pub mod wait;
 
 use std::future::Future;
@@ -67,10 +69,7 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 pub fn run(binary: &str, tests: &[Test]) -> ! {
     let args = Arguments::from_args();
     if args.list {
-        let trials = tests
-            .iter()
-            .map(|t| Trial::test(t.name, || Ok(())))
-            .collect();
+        let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(()))).collect();
         libtest_mimic::run(&args, trials).exit();
     }
     let cluster = match Cluster::start(binary) {

@@ -1,0 +1,454 @@
+//! What the controller knows: informer caches of pods (stripped), claims and templates, secondary indexes over
+//! them, the UIDs of recently deleted pods, and the claims it created that the claim informer has not shown yet.
+//!
+//! The informer handlers in this module only update indexes and enqueue keys; all decisions that write happen
+//! in the workers ([`super::pod`], [`super::claim`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use tracing::{debug, warn};
+
+use super::Context;
+use super::decide::{self, is_owned_by, pod_claim_name_annotation};
+use super::index::{Index, object_key};
+use super::queue::{ObjectKey, WorkKey};
+
+/// How many deleted pod UIDs are remembered, so that a reservation for a just-deleted pod is dropped without an
+/// API call. Deletions older than this are found by a live GET instead.
+const DELETED_PODS_REMEMBERED: usize = 500;
+
+/// The API resource of ResourceClaimTemplates, watched untyped so that the template's `spec.spec` reaches the
+/// claim exactly as the server sent it, fields unknown to this build included.
+pub fn template_resource() -> ApiResource {
+    ApiResource::from_gvk(&GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaimTemplate"))
+}
+
+/// Informer caches and indexes.
+pub struct Caches {
+    pub pods: Store<Pod>,
+    pub claims: Store<ResourceClaim>,
+    pub templates: Store<DynamicObject>,
+    /// Claims by the UID of their controlling pod (orphan adoption).
+    claims_by_owner: Index<ResourceClaim>,
+    /// Pods by `namespace/claim-name` of every claim they name or have recorded.
+    pods_by_claim: Index<Pod>,
+    /// Pods by `namespace/template-name` of every template they use.
+    pods_by_template: Index<Pod>,
+    deleted_pods: Mutex<RecentSet>,
+    created: Mutex<CreatedClaims>,
+    /// Pod claim statuses this controller applied that the pod informer has not shown yet, by pod UID.
+    applied: Mutex<HashMap<String, BTreeMap<String, String>>>,
+}
+
+impl std::fmt::Debug for Caches {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Caches")
+            .field("pods", &self.pods.len())
+            .field("claims", &self.claims.len())
+            .finish()
+    }
+}
+
+/// The writers that feed [`Caches`]; handed to [`run_informers`].
+#[allow(missing_debug_implementations)] // reflector writers are not Debug
+pub struct Writers {
+    pods: reflector::store::Writer<Pod>,
+    claims: reflector::store::Writer<ResourceClaim>,
+    templates: reflector::store::Writer<DynamicObject>,
+}
+
+impl Caches {
+    pub fn new() -> (Self, Writers) {
+        let (pods, pods_writer) = reflector::store();
+        let (claims, claims_writer) = reflector::store();
+        let templates_writer = reflector::store::Writer::new(template_resource());
+        let caches = Self {
+            pods,
+            claims,
+            templates: templates_writer.as_reader(),
+            claims_by_owner: Index::new(|claim: &ResourceClaim| {
+                decide::owning_pod(claim)
+                    .map(|(_, uid)| uid.to_string())
+                    .into_iter()
+                    .collect()
+            }),
+            pods_by_claim: Index::new(|pod: &Pod| {
+                let ns = pod.namespace().unwrap_or_default();
+                decide::known_claim_names(pod)
+                    .into_iter()
+                    .map(|name| format!("{ns}/{name}"))
+                    .collect()
+            }),
+            pods_by_template: Index::new(|pod: &Pod| {
+                let ns = pod.namespace().unwrap_or_default();
+                decide::pod_claims(pod)
+                    .iter()
+                    .filter_map(|pc| pc.resource_claim_template_name.as_ref())
+                    .map(|template| format!("{ns}/{template}"))
+                    .collect()
+            }),
+            deleted_pods: Mutex::default(),
+            created: Mutex::default(),
+            applied: Mutex::default(),
+        };
+        let writers = Writers {
+            pods: pods_writer,
+            claims: claims_writer,
+            templates: templates_writer,
+        };
+        (caches, writers)
+    }
+
+    /// Waits until all three informers have listed once.
+    pub async fn wait_synced(&self) -> Result<(), reflector::store::WriterDropped> {
+        self.pods.wait_until_ready().await?;
+        self.claims.wait_until_ready().await?;
+        self.templates.wait_until_ready().await
+    }
+
+    pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
+        self.pods.get(&ObjectRef::new(&key.name).within(&key.namespace))
+    }
+
+    pub fn claim(&self, namespace: &str, name: &str) -> Option<Arc<ResourceClaim>> {
+        self.claims.get(&ObjectRef::new(name).within(namespace))
+    }
+
+    pub fn template(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
+        self.templates
+            .get(&ObjectRef::new_with(name, template_resource()).within(namespace))
+    }
+
+    /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet.
+    pub fn claim_for_pod(&self, pod: &Pod, name: &str) -> Option<Arc<ResourceClaim>> {
+        let namespace = pod.namespace().unwrap_or_default();
+        self.claim(&namespace, name).or_else(|| {
+            let uid = pod.metadata.uid.as_deref()?;
+            lock(&self.created)
+                .by_pod
+                .get(uid)?
+                .iter()
+                .find(|c| c.name_any() == name)
+                .cloned()
+        })
+    }
+
+    /// A claim generated earlier for pod claim `pod_claim` of `pod` that the pod's status does not record (the
+    /// controller stopped between creating it and writing the status): owned by the pod, annotated with the pod
+    /// claim's name. The oldest wins, so every replica and every restart picks the same one.
+    pub fn orphan_for(&self, pod: &Pod, pod_claim: &str) -> Option<Arc<ResourceClaim>> {
+        let uid = pod.metadata.uid.as_deref()?;
+        let namespace = pod.namespace().unwrap_or_default();
+        let mut candidates: Vec<Arc<ResourceClaim>> = self
+            .claims_by_owner
+            .get(uid)
+            .iter()
+            .filter_map(|key| self.claim(&key.namespace, &key.name))
+            .chain(lock(&self.created).by_pod.get(uid).cloned().unwrap_or_default())
+            .filter(|c| c.namespace().as_deref() == Some(namespace.as_str()))
+            .filter(|c| is_owned_by(c, pod) && pod_claim_name_annotation(c) == Some(pod_claim))
+            .collect();
+        candidates.sort_by(|a, b| {
+            (&a.metadata.creation_timestamp, a.name_any()).cmp(&(&b.metadata.creation_timestamp, b.name_any()))
+        });
+        candidates.into_iter().next()
+    }
+
+    /// Remembers a claim this controller created until the claim informer shows it. Unbounded on purpose: an
+    /// entry leaves only when the informer has the claim or the pod is gone, so no eviction can ever make a
+    /// retry create a duplicate (kube-controller-manager's bounded cache did, at 6–10k pods).
+    ///
+    /// The watch event may arrive before the create call returns: the store is checked under the same lock the
+    /// claim handler takes after the store has the claim, so the entry is either never added or removed again.
+    pub fn remember_created(&self, pod_uid: &str, claim: Arc<ResourceClaim>) {
+        let mut created = lock(&self.created);
+        let namespace = claim.namespace().unwrap_or_default();
+        let seen = self
+            .claim(&namespace, &claim.name_any())
+            .is_some_and(|c| c.metadata.uid == claim.metadata.uid);
+        if !seen {
+            created.by_pod.entry(pod_uid.to_string()).or_default().push(claim);
+        }
+    }
+
+    /// Claims created and not yet observed (for tests and metrics).
+    pub fn created_pending(&self) -> usize {
+        lock(&self.created).by_pod.values().map(Vec::len).sum()
+    }
+
+    /// Remembers pod claim statuses just applied, until the pod informer shows them. Without this, a sync that
+    /// runs before the pod's watch event would adopt the claim again and apply the same status a second time
+    /// (and a later apply of the full list would drop entries the cache does not show yet).
+    pub fn remember_applied(&self, pod: &Pod, entries: &[(String, String)]) {
+        let Some(uid) = pod.metadata.uid.as_deref() else { return };
+        let mut applied = lock(&self.applied);
+        // As for created claims: the pod's watch event may already be in the store (checked under the lock).
+        let cached = self
+            .pod(&object_key(pod))
+            .filter(|p| p.metadata.uid.as_deref() == Some(uid));
+        let shown = |pod_claim: &str, claim: &str| {
+            cached.as_ref().is_some_and(|p| {
+                decide::pod_claims(p).iter().any(|pc| {
+                    pc.name == pod_claim
+                        && decide::claim_source(p, pc)
+                            == decide::ClaimSource::Template {
+                                template: pc.resource_claim_template_name.as_deref().unwrap_or_default(),
+                                recorded: decide::Recorded::Claim(claim),
+                            }
+                })
+            })
+        };
+        let missing: Vec<_> = entries
+            .iter()
+            .filter(|(pc, claim)| !shown(pc, claim))
+            .cloned()
+            .collect();
+        if !missing.is_empty() {
+            applied.entry(uid.to_string()).or_default().extend(missing);
+        }
+    }
+
+    /// Statuses applied for the pod and not yet observed.
+    pub fn applied_statuses(&self, pod: &Pod) -> Vec<(String, String)> {
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return Vec::new();
+        };
+        lock(&self.applied)
+            .get(uid)
+            .map(|r| r.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
+            .unwrap_or_default()
+    }
+
+    fn observed_pod(&self, pod: &Pod) {
+        let Some(uid) = pod.metadata.uid.as_deref() else {
+            return;
+        };
+        let mut applied = lock(&self.applied);
+        let Some(record) = applied.get_mut(uid) else {
+            return;
+        };
+        let statuses = pod
+            .status
+            .as_ref()
+            .and_then(|s| s.resource_claim_statuses.as_deref())
+            .unwrap_or_default();
+        record.retain(|pod_claim, claim| {
+            !statuses
+                .iter()
+                .any(|s| &s.name == pod_claim && s.resource_claim_name.as_ref() == Some(claim))
+        });
+        if record.is_empty() {
+            applied.remove(uid);
+        }
+    }
+
+    pub fn was_deleted(&self, pod_uid: &str) -> bool {
+        lock(&self.deleted_pods).contains(pod_uid)
+    }
+
+    /// Pods that name `namespace/claim`.
+    pub fn pods_using_claim(&self, namespace: &str, claim: &str) -> Vec<ObjectKey> {
+        self.pods_by_claim.get(&format!("{namespace}/{claim}"))
+    }
+
+    fn observed_claim(&self, claim: &ResourceClaim) {
+        let (Some((_, owner)), Some(uid)) = (decide::owning_pod(claim), claim.metadata.uid.as_deref()) else {
+            return;
+        };
+        let mut created = lock(&self.created);
+        if let Some(list) = created.by_pod.get_mut(owner) {
+            list.retain(|c| c.metadata.uid.as_deref() != Some(uid));
+            if list.is_empty() {
+                created.by_pod.remove(owner);
+            }
+        }
+    }
+
+    fn pod_gone(&self, pod_uid: &str) {
+        lock(&self.deleted_pods).insert(pod_uid);
+        lock(&self.created).by_pod.remove(pod_uid);
+        lock(&self.applied).remove(pod_uid);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[derive(Default)]
+struct CreatedClaims {
+    by_pod: HashMap<String, Vec<Arc<ResourceClaim>>>,
+}
+
+/// A bounded set that forgets its oldest members first.
+#[derive(Default)]
+struct RecentSet {
+    order: VecDeque<String>,
+    members: HashSet<String>,
+}
+
+impl RecentSet {
+    fn insert(&mut self, value: &str) {
+        if self.members.insert(value.to_string()) {
+            self.order.push_back(value.to_string());
+            if self.order.len() > DELETED_PODS_REMEMBERED
+                && let Some(oldest) = self.order.pop_front()
+            {
+                self.members.remove(&oldest);
+            }
+        }
+    }
+
+    fn contains(&self, value: &str) -> bool {
+        self.members.contains(value)
+    }
+}
+
+/// `Api` for all namespaces, or one.
+fn api<K>(client: &Client, namespace: Option<&str>) -> Api<K>
+where
+    K: kube::Resource<Scope = k8s_openapi::NamespaceResourceScope>,
+    K::DynamicType: Default,
+{
+    match namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    }
+}
+
+/// Runs the three informers until the client's watches end (never, barring a bug: watch errors back off and
+/// retry). Each event updates the store first, then the handler sees it.
+pub async fn run_informers(client: Client, namespace: Option<String>, writers: Writers, ctx: Arc<Context>) {
+    let namespace = namespace.as_deref();
+    let pods = watcher(api::<Pod>(&client, namespace), watcher::Config::default())
+        .default_backoff()
+        .modify(decide::strip_pod)
+        .reflect(writers.pods)
+        .for_each(|event| {
+            on_event("pods", event, |e| on_pod_event(&ctx, e));
+            futures::future::ready(())
+        });
+    let claims = watcher(api::<ResourceClaim>(&client, namespace), watcher::Config::default())
+        .default_backoff()
+        .reflect(writers.claims)
+        .for_each(|event| {
+            on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
+            futures::future::ready(())
+        });
+    let templates_api = match namespace {
+        Some(ns) => Api::<DynamicObject>::namespaced_with(client, ns, &template_resource()),
+        None => Api::<DynamicObject>::all_with(client, &template_resource()),
+    };
+    let templates = watcher(templates_api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writers.templates)
+        .for_each(|event| {
+            on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
+            futures::future::ready(())
+        });
+    tokio::join!(pods, claims, templates);
+}
+
+fn on_event<K>(
+    resource: &str,
+    event: Result<watcher::Event<K>, watcher::Error>,
+    handle: impl FnOnce(&watcher::Event<K>),
+) {
+    match event {
+        Ok(event) => handle(&event),
+        // The watcher backs off and retries by itself; a persistent error (e.g. RBAC) must still be visible.
+        Err(err) => warn!(resource, error = %err, "watch failed; retrying with back-off"),
+    }
+}
+
+fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
+    ctx.caches.pods_by_claim.apply(event);
+    ctx.caches.pods_by_template.apply(event);
+    match event {
+        watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
+            ctx.caches.observed_pod(pod);
+            enqueue_pod(ctx, pod, false);
+        }
+        watcher::Event::Delete(pod) => {
+            if let Some(uid) = pod.metadata.uid.as_deref() {
+                ctx.caches.pod_gone(uid);
+            }
+            enqueue_pod(ctx, pod, true);
+        }
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
+
+/// Enqueues the claims of a pod that no longer needs them, and the pod itself when it needs work.
+pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
+    if decide::pod_claims(pod).is_empty() {
+        return;
+    }
+    let namespace = pod.namespace().unwrap_or_default();
+    if deleted || decide::is_pod_done(pod) {
+        for name in decide::known_claim_names(pod) {
+            ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));
+        }
+    }
+    if deleted {
+        return;
+    }
+    let (needed, reason) = decide::pod_needs_work(pod, &ctx.caches.applied_statuses(pod), |name| {
+        ctx.caches.claim_for_pod(pod, name)
+    });
+    if needed {
+        debug!(pod = %object_key(pod), reason, "pod needs work");
+        ctx.queue.add(WorkKey::Pod(object_key(pod)));
+    }
+}
+
+fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
+    ctx.caches.claims_by_owner.apply(event);
+    let claim = match event {
+        watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
+            ctx.caches.observed_claim(claim);
+            ctx.foreign.inspect(ctx, claim);
+            ctx.queue.add(WorkKey::Claim(object_key(claim)));
+            claim
+        }
+        watcher::Event::Delete(claim) => {
+            ctx.caches.observed_claim(claim);
+            claim
+        }
+        watcher::Event::Init | watcher::Event::InitDone => return,
+    };
+    // Pods using the claim may need work now: a missing claim to re-create, an allocation to reserve.
+    let namespace = claim.namespace().unwrap_or_default();
+    let mut pods = ctx.caches.pods_using_claim(&namespace, &claim.name_any());
+    if let Some((owner, _)) = decide::owning_pod(claim) {
+        pods.push(ObjectKey::new(namespace, owner));
+    }
+    for key in pods {
+        if let Some(pod) = ctx.caches.pod(&key) {
+            enqueue_pod(ctx, &pod, false);
+        }
+    }
+}
+
+fn on_template_event(ctx: &Context, event: &watcher::Event<DynamicObject>) {
+    if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = event {
+        let namespace = template.namespace().unwrap_or_default();
+        for key in ctx
+            .caches
+            .pods_by_template
+            .get(&format!("{namespace}/{}", template.name_any()))
+        {
+            if let Some(pod) = ctx.caches.pod(&key) {
+                enqueue_pod(ctx, &pod, false);
+            }
+        }
+    }
+}

@@ -1,0 +1,237 @@
+//! syncClaim: keep `status.reservedFor` to pods that still need the claim, deallocate and unprotect a claim
+//! nobody uses, delete the claims of finished pods, and remove duplicate generated claims.
+
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
+use serde_json::json;
+use tracing::{debug, info, instrument};
+
+use super::Context;
+use super::decide::{self, DELETE_PROTECTION_FINALIZER};
+use super::error::SyncError;
+use super::events::Reason;
+use super::queue::ObjectKey;
+
+/// Whether a pod named in `reservedFor` still needs the claim.
+#[derive(Debug, PartialEq, Eq)]
+enum Consumer {
+    Alive,
+    /// Deleted, replaced by a pod with another UID, or finished.
+    Gone(&'static str),
+}
+
+#[instrument(skip(ctx, key), fields(claim = %key))]
+pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
+    let Some(claim) = ctx.caches.claim(&key.namespace, &key.name) else {
+        return Ok(());
+    };
+    if remove_if_duplicate(ctx, key, &claim).await? || ctx.foreign.observe_only() {
+        return Ok(());
+    }
+
+    let reserved = decide::reserved_for(&claim);
+    let mut valid: Vec<ResourceClaimConsumerReference> = Vec::with_capacity(reserved.len());
+    for consumer in reserved {
+        let is_pod = consumer.resource == "pods" && consumer.api_group.as_deref().unwrap_or_default().is_empty();
+        if !is_pod {
+            valid.push(consumer.clone());
+            continue;
+        }
+        match pod_consumer(ctx, &key.namespace, consumer).await? {
+            Consumer::Alive => valid.push(consumer.clone()),
+            Consumer::Gone(why) => info!(pod = %consumer.name, why, "dropping reservation"),
+        }
+    }
+    let has_finalizer = claim.finalizers().iter().any(|f| f == DELETE_PROTECTION_FINALIZER);
+    let deleting = claim.metadata.deletion_timestamp.is_some();
+    let removed = valid.len() < reserved.len();
+    // Nobody uses it any more: give the devices back. Only claims the scheduler allocated carry the finalizer;
+    // a claim whose allocation came with no consumer is left alone (it has not been used yet).
+    if removed || (has_finalizer && deleting && valid.is_empty()) {
+        let mut allocated = decide::is_allocated(&claim);
+        let mut resource_version = claim.resource_version();
+        let deallocate = valid.is_empty() && has_finalizer && allocated;
+        if removed || deallocate {
+            let mut status = json!({"reservedFor": valid});
+            if deallocate {
+                status["allocation"] = serde_json::Value::Null;
+            }
+            // The resourceVersion makes a concurrent change fail this write (retried) instead of being lost.
+            let patch = json!({"metadata": {"resourceVersion": resource_version}, "status": status});
+            let updated = claims(ctx, key)
+                .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|source| SyncError::UpdateClaimStatus {
+                    claim: key.clone(),
+                    source,
+                })?;
+            allocated = decide::is_allocated(&updated);
+            resource_version = updated.resource_version();
+            info!(
+                reservations = valid.len(),
+                deallocated = deallocate,
+                "updated claim status"
+            );
+        }
+        if has_finalizer && !allocated {
+            let finalizers: Vec<&String> = claim
+                .finalizers()
+                .iter()
+                .filter(|f| *f != DELETE_PROTECTION_FINALIZER)
+                .collect();
+            let patch = json!({"metadata": {"resourceVersion": resource_version, "finalizers": finalizers}});
+            claims(ctx, key)
+                .patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map_err(|source| SyncError::RemoveFinalizer {
+                    claim: key.clone(),
+                    source,
+                })?;
+            info!("removed the delete-protection finalizer");
+        }
+    }
+
+    if valid.is_empty() && !deleting {
+        delete_if_pod_finished(ctx, key, &claim).await?;
+    }
+    Ok(())
+}
+
+fn claims(ctx: &Context, key: &ObjectKey) -> Api<ResourceClaim> {
+    Api::namespaced(ctx.client.clone(), &key.namespace)
+}
+
+async fn pod_consumer(
+    ctx: &Context,
+    namespace: &str,
+    consumer: &ResourceClaimConsumerReference,
+) -> Result<Consumer, SyncError> {
+    if ctx.caches.was_deleted(&consumer.uid) {
+        return Ok(Consumer::Gone("pod was deleted"));
+    }
+    let pod_key = ObjectKey::new(namespace, consumer.name.clone());
+    let pod = match ctx.caches.pod(&pod_key) {
+        Some(pod) => pod,
+        // Not in the cache: the cache may lag behind a new pod, so ask the API server before dropping anything.
+        None => match Api::<Pod>::namespaced(ctx.client.clone(), namespace)
+            .get_opt(&consumer.name)
+            .await
+        {
+            Ok(Some(pod)) => std::sync::Arc::new(pod),
+            Ok(None) => return Ok(Consumer::Gone("pod not found")),
+            Err(source) => {
+                return Err(SyncError::GetPod { pod: pod_key, source });
+            }
+        },
+    };
+    Ok(if pod.metadata.uid.as_deref() != Some(consumer.uid.as_str()) {
+        Consumer::Gone("pod was replaced by one with another UID")
+    } else if decide::is_pod_done(&pod) {
+        Consumer::Gone("pod is done")
+    } else {
+        Consumer::Alive
+    })
+}
+
+/// Deletes an unreserved claim generated for a pod that is finished or was replaced. A pod that is not in the
+/// cache is left to the garbage collector (the ownerReference).
+async fn delete_if_pod_finished(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<(), SyncError> {
+    let Some((pod_name, pod_uid)) = decide::owning_pod(claim) else {
+        return Ok(());
+    };
+    let Some(pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
+        return Ok(());
+    };
+    let why = if pod.metadata.uid.as_deref() != Some(pod_uid) {
+        "its pod was replaced by one with another UID"
+    } else if decide::is_pod_done(&pod) {
+        "its pod finished"
+    } else {
+        return Ok(());
+    };
+    delete_claim(ctx, key, claim).await?;
+    info!(pod = pod_name, why, "deleted claim");
+    ctx.events
+        .claim_normal(
+            claim,
+            Reason::ResourceClaimDeleted,
+            format!("Deleted ResourceClaim: {why} (pod {pod_name})"),
+        )
+        .await;
+    Ok(())
+}
+
+/// Two controllers (or a crashed instance) can generate two claims for the same pod claim. The pod status names
+/// the one that counts; another one, owned by the same pod for the same pod claim and not allocated or reserved,
+/// is garbage and is deleted. Only when the recorded claim exists, so a status the cache shows late never makes
+/// a fresh claim look like a duplicate. Returns whether the claim was deleted.
+async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<bool, SyncError> {
+    let (Some((pod_name, _)), Some(pod_claim)) = (decide::owning_pod(claim), decide::pod_claim_name_annotation(claim))
+    else {
+        return Ok(false);
+    };
+    if decide::is_allocated(claim)
+        || !decide::reserved_for(claim).is_empty()
+        || claim.metadata.deletion_timestamp.is_some()
+    {
+        return Ok(false);
+    }
+    let Some(pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
+        return Ok(false);
+    };
+    if !decide::is_owned_by(claim, &pod) {
+        return Ok(false);
+    }
+    let applied = ctx.caches.applied_statuses(&pod);
+    let recorded = decide::pod_claims(&pod)
+        .iter()
+        .find(|pc| pc.name == pod_claim)
+        .and_then(|pc| match decide::claim_source_with(&pod, pc, &applied) {
+            decide::ClaimSource::Template {
+                recorded: decide::Recorded::Claim(name),
+                ..
+            } => Some(name.to_string()),
+            _ => None,
+        });
+    let Some(recorded) = recorded.filter(|name| *name != key.name) else {
+        return Ok(false);
+    };
+    if !ctx
+        .caches
+        .claim(&key.namespace, &recorded)
+        .is_some_and(|c| decide::is_owned_by(&c, &pod))
+    {
+        return Ok(false);
+    }
+    delete_claim(ctx, key, claim).await?;
+    info!(pod = pod_name, pod_claim, recorded = %recorded, "deleted duplicate generated claim");
+    let note =
+        format!("Deleted duplicate ResourceClaim for pod claim {pod_claim} of pod {pod_name}: the pod uses {recorded}");
+    ctx.events
+        .claim_normal(claim, Reason::DuplicateResourceClaimDeleted, note)
+        .await;
+    Ok(true)
+}
+
+async fn delete_claim(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<(), SyncError> {
+    let params = DeleteParams {
+        preconditions: Some(Preconditions {
+            uid: claim.metadata.uid.clone(),
+            resource_version: None,
+        }),
+        ..Default::default()
+    };
+    match claims(ctx, key).delete(&key.name, &params).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(status)) if status.code == 404 => {
+            debug!("claim already gone");
+            Ok(())
+        }
+        Err(source) => Err(SyncError::DeleteClaim {
+            claim: key.clone(),
+            source,
+        }),
+    }
+}

@@ -1,0 +1,313 @@
+//! Pure decisions of the controller: what a pod needs, which claim belongs to which pod, what a new claim looks
+//! like. No I/O here, so every rule is unit-tested with plain tables.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{Pod, PodResourceClaim, PodResourceClaimStatus};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::DynamicObject;
+use serde_json::{Value, json};
+
+use super::naming::claim_generate_name;
+
+/// Annotation on a generated claim naming the pod claim (`spec.resourceClaims[].name`) it was made for.
+pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+/// Finalizer the scheduler puts on claims it allocates; the controller removes it after deallocating.
+pub const DELETE_PROTECTION_FINALIZER: &str = "resource.kubernetes.io/delete-protection";
+/// The API's limit on `status.reservedFor` entries.
+pub const MAX_RESERVED_FOR: usize = 256;
+
+/// How a pod names the claim behind one of its `spec.resourceClaims` entries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimSource<'a> {
+    /// `resourceClaimName`: a claim the user manages; no owner check.
+    Named(&'a str),
+    /// `resourceClaimTemplateName`: a claim generated for this pod, recorded in the pod's status.
+    Template { template: &'a str, recorded: Recorded<'a> },
+    /// Neither field set: a pod from an API version this controller does not understand.
+    Unsupported,
+}
+
+/// What `pod.status.resourceClaimStatuses` says about a template claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded<'a> {
+    /// No entry yet: the claim must be found (adopted) or created.
+    Missing,
+    /// An entry without a claim name: no claim is needed.
+    NoClaimNeeded,
+    Claim(&'a str),
+}
+
+/// Like [`claim_source`], also taking statuses this controller applied that the pod cache does not show yet.
+pub fn claim_source_with<'a>(
+    pod: &'a Pod,
+    pod_claim: &'a PodResourceClaim,
+    applied: &'a [(String, String)],
+) -> ClaimSource<'a> {
+    match claim_source(pod, pod_claim) {
+        ClaimSource::Template {
+            template,
+            recorded: Recorded::Missing,
+        } => {
+            let recorded = applied
+                .iter()
+                .find(|(name, _)| *name == pod_claim.name)
+                .map_or(Recorded::Missing, |(_, claim)| Recorded::Claim(claim.as_str()));
+            ClaimSource::Template { template, recorded }
+        }
+        other => other,
+    }
+}
+
+pub fn claim_source<'a>(pod: &'a Pod, pod_claim: &'a PodResourceClaim) -> ClaimSource<'a> {
+    if let Some(name) = pod_claim.resource_claim_name.as_deref() {
+        return ClaimSource::Named(name);
+    }
+    let Some(template) = pod_claim.resource_claim_template_name.as_deref() else {
+        return ClaimSource::Unsupported;
+    };
+    let entry = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .and_then(|statuses| statuses.iter().find(|s| s.name == pod_claim.name));
+    let recorded = match entry {
+        None => Recorded::Missing,
+        Some(entry) => match entry.resource_claim_name.as_deref() {
+            Some(name) => Recorded::Claim(name),
+            None => Recorded::NoClaimNeeded,
+        },
+    };
+    ClaimSource::Template { template, recorded }
+}
+
+/// The pod's `spec.resourceClaims` (empty when it has none).
+pub fn pod_claims(pod: &Pod) -> &[PodResourceClaim] {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.resource_claims.as_deref())
+        .unwrap_or_default()
+}
+
+/// Names of the claims a pod uses that are known now (named claims and recorded template claims).
+pub fn known_claim_names(pod: &Pod) -> Vec<&str> {
+    pod_claims(pod)
+        .iter()
+        .filter_map(|pc| match claim_source(pod, pc) {
+            ClaimSource::Named(name)
+            | ClaimSource::Template {
+                recorded: Recorded::Claim(name),
+                ..
+            } => Some(name),
+            _ => None,
+        })
+        .collect()
+}
+
+pub fn is_scheduled(pod: &Pod) -> bool {
+    pod.spec
+        .as_ref()
+        .and_then(|s| s.node_name.as_deref())
+        .is_some_and(|n| !n.is_empty())
+}
+
+/// A pod that will never run (again): terminal, or deleted before it was scheduled.
+pub fn is_pod_done(pod: &Pod) -> bool {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    matches!(phase, Some("Succeeded" | "Failed")) || (pod.metadata.deletion_timestamp.is_some() && !is_scheduled(pod))
+}
+
+/// The pod a claim was generated for: its controlling owner reference, when that is a Pod.
+pub fn owning_pod(claim: &ResourceClaim) -> Option<(&str, &str)> {
+    claim
+        .metadata
+        .owner_references
+        .as_deref()?
+        .iter()
+        .find(|r| r.controller == Some(true) && r.api_version == "v1" && r.kind == "Pod")
+        .map(|r| (r.name.as_str(), r.uid.as_str()))
+}
+
+/// Whether `claim` is owned by `pod`: same namespace and a controller reference with the pod's UID.
+pub fn is_owned_by(claim: &ResourceClaim, pod: &Pod) -> bool {
+    claim.metadata.namespace == pod.metadata.namespace
+        && owning_pod(claim).is_some_and(|(_, uid)| Some(uid) == pod.metadata.uid.as_deref())
+}
+
+pub fn pod_claim_name_annotation(claim: &ResourceClaim) -> Option<&str> {
+    claim
+        .metadata
+        .annotations
+        .as_ref()?
+        .get(POD_CLAIM_NAME_ANNOTATION)
+        .map(String::as_str)
+}
+
+pub fn is_allocated(claim: &ResourceClaim) -> bool {
+    claim.status.as_ref().is_some_and(|s| s.allocation.is_some())
+}
+
+pub fn reserved_for(claim: &ResourceClaim) -> &[k8s_openapi::api::resource::v1::ResourceClaimConsumerReference] {
+    claim
+        .status
+        .as_ref()
+        .and_then(|s| s.reserved_for.as_deref())
+        .unwrap_or_default()
+}
+
+pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
+    reserved_for(claim)
+        .iter()
+        .any(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty() && r.uid == pod_uid)
+}
+
+/// Whether the controller should add `pod` to the claim's `reservedFor`: the claim is allocated, not reserved for
+/// it yet, has room, and the pod is scheduled and still going to run (a terminal pod is never re-reserved).
+pub fn should_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
+    let Some(uid) = pod.metadata.uid.as_deref() else {
+        return false;
+    };
+    is_scheduled(pod)
+        && !is_pod_done(pod)
+        && pod.metadata.deletion_timestamp.is_none()
+        && is_allocated(claim)
+        && !is_reserved_for(claim, uid)
+        && reserved_for(claim).len() < MAX_RESERVED_FOR
+}
+
+/// Whether a pod needs a sync, and why (the reason is logged). `applied` are statuses written but not yet seen
+/// in `pod`; `lookup` finds a claim of the pod's namespace by name in the informer cache or among claims created
+/// but not yet observed.
+pub fn pod_needs_work<F>(pod: &Pod, applied: &[(String, String)], lookup: F) -> (bool, &'static str)
+where
+    F: Fn(&str) -> Option<std::sync::Arc<ResourceClaim>>,
+{
+    if pod.metadata.deletion_timestamp.is_some() {
+        return (false, "pod is being deleted");
+    }
+    for pc in pod_claims(pod) {
+        match claim_source_with(pod, pc, applied) {
+            ClaimSource::Template {
+                recorded: Recorded::Missing,
+                ..
+            } => return (true, "template claim not recorded"),
+            ClaimSource::Template {
+                recorded: Recorded::Claim(name),
+                ..
+            } if lookup(name).is_none() => {
+                return (true, "recorded claim is missing");
+            }
+            ClaimSource::Unsupported => {
+                return (true, "pod claim names neither a claim nor a template");
+            }
+            _ => {}
+        }
+    }
+    if is_scheduled(pod) {
+        for name in known_claim_names(pod) {
+            if lookup(name).is_some_and(|claim| should_reserve(&claim, pod)) {
+                return (true, "allocated claim not reserved for the scheduled pod");
+            }
+        }
+    }
+    (false, "nothing to do")
+}
+
+/// The pod's claim statuses with `new` merged in (later entries win), sorted by pod claim name: the complete
+/// list goes into one status write, so entries never flap between writers. `new` must include statuses applied
+/// earlier that the pod does not show yet: an apply drops what the same field manager applied before and omits.
+pub fn merged_claim_statuses(pod: &Pod, new: &[(String, String)]) -> Vec<PodResourceClaimStatus> {
+    let mut merged: BTreeMap<String, Option<String>> = pod
+        .status
+        .as_ref()
+        .and_then(|s| s.resource_claim_statuses.as_ref())
+        .into_iter()
+        .flatten()
+        .map(|s| (s.name.clone(), s.resource_claim_name.clone()))
+        .collect();
+    for (pod_claim, claim) in new {
+        merged.insert(pod_claim.clone(), Some(claim.clone()));
+    }
+    merged
+        .into_iter()
+        .map(|(name, resource_claim_name)| PodResourceClaimStatus {
+            name,
+            resource_claim_name,
+        })
+        .collect()
+}
+
+/// Why a template cannot become a claim.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum TemplateError {
+    #[error("has no spec.spec")]
+    NoSpec,
+}
+
+/// The claim to create for pod claim `pod_claim` of `pod` from `template`, as JSON.
+///
+/// The spec is the template's `spec.spec` exactly as the server returned it, fields unknown to this build
+/// included; labels and annotations are copied from the template's `spec.metadata` (the cached template itself is
+/// never touched), plus the pod-claim-name annotation; the pod is the controlling owner.
+pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Result<Value, TemplateError> {
+    let template_spec = template.data.get("spec").ok_or(TemplateError::NoSpec)?;
+    let spec = template_spec.get("spec").ok_or(TemplateError::NoSpec)?.clone();
+    let template_meta = template_spec.get("metadata");
+    let mut annotations = template_meta
+        .and_then(|m| m.get("annotations"))
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), Value::String(pod_claim.into()));
+    let labels = template_meta
+        .and_then(|m| m.get("labels"))
+        .cloned()
+        .unwrap_or_else(|| json!({}));
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    Ok(json!({
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "generateName": claim_generate_name(pod_name, pod_claim),
+            "namespace": pod.metadata.namespace,
+            "annotations": annotations,
+            "labels": labels,
+            "ownerReferences": [{
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod_name,
+                "uid": pod.metadata.uid,
+                "controller": true,
+            }],
+        },
+        "spec": spec,
+    }))
+}
+
+/// Drops what the controller never reads from a cached pod: containers, volumes, managed fields, labels,
+/// conditions… A cluster's pods are most of a controller's memory; this keeps a cached pod to a few hundred bytes.
+pub fn strip_pod(pod: &mut Pod) {
+    let meta = &mut pod.metadata;
+    meta.managed_fields = None;
+    meta.annotations = None;
+    meta.labels = None;
+    meta.owner_references = None;
+    meta.finalizers = None;
+    if let Some(spec) = pod.spec.take() {
+        pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+            node_name: spec.node_name,
+            resource_claims: spec.resource_claims,
+            ..Default::default()
+        });
+    }
+    if let Some(status) = pod.status.take() {
+        pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+            phase: status.phase,
+            resource_claim_statuses: status.resource_claim_statuses,
+            ..Default::default()
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

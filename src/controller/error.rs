@@ -1,0 +1,110 @@
+//! Errors of one sync. Each variant names the action that failed and the object it failed on.
+
+use super::queue::ObjectKey;
+
+/// Why a sync failed. Every variant is retried with back-off; the Kubernetes error inside says whether a retry
+/// can help (a conflict will, a forbidden verb needs an operator).
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error("resource claim template \"{template}\" in namespace {namespace}: not found")]
+    TemplateNotFound { namespace: String, template: String },
+    #[error("resource claim template \"{template}\": {source}")]
+    Template {
+        template: String,
+        #[source]
+        source: super::decide::TemplateError,
+    },
+    #[error("pod claim \"{pod_claim}\" sets neither resourceClaimName nor resourceClaimTemplateName (unsupported API)")]
+    UnsupportedPodClaim { pod_claim: String },
+    #[error("create ResourceClaim for pod claim \"{pod_claim}\" from template \"{template}\": {source}")]
+    CreateClaim {
+        pod_claim: String,
+        template: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("apply the resourceClaimStatuses of pod {pod}: {source}")]
+    ApplyPodStatus {
+        pod: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("reserve claim {claim} for pod {pod}: {source}")]
+    ReserveClaim {
+        claim: ObjectKey,
+        pod: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("update the status of claim {claim}: {source}")]
+    UpdateClaimStatus {
+        claim: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("remove the finalizer of claim {claim}: {source}")]
+    RemoveFinalizer {
+        claim: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("delete claim {claim}: {source}")]
+    DeleteClaim {
+        claim: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("get pod {pod}: {source}")]
+    GetPod {
+        pod: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("decode the ResourceClaim the API server returned: {0}")]
+    DecodeClaim(#[source] serde_json::Error),
+    #[error("sync did not finish within {0:?}")]
+    Timeout(std::time::Duration),
+    #[error("{count} pod claims failed; first: {first}")]
+    Several { count: usize, first: Box<SyncError> },
+}
+
+impl SyncError {
+    /// A short label for metrics and logs.
+    pub fn metric_label(&self) -> &'static str {
+        match self {
+            SyncError::TemplateNotFound { .. } => "template_not_found",
+            SyncError::Template { .. } => "template_invalid",
+            SyncError::UnsupportedPodClaim { .. } => "unsupported_pod_claim",
+            SyncError::CreateClaim { .. } => "create_claim",
+            SyncError::ApplyPodStatus { .. } => "apply_pod_status",
+            SyncError::ReserveClaim { .. } => "reserve_claim",
+            SyncError::UpdateClaimStatus { .. } => "update_claim_status",
+            SyncError::RemoveFinalizer { .. } => "remove_finalizer",
+            SyncError::DeleteClaim { .. } => "delete_claim",
+            SyncError::GetPod { .. } => "get_pod",
+            SyncError::DecodeClaim(_) => "decode_claim",
+            SyncError::Timeout(_) => "timeout",
+            SyncError::Several { first, .. } => first.metric_label(),
+        }
+    }
+
+    /// The API server's refusal, when the error is one: the status code and its message (which, for 403, names
+    /// the user, verb and resource).
+    pub fn api_status(&self) -> Option<(u16, &str)> {
+        let source = match self {
+            SyncError::CreateClaim { source, .. }
+            | SyncError::ApplyPodStatus { source, .. }
+            | SyncError::ReserveClaim { source, .. }
+            | SyncError::UpdateClaimStatus { source, .. }
+            | SyncError::RemoveFinalizer { source, .. }
+            | SyncError::DeleteClaim { source, .. }
+            | SyncError::GetPod { source, .. } => source,
+            SyncError::Several { first, .. } => return first.api_status(),
+            _ => return None,
+        };
+        match source {
+            kube::Error::Api(status) => Some((status.code, status.message.as_str())),
+            _ => None,
+        }
+    }
+}

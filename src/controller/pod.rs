@@ -1,0 +1,260 @@
+//! syncPod: give every template claim of a pod its ResourceClaim (found, adopted or created), record them all in
+//! ONE pod status write, and reserve allocated claims for the scheduled pod.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Pod, PodResourceClaim};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::{Resource, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, instrument, warn};
+
+use super::decide::{self, ClaimSource, Recorded};
+use super::error::SyncError;
+use super::events::Reason;
+use super::queue::ObjectKey;
+use super::{CLAIM_FIELD_MANAGER, Context, POD_STATUS_FIELD_MANAGER};
+
+/// What became of one pod claim in this sync.
+enum Outcome {
+    /// Nothing to record (named claim, already recorded, or no claim needed).
+    Unchanged,
+    /// A claim to record in the pod status: created now or adopted.
+    Record(String),
+}
+
+#[instrument(skip(ctx, key), fields(pod = %key))]
+pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
+    let Some(pod) = ctx.caches.pod(key) else {
+        debug!("pod is gone");
+        return Ok(());
+    };
+    if pod.metadata.deletion_timestamp.is_some() {
+        debug!("pod is being deleted");
+        return Ok(());
+    }
+    let observe_only = ctx.foreign.observe_only();
+    let applied = ctx.caches.applied_statuses(&pod);
+    let mut to_record = Vec::new();
+    let mut errors = Vec::new();
+    for pod_claim in decide::pod_claims(&pod) {
+        match handle_claim(ctx, &pod, pod_claim, &applied, observe_only).await {
+            Ok(Outcome::Record(name)) => to_record.push((pod_claim.name.clone(), name)),
+            Ok(Outcome::Unchanged) => {}
+            Err(err) => {
+                // Tell the operator on the pod; the other pod claims still go ahead.
+                ctx.events
+                    .pod_warning(
+                        &pod,
+                        Reason::FailedResourceClaimCreation,
+                        format!("PodResourceClaim {}: {err}", pod_claim.name),
+                    )
+                    .await;
+                errors.push(err);
+            }
+        }
+    }
+    if !to_record.is_empty() {
+        let entries: Vec<(String, String)> = applied.iter().cloned().chain(to_record.iter().cloned()).collect();
+        apply_claim_statuses(ctx, &pod, &entries).await?;
+    }
+    if let Some(first) = errors.first() {
+        if let Some((403, message)) = first.api_status() {
+            warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
+        }
+        return Err(match errors.len() {
+            1 => errors.remove(0),
+            count => SyncError::Several {
+                count,
+                first: Box::new(errors.remove(0)),
+            },
+        });
+    }
+    if decide::is_scheduled(&pod) && !observe_only {
+        reserve_claims(ctx, &pod, &to_record).await?;
+    }
+    Ok(())
+}
+
+async fn handle_claim(
+    ctx: &Context,
+    pod: &Pod,
+    pod_claim: &PodResourceClaim,
+    applied: &[(String, String)],
+    observe_only: bool,
+) -> Result<Outcome, SyncError> {
+    let template = match decide::claim_source_with(pod, pod_claim, applied) {
+        ClaimSource::Named(_)
+        | ClaimSource::Template {
+            recorded: Recorded::NoClaimNeeded,
+            ..
+        } => {
+            return Ok(Outcome::Unchanged);
+        }
+        ClaimSource::Unsupported => {
+            return Err(SyncError::UnsupportedPodClaim {
+                pod_claim: pod_claim.name.clone(),
+            });
+        }
+        ClaimSource::Template {
+            recorded: Recorded::Claim(name),
+            template,
+        } => {
+            match ctx.caches.claim_for_pod(pod, name) {
+                Some(claim) if decide::is_owned_by(&claim, pod) => return Ok(Outcome::Unchanged),
+                Some(_) => debug!(claim = name, "recorded claim is not owned by the pod; creating another"),
+                None => debug!(claim = name, "recorded claim is missing; creating another"),
+            }
+            template
+        }
+        ClaimSource::Template {
+            recorded: Recorded::Missing,
+            template,
+        } => template,
+    };
+
+    if observe_only {
+        debug!(pod_claim = %pod_claim.name, "observe-only: leaving the claim to the other claim controller");
+        return Ok(Outcome::Unchanged);
+    }
+    if let Some(orphan) = ctx.caches.orphan_for(pod, &pod_claim.name) {
+        let name = orphan.name_any();
+        info!(claim = %name, pod_claim = %pod_claim.name, "adopting claim generated earlier for this pod");
+        let note = format!(
+            "Adopted ResourceClaim {name} (from template {template}) for pod claim {}",
+            pod_claim.name
+        );
+        ctx.events.pod_normal(pod, Reason::ResourceClaimAdopted, note).await;
+        return Ok(Outcome::Record(name));
+    }
+    let claim = create_claim(ctx, pod, &pod_claim.name, template).await?;
+    Ok(Outcome::Record(claim.name_any()))
+}
+
+async fn create_claim(
+    ctx: &Context,
+    pod: &Pod,
+    pod_claim: &str,
+    template_name: &str,
+) -> Result<Arc<ResourceClaim>, SyncError> {
+    let namespace = pod.namespace().unwrap_or_default();
+    let template = ctx
+        .caches
+        .template(&namespace, template_name)
+        .ok_or_else(|| SyncError::TemplateNotFound {
+            namespace: namespace.clone(),
+            template: template_name.to_string(),
+        })?;
+    let desired = decide::desired_claim(pod, pod_claim, &template).map_err(|source| SyncError::Template {
+        template: template_name.to_string(),
+        source,
+    })?;
+    let admin_access = super::metrics::requests_admin_access(&desired["spec"]);
+    let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
+    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, &claim_resource());
+    let params = PostParams {
+        field_manager: Some(CLAIM_FIELD_MANAGER.to_string()),
+        ..Default::default()
+    };
+    let created = api.create(&params, &desired).await;
+    ctx.metrics.claim_created(created.is_ok(), admin_access);
+    let created = created.map_err(|source| SyncError::CreateClaim {
+        pod_claim: pod_claim.to_string(),
+        template: template_name.to_string(),
+        source,
+    })?;
+    let created: ResourceClaim = serde_json::to_value(&created)
+        .and_then(serde_json::from_value)
+        .map_err(SyncError::DecodeClaim)?;
+    let created = Arc::new(created);
+    if let Some(uid) = pod.metadata.uid.as_deref() {
+        ctx.caches.remember_created(uid, created.clone());
+    }
+    info!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
+    let note = format!(
+        "Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}",
+        created.name_any()
+    );
+    ctx.events.pod_normal(pod, Reason::ResourceClaimCreated, note).await;
+    Ok(created)
+}
+
+/// The ResourceClaim API resource, for untyped creates.
+fn claim_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource::erase::<ResourceClaim>(&())
+}
+
+/// ONE server-side apply of the pod's complete, sorted `resourceClaimStatuses` (existing entries merged with new
+/// ones), under the field manager kube-controller-manager uses, so that a switch between the two controllers
+/// never leaves entries owned by a stale manager. The pod's UID is a precondition: a re-created pod of the same
+/// name is never written to.
+async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]) -> Result<(), SyncError> {
+    let key = super::index::object_key(pod);
+    let statuses = decide::merged_claim_statuses(pod, new);
+    let patch = json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": key.name, "namespace": key.namespace, "uid": pod.metadata.uid},
+        "status": {"resourceClaimStatuses": statuses},
+    });
+    let api = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace);
+    let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
+    api.patch_status(&key.name, &params, &Patch::Apply(&patch))
+        .await
+        .map_err(|source| SyncError::ApplyPodStatus {
+            pod: key.clone(),
+            source,
+        })?;
+    ctx.caches.remember_applied(pod, new);
+    debug!(entries = statuses.len(), "applied pod claim statuses");
+    Ok(())
+}
+
+/// Adds the scheduled pod to `reservedFor` of each of its allocated claims that is not reserved for it yet.
+/// (The scheduler normally reserves before binding; this covers claims allocated some other way.)
+async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, String)]) -> Result<(), SyncError> {
+    let namespace = pod.namespace().unwrap_or_default();
+    let (Some(uid), pod_name) = (pod.metadata.uid.clone(), pod.name_any()) else {
+        return Ok(());
+    };
+    let names = decide::known_claim_names(pod)
+        .into_iter()
+        .map(str::to_string)
+        .chain(just_recorded.iter().map(|(_, claim)| claim.clone()));
+    for name in names {
+        let Some(claim) = ctx.caches.claim(&namespace, &name) else {
+            continue;
+        };
+        if !decide::should_reserve(&claim, pod) {
+            continue;
+        }
+        let mut reserved = decide::reserved_for(&claim).to_vec();
+        reserved.push(k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+            api_group: None,
+            resource: "pods".into(),
+            name: pod_name.clone(),
+            uid: uid.clone(),
+        });
+        // The resourceVersion makes this fail on any concurrent change instead of overwriting it.
+        let patch = json!({
+            "metadata": {"resourceVersion": claim.resource_version()},
+            "status": {"reservedFor": reserved},
+        });
+        Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+            .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(|source| SyncError::ReserveClaim {
+                claim: ObjectKey::new(namespace.clone(), name.clone()),
+                pod: pod_name.clone(),
+                source,
+            })?;
+        info!(claim = %name, "reserved claim for the scheduled pod");
+    }
+    Ok(())
+}
+
+/// The pod's object reference, for events.
+pub fn pod_reference(pod: &Pod) -> k8s_openapi::api::core::v1::ObjectReference {
+    pod.object_ref(&())
+}

@@ -1,0 +1,406 @@
+//! `gpu-dra controller` against the real API server (and the real scheduler where reservations matter): the
+//! kube-controller-manager parity checklist and what goes beyond it. Every test runs its own controller process,
+//! restricted to the test's namespace.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, WatchParams};
+use kube::core::WatchEvent;
+use serde_json::json;
+use support::objects::{self, CLASS, claim_statuses, create_pod, create_template, events_about, list_claims, one_gpu};
+use support::process::Component;
+use support::{TestContext, wait};
+
+const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+const SETTLE: Duration = Duration::from_secs(30);
+
+fn main() {
+    support::run(
+        "controller",
+        &[
+            test!(creates_claim_from_template_and_records_it),
+            test!(unknown_template_fields_survive),
+            test!(template_created_after_pod_is_used_at_once),
+            test!(three_template_claims_and_a_named_one_take_one_status_write),
+            test!(long_names_are_truncated_in_proportion),
+            test!(orphan_is_adopted_and_unowned_lookalike_is_not),
+            test!(missing_recorded_claim_is_recreated),
+            test!(health_and_metrics_endpoints),
+        ],
+    )
+}
+
+/// Waits until the pod's status records `n` claims; returns the pod.
+async fn wait_recorded(ctx: &TestContext, pod: &str, n: usize) -> anyhow::Result<Pod> {
+    let pods = objects::pods(ctx);
+    wait::until(&format!("pod {pod} to record {n} claims"), SETTLE, || async {
+        let p = pods.get(pod).await?;
+        Ok((claim_statuses(&p).len() == n).then_some(p))
+    })
+    .await
+}
+
+async fn creates_claim_from_template_and_records_it(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    let mut spec = one_gpu();
+    spec["metadata"] = json!({"labels": {"team": "ml"}, "annotations": {"cost-center": "42"}});
+    create_template(&ctx, "one-gpu", spec.clone()).await?;
+    let pod = create_pod(
+        &ctx,
+        "trainer",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+
+    let recorded = wait_recorded(&ctx, "trainer", 1).await?;
+    let statuses = claim_statuses(&recorded);
+    let name = statuses[0].1.clone().context("status entry without a claim name")?;
+    ensure!(
+        statuses[0].0 == "gpu" && name.starts_with("trainer-gpu-") && name.len() == "trainer-gpu-".len() + 5,
+        "{statuses:?}"
+    );
+
+    let claims = list_claims(&ctx).await?;
+    ensure!(claims.len() == 1, "expected one claim, got {}", claims.len());
+    let claim = &claims[0];
+    ensure!(
+        claim.name_any() == name,
+        "status names {name}, claim is {}",
+        claim.name_any()
+    );
+    let owner = &claim.owner_references()[0];
+    ensure!(
+        owner.kind == "Pod"
+            && owner.name == "trainer"
+            && Some(&owner.uid) == pod.metadata.uid.as_ref()
+            && owner.controller == Some(true),
+        "wrong owner {owner:?}"
+    );
+    ensure!(
+        claim.annotations().get(ANNOTATION).map(String::as_str) == Some("gpu"),
+        "{:?}",
+        claim.annotations()
+    );
+    ensure!(
+        claim.annotations().get("cost-center").map(String::as_str) == Some("42"),
+        "template annotation not copied"
+    );
+    ensure!(
+        claim.labels().get("team").map(String::as_str) == Some("ml"),
+        "template label not copied"
+    );
+    let spec_json = serde_json::to_value(&claim.spec)?;
+    ensure!(
+        spec_json["devices"]["requests"][0]["exactly"]["deviceClassName"] == CLASS,
+        "{spec_json}"
+    );
+
+    let events = wait::until("the ResourceClaimCreated event", SETTLE, || async {
+        let events = events_about(&ctx, "trainer").await?;
+        Ok(events
+            .into_iter()
+            .find(|(_, reason, _)| reason == "ResourceClaimCreated"))
+    })
+    .await?;
+    ensure!(
+        events.0 == "Normal" && events.2.contains(&name) && events.2.contains("one-gpu"),
+        "{events:?}"
+    );
+    let creates = controller
+        .metric(
+            "dynamic_resource_allocation_resourceclaim_creates_total",
+            &[("status", "success")],
+        )
+        .await?;
+    ensure!(creates == 1.0, "creates_total = {creates}");
+    Ok(())
+}
+
+async fn unknown_template_fields_survive(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    // `derivedAttributes` (Kubernetes 1.37, alpha, enabled in the test cluster) is unknown to the k8s-openapi
+    // v1_34 types this crate is built with: it must reach the claim anyway.
+    let derived = json!([{"name": "derived/index", "expression": "device.attributes['gpu.test.gpu-dra.dev'].index"}]);
+    let spec = json!({"spec": {"devices": {
+        "requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS, "count": 2, "derivedAttributes": derived}}],
+        "constraints": [{"requests": ["gpu"], "matchAttribute": "derived/index"}]
+    }}});
+    let template = create_template(&ctx, "derived", spec).await?;
+    let stored = &template.data["spec"]["spec"]["devices"]["requests"][0]["exactly"]["derivedAttributes"];
+    ensure!(
+        *stored == derived,
+        "the API server did not keep derivedAttributes (feature gate off?): {stored}"
+    );
+    create_pod(
+        &ctx,
+        "p",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "derived"}]),
+    )
+    .await?;
+    wait_recorded(&ctx, "p", 1).await?;
+
+    let api = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ctx.namespace,
+        &kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&()),
+    );
+    let claim = api
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .next()
+        .context("no claim")?;
+    ensure!(
+        claim.data["spec"] == template.data["spec"]["spec"],
+        "claim spec differs from the template's:\nclaim    {}\ntemplate {}",
+        claim.data["spec"],
+        template.data["spec"]["spec"]
+    );
+    Ok(())
+}
+
+async fn template_created_after_pod_is_used_at_once(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    create_pod(
+        &ctx,
+        "early",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "late"}]),
+    )
+    .await?;
+    let warning = wait::until("the FailedResourceClaimCreation warning", SETTLE, || async {
+        let events = events_about(&ctx, "early").await?;
+        Ok(events
+            .into_iter()
+            .find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
+    })
+    .await?;
+    ensure!(
+        warning.0 == "Warning"
+            && warning.2.contains("PodResourceClaim gpu")
+            && warning.2.contains("\"late\"")
+            && warning.2.contains("not found"),
+        "{warning:?}"
+    );
+    // Let the retry back-off grow well past a second (5 ms doubling: ~5 s after 10 failures).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let failures = controller
+        .metric(
+            "gpu_dra_controller_sync_duration_seconds_count",
+            &[("result", "template_not_found")],
+        )
+        .await?;
+    ensure!(
+        (5.0..=20.0).contains(&failures),
+        "{failures} failed syncs in 6 s: not an exponential back-off"
+    );
+
+    let created = Instant::now();
+    create_template(&ctx, "late", one_gpu()).await?;
+    wait_recorded(&ctx, "early", 1).await?;
+    let took = created.elapsed();
+    // The template watch triggers the pod at once; waiting out the back-off would take seconds.
+    ensure!(
+        took < Duration::from_secs(2),
+        "claim took {took:?} after the template appeared"
+    );
+    eprintln!("template → claim recorded: {took:?}");
+    Ok(())
+}
+
+async fn three_template_claims_and_a_named_one_take_one_status_write(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let shared: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "shared"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS}}]}}
+    }))?;
+    objects::claims(&ctx).create(&PostParams::default(), &shared).await?;
+    let pod = create_pod(
+        &ctx,
+        "multi",
+        json!([
+            {"name": "c-gpu", "resourceClaimTemplateName": "one-gpu"},
+            {"name": "a-gpu", "resourceClaimTemplateName": "one-gpu"},
+            {"name": "b-gpu", "resourceClaimTemplateName": "one-gpu"},
+            {"name": "named", "resourceClaimName": "shared"}
+        ]),
+    )
+    .await?;
+    // Watch the pod from its creation on and count the updates that changed its claim statuses.
+    let pods = objects::pods(&ctx);
+    let params = WatchParams::default()
+        .fields(&format!("metadata.name={}", pod.name_any()))
+        .timeout(8);
+    let mut stream = pods
+        .watch(&params, &pod.resource_version().context("no rv")?)
+        .await?
+        .boxed();
+    let mut last = Vec::new();
+    let mut writes = Vec::new();
+    while let Some(event) = stream.try_next().await? {
+        if let WatchEvent::Modified(p) = event {
+            let statuses = claim_statuses(&p);
+            if statuses != last {
+                writes.push(statuses.clone());
+                last = statuses;
+            }
+        }
+    }
+    ensure!(
+        writes.len() == 1,
+        "expected ONE status write, saw {}: {writes:?}",
+        writes.len()
+    );
+    let names: Vec<&str> = writes[0].iter().map(|(n, _)| n.as_str()).collect();
+    ensure!(
+        names == ["a-gpu", "b-gpu", "c-gpu"],
+        "entries not all present or not sorted: {names:?}"
+    );
+    ensure!(
+        list_claims(&ctx).await?.len() == 4,
+        "expected 3 generated claims + the named one"
+    );
+    Ok(())
+}
+
+async fn long_names_are_truncated_in_proportion(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let pod_name = "p".repeat(63);
+    let claim_name = "c".repeat(63);
+    create_pod(
+        &ctx,
+        &pod_name,
+        json!([{"name": claim_name, "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    let pod = wait_recorded(&ctx, &pod_name, 1).await?;
+    let name = claim_statuses(&pod)[0].1.clone().context("no claim name")?;
+    // 63*57/128 = 28 characters of each, a hyphen, and the API server's five random characters.
+    let prefix = format!("{}-{}", "p".repeat(28), "c".repeat(28));
+    ensure!(
+        name.starts_with(&prefix) && name.len() == 62,
+        "claim name {name} ({} chars)",
+        name.len()
+    );
+    Ok(())
+}
+
+/// The controller was killed after creating a claim and before writing the pod status: on restart the claim is
+/// adopted. A claim with the right annotation but not owned by the pod is never adopted.
+async fn orphan_is_adopted_and_unowned_lookalike_is_not(ctx: TestContext) -> anyhow::Result<()> {
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let pod = create_pod(
+        &ctx,
+        "p",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    let claim = |name: &str, owned: bool| -> anyhow::Result<k8s_openapi::api::resource::v1::ResourceClaim> {
+        let owners = if owned {
+            json!([{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": pod.metadata.uid, "controller": true}])
+        } else {
+            json!([])
+        };
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": name, "annotations": {ANNOTATION: "gpu"}, "ownerReferences": owners},
+            "spec": one_gpu()["spec"]
+        }))?)
+    };
+    objects::claims(&ctx)
+        .create(&PostParams::default(), &claim("p-gpu-lookalike", false)?)
+        .await?;
+    // Created as an earlier instance of the controller would have (same field manager).
+    let as_controller = PostParams {
+        field_manager: Some("gpu-dra-controller".into()),
+        ..Default::default()
+    };
+    objects::claims(&ctx)
+        .create(&as_controller, &claim("p-gpu-orphan", true)?)
+        .await?;
+
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let pod = wait_recorded(&ctx, "p", 1).await?;
+    ensure!(
+        claim_statuses(&pod)[0].1.as_deref() == Some("p-gpu-orphan"),
+        "{:?}",
+        claim_statuses(&pod)
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let names: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
+    ensure!(names.len() == 2, "a claim was created instead of adopting: {names:?}");
+    let events = events_about(&ctx, "p").await?;
+    ensure!(
+        events
+            .iter()
+            .any(|(_, r, n)| r == "ResourceClaimAdopted" && n.contains("p-gpu-orphan")),
+        "{events:?}"
+    );
+    Ok(())
+}
+
+async fn missing_recorded_claim_is_recreated(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(
+        &ctx,
+        "p",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    let first = claim_statuses(&wait_recorded(&ctx, "p", 1).await?)[0]
+        .1
+        .clone()
+        .context("no name")?;
+    objects::claims(&ctx).delete(&first, &DeleteParams::default()).await?;
+    let pods = objects::pods(&ctx);
+    let second = wait::until("a new claim to be recorded", SETTLE, || async {
+        let p = pods.get("p").await?;
+        Ok(claim_statuses(&p)[0].1.clone().filter(|n| *n != first))
+    })
+    .await?;
+    let names: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
+    ensure!(names == [second.clone()], "claims {names:?}, recorded {second}");
+    Ok(())
+}
+
+async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    ensure!(controller.get("/healthz").await? == (200, "ok".into()), "healthz");
+    ensure!(controller.get("/readyz").await?.0 == 200, "readyz");
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(
+        &ctx,
+        "p",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    wait_recorded(&ctx, "p", 1).await?;
+    let (_, body) = controller.get("/metrics").await?;
+    for metric in [
+        "dynamic_resource_allocation_resourceclaim_creates_total",
+        "dynamic_resource_allocation_resource_claims",
+        "gpu_dra_controller_sync_duration_seconds_bucket",
+        "gpu_dra_controller_workqueue_depth",
+        "gpu_dra_controller_observe_only",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+    ] {
+        ensure!(body.contains(metric), "/metrics lacks {metric}:\n{body}");
+    }
+    let gauge = support::process::sample(
+        &body,
+        "dynamic_resource_allocation_resource_claims",
+        &[("allocated", "false"), ("source", "resource_claim_template")],
+    );
+    ensure!(gauge == Some(1.0), "claims gauge {gauge:?}");
+    let _ = (Patch::<()>::Merge(()), PatchParams::default());
+    Ok(())
+}
