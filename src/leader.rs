@@ -78,13 +78,7 @@ pub struct LeaderElector {
 
 impl LeaderElector {
     pub fn new(api: Api<Lease>, lease: impl Into<String>, identity: impl Into<String>, timing: Timing) -> Self {
-        Self {
-            api,
-            lease: lease.into(),
-            identity: identity.into(),
-            timing,
-            observed: None,
-        }
+        Self { api, lease: lease.into(), identity: identity.into(), timing, observed: None }
     }
 
     /// Contends until `stop` is cancelled, publishing the role to `role`. Returns an error when leadership is lost.
@@ -132,10 +126,7 @@ impl LeaderElector {
     }
 
     fn lost(&self) -> LeaderError {
-        LeaderError::LostLease {
-            lease: self.lease.clone(),
-            deadline: self.timing.renew_deadline,
-        }
+        LeaderError::LostLease { lease: self.lease.clone(), deadline: self.timing.renew_deadline }
     }
 
     /// One attempt: `Ok(true)` when this replica holds the Lease afterwards.
@@ -143,10 +134,7 @@ impl LeaderElector {
         let now = MicroTime(Timestamp::now());
         let Some(mut lease) = self.api.get_opt(&self.lease).await? else {
             let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(self.lease.clone()),
-                    ..Default::default()
-                },
+                metadata: ObjectMeta { name: Some(self.lease.clone()), ..Default::default() },
                 spec: Some(self.spec_for_us(now, 0)),
             };
             return match self.api.create(&PostParams::default(), &lease).await {
@@ -158,10 +146,7 @@ impl LeaderElector {
         let spec = lease.spec.clone().unwrap_or_default();
         let holder = spec.holder_identity.clone().filter(|h| !h.is_empty());
         let record = (holder.clone(), spec.renew_time.clone());
-        let changed = self
-            .observed
-            .as_ref()
-            .is_none_or(|(h, r, _)| (h, r) != (&record.0, &record.1));
+        let changed = self.observed.as_ref().is_none_or(|(h, r, _)| (h, r) != (&record.0, &record.1));
         if changed {
             self.observed = Some((record.0, record.1, Instant::now()));
         }
@@ -170,10 +155,7 @@ impl LeaderElector {
             .lease_duration_seconds
             .map(|s| Duration::from_secs(u64::try_from(s).unwrap_or(0)))
             .unwrap_or(self.timing.lease_duration);
-        let expired = self
-            .observed
-            .as_ref()
-            .is_some_and(|(_, _, seen)| seen.elapsed() > duration);
+        let expired = self.observed.as_ref().is_some_and(|(_, _, seen)| seen.elapsed() > duration);
         if !held_by_us && holder.is_some() && !expired {
             return Ok(false);
         }
@@ -215,10 +197,7 @@ impl LeaderElector {
             spec.holder_identity = None;
             spec.lease_duration_seconds = Some(1);
             spec.renew_time = Some(MicroTime(Timestamp::now()));
-            self.api
-                .replace(&self.lease, &PostParams::default(), &lease)
-                .await
-                .map(drop)
+            self.api.replace(&self.lease, &PostParams::default(), &lease).await.map(drop)
         }
         .await;
         match result {

@@ -22,14 +22,8 @@ fn main() {
             name: "component_dying_during_up_fails_and_leaves_nothing",
             body: component_dying_during_up_fails_and_leaves_nothing,
         },
-        StandaloneTest {
-            name: "pinned_api_port_in_use_is_named",
-            body: pinned_api_port_in_use_is_named,
-        },
-        StandaloneTest {
-            name: "killed_owner_stops_the_cluster",
-            body: killed_owner_stops_the_cluster,
-        },
+        StandaloneTest { name: "pinned_api_port_in_use_is_named", body: pinned_api_port_in_use_is_named },
+        StandaloneTest { name: "killed_owner_stops_the_cluster", body: killed_owner_stops_the_cluster },
         StandaloneTest {
             name: "stale_state_from_a_killed_run_is_cleaned",
             body: stale_state_from_a_killed_run_is_cleaned,
@@ -45,25 +39,17 @@ fn state_dir(test: &str) -> PathBuf {
 
 fn run(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<Output> {
     let mut cmd = script();
-    cmd.args(args)
-        .env("GPU_DRA_E2E_DIR", dir)
-        .env_remove("GPU_DRA_E2E_OWNER_PID");
+    cmd.args(args).env("GPU_DRA_E2E_DIR", dir).env_remove("GPU_DRA_E2E_OWNER_PID");
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output()
-        .with_context(|| format!("run e2e/cluster.sh {}", args.join(" ")))
+    cmd.output().with_context(|| format!("run e2e/cluster.sh {}", args.join(" ")))
 }
 
 fn run_ok(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> anyhow::Result<(String, String)> {
     let out = run(dir, args, env)?;
     let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-    ensure!(
-        out.status.success(),
-        "cluster.sh {} failed ({}):\n{stderr}",
-        args.join(" "),
-        out.status
-    );
+    ensure!(out.status.success(), "cluster.sh {} failed ({}):\n{stderr}", args.join(" "), out.status);
     Ok((stdout, stderr))
 }
 
@@ -84,9 +70,7 @@ fn recorded(dir: &Path) -> anyhow::Result<Vec<(String, u32)>> {
 
 /// Whether `pid` is a live process that still belongs to the cluster in `dir`.
 fn alive(dir: &Path, pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|c| text(&c).contains(&*dir.to_string_lossy()))
-        .unwrap_or(false)
+    std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| text(&c).contains(&*dir.to_string_lossy())).unwrap_or(false)
 }
 
 fn ensure_none_alive(dir: &Path, pids: &[(String, u32)], within: Duration) -> anyhow::Result<()> {
@@ -129,23 +113,14 @@ fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
     );
     let pids = recorded(&dir)?;
     let names: Vec<_> = pids.iter().map(|(n, _)| n.as_str()).collect();
-    ensure!(
-        names == ["etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"],
-        "up started {names:?}"
-    );
+    ensure!(names == ["etcd", "kube-apiserver", "kube-scheduler", "kube-controller-manager"], "up started {names:?}");
 
     let (stdout, stderr) = run_ok(&dir, &["up"], &[])?;
-    ensure!(
-        stderr.contains("already up") && stdout.contains("KUBECONFIG"),
-        "second up: {stderr}"
-    );
+    ensure!(stderr.contains("already up") && stdout.contains("KUBECONFIG"), "second up: {stderr}");
     ensure!(recorded(&dir)? == pids, "second up started new processes");
 
     let (env, _) = run_ok(&dir, &["env"], &[])?;
-    ensure!(
-        env.contains("export KUBECONFIG=") && env.contains("export PATH="),
-        "env printed {env:?}"
-    );
+    ensure!(env.contains("export KUBECONFIG=") && env.contains("export PATH="), "env printed {env:?}");
 
     run_ok(&dir, &["add-node", "lifecycle-node", "gpu-dra.dev/role=test"], &[])?;
     let ready = kubectl(
@@ -205,10 +180,7 @@ fn killed_owner_stops_the_cluster() -> anyhow::Result<()> {
     let owner_pid = owner.id().to_string();
     run_ok(&dir, &["up"], &[("GPU_DRA_E2E_OWNER_PID", &owner_pid)])?;
     let pids = recorded(&dir)?;
-    ensure!(
-        pids.iter().any(|(n, _)| n == "watchdog"),
-        "no watchdog recorded: {pids:?}"
-    );
+    ensure!(pids.iter().any(|(n, _)| n == "watchdog"), "no watchdog recorded: {pids:?}");
     owner.kill()?;
     owner.wait()?;
     ensure_none_alive(&dir, &pids, Duration::from_secs(30))?;
@@ -224,18 +196,12 @@ fn stale_state_from_a_killed_run_is_cleaned() -> anyhow::Result<()> {
     let dir = state_dir("stale");
     run_ok(&dir, &["up"], &[])?;
     let old = recorded(&dir)?;
-    let (_, apiserver) = old
-        .iter()
-        .find(|(n, _)| n == "kube-apiserver")
-        .context("no apiserver")?;
+    let (_, apiserver) = old.iter().find(|(n, _)| n == "kube-apiserver").context("no apiserver")?;
     let status = Command::new("kill").args(["-KILL", &apiserver.to_string()]).status()?;
     ensure!(status.success(), "kill -KILL failed");
 
     let (_, stderr) = run_ok(&dir, &["up"], &[])?;
-    ensure!(
-        stderr.contains("found stale state"),
-        "up did not report the stale state:\n{stderr}"
-    );
+    ensure!(stderr.contains("found stale state"), "up did not report the stale state:\n{stderr}");
     ensure_none_alive(&dir, &old, Duration::from_secs(1))
         .context("processes of the killed run survived the next up")?;
     let nodes = kubectl(&dir, &["get", "--raw", "/readyz"])?;

@@ -32,6 +32,13 @@ fn main() {
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
             test!(health_and_metrics_endpoints),
+            test!(finished_pod_claims_are_deleted_and_user_claims_released),
+            test!(reservation_of_deleted_pod_is_released_for_the_next_pod),
+            test!(allocated_claim_is_reserved_for_its_scheduled_pod),
+            test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
+            test!(deleted_claim_is_deallocated_and_released),
+            test!(rejected_claim_warns_once_and_backs_off),
+            test!(forbidden_create_names_verb_and_resource),
         ],
     )
 }
@@ -51,12 +58,7 @@ async fn creates_claim_from_template_and_records_it(ctx: TestContext) -> anyhow:
     let mut spec = one_gpu();
     spec["metadata"] = json!({"labels": {"team": "ml"}, "annotations": {"cost-center": "42"}});
     create_template(&ctx, "one-gpu", spec.clone()).await?;
-    let pod = create_pod(
-        &ctx,
-        "trainer",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
-    )
-    .await?;
+    let pod = create_pod(&ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
 
     let recorded = wait_recorded(&ctx, "trainer", 1).await?;
     let statuses = claim_statuses(&recorded);
@@ -69,11 +71,7 @@ async fn creates_claim_from_template_and_records_it(ctx: TestContext) -> anyhow:
     let claims = list_claims(&ctx).await?;
     ensure!(claims.len() == 1, "expected one claim, got {}", claims.len());
     let claim = &claims[0];
-    ensure!(
-        claim.name_any() == name,
-        "status names {name}, claim is {}",
-        claim.name_any()
-    );
+    ensure!(claim.name_any() == name, "status names {name}, claim is {}", claim.name_any());
     let owner = &claim.owner_references()[0];
     ensure!(
         owner.kind == "Pod"
@@ -82,42 +80,20 @@ async fn creates_claim_from_template_and_records_it(ctx: TestContext) -> anyhow:
             && owner.controller == Some(true),
         "wrong owner {owner:?}"
     );
-    ensure!(
-        claim.annotations().get(ANNOTATION).map(String::as_str) == Some("gpu"),
-        "{:?}",
-        claim.annotations()
-    );
-    ensure!(
-        claim.annotations().get("cost-center").map(String::as_str) == Some("42"),
-        "template annotation not copied"
-    );
-    ensure!(
-        claim.labels().get("team").map(String::as_str) == Some("ml"),
-        "template label not copied"
-    );
+    ensure!(claim.annotations().get(ANNOTATION).map(String::as_str) == Some("gpu"), "{:?}", claim.annotations());
+    ensure!(claim.annotations().get("cost-center").map(String::as_str) == Some("42"), "template annotation not copied");
+    ensure!(claim.labels().get("team").map(String::as_str) == Some("ml"), "template label not copied");
     let spec_json = serde_json::to_value(&claim.spec)?;
-    ensure!(
-        spec_json["devices"]["requests"][0]["exactly"]["deviceClassName"] == CLASS,
-        "{spec_json}"
-    );
+    ensure!(spec_json["devices"]["requests"][0]["exactly"]["deviceClassName"] == CLASS, "{spec_json}");
 
     let events = wait::until("the ResourceClaimCreated event", SETTLE, || async {
         let events = events_about(&ctx, "trainer").await?;
-        Ok(events
-            .into_iter()
-            .find(|(_, reason, _)| reason == "ResourceClaimCreated"))
+        Ok(events.into_iter().find(|(_, reason, _)| reason == "ResourceClaimCreated"))
     })
     .await?;
-    ensure!(
-        events.0 == "Normal" && events.2.contains(&name) && events.2.contains("one-gpu"),
-        "{events:?}"
-    );
-    let creates = controller
-        .metric(
-            "dynamic_resource_allocation_resourceclaim_creates_total",
-            &[("status", "success")],
-        )
-        .await?;
+    ensure!(events.0 == "Normal" && events.2.contains(&name) && events.2.contains("one-gpu"), "{events:?}");
+    let creates =
+        controller.metric("dynamic_resource_allocation_resourceclaim_creates_total", &[("status", "success")]).await?;
     ensure!(creates == 1.0, "creates_total = {creates}");
     Ok(())
 }
@@ -133,16 +109,8 @@ async fn unknown_template_fields_survive(ctx: TestContext) -> anyhow::Result<()>
     }}});
     let template = create_template(&ctx, "derived", spec).await?;
     let stored = &template.data["spec"]["spec"]["devices"]["requests"][0]["exactly"]["derivedAttributes"];
-    ensure!(
-        *stored == derived,
-        "the API server did not keep derivedAttributes (feature gate off?): {stored}"
-    );
-    create_pod(
-        &ctx,
-        "p",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "derived"}]),
-    )
-    .await?;
+    ensure!(*stored == derived, "the API server did not keep derivedAttributes (feature gate off?): {stored}");
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "derived"}])).await?;
     wait_recorded(&ctx, "p", 1).await?;
 
     let api = Api::<kube::api::DynamicObject>::namespaced_with(
@@ -150,13 +118,7 @@ async fn unknown_template_fields_survive(ctx: TestContext) -> anyhow::Result<()>
         &ctx.namespace,
         &kube::api::ApiResource::erase::<k8s_openapi::api::resource::v1::ResourceClaim>(&()),
     );
-    let claim = api
-        .list(&Default::default())
-        .await?
-        .items
-        .into_iter()
-        .next()
-        .context("no claim")?;
+    let claim = api.list(&Default::default()).await?.items.into_iter().next().context("no claim")?;
     ensure!(
         claim.data["spec"] == template.data["spec"]["spec"],
         "claim spec differs from the template's:\nclaim    {}\ntemplate {}",
@@ -168,17 +130,10 @@ async fn unknown_template_fields_survive(ctx: TestContext) -> anyhow::Result<()>
 
 async fn template_created_after_pod_is_used_at_once(ctx: TestContext) -> anyhow::Result<()> {
     let controller = Component::controller(&ctx, &[]).await?;
-    create_pod(
-        &ctx,
-        "early",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "late"}]),
-    )
-    .await?;
+    create_pod(&ctx, "early", json!([{"name": "gpu", "resourceClaimTemplateName": "late"}])).await?;
     let warning = wait::until("the FailedResourceClaimCreation warning", SETTLE, || async {
         let events = events_about(&ctx, "early").await?;
-        Ok(events
-            .into_iter()
-            .find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
+        Ok(events.into_iter().find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
     })
     .await?;
     ensure!(
@@ -191,25 +146,16 @@ async fn template_created_after_pod_is_used_at_once(ctx: TestContext) -> anyhow:
     // Let the retry back-off grow well past a second (5 ms doubling: ~5 s after 10 failures).
     tokio::time::sleep(Duration::from_secs(6)).await;
     let failures = controller
-        .metric(
-            "gpu_dra_controller_sync_duration_seconds_count",
-            &[("result", "template_not_found")],
-        )
+        .metric("gpu_dra_controller_sync_duration_seconds_count", &[("result", "template_not_found")])
         .await?;
-    ensure!(
-        (5.0..=20.0).contains(&failures),
-        "{failures} failed syncs in 6 s: not an exponential back-off"
-    );
+    ensure!((5.0..=20.0).contains(&failures), "{failures} failed syncs in 6 s: not an exponential back-off");
 
     let created = Instant::now();
     create_template(&ctx, "late", one_gpu()).await?;
     wait_recorded(&ctx, "early", 1).await?;
     let took = created.elapsed();
     // The template watch triggers the pod at once; waiting out the back-off would take seconds.
-    ensure!(
-        took < Duration::from_secs(2),
-        "claim took {took:?} after the template appeared"
-    );
+    ensure!(took < Duration::from_secs(2), "claim took {took:?} after the template appeared");
     eprintln!("template → claim recorded: {took:?}");
     Ok(())
 }
@@ -235,13 +181,8 @@ async fn three_template_claims_and_a_named_one_take_one_status_write(ctx: TestCo
     .await?;
     // Watch the pod from its creation on and count the updates that changed its claim statuses.
     let pods = objects::pods(&ctx);
-    let params = WatchParams::default()
-        .fields(&format!("metadata.name={}", pod.name_any()))
-        .timeout(8);
-    let mut stream = pods
-        .watch(&params, &pod.resource_version().context("no rv")?)
-        .await?
-        .boxed();
+    let params = WatchParams::default().fields(&format!("metadata.name={}", pod.name_any())).timeout(8);
+    let mut stream = pods.watch(&params, &pod.resource_version().context("no rv")?).await?.boxed();
     let mut last = Vec::new();
     let mut writes = Vec::new();
     while let Some(event) = stream.try_next().await? {
@@ -253,20 +194,10 @@ async fn three_template_claims_and_a_named_one_take_one_status_write(ctx: TestCo
             }
         }
     }
-    ensure!(
-        writes.len() == 1,
-        "expected ONE status write, saw {}: {writes:?}",
-        writes.len()
-    );
+    ensure!(writes.len() == 1, "expected ONE status write, saw {}: {writes:?}", writes.len());
     let names: Vec<&str> = writes[0].iter().map(|(n, _)| n.as_str()).collect();
-    ensure!(
-        names == ["a-gpu", "b-gpu", "c-gpu"],
-        "entries not all present or not sorted: {names:?}"
-    );
-    ensure!(
-        list_claims(&ctx).await?.len() == 4,
-        "expected 3 generated claims + the named one"
-    );
+    ensure!(names == ["a-gpu", "b-gpu", "c-gpu"], "entries not all present or not sorted: {names:?}");
+    ensure!(list_claims(&ctx).await?.len() == 4, "expected 3 generated claims + the named one");
     Ok(())
 }
 
@@ -275,21 +206,12 @@ async fn long_names_are_truncated_in_proportion(ctx: TestContext) -> anyhow::Res
     create_template(&ctx, "one-gpu", one_gpu()).await?;
     let pod_name = "p".repeat(63);
     let claim_name = "c".repeat(63);
-    create_pod(
-        &ctx,
-        &pod_name,
-        json!([{"name": claim_name, "resourceClaimTemplateName": "one-gpu"}]),
-    )
-    .await?;
+    create_pod(&ctx, &pod_name, json!([{"name": claim_name, "resourceClaimTemplateName": "one-gpu"}])).await?;
     let pod = wait_recorded(&ctx, &pod_name, 1).await?;
     let name = claim_statuses(&pod)[0].1.clone().context("no claim name")?;
     // 63*57/128 = 28 characters of each, a hyphen, and the API server's five random characters.
     let prefix = format!("{}-{}", "p".repeat(28), "c".repeat(28));
-    ensure!(
-        name.starts_with(&prefix) && name.len() == 62,
-        "claim name {name} ({} chars)",
-        name.len()
-    );
+    ensure!(name.starts_with(&prefix) && name.len() == 62, "claim name {name} ({} chars)", name.len());
     Ok(())
 }
 
@@ -297,12 +219,7 @@ async fn long_names_are_truncated_in_proportion(ctx: TestContext) -> anyhow::Res
 /// adopted. A claim with the right annotation but not owned by the pod is never adopted.
 async fn orphan_is_adopted_and_unowned_lookalike_is_not(ctx: TestContext) -> anyhow::Result<()> {
     create_template(&ctx, "one-gpu", one_gpu()).await?;
-    let pod = create_pod(
-        &ctx,
-        "p",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
-    )
-    .await?;
+    let pod = create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let claim = |name: &str, owned: bool| -> anyhow::Result<k8s_openapi::api::resource::v1::ResourceClaim> {
         let owners = if owned {
             json!([{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": pod.metadata.uid, "controller": true}])
@@ -314,51 +231,27 @@ async fn orphan_is_adopted_and_unowned_lookalike_is_not(ctx: TestContext) -> any
             "spec": one_gpu()["spec"]
         }))?)
     };
-    objects::claims(&ctx)
-        .create(&PostParams::default(), &claim("p-gpu-lookalike", false)?)
-        .await?;
+    objects::claims(&ctx).create(&PostParams::default(), &claim("p-gpu-lookalike", false)?).await?;
     // Created as an earlier instance of the controller would have (same field manager).
-    let as_controller = PostParams {
-        field_manager: Some("gpu-dra-controller".into()),
-        ..Default::default()
-    };
-    objects::claims(&ctx)
-        .create(&as_controller, &claim("p-gpu-orphan", true)?)
-        .await?;
+    let as_controller = PostParams { field_manager: Some("gpu-dra-controller".into()), ..Default::default() };
+    objects::claims(&ctx).create(&as_controller, &claim("p-gpu-orphan", true)?).await?;
 
     let _controller = Component::controller(&ctx, &[]).await?;
     let pod = wait_recorded(&ctx, "p", 1).await?;
-    ensure!(
-        claim_statuses(&pod)[0].1.as_deref() == Some("p-gpu-orphan"),
-        "{:?}",
-        claim_statuses(&pod)
-    );
+    ensure!(claim_statuses(&pod)[0].1.as_deref() == Some("p-gpu-orphan"), "{:?}", claim_statuses(&pod));
     tokio::time::sleep(Duration::from_secs(1)).await;
     let names: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
     ensure!(names.len() == 2, "a claim was created instead of adopting: {names:?}");
     let events = events_about(&ctx, "p").await?;
-    ensure!(
-        events
-            .iter()
-            .any(|(_, r, n)| r == "ResourceClaimAdopted" && n.contains("p-gpu-orphan")),
-        "{events:?}"
-    );
+    ensure!(events.iter().any(|(_, r, n)| r == "ResourceClaimAdopted" && n.contains("p-gpu-orphan")), "{events:?}");
     Ok(())
 }
 
 async fn missing_recorded_claim_is_recreated(ctx: TestContext) -> anyhow::Result<()> {
     let _controller = Component::controller(&ctx, &[]).await?;
     create_template(&ctx, "one-gpu", one_gpu()).await?;
-    create_pod(
-        &ctx,
-        "p",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
-    )
-    .await?;
-    let first = claim_statuses(&wait_recorded(&ctx, "p", 1).await?)[0]
-        .1
-        .clone()
-        .context("no name")?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let first = claim_statuses(&wait_recorded(&ctx, "p", 1).await?)[0].1.clone().context("no name")?;
     objects::claims(&ctx).delete(&first, &DeleteParams::default()).await?;
     let pods = objects::pods(&ctx);
     let second = wait::until("a new claim to be recorded", SETTLE, || async {
@@ -376,12 +269,7 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
     ensure!(controller.get("/healthz").await? == (200, "ok".into()), "healthz");
     ensure!(controller.get("/readyz").await?.0 == 200, "readyz");
     create_template(&ctx, "one-gpu", one_gpu()).await?;
-    create_pod(
-        &ctx,
-        "p",
-        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
-    )
-    .await?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     wait_recorded(&ctx, "p", 1).await?;
     let (_, body) = controller.get("/metrics").await?;
     for metric in [
@@ -402,5 +290,227 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
     );
     ensure!(gauge == Some(1.0), "claims gauge {gauge:?}");
     let _ = (Patch::<()>::Merge(()), PatchParams::default());
+    Ok(())
+}
+
+fn reserved(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> Vec<String> {
+    claim.status.as_ref().and_then(|s| s.reserved_for.clone()).unwrap_or_default().into_iter().map(|r| r.name).collect()
+}
+
+fn allocated(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> bool {
+    claim.status.as_ref().is_some_and(|s| s.allocation.is_some())
+}
+
+/// A Succeeded pod: its generated claim is deleted (with an Event); its reservation of a user's claim is
+/// dropped, the claim deallocated and released, but kept.
+async fn finished_pod_claims_are_deleted_and_user_claims_released(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    objects::create_claim(&ctx, "shared").await?;
+    let pod = create_pod(
+        &ctx,
+        "job",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}, {"name": "named", "resourceClaimName": "shared"}]),
+    )
+    .await?;
+    let generated = claim_statuses(&wait_recorded(&ctx, "job", 1).await?)[0].1.clone().context("no claim")?;
+    let consumer = json!([{"resource": "pods", "name": "job", "uid": pod.metadata.uid}]);
+    objects::allocate(&ctx, "shared", consumer, true).await?;
+
+    objects::set_phase(&ctx, "job", "Succeeded").await?;
+    let claims = objects::claims(&ctx);
+    wait::until("the generated claim to be deleted", SETTLE, || async {
+        Ok(claims.get_opt(&generated).await?.is_none().then_some(()))
+    })
+    .await?;
+    let shared = wait::until("the shared claim to be released", SETTLE, || async {
+        let c = claims.get("shared").await?;
+        Ok((reserved(&c).is_empty() && !allocated(&c) && c.finalizers().is_empty()).then_some(c))
+    })
+    .await?;
+    ensure!(shared.metadata.deletion_timestamp.is_none(), "the user's claim must be kept");
+    let events = events_about(&ctx, &generated).await?;
+    ensure!(
+        events.iter().any(|(t, r, n)| t == "Normal" && r == "ResourceClaimDeleted" && n.contains("finished")),
+        "{events:?}"
+    );
+    Ok(())
+}
+
+/// The real scheduler allocates and reserves; when the pod is deleted the controller drops the reservation,
+/// deallocates and removes the finalizer, the garbage collector deletes the claim, and the device can be
+/// allocated again.
+async fn reservation_of_deleted_pod_is_released_for_the_next_pod(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let node = support::objects::fake_gpu_node(&ctx, 1).await?;
+    create_template(
+        &ctx,
+        "one-gpu",
+        json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": node.class}}]}}}),
+    )
+    .await?;
+    let first = support::objects::create_pod_on(
+        &ctx,
+        "first",
+        &node.name,
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    let pods = objects::pods(&ctx);
+    let claims = objects::claims(&ctx);
+    let claim_name = wait::until("the scheduler to bind the first pod", SETTLE, || async {
+        let p = pods.get("first").await?;
+        let bound = p.spec.as_ref().and_then(|s| s.node_name.clone()).is_some();
+        Ok(claim_statuses(&p).first().and_then(|s| s.1.clone()).filter(|_| bound))
+    })
+    .await?;
+    let claim = claims.get(&claim_name).await?;
+    ensure!(
+        allocated(&claim) && reserved(&claim) == ["first"],
+        "scheduler did not allocate/reserve: {:?}",
+        claim.status
+    );
+    ensure!(claim.finalizers().iter().any(|f| f == "resource.kubernetes.io/delete-protection"), "no finalizer");
+
+    // No kubelet: delete at once, as a kubelet would once the containers stopped.
+    pods.delete("first", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    wait::until("the claim to be released and garbage-collected", SETTLE, || async {
+        Ok(claims.get_opt(&claim_name).await?.is_none().then_some(()))
+    })
+    .await?;
+    let _ = first;
+    support::objects::create_pod_on(
+        &ctx,
+        "second",
+        &node.name,
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]),
+    )
+    .await?;
+    wait::until("the second pod to get the only device", SETTLE, || async {
+        let p = pods.get("second").await?;
+        Ok(p.spec.and_then(|s| s.node_name).map(|_| ()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// A scheduled pod whose claim is allocated but not reserved for it gets reserved by the controller.
+async fn allocated_claim_is_reserved_for_its_scheduled_pod(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    objects::create_claim(&ctx, "pre-allocated").await?;
+    objects::allocate(&ctx, "pre-allocated", json!([]), true).await?;
+    let node = format!("{}-node", ctx.namespace);
+    ctx.cluster.add_node(&node)?;
+    // Bound directly (spec.nodeName), bypassing the scheduler that would otherwise reserve the claim itself.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "bound"},
+        "spec": {"nodeName": node,
+                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "pre-allocated"}]}
+    }))?;
+    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    let claims = objects::claims(&ctx);
+    wait::until("the controller to reserve the claim", SETTLE, || async {
+        Ok((reserved(&claims.get("pre-allocated").await?) == ["bound"]).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Only the stale entry goes: a gone pod's reservation is dropped, a consumer of another type is kept, and so is
+/// the allocation (still in use).
+async fn gone_pod_reservation_is_dropped_and_other_consumers_kept(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    objects::create_claim(&ctx, "c").await?;
+    let consumers = json!([
+        {"resource": "pods", "name": "ghost", "uid": "00000000-0000-0000-0000-000000000001"},
+        {"apiGroup": "example.com", "resource": "widgets", "name": "w", "uid": "00000000-0000-0000-0000-000000000002"}
+    ]);
+    objects::allocate(&ctx, "c", consumers, true).await?;
+    let claims = objects::claims(&ctx);
+    let claim = wait::until("the ghost's reservation to be dropped", SETTLE, || async {
+        let c = claims.get("c").await?;
+        Ok((reserved(&c) == ["w"]).then_some(c))
+    })
+    .await?;
+    ensure!(allocated(&claim) && !claim.finalizers().is_empty(), "allocation/finalizer must stay while in use");
+    Ok(())
+}
+
+/// A claim being deleted with nothing reserved: the controller clears the allocation and the finalizer, so the
+/// deletion completes.
+async fn deleted_claim_is_deallocated_and_released(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    objects::create_claim(&ctx, "c").await?;
+    objects::allocate(&ctx, "c", json!([]), true).await?;
+    let claims = objects::claims(&ctx);
+    claims.delete("c", &DeleteParams::default()).await?;
+    wait::until("the claim to be gone", SETTLE, || async { Ok(claims.get_opt("c").await?.is_none().then_some(())) })
+        .await?;
+    Ok(())
+}
+
+/// The API server rejects the generated claim (admin access without the namespace label): the server's message
+/// reaches ONE aggregated Warning event, and retries back off exponentially.
+async fn rejected_claim_warns_once_and_backs_off(ctx: TestContext) -> anyhow::Result<()> {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(ctx.client.clone());
+    let label =
+        |value: serde_json::Value| json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": value}}});
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(json!("true")))).await?;
+    let admin = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS, "adminAccess": true}}]}}});
+    create_template(&ctx, "admin", admin).await?;
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(serde_json::Value::Null))).await?;
+
+    let controller = Component::controller(&ctx, &[]).await?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "admin"}])).await?;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let events: Vec<_> =
+        events_about(&ctx, "p").await?.into_iter().filter(|(_, r, _)| r == "FailedResourceClaimCreation").collect();
+    ensure!(events.len() == 1, "expected ONE aggregated warning, got {events:?}");
+    ensure!(
+        events[0].2.contains("admin access to devices requires"),
+        "the server's message is missing: {:?}",
+        events[0]
+    );
+    let failures = controller
+        .metric(
+            "dynamic_resource_allocation_resourceclaim_creates_total",
+            &[("status", "failure"), ("admin_access", "true")],
+        )
+        .await?;
+    ensure!((3.0..=20.0).contains(&failures), "{failures} create attempts in 6 s: expected an exponential back-off");
+    ensure!(list_claims(&ctx).await?.is_empty(), "no claim may exist");
+    Ok(())
+}
+
+/// Without permission to create claims: a log line naming the verb and resource, and a Warning event.
+async fn forbidden_create_names_verb_and_resource(ctx: TestContext) -> anyhow::Result<()> {
+    let rules = json!([
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims", "resourceclaimtemplates"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
+    ]);
+    let token = objects::service_account_with_rules(&ctx, "no-create", rules).await?;
+    let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{}-no-create", ctx.namespace), &token)?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(&kubeconfig, &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    wait::until("the forbidden log line", SETTLE, || async {
+        let log = controller.log_text();
+        Ok(log
+            .lines()
+            .any(|l| l.contains("forbidden") && l.contains("cannot create resource \\\"resourceclaims\\\""))
+            .then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let events = events_about(&ctx, "p").await?;
+    ensure!(
+        events.iter().any(|(t, r, n)| t == "Warning" && r == "FailedResourceClaimCreation" && n.contains("forbidden")),
+        "{events:?}"
+    );
     Ok(())
 }

@@ -33,11 +33,7 @@ fn main() {
 async fn api_server_reports_pinned_version(ctx: TestContext) -> anyhow::Result<()> {
     let info = ctx.client.apiserver_version().await?;
     let pinned = pinned_kubernetes_version()?;
-    ensure!(
-        info.git_version == pinned,
-        "/version says {}, pinned {pinned}",
-        info.git_version
-    );
+    ensure!(info.git_version == pinned, "/version says {}, pinned {pinned}", info.git_version);
     Ok(())
 }
 
@@ -119,19 +115,13 @@ async fn scheduler_allocates_matching_device_and_reserves_claim(ctx: TestContext
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace);
     let pod = wait::until("the scheduler to bind the pod", SCHEDULING_TIMEOUT, || async {
         let pod = pods.get("h100").await?;
-        Ok(pod
-            .spec
-            .as_ref()
-            .and_then(|s| s.node_name.clone())
-            .map(|node| (node, pod)))
+        Ok(pod.spec.as_ref().and_then(|s| s.node_name.clone()).map(|node| (node, pod)))
     })
     .await?;
     ensure!(pod.0 == gpus.node, "pod bound to {}, expected {}", pod.0, gpus.node);
     let pod_uid = pod.1.metadata.uid.clone().context("pod has no uid")?;
 
-    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace)
-        .get("h100")
-        .await?;
+    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace).get("h100").await?;
     let status = claim.status.context("claim has no status")?;
     let results = status
         .allocation
@@ -141,12 +131,8 @@ async fn scheduler_allocates_matching_device_and_reserves_claim(ctx: TestContext
     ensure!(results.len() == 1, "expected one allocated device, got {results:?}");
     let result = &results[0];
     ensure!(
-        (
-            result.driver.as_str(),
-            result.pool.as_str(),
-            result.device.as_str(),
-            result.request.as_str()
-        ) == (DRIVER, gpus.node.as_str(), "gpu-0", "gpu"),
+        (result.driver.as_str(), result.pool.as_str(), result.device.as_str(), result.request.as_str())
+            == (DRIVER, gpus.node.as_str(), "gpu-0", "gpu"),
         "allocated the wrong device: {result:?}"
     );
     let reserved = status.reserved_for.unwrap_or_default();
@@ -166,20 +152,16 @@ async fn claim_matching_no_device_leaves_pod_unschedulable(ctx: TestContext) -> 
     claim_and_pod(&ctx, &gpus, "b200", &cel).await?;
 
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace);
-    let (reason, message) = wait::until(
-        "the scheduler to mark the pod unschedulable",
-        SCHEDULING_TIMEOUT,
-        || async {
-            let pod = pods.get("b200").await?;
-            let condition = pod
-                .status
-                .and_then(|s| s.conditions)
-                .unwrap_or_default()
-                .into_iter()
-                .find(|c| c.type_ == "PodScheduled" && c.status == "False");
-            Ok(condition.map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default())))
-        },
-    )
+    let (reason, message) = wait::until("the scheduler to mark the pod unschedulable", SCHEDULING_TIMEOUT, || async {
+        let pod = pods.get("b200").await?;
+        let condition = pod
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False");
+        Ok(condition.map(|c| (c.reason.unwrap_or_default(), c.message.unwrap_or_default())))
+    })
     .await?;
     ensure!(reason == "Unschedulable", "PodScheduled reason {reason:?}: {message}");
     ensure!(
@@ -188,13 +170,8 @@ async fn claim_matching_no_device_leaves_pod_unschedulable(ctx: TestContext) -> 
     );
     let pod = pods.get("b200").await?;
     ensure!(pod.spec.and_then(|s| s.node_name).is_none(), "pod was bound");
-    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace)
-        .get("b200")
-        .await?;
-    ensure!(
-        claim.status.and_then(|s| s.allocation).is_none(),
-        "a claim nothing matches got an allocation"
-    );
+    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &ctx.namespace).get("b200").await?;
+    ensure!(claim.status.and_then(|s| s.allocation).is_none(), "a claim nothing matches got an allocation");
     Ok(())
 }
 
@@ -214,10 +191,7 @@ async fn rbac_refuses_identity_without_grants(ctx: TestContext) -> anyhow::Resul
         .token;
 
     let mut config = ctx.cluster.client_config().await?;
-    config.auth_info = kube::config::AuthInfo {
-        token: Some(token.into()),
-        ..Default::default()
-    };
+    config.auth_info = kube::config::AuthInfo { token: Some(token.into()), ..Default::default() };
     let nobody = kube::Client::try_from(config)?;
     let pods = Api::<Pod>::namespaced(nobody.clone(), &ctx.namespace);
     match pods.list(&ListParams::default()).await {

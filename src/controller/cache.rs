@@ -50,10 +50,7 @@ pub struct Caches {
 
 impl std::fmt::Debug for Caches {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Caches")
-            .field("pods", &self.pods.len())
-            .field("claims", &self.claims.len())
-            .finish()
+        f.debug_struct("Caches").field("pods", &self.pods.len()).field("claims", &self.claims.len()).finish()
     }
 }
 
@@ -75,17 +72,11 @@ impl Caches {
             claims,
             templates: templates_writer.as_reader(),
             claims_by_owner: Index::new(|claim: &ResourceClaim| {
-                decide::owning_pod(claim)
-                    .map(|(_, uid)| uid.to_string())
-                    .into_iter()
-                    .collect()
+                decide::owning_pod(claim).map(|(_, uid)| uid.to_string()).into_iter().collect()
             }),
             pods_by_claim: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
-                decide::known_claim_names(pod)
-                    .into_iter()
-                    .map(|name| format!("{ns}/{name}"))
-                    .collect()
+                decide::known_claim_names(pod).into_iter().map(|name| format!("{ns}/{name}")).collect()
             }),
             pods_by_template: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
@@ -99,11 +90,7 @@ impl Caches {
             created: Mutex::default(),
             applied: Mutex::default(),
         };
-        let writers = Writers {
-            pods: pods_writer,
-            claims: claims_writer,
-            templates: templates_writer,
-        };
+        let writers = Writers { pods: pods_writer, claims: claims_writer, templates: templates_writer };
         (caches, writers)
     }
 
@@ -123,8 +110,7 @@ impl Caches {
     }
 
     pub fn template(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
-        self.templates
-            .get(&ObjectRef::new_with(name, template_resource()).within(namespace))
+        self.templates.get(&ObjectRef::new_with(name, template_resource()).within(namespace))
     }
 
     /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet.
@@ -132,12 +118,7 @@ impl Caches {
         let namespace = pod.namespace().unwrap_or_default();
         self.claim(&namespace, name).or_else(|| {
             let uid = pod.metadata.uid.as_deref()?;
-            lock(&self.created)
-                .by_pod
-                .get(uid)?
-                .iter()
-                .find(|c| c.name_any() == name)
-                .cloned()
+            lock(&self.created).by_pod.get(uid)?.iter().find(|c| c.name_any() == name).cloned()
         })
     }
 
@@ -171,9 +152,7 @@ impl Caches {
     pub fn remember_created(&self, pod_uid: &str, claim: Arc<ResourceClaim>) {
         let mut created = lock(&self.created);
         let namespace = claim.namespace().unwrap_or_default();
-        let seen = self
-            .claim(&namespace, &claim.name_any())
-            .is_some_and(|c| c.metadata.uid == claim.metadata.uid);
+        let seen = self.claim(&namespace, &claim.name_any()).is_some_and(|c| c.metadata.uid == claim.metadata.uid);
         if !seen {
             created.by_pod.entry(pod_uid.to_string()).or_default().push(claim);
         }
@@ -191,9 +170,7 @@ impl Caches {
         let Some(uid) = pod.metadata.uid.as_deref() else { return };
         let mut applied = lock(&self.applied);
         // As for created claims: the pod's watch event may already be in the store (checked under the lock).
-        let cached = self
-            .pod(&object_key(pod))
-            .filter(|p| p.metadata.uid.as_deref() == Some(uid));
+        let cached = self.pod(&object_key(pod)).filter(|p| p.metadata.uid.as_deref() == Some(uid));
         let shown = |pod_claim: &str, claim: &str| {
             cached.as_ref().is_some_and(|p| {
                 decide::pod_claims(p).iter().any(|pc| {
@@ -206,11 +183,7 @@ impl Caches {
                 })
             })
         };
-        let missing: Vec<_> = entries
-            .iter()
-            .filter(|(pc, claim)| !shown(pc, claim))
-            .cloned()
-            .collect();
+        let missing: Vec<_> = entries.iter().filter(|(pc, claim)| !shown(pc, claim)).cloned().collect();
         if !missing.is_empty() {
             applied.entry(uid.to_string()).or_default().extend(missing);
         }
@@ -235,16 +208,9 @@ impl Caches {
         let Some(record) = applied.get_mut(uid) else {
             return;
         };
-        let statuses = pod
-            .status
-            .as_ref()
-            .and_then(|s| s.resource_claim_statuses.as_deref())
-            .unwrap_or_default();
-        record.retain(|pod_claim, claim| {
-            !statuses
-                .iter()
-                .any(|s| &s.name == pod_claim && s.resource_claim_name.as_ref() == Some(claim))
-        });
+        let statuses = pod.status.as_ref().and_then(|s| s.resource_claim_statuses.as_deref()).unwrap_or_default();
+        // Once the pod shows an entry for a pod claim (ours or another writer's), the record has served.
+        record.retain(|pod_claim, _| !statuses.iter().any(|s| &s.name == pod_claim));
         if record.is_empty() {
             applied.remove(uid);
         }
@@ -375,6 +341,7 @@ fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
     match event {
         watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
             ctx.caches.observed_pod(pod);
+            enqueue_unrecorded_claims(ctx, pod);
             enqueue_pod(ctx, pod, false);
         }
         watcher::Event::Delete(pod) => {
@@ -384,6 +351,21 @@ fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
             enqueue_pod(ctx, pod, true);
         }
         watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
+
+/// Enqueues the claims generated for `pod` that its status does not record: leftovers of a race with another
+/// writer of the status, which syncClaim deletes once unused.
+fn enqueue_unrecorded_claims(ctx: &Context, pod: &Pod) {
+    let Some(uid) = pod.metadata.uid.as_deref() else { return };
+    let recorded = decide::known_claim_names(pod);
+    if recorded.is_empty() {
+        return;
+    }
+    for key in ctx.caches.claims_by_owner.get(uid) {
+        if !recorded.contains(&key.name.as_str()) {
+            ctx.queue.add(WorkKey::Claim(key));
+        }
     }
 }
 
@@ -401,9 +383,8 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
     if deleted {
         return;
     }
-    let (needed, reason) = decide::pod_needs_work(pod, &ctx.caches.applied_statuses(pod), |name| {
-        ctx.caches.claim_for_pod(pod, name)
-    });
+    let (needed, reason) =
+        decide::pod_needs_work(pod, &ctx.caches.applied_statuses(pod), |name| ctx.caches.claim_for_pod(pod, name));
     if needed {
         debug!(pod = %object_key(pod), reason, "pod needs work");
         ctx.queue.add(WorkKey::Pod(object_key(pod)));
@@ -441,11 +422,7 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
 fn on_template_event(ctx: &Context, event: &watcher::Event<DynamicObject>) {
     if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = event {
         let namespace = template.namespace().unwrap_or_default();
-        for key in ctx
-            .caches
-            .pods_by_template
-            .get(&format!("{namespace}/{}", template.name_any()))
-        {
+        for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {
             if let Some(pod) = ctx.caches.pod(&key) {
                 enqueue_pod(ctx, &pod, false);
             }

@@ -3,12 +3,20 @@
 
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
+use std::time::Duration;
+
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use serde_json::json;
 use tracing::{debug, info, instrument};
 
 use super::Context;
+use super::queue::WorkKey;
+
+/// How old an unrecorded duplicate must be before it is deleted: its creator may be between creating it and
+/// recording it in the pod status.
+const DUPLICATE_GRACE: Duration = Duration::from_secs(5);
 use super::decide::{self, DELETE_PROTECTION_FINALIZER};
 use super::error::SyncError;
 use super::events::Reason;
@@ -63,32 +71,19 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
             let updated = claims(ctx, key)
                 .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map_err(|source| SyncError::UpdateClaimStatus {
-                    claim: key.clone(),
-                    source,
-                })?;
+                .map_err(|source| SyncError::UpdateClaimStatus { claim: key.clone(), source })?;
             allocated = decide::is_allocated(&updated);
             resource_version = updated.resource_version();
-            info!(
-                reservations = valid.len(),
-                deallocated = deallocate,
-                "updated claim status"
-            );
+            info!(reservations = valid.len(), deallocated = deallocate, "updated claim status");
         }
         if has_finalizer && !allocated {
-            let finalizers: Vec<&String> = claim
-                .finalizers()
-                .iter()
-                .filter(|f| *f != DELETE_PROTECTION_FINALIZER)
-                .collect();
+            let finalizers: Vec<&String> =
+                claim.finalizers().iter().filter(|f| *f != DELETE_PROTECTION_FINALIZER).collect();
             let patch = json!({"metadata": {"resourceVersion": resource_version, "finalizers": finalizers}});
             claims(ctx, key)
                 .patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
-                .map_err(|source| SyncError::RemoveFinalizer {
-                    claim: key.clone(),
-                    source,
-                })?;
+                .map_err(|source| SyncError::RemoveFinalizer { claim: key.clone(), source })?;
             info!("removed the delete-protection finalizer");
         }
     }
@@ -115,10 +110,7 @@ async fn pod_consumer(
     let pod = match ctx.caches.pod(&pod_key) {
         Some(pod) => pod,
         // Not in the cache: the cache may lag behind a new pod, so ask the API server before dropping anything.
-        None => match Api::<Pod>::namespaced(ctx.client.clone(), namespace)
-            .get_opt(&consumer.name)
-            .await
-        {
+        None => match Api::<Pod>::namespaced(ctx.client.clone(), namespace).get_opt(&consumer.name).await {
             Ok(Some(pod)) => std::sync::Arc::new(pod),
             Ok(None) => return Ok(Consumer::Gone("pod not found")),
             Err(source) => {
@@ -154,19 +146,16 @@ async fn delete_if_pod_finished(ctx: &Context, key: &ObjectKey, claim: &Resource
     delete_claim(ctx, key, claim).await?;
     info!(pod = pod_name, why, "deleted claim");
     ctx.events
-        .claim_normal(
-            claim,
-            Reason::ResourceClaimDeleted,
-            format!("Deleted ResourceClaim: {why} (pod {pod_name})"),
-        )
+        .claim_normal(claim, Reason::ResourceClaimDeleted, format!("Deleted ResourceClaim: {why} (pod {pod_name})"))
         .await;
     Ok(())
 }
 
 /// Two controllers (or a crashed instance) can generate two claims for the same pod claim. The pod status names
-/// the one that counts; another one, owned by the same pod for the same pod claim and not allocated or reserved,
-/// is garbage and is deleted. Only when the recorded claim exists, so a status the cache shows late never makes
-/// a fresh claim look like a duplicate. Returns whether the claim was deleted.
+/// the one that counts; another one, owned by the same pod for the same pod claim and neither allocated nor
+/// reserved, is garbage and is deleted. Caches lag, so the decision is confirmed against the API server (the
+/// live pod status and the live recorded claim), and a claim younger than [`DUPLICATE_GRACE`] is looked at again
+/// later: its creator may be about to record it. Returns whether the claim was deleted.
 async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<bool, SyncError> {
     let (Some((pod_name, _)), Some(pod_claim)) = (decide::owning_pod(claim), decide::pod_claim_name_annotation(claim))
     else {
@@ -178,49 +167,62 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
     {
         return Ok(false);
     }
-    let Some(pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
+    let Some(cached_pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
         return Ok(false);
     };
-    if !decide::is_owned_by(claim, &pod) {
+    if !decide::is_owned_by(claim, &cached_pod) || recorded_claim(&cached_pod, pod_claim).is_none_or(|r| r == key.name)
+    {
         return Ok(false);
     }
-    let applied = ctx.caches.applied_statuses(&pod);
-    let recorded = decide::pod_claims(&pod)
-        .iter()
-        .find(|pc| pc.name == pod_claim)
-        .and_then(|pc| match decide::claim_source_with(&pod, pc, &applied) {
-            decide::ClaimSource::Template {
-                recorded: decide::Recorded::Claim(name),
-                ..
-            } => Some(name.to_string()),
-            _ => None,
-        });
-    let Some(recorded) = recorded.filter(|name| *name != key.name) else {
+    let age = claim
+        .metadata
+        .creation_timestamp
+        .as_ref()
+        .map(|t| Timestamp::now().duration_since(t.0))
+        .and_then(|d| Duration::try_from(d).ok())
+        .unwrap_or_default();
+    if age < DUPLICATE_GRACE {
+        ctx.queue.add_after(WorkKey::Claim(key.clone()), DUPLICATE_GRACE - age);
+        return Ok(false);
+    }
+
+    // Confirm with the API server: the live pod records another claim, and that claim exists and is the pod's.
+    let pod_key = ObjectKey::new(key.namespace.clone(), pod_name);
+    let pod = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace)
+        .get_opt(pod_name)
+        .await
+        .map_err(|source| SyncError::GetPod { pod: pod_key, source })?;
+    let Some(pod) = pod.filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
+    let Some(recorded) = recorded_claim(&pod, pod_claim).filter(|r| *r != key.name).map(str::to_string) else {
         return Ok(false);
     };
-    if !ctx
-        .caches
-        .claim(&key.namespace, &recorded)
-        .is_some_and(|c| decide::is_owned_by(&c, &pod))
-    {
+    let live = claims(ctx, key).get_opt(&recorded).await.map_err(|source| SyncError::GetClaim {
+        claim: ObjectKey::new(key.namespace.clone(), recorded.clone()),
+        source,
+    })?;
+    if !live.is_some_and(|c| decide::is_owned_by(&c, &pod)) {
         return Ok(false);
     }
     delete_claim(ctx, key, claim).await?;
     info!(pod = pod_name, pod_claim, recorded = %recorded, "deleted duplicate generated claim");
     let note =
         format!("Deleted duplicate ResourceClaim for pod claim {pod_claim} of pod {pod_name}: the pod uses {recorded}");
-    ctx.events
-        .claim_normal(claim, Reason::DuplicateResourceClaimDeleted, note)
-        .await;
+    ctx.events.claim_normal(claim, Reason::DuplicateResourceClaimDeleted, note).await;
     Ok(true)
+}
+
+/// The claim name the pod's status records for template pod claim `pod_claim`.
+fn recorded_claim<'a>(pod: &'a Pod, pod_claim: &str) -> Option<&'a str> {
+    let pc = decide::pod_claims(pod).iter().find(|pc| pc.name == pod_claim)?;
+    match decide::claim_source(pod, pc) {
+        decide::ClaimSource::Template { recorded: decide::Recorded::Claim(name), .. } => Some(name),
+        _ => None,
+    }
 }
 
 async fn delete_claim(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<(), SyncError> {
     let params = DeleteParams {
-        preconditions: Some(Preconditions {
-            uid: claim.metadata.uid.clone(),
-            resource_version: None,
-        }),
+        preconditions: Some(Preconditions { uid: claim.metadata.uid.clone(), resource_version: None }),
         ..Default::default()
     };
     match claims(ctx, key).delete(&key.name, &params).await {
@@ -229,9 +231,6 @@ async fn delete_claim(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> 
             debug!("claim already gone");
             Ok(())
         }
-        Err(source) => Err(SyncError::DeleteClaim {
-            claim: key.clone(),
-            source,
-        }),
+        Err(source) => Err(SyncError::DeleteClaim { claim: key.clone(), source }),
     }
 }

@@ -54,6 +54,12 @@ pub enum SyncError {
         #[source]
         source: kube::Error,
     },
+    #[error("get claim {claim}: {source}")]
+    GetClaim {
+        claim: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
     #[error("get pod {pod}: {source}")]
     GetPod {
         pod: ObjectKey,
@@ -82,6 +88,7 @@ impl SyncError {
             SyncError::RemoveFinalizer { .. } => "remove_finalizer",
             SyncError::DeleteClaim { .. } => "delete_claim",
             SyncError::GetPod { .. } => "get_pod",
+            SyncError::GetClaim { .. } => "get_claim",
             SyncError::DecodeClaim(_) => "decode_claim",
             SyncError::Timeout(_) => "timeout",
             SyncError::Several { first, .. } => first.metric_label(),
@@ -98,7 +105,8 @@ impl SyncError {
             | SyncError::UpdateClaimStatus { source, .. }
             | SyncError::RemoveFinalizer { source, .. }
             | SyncError::DeleteClaim { source, .. }
-            | SyncError::GetPod { source, .. } => source,
+            | SyncError::GetPod { source, .. }
+            | SyncError::GetClaim { source, .. } => source,
             SyncError::Several { first, .. } => return first.api_status(),
             _ => return None,
         };

@@ -57,18 +57,12 @@ impl std::fmt::Debug for Events {
 
 impl Events {
     pub fn new(client: kube::Client, instance: String) -> Self {
-        let reporter = Reporter {
-            controller: super::CLAIM_FIELD_MANAGER.into(),
-            instance: Some(instance),
-        };
-        Self {
-            recorder: Recorder::new(client, reporter),
-        }
+        let reporter = Reporter { controller: super::CLAIM_FIELD_MANAGER.into(), instance: Some(instance) };
+        Self { recorder: Recorder::new(client, reporter) }
     }
 
     pub async fn pod_warning(&self, pod: &Pod, reason: Reason, note: String) {
-        self.publish(pod.object_ref(&()), EventType::Warning, reason, note)
-            .await;
+        self.publish(pod.object_ref(&()), EventType::Warning, reason, note).await;
     }
 
     pub async fn pod_normal(&self, pod: &Pod, reason: Reason, note: String) {
@@ -76,13 +70,11 @@ impl Events {
     }
 
     pub async fn claim_normal(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Normal, reason, note)
-            .await;
+        self.publish(claim.object_ref(&()), EventType::Normal, reason, note).await;
     }
 
     pub async fn claim_warning(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Warning, reason, note)
-            .await;
+        self.publish(claim.object_ref(&()), EventType::Warning, reason, note).await;
     }
 
     async fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, mut note: String) {

@@ -42,10 +42,7 @@ pub struct ForeignControllerDetector {
 
 impl ForeignControllerDetector {
     pub fn new(started: Timestamp) -> Self {
-        Self {
-            started,
-            detection: OnceLock::new(),
-        }
+        Self { started, detection: OnceLock::new() }
     }
 
     pub fn observe_only(&self) -> bool {
@@ -81,11 +78,7 @@ impl ForeignControllerDetector {
             detection.claim, detection.field_manager
         );
         let (events, claim) = (ctx.events.clone(), claim.clone());
-        tokio::spawn(async move {
-            events
-                .claim_warning(&claim, Reason::AnotherClaimControllerActive, note)
-                .await
-        });
+        tokio::spawn(async move { events.claim_warning(&claim, Reason::AnotherClaimControllerActive, note).await });
     }
 }
 
@@ -119,11 +112,7 @@ mod tests {
     use serde_json::json;
 
     fn claim(manager: &str, created: &str, annotated: bool) -> ResourceClaim {
-        let annotations = if annotated {
-            json!({decide::POD_CLAIM_NAME_ANNOTATION: "gpu"})
-        } else {
-            json!({})
-        };
+        let annotations = if annotated { json!({decide::POD_CLAIM_NAME_ANNOTATION: "gpu"}) } else { json!({}) };
         serde_json::from_value(json!({
             "metadata": {
                 "name": "c", "namespace": "ns", "creationTimestamp": created, "annotations": annotations,
@@ -146,11 +135,7 @@ mod tests {
             foreign_creator(&claim("kube-controller-manager", fresh, true), since).as_deref(),
             Some("kube-controller-manager")
         );
-        assert_eq!(
-            foreign_creator(&claim(CLAIM_FIELD_MANAGER, fresh, true), since),
-            None,
-            "our own claims"
-        );
+        assert_eq!(foreign_creator(&claim(CLAIM_FIELD_MANAGER, fresh, true), since), None, "our own claims");
         assert_eq!(
             foreign_creator(&claim("kube-controller-manager", "2026-12-01T09:00:00Z", true), since),
             None,

@@ -61,10 +61,7 @@ impl<K> std::fmt::Debug for Index<K> {
 
 impl<K: Resource> Index<K> {
     pub fn new(index_keys: fn(&K) -> Vec<String>) -> Self {
-        Self {
-            index_keys,
-            state: Mutex::default(),
-        }
+        Self { index_keys, state: Mutex::default() }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -80,10 +77,7 @@ impl<K: Resource> Index<K> {
             watcher::Event::Init => state.relisting = Some(Maps::default()),
             watcher::Event::InitApply(obj) => {
                 let keys = (self.index_keys)(obj);
-                state
-                    .relisting
-                    .get_or_insert_with(Maps::default)
-                    .insert(object_key(obj), keys);
+                state.relisting.get_or_insert_with(Maps::default).insert(object_key(obj), keys);
             }
             watcher::Event::InitDone => {
                 if let Some(fresh) = state.relisting.take() {
@@ -95,12 +89,7 @@ impl<K: Resource> Index<K> {
 
     /// The objects indexed under `key`.
     pub fn get(&self, key: &str) -> Vec<ObjectKey> {
-        self.lock()
-            .live
-            .by_index_key
-            .get(key)
-            .map(|set| set.iter().cloned().collect())
-            .unwrap_or_default()
+        self.lock().live.by_index_key.get(key).map(|set| set.iter().cloned().collect()).unwrap_or_default()
     }
 }
 

@@ -113,11 +113,7 @@ impl ControllerMetrics {
     }
 
     pub fn foreign_claim_seen(&self, field_manager: &str) {
-        self.foreign_claims
-            .get_or_create(&ManagerLabels {
-                field_manager: field_manager.to_string(),
-            })
-            .inc();
+        self.foreign_claims.get_or_create(&ManagerLabels { field_manager: field_manager.to_string() }).inc();
     }
 
     pub fn set_observe_only(&self, on: bool) {
@@ -135,13 +131,9 @@ fn bool_label(b: bool) -> &'static str {
 
 /// Whether a claim spec (JSON) asks for admin access in any request.
 pub fn requests_admin_access(spec: &Value) -> bool {
-    spec.pointer("/devices/requests")
-        .and_then(Value::as_array)
-        .is_some_and(|requests| {
-            requests
-                .iter()
-                .any(|r| r.pointer("/exactly/adminAccess").and_then(Value::as_bool) == Some(true))
-        })
+    spec.pointer("/devices/requests").and_then(Value::as_array).is_some_and(|requests| {
+        requests.iter().any(|r| r.pointer("/exactly/adminAccess").and_then(Value::as_bool) == Some(true))
+    })
 }
 
 /// Metrics computed from the caches when scraped: the claims gauge and the queue depth.
@@ -168,10 +160,7 @@ impl Collector for ScrapeTimeMetrics {
                 .devices
                 .as_ref()
                 .and_then(|d| d.requests.as_ref())
-                .is_some_and(|rs| {
-                    rs.iter()
-                        .any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true))
-                });
+                .is_some_and(|rs| rs.iter().any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true)));
             claims
                 .get_or_create(&ClaimLabels {
                     allocated: bool_label(is_allocated(&claim)),

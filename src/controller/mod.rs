@@ -88,10 +88,7 @@ pub struct Context {
 
 impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Context")
-            .field("caches", &self.caches)
-            .field("queue", &self.queue)
-            .finish_non_exhaustive()
+        f.debug_struct("Context").field("caches", &self.caches).field("queue", &self.queue).finish_non_exhaustive()
     }
 }
 
@@ -123,12 +120,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     if let Some(namespace) = &args.namespace {
         info!(%namespace, "watching one namespace only");
     }
-    tokio::spawn(cache::run_informers(
-        client.clone(),
-        args.namespace.clone(),
-        writers,
-        ctx.clone(),
-    ));
+    tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
 
     let (role_tx, mut role) = watch::channel(if args.leader_elect { Role::Unknown } else { Role::Leader });
     // Without election the sender stays here, so the role never changes (and never reads as closed).
@@ -159,12 +151,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         synced = caches.wait_synced() => synced.map_err(|_| ControllerError::CachesStopped)?,
         () = stop.cancelled() => return Ok(()),
     }
-    info!(
-        pods = caches.pods.len(),
-        claims = caches.claims.len(),
-        templates = caches.templates.len(),
-        "caches synced"
-    );
+    info!(pods = caches.pods.len(), claims = caches.claims.len(), templates = caches.templates.len(), "caches synced");
 
     // Ready once the caches synced and the role is known; followers are ready too (warm standby).
     let mut workers = Vec::new();
@@ -260,11 +247,8 @@ fn spawn_signal_handler(stop: CancellationToken) -> Result<(), ControllerError> 
 
 /// `POD_NAME` in a cluster (downward API), else the host name plus the process id.
 fn default_identity() -> String {
-    std::env::var("POD_NAME")
-        .ok()
-        .filter(|n| !n.is_empty())
-        .unwrap_or_else(|| {
-            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            format!("{}-{}", host.trim(), std::process::id())
-        })
+    std::env::var("POD_NAME").ok().filter(|n| !n.is_empty()).unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    })
 }

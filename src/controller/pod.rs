@@ -65,10 +65,7 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
         }
         return Err(match errors.len() {
             1 => errors.remove(0),
-            count => SyncError::Several {
-                count,
-                first: Box::new(errors.remove(0)),
-            },
+            count => SyncError::Several { count, first: Box::new(errors.remove(0)) },
         });
     }
     if decide::is_scheduled(&pod) && !observe_only {
@@ -85,22 +82,13 @@ async fn handle_claim(
     observe_only: bool,
 ) -> Result<Outcome, SyncError> {
     let template = match decide::claim_source_with(pod, pod_claim, applied) {
-        ClaimSource::Named(_)
-        | ClaimSource::Template {
-            recorded: Recorded::NoClaimNeeded,
-            ..
-        } => {
+        ClaimSource::Named(_) | ClaimSource::Template { recorded: Recorded::NoClaimNeeded, .. } => {
             return Ok(Outcome::Unchanged);
         }
         ClaimSource::Unsupported => {
-            return Err(SyncError::UnsupportedPodClaim {
-                pod_claim: pod_claim.name.clone(),
-            });
+            return Err(SyncError::UnsupportedPodClaim { pod_claim: pod_claim.name.clone() });
         }
-        ClaimSource::Template {
-            recorded: Recorded::Claim(name),
-            template,
-        } => {
+        ClaimSource::Template { recorded: Recorded::Claim(name), template } => {
             match ctx.caches.claim_for_pod(pod, name) {
                 Some(claim) if decide::is_owned_by(&claim, pod) => return Ok(Outcome::Unchanged),
                 Some(_) => debug!(claim = name, "recorded claim is not owned by the pod; creating another"),
@@ -108,10 +96,7 @@ async fn handle_claim(
             }
             template
         }
-        ClaimSource::Template {
-            recorded: Recorded::Missing,
-            template,
-        } => template,
+        ClaimSource::Template { recorded: Recorded::Missing, template } => template,
     };
 
     if observe_only {
@@ -121,10 +106,7 @@ async fn handle_claim(
     if let Some(orphan) = ctx.caches.orphan_for(pod, &pod_claim.name) {
         let name = orphan.name_any();
         info!(claim = %name, pod_claim = %pod_claim.name, "adopting claim generated earlier for this pod");
-        let note = format!(
-            "Adopted ResourceClaim {name} (from template {template}) for pod claim {}",
-            pod_claim.name
-        );
+        let note = format!("Adopted ResourceClaim {name} (from template {template}) for pod claim {}", pod_claim.name);
         ctx.events.pod_normal(pod, Reason::ResourceClaimAdopted, note).await;
         return Ok(Outcome::Record(name));
     }
@@ -139,24 +121,16 @@ async fn create_claim(
     template_name: &str,
 ) -> Result<Arc<ResourceClaim>, SyncError> {
     let namespace = pod.namespace().unwrap_or_default();
-    let template = ctx
-        .caches
-        .template(&namespace, template_name)
-        .ok_or_else(|| SyncError::TemplateNotFound {
-            namespace: namespace.clone(),
-            template: template_name.to_string(),
-        })?;
-    let desired = decide::desired_claim(pod, pod_claim, &template).map_err(|source| SyncError::Template {
+    let template = ctx.caches.template(&namespace, template_name).ok_or_else(|| SyncError::TemplateNotFound {
+        namespace: namespace.clone(),
         template: template_name.to_string(),
-        source,
     })?;
+    let desired = decide::desired_claim(pod, pod_claim, &template)
+        .map_err(|source| SyncError::Template { template: template_name.to_string(), source })?;
     let admin_access = super::metrics::requests_admin_access(&desired["spec"]);
     let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
     let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, &claim_resource());
-    let params = PostParams {
-        field_manager: Some(CLAIM_FIELD_MANAGER.to_string()),
-        ..Default::default()
-    };
+    let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
     let created = api.create(&params, &desired).await;
     ctx.metrics.claim_created(created.is_ok(), admin_access);
     let created = created.map_err(|source| SyncError::CreateClaim {
@@ -164,18 +138,15 @@ async fn create_claim(
         template: template_name.to_string(),
         source,
     })?;
-    let created: ResourceClaim = serde_json::to_value(&created)
-        .and_then(serde_json::from_value)
-        .map_err(SyncError::DecodeClaim)?;
+    let created: ResourceClaim =
+        serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
     let created = Arc::new(created);
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());
     }
     info!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
-    let note = format!(
-        "Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}",
-        created.name_any()
-    );
+    let note =
+        format!("Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}", created.name_any());
     ctx.events.pod_normal(pod, Reason::ResourceClaimCreated, note).await;
     Ok(created)
 }
@@ -202,10 +173,7 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
     let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
     api.patch_status(&key.name, &params, &Patch::Apply(&patch))
         .await
-        .map_err(|source| SyncError::ApplyPodStatus {
-            pod: key.clone(),
-            source,
-        })?;
+        .map_err(|source| SyncError::ApplyPodStatus { pod: key.clone(), source })?;
     ctx.caches.remember_applied(pod, new);
     debug!(entries = statuses.len(), "applied pod claim statuses");
     Ok(())

@@ -27,10 +27,7 @@ pub struct ObjectKey {
 
 impl ObjectKey {
     pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
-        Self {
-            namespace: namespace.into(),
-            name: name.into(),
-        }
+        Self { namespace: namespace.into(), name: name.into() }
     }
 }
 
@@ -148,12 +145,17 @@ impl WorkQueue {
             *failures = failures.saturating_add(1);
             backoff(*failures)
         };
+        self.add_after(key, delay);
+        delay
+    }
+
+    /// Adds `key` after `delay` (a planned second look, not a failure: the back-off is untouched).
+    pub fn add_after(&self, key: WorkKey, delay: Duration) {
         let queue = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
             queue.add(key);
         });
-        delay
     }
 
     /// Keys waiting to be processed.
@@ -209,11 +211,7 @@ mod tests {
         queue.add(pod("a"));
         let key = queue.next().await;
         queue.add(pod("a"));
-        assert_eq!(
-            queue.depth(),
-            0,
-            "must not be handed to a second worker while processing"
-        );
+        assert_eq!(queue.depth(), 0, "must not be handed to a second worker while processing");
         queue.done(&pod("a"));
         assert_eq!(queue.depth(), 1);
         assert_eq!(queue.next().await, key);

@@ -21,22 +21,16 @@ pub enum TelemetryError {
 
 /// Installs the global `tracing` subscriber: logs go to stderr, as text or JSON lines.
 pub fn init_logging(args: &LogArgs) -> Result<(), TelemetryError> {
-    let filter = EnvFilter::try_new(&args.log_filter).map_err(|source| TelemetryError::LogFilter {
-        filter: args.log_filter.clone(),
-        source,
-    })?;
+    let filter = EnvFilter::try_new(&args.log_filter)
+        .map_err(|source| TelemetryError::LogFilter { filter: args.log_filter.clone(), source })?;
     let registry = tracing_subscriber::registry().with(filter);
     let result = match args.log_format {
         LogFormat::Text => {
             // Colours only for a person at a terminal, never into files or log collectors.
             let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-            registry
-                .with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr))
-                .try_init()
+            registry.with(fmt::layer().with_ansi(ansi).with_writer(std::io::stderr)).try_init()
         }
-        LogFormat::Json => registry
-            .with(fmt::layer().json().with_writer(std::io::stderr))
-            .try_init(),
+        LogFormat::Json => registry.with(fmt::layer().json().with_writer(std::io::stderr)).try_init(),
     };
     result.map_err(TelemetryError::Install)
 }

@@ -40,9 +40,7 @@ fn read() -> Option<Reading> {
     let mut reading = parse_stat(&stat, boot_time)?;
     reading.resident_bytes = status_kib(&status, "VmRSS:")? * 1024;
     reading.virtual_bytes = status_kib(&status, "VmSize:")? * 1024;
-    reading.open_fds = std::fs::read_dir("/proc/self/fd")
-        .map(|d| d.count() as i64)
-        .unwrap_or(0);
+    reading.open_fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as i64).unwrap_or(0);
     Some(reading)
 }
 
@@ -61,13 +59,7 @@ fn parse_stat(stat: &str, boot_time: f64) -> Option<Reading> {
 }
 
 fn status_kib(status: &str, key: &str) -> Option<i64> {
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix(key))?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+    status.lines().find_map(|l| l.strip_prefix(key))?.split_whitespace().next()?.parse().ok()
 }
 
 impl Collector for ProcessCollector {
@@ -81,31 +73,15 @@ impl Collector for ProcessCollector {
             MetricType::Counter,
         )?)?;
         let gauges: [(&str, &str, f64); 5] = [
-            (
-                "process_resident_memory_bytes",
-                "Resident memory size in bytes.",
-                r.resident_bytes as f64,
-            ),
-            (
-                "process_virtual_memory_bytes",
-                "Virtual memory size in bytes.",
-                r.virtual_bytes as f64,
-            ),
-            (
-                "process_open_fds",
-                "Number of open file descriptors.",
-                r.open_fds as f64,
-            ),
+            ("process_resident_memory_bytes", "Resident memory size in bytes.", r.resident_bytes as f64),
+            ("process_virtual_memory_bytes", "Virtual memory size in bytes.", r.virtual_bytes as f64),
+            ("process_open_fds", "Number of open file descriptors.", r.open_fds as f64),
             (
                 "process_start_time_seconds",
                 "Start time of the process since unix epoch in seconds.",
                 r.start_time_seconds,
             ),
-            (
-                "process_threads",
-                "Number of OS threads in the process.",
-                r.threads as f64,
-            ),
+            ("process_threads", "Number of OS threads in the process.", r.threads as f64),
         ];
         for (name, help, value) in gauges {
             ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;

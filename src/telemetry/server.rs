@@ -56,22 +56,15 @@ pub async fn bind(
     readiness: Readiness,
     stop: CancellationToken,
 ) -> Result<(SocketAddr, impl Future<Output = Result<(), ServerError>>), ServerError> {
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .map_err(|source| ServerError::Bind { addr, source })?;
-    let local = listener
-        .local_addr()
-        .map_err(|source| ServerError::Bind { addr, source })?;
+    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
+    let local = listener.local_addr().map_err(|source| ServerError::Bind { addr, source })?;
     let app = Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .with_state(AppState { registry, readiness });
     let serve = async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(stop.cancelled_owned())
-            .await
-            .map_err(ServerError::Serve)
+        axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await.map_err(ServerError::Serve)
     };
     Ok((local, serve))
 }
@@ -81,10 +74,7 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     match prometheus_client::encoding::text::encode(&mut body, &state.registry) {
         Ok(()) => (
             StatusCode::OK,
-            [(
-                header::CONTENT_TYPE,
-                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            )],
+            [(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")],
             body,
         ),
         Err(_) => (

@@ -19,18 +19,20 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    /// Reuses the cluster `KUBECONFIG` points at when it is a gpu-dra e2e cluster; starts one otherwise.
-    pub fn start(binary: &str) -> anyhow::Result<Self> {
-        if let Some(state_dir) = reusable_state_dir() {
+    /// Reuses the cluster `KUBECONFIG` points at when it is a gpu-dra e2e cluster; starts one otherwise. With
+    /// `kcm_claim_controller` it always starts its own, with kube-controller-manager's resourceclaim-controller.
+    pub fn start(binary: &str, kcm_claim_controller: bool) -> anyhow::Result<Self> {
+        if !kcm_claim_controller && let Some(state_dir) = reusable_state_dir() {
             eprintln!("reusing the test cluster in {}", state_dir.display());
-            return Ok(Self {
-                state_dir,
-                owned: false,
-            });
+            return Ok(Self { state_dir, owned: false });
         }
         let state_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{binary}"));
-        let status = script()
-            .arg("up")
+        let mut up = script();
+        up.arg("up");
+        if kcm_claim_controller {
+            up.arg("--with-kcm-claim-controller");
+        }
+        let status = up
             .env("GPU_DRA_E2E_DIR", &state_dir)
             .env("GPU_DRA_E2E_OWNER_PID", std::process::id().to_string())
             .stdout(Stdio::null())
@@ -88,11 +90,7 @@ impl Cluster {
             .output()
             .with_context(|| format!("run e2e/cluster.sh {}", args.join(" ")))?;
         if !output.status.success() {
-            bail!(
-                "e2e/cluster.sh {} failed: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&output.stderr)
-            );
+            bail!("e2e/cluster.sh {} failed: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
         }
         Ok(())
     }
@@ -133,4 +131,24 @@ pub fn pinned_kubernetes_version() -> anyhow::Result<String> {
         .and_then(|rest| rest.strip_suffix('}'))
         .map(str::to_string)
         .context("K8S_VERSION not found in e2e/versions.sh")
+}
+
+impl Cluster {
+    /// Writes a kubeconfig that authenticates with `token` (e.g. a ServiceAccount's) and returns its path.
+    pub fn kubeconfig_for_token(&self, name: &str, token: &str) -> anyhow::Result<PathBuf> {
+        let mut kubeconfig = Kubeconfig::read_from(self.kubeconfig()).context("read admin kubeconfig")?;
+        let auth = kube::config::AuthInfo { token: Some(token.to_string().into()), ..Default::default() };
+        kubeconfig.auth_infos = vec![kube::config::NamedAuthInfo {
+            name: name.to_string(),
+            auth_info: Some(auth),
+            other: Default::default(),
+        }];
+        for context in kubeconfig.contexts.iter_mut().filter_map(|c| c.context.as_mut()) {
+            context.user = Some(name.to_string());
+        }
+        let path = self.state_dir.join(format!("{name}.kubeconfig"));
+        // JSON is YAML: every kubeconfig reader takes it.
+        std::fs::write(&path, serde_json::to_string(&kubeconfig)?)?;
+        Ok(path)
+    }
 }

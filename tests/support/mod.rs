@@ -36,9 +36,7 @@ pub struct TestContext {
 
 impl std::fmt::Debug for TestContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TestContext")
-            .field("namespace", &self.namespace)
-            .finish()
+        f.debug_struct("TestContext").field("namespace", &self.namespace).finish()
     }
 }
 
@@ -55,10 +53,7 @@ pub struct Test {
 #[macro_export]
 macro_rules! test {
     ($f:ident) => {
-        $crate::support::Test {
-            name: stringify!($f),
-            body: |ctx| Box::pin($f(ctx)),
-        }
+        $crate::support::Test { name: stringify!($f), body: |ctx| Box::pin($f(ctx)) }
     };
 }
 
@@ -67,12 +62,17 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Runs `tests` against one shared cluster and exits with libtest's status.
 pub fn run(binary: &str, tests: &[Test]) -> ! {
+    run_with(binary, false, tests)
+}
+
+/// Like [`run`]; `kcm_claim_controller` starts the cluster with kube-controller-manager's claim controller.
+pub fn run_with(binary: &str, kcm_claim_controller: bool, tests: &[Test]) -> ! {
     let args = Arguments::from_args();
     if args.list {
         let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(()))).collect();
         libtest_mimic::run(&args, trials).exit();
     }
-    let cluster = match Cluster::start(binary) {
+    let cluster = match Cluster::start(binary, kcm_claim_controller) {
         Ok(cluster) => Arc::new(cluster),
         Err(err) if std::env::var_os("CI").is_some() => {
             eprintln!("error: CI is set and the test cluster could not be started: {err:#}");
@@ -84,10 +84,7 @@ pub fn run(binary: &str, tests: &[Test]) -> ! {
                  Run e2e/build-k8s.sh (needs Go and the module proxy) to build the binaries.",
                 tests.len()
             );
-            let trials = tests
-                .iter()
-                .map(|t| Trial::test(t.name, || Ok(())).with_ignored_flag(true))
-                .collect();
+            let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(())).with_ignored_flag(true)).collect();
             libtest_mimic::run(&args, trials).exit();
         }
     };
@@ -113,19 +110,11 @@ fn run_one(test: Test, cluster: Arc<Cluster>) -> Result<(), Failed> {
         .map_err(|e| format!("build tokio runtime: {e}"))?;
     runtime.block_on(async move {
         let client = cluster.client().await.map_err(|e| format!("{e:#}"))?;
-        let namespace = create_namespace(&client, test.name)
-            .await
-            .map_err(|e| format!("{e:#}"))?;
-        let ctx = TestContext {
-            client: client.clone(),
-            namespace: namespace.clone(),
-            cluster,
-        };
+        let namespace = create_namespace(&client, test.name).await.map_err(|e| format!("{e:#}"))?;
+        let ctx = TestContext { client: client.clone(), namespace: namespace.clone(), cluster };
         let result = tokio::time::timeout(TEST_TIMEOUT, (test.body)(ctx)).await;
         // Deleting the namespace is best effort: the cluster goes away at the end anyway.
-        let _ = Api::<Namespace>::all(client)
-            .delete(&namespace, &DeleteParams::default())
-            .await;
+        let _ = Api::<Namespace>::all(client).delete(&namespace, &DeleteParams::default()).await;
         match result {
             Ok(Ok(())) => Ok(()),
             Ok(Err(err)) => Err(format!("{err:#}").into()),
@@ -153,22 +142,10 @@ pub fn unique_name(base: &str) -> String {
     use std::hash::{BuildHasher, Hasher};
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default(),
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or_default(),
     );
-    let mut stem: String = base
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() {
-                c.to_ascii_lowercase()
-            } else {
-                '-'
-            }
-        })
-        .take(48)
-        .collect();
+    let mut stem: String =
+        base.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).take(48).collect();
     stem = stem.trim_matches('-').to_string();
     format!("{stem}-{:06x}", hasher.finish() & 0xff_ffff)
 }

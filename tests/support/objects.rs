@@ -31,12 +31,7 @@ pub fn one_gpu() -> Value {
 
 /// Creates a pod with the given `spec.resourceClaims` (each used by the one container).
 pub async fn create_pod(ctx: &TestContext, name: &str, claims: Value) -> anyhow::Result<Pod> {
-    let uses: Vec<Value> = claims
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|c| json!({"name": c["name"]}))
-        .collect();
+    let uses: Vec<Value> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
@@ -46,9 +41,7 @@ pub async fn create_pod(ctx: &TestContext, name: &str, claims: Value) -> anyhow:
             "nodeSelector": {"gpu-dra.dev/test-no-node": "true"}
         }
     }))?;
-    Ok(Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace)
-        .create(&PostParams::default(), &pod)
-        .await?)
+    Ok(Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace).create(&PostParams::default(), &pod).await?)
 }
 
 pub fn pods(ctx: &TestContext) -> Api<Pod> {
@@ -83,12 +76,104 @@ pub async fn events_about(ctx: &TestContext, name: &str) -> anyhow::Result<Vec<(
         .items
         .into_iter()
         .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(name))
-        .map(|e| {
-            (
-                e.type_.unwrap_or_default(),
-                e.reason.unwrap_or_default(),
-                e.note.unwrap_or_default(),
-            )
-        })
+        .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
         .collect())
+}
+
+/// Creates ServiceAccount `name` in the test namespace, binds `rules` to it with a Role, and returns a token.
+pub async fn service_account_with_rules(ctx: &TestContext, name: &str, rules: Value) -> anyhow::Result<String> {
+    use k8s_openapi::api::authentication::v1::TokenRequest;
+    use k8s_openapi::api::core::v1::ServiceAccount;
+    use k8s_openapi::api::rbac::v1::{Role, RoleBinding};
+    let pp = PostParams::default();
+    let sas = Api::<ServiceAccount>::namespaced(ctx.client.clone(), &ctx.namespace);
+    sas.create(&pp, &serde_json::from_value(json!({"metadata": {"name": name}}))?).await?;
+    let role = json!({"metadata": {"name": name}, "rules": rules});
+    Api::<Role>::namespaced(ctx.client.clone(), &ctx.namespace).create(&pp, &serde_json::from_value(role)?).await?;
+    let binding = json!({
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}]
+    });
+    Api::<RoleBinding>::namespaced(ctx.client.clone(), &ctx.namespace)
+        .create(&pp, &serde_json::from_value(binding)?)
+        .await?;
+    let request: TokenRequest = serde_json::from_value(json!({"spec": {"audiences": [], "expirationSeconds": 3600}}))?;
+    let status = sas.create_token_request(name, &pp, &request).await?.status;
+    Ok(status.map(|s| s.token).unwrap_or_default())
+}
+
+/// Sets a claim's allocation (one device of `pool`) and `reservedFor` directly, as a scheduler would.
+pub async fn allocate(ctx: &TestContext, claim: &str, reserved_for: Value, finalizer: bool) -> anyhow::Result<()> {
+    let api = claims(ctx);
+    if finalizer {
+        let patch = json!({"metadata": {"finalizers": ["resource.kubernetes.io/delete-protection"]}});
+        api.patch(claim, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await?;
+    }
+    let status = json!({"status": {
+        "allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": CLASS, "pool": "test-pool", "device": "gpu-0"}
+        ]}},
+        "reservedFor": reserved_for
+    }});
+    api.patch_status(claim, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&status)).await?;
+    Ok(())
+}
+
+/// Creates a user-managed claim `name` asking for one device of the test class.
+pub async fn create_claim(ctx: &TestContext, name: &str) -> anyhow::Result<ResourceClaim> {
+    let claim: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": name}, "spec": one_gpu()["spec"]}))?;
+    Ok(claims(ctx).create(&PostParams::default(), &claim).await?)
+}
+
+/// Sets a pod's phase (as a kubelet would).
+pub async fn set_phase(ctx: &TestContext, pod: &str, phase: &str) -> anyhow::Result<()> {
+    let patch = json!({"status": {"phase": phase}});
+    pods(ctx).patch_status(pod, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
+/// A Ready node of the test's own with `gpus` devices published in a ResourceSlice, and a DeviceClass for them.
+#[derive(Debug)]
+pub struct FakeGpuNode {
+    pub name: String,
+    pub class: String,
+    pub driver: String,
+}
+
+pub async fn fake_gpu_node(ctx: &TestContext, gpus: usize) -> anyhow::Result<FakeGpuNode> {
+    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+    let name = format!("{}-node", ctx.namespace);
+    ctx.cluster.add_node(&name)?;
+    let driver = "gpu.test.gpu-dra.dev".to_string();
+    // One class per test: a class selecting this node's devices by pool keeps parallel tests apart.
+    let class = ctx.namespace.clone();
+    let selector = format!("device.driver == '{driver}'");
+    let device_class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": class}, "spec": {"selectors": [{"cel": {"expression": selector}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &device_class).await?;
+    let devices: Vec<Value> =
+        (0..gpus).map(|i| json!({"name": format!("gpu-{i}"), "attributes": {"index": {"int": i}}})).collect();
+    let slice: ResourceSlice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{name}-slice")},
+        "spec": {"driver": driver, "nodeName": name, "pool": {"name": name, "generation": 1, "resourceSliceCount": 1},
+                 "devices": devices}
+    }))?;
+    Api::<ResourceSlice>::all(ctx.client.clone()).create(&PostParams::default(), &slice).await?;
+    Ok(FakeGpuNode { name, class, driver })
+}
+
+/// Creates a pod pinned to `node` (by node selector) with the given `spec.resourceClaims`.
+pub async fn create_pod_on(ctx: &TestContext, name: &str, node: &str, claims: Value) -> anyhow::Result<Pod> {
+    let uses: Vec<Value> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}],
+            "resourceClaims": claims,
+            "nodeSelector": {"kubernetes.io/hostname": node}
+        }
+    }))?;
+    Ok(pods(ctx).create(&PostParams::default(), &pod).await?)
 }

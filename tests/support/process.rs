@@ -59,21 +59,12 @@ impl Component {
             .stderr(out)
             .spawn()
             .context("start gpu-dra")?;
-        Ok(Self {
-            child,
-            metrics_addr,
-            log,
-        })
+        Ok(Self { child, metrics_addr, log })
     }
 
     pub async fn wait_ready(&self) -> anyhow::Result<()> {
         wait::until("the component to be ready", Duration::from_secs(30), || async {
-            Ok(self
-                .get("/readyz")
-                .await
-                .ok()
-                .filter(|(code, _)| *code == 200)
-                .map(|_| ()))
+            Ok(self.get("/readyz").await.ok().filter(|(code, _)| *code == 200).map(|_| ()))
         })
         .await
         .with_context(|| format!("log:\n{}", self.log_tail()))
@@ -82,20 +73,11 @@ impl Component {
     /// `GET path` on the metrics address: (status code, body).
     pub async fn get(&self, path: &str) -> anyhow::Result<(u16, String)> {
         let mut stream = tokio::net::TcpStream::connect(self.metrics_addr).await?;
-        stream
-            .write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes())
-            .await?;
+        stream.write_all(format!("GET {path} HTTP/1.0\r\nHost: test\r\n\r\n").as_bytes()).await?;
         let mut response = String::new();
         stream.read_to_string(&mut response).await?;
-        let code = response
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .context("no status line")?;
-        let body = response
-            .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_string())
-            .unwrap_or_default();
+        let code = response.split_whitespace().nth(1).and_then(|c| c.parse().ok()).context("no status line")?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
         Ok((code, body))
     }
 
@@ -128,9 +110,7 @@ impl Component {
 
     /// SIGTERM and wait for the exit status.
     pub fn terminate(&mut self) -> anyhow::Result<std::process::ExitStatus> {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status()?;
+        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status()?;
         if !status.success() {
             bail!("kill -TERM failed");
         }
@@ -163,10 +143,8 @@ pub fn sample(body: &str, metric: &str, labels: &[(&str, &str)]) -> Option<f64> 
             Some((n, rest)) => (n, rest.trim_end_matches('}')),
             None => (name_labels, ""),
         };
-        let matches = name == metric
-            && labels
-                .iter()
-                .all(|(k, v)| label_text.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
+        let matches =
+            name == metric && labels.iter().all(|(k, v)| label_text.split(',').any(|kv| kv == format!("{k}=\"{v}\"")));
         if matches { value.parse().ok() } else { None }
     })
 }

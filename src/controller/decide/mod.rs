@@ -45,10 +45,7 @@ pub fn claim_source_with<'a>(
     applied: &'a [(String, String)],
 ) -> ClaimSource<'a> {
     match claim_source(pod, pod_claim) {
-        ClaimSource::Template {
-            template,
-            recorded: Recorded::Missing,
-        } => {
+        ClaimSource::Template { template, recorded: Recorded::Missing } => {
             let recorded = applied
                 .iter()
                 .find(|(name, _)| *name == pod_claim.name)
@@ -83,10 +80,7 @@ pub fn claim_source<'a>(pod: &'a Pod, pod_claim: &'a PodResourceClaim) -> ClaimS
 
 /// The pod's `spec.resourceClaims` (empty when it has none).
 pub fn pod_claims(pod: &Pod) -> &[PodResourceClaim] {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.resource_claims.as_deref())
-        .unwrap_or_default()
+    pod.spec.as_ref().and_then(|s| s.resource_claims.as_deref()).unwrap_or_default()
 }
 
 /// Names of the claims a pod uses that are known now (named claims and recorded template claims).
@@ -94,21 +88,14 @@ pub fn known_claim_names(pod: &Pod) -> Vec<&str> {
     pod_claims(pod)
         .iter()
         .filter_map(|pc| match claim_source(pod, pc) {
-            ClaimSource::Named(name)
-            | ClaimSource::Template {
-                recorded: Recorded::Claim(name),
-                ..
-            } => Some(name),
+            ClaimSource::Named(name) | ClaimSource::Template { recorded: Recorded::Claim(name), .. } => Some(name),
             _ => None,
         })
         .collect()
 }
 
 pub fn is_scheduled(pod: &Pod) -> bool {
-    pod.spec
-        .as_ref()
-        .and_then(|s| s.node_name.as_deref())
-        .is_some_and(|n| !n.is_empty())
+    pod.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_some_and(|n| !n.is_empty())
 }
 
 /// A pod that will never run (again): terminal, or deleted before it was scheduled.
@@ -135,12 +122,7 @@ pub fn is_owned_by(claim: &ResourceClaim, pod: &Pod) -> bool {
 }
 
 pub fn pod_claim_name_annotation(claim: &ResourceClaim) -> Option<&str> {
-    claim
-        .metadata
-        .annotations
-        .as_ref()?
-        .get(POD_CLAIM_NAME_ANNOTATION)
-        .map(String::as_str)
+    claim.metadata.annotations.as_ref()?.get(POD_CLAIM_NAME_ANNOTATION).map(String::as_str)
 }
 
 pub fn is_allocated(claim: &ResourceClaim) -> bool {
@@ -148,11 +130,7 @@ pub fn is_allocated(claim: &ResourceClaim) -> bool {
 }
 
 pub fn reserved_for(claim: &ResourceClaim) -> &[k8s_openapi::api::resource::v1::ResourceClaimConsumerReference] {
-    claim
-        .status
-        .as_ref()
-        .and_then(|s| s.reserved_for.as_deref())
-        .unwrap_or_default()
+    claim.status.as_ref().and_then(|s| s.reserved_for.as_deref()).unwrap_or_default()
 }
 
 pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
@@ -187,14 +165,8 @@ where
     }
     for pc in pod_claims(pod) {
         match claim_source_with(pod, pc, applied) {
-            ClaimSource::Template {
-                recorded: Recorded::Missing,
-                ..
-            } => return (true, "template claim not recorded"),
-            ClaimSource::Template {
-                recorded: Recorded::Claim(name),
-                ..
-            } if lookup(name).is_none() => {
+            ClaimSource::Template { recorded: Recorded::Missing, .. } => return (true, "template claim not recorded"),
+            ClaimSource::Template { recorded: Recorded::Claim(name), .. } if lookup(name).is_none() => {
                 return (true, "recorded claim is missing");
             }
             ClaimSource::Unsupported => {
@@ -228,13 +200,7 @@ pub fn merged_claim_statuses(pod: &Pod, new: &[(String, String)]) -> Vec<PodReso
     for (pod_claim, claim) in new {
         merged.insert(pod_claim.clone(), Some(claim.clone()));
     }
-    merged
-        .into_iter()
-        .map(|(name, resource_claim_name)| PodResourceClaimStatus {
-            name,
-            resource_claim_name,
-        })
-        .collect()
+    merged.into_iter().map(|(name, resource_claim_name)| PodResourceClaimStatus { name, resource_claim_name }).collect()
 }
 
 /// Why a template cannot become a claim.
@@ -253,16 +219,10 @@ pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Re
     let template_spec = template.data.get("spec").ok_or(TemplateError::NoSpec)?;
     let spec = template_spec.get("spec").ok_or(TemplateError::NoSpec)?.clone();
     let template_meta = template_spec.get("metadata");
-    let mut annotations = template_meta
-        .and_then(|m| m.get("annotations"))
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
+    let mut annotations =
+        template_meta.and_then(|m| m.get("annotations")).and_then(Value::as_object).cloned().unwrap_or_default();
     annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), Value::String(pod_claim.into()));
-    let labels = template_meta
-        .and_then(|m| m.get("labels"))
-        .cloned()
-        .unwrap_or_else(|| json!({}));
+    let labels = template_meta.and_then(|m| m.get("labels")).cloned().unwrap_or_else(|| json!({}));
     let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
     Ok(json!({
         "apiVersion": "resource.k8s.io/v1",

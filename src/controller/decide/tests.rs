@@ -52,10 +52,7 @@ fn claim_sources() {
     let claims = pod_claims(&fresh);
     assert_eq!(
         claim_source(&fresh, &claims[0]),
-        ClaimSource::Template {
-            template: "tmpl",
-            recorded: Recorded::Missing
-        }
+        ClaimSource::Template { template: "tmpl", recorded: Recorded::Missing }
     );
     assert_eq!(claim_source(&fresh, &claims[1]), ClaimSource::Named("shared-claim"));
 
@@ -64,26 +61,17 @@ fn claim_sources() {
     let pc = &pod_claims(&recorded)[0];
     assert_eq!(
         claim_source(&recorded, pc),
-        ClaimSource::Template {
-            template: "tmpl",
-            recorded: Recorded::Claim("pod-gpu-x")
-        }
+        ClaimSource::Template { template: "tmpl", recorded: Recorded::Claim("pod-gpu-x") }
     );
 
     let not_needed = pod(json!({"status": {"resourceClaimStatuses": [{"name": "gpu"}]}}));
     let pc = &pod_claims(&not_needed)[0];
     assert_eq!(
         claim_source(&not_needed, pc),
-        ClaimSource::Template {
-            template: "tmpl",
-            recorded: Recorded::NoClaimNeeded
-        }
+        ClaimSource::Template { template: "tmpl", recorded: Recorded::NoClaimNeeded }
     );
 
-    let neither = PodResourceClaim {
-        name: "x".into(),
-        ..Default::default()
-    };
+    let neither = PodResourceClaim { name: "x".into(), ..Default::default() };
     assert_eq!(claim_source(&fresh, &neither), ClaimSource::Unsupported);
     assert_eq!(known_claim_names(&recorded), vec!["pod-gpu-x", "shared-claim"]);
 }
@@ -96,10 +84,7 @@ fn pod_done() {
         (json!({"status": {"phase": "Succeeded"}}), true),
         (json!({"status": {"phase": "Failed"}}), true),
         (json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}), true),
-        (
-            json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"nodeName": "n"}}),
-            false,
-        ),
+        (json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}, "spec": {"nodeName": "n"}}), false),
     ];
     for (patch, done) in cases {
         assert_eq!(is_pod_done(&pod(patch.clone())), done, "{patch}");
@@ -149,46 +134,25 @@ fn reservation_rules() {
 #[test]
 fn needs_work() {
     let existing = Arc::new(claim(json!({"metadata": {"name": "pod-gpu-x"}})));
-    let allocated_claim = Arc::new(claim(merge_into(
-        json!({"metadata": {"name": "pod-gpu-x"}}),
-        allocated(),
-    )));
+    let allocated_claim = Arc::new(claim(merge_into(json!({"metadata": {"name": "pod-gpu-x"}}), allocated())));
     let recorded = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "pod-gpu-x"}]}});
     let none = |_: &str| None;
     let found = |_: &str| Some(existing.clone());
     let found_allocated = |_: &str| Some(allocated_claim.clone());
 
-    assert_eq!(
-        pod_needs_work(&pod(json!({})), &[], none),
-        (true, "template claim not recorded")
-    );
-    assert_eq!(
-        pod_needs_work(&pod(recorded.clone()), &[], none),
-        (true, "recorded claim is missing")
-    );
-    assert_eq!(
-        pod_needs_work(&pod(recorded.clone()), &[], found),
-        (false, "nothing to do")
-    );
+    assert_eq!(pod_needs_work(&pod(json!({})), &[], none), (true, "template claim not recorded"));
+    assert_eq!(pod_needs_work(&pod(recorded.clone()), &[], none), (true, "recorded claim is missing"));
+    assert_eq!(pod_needs_work(&pod(recorded.clone()), &[], found), (false, "nothing to do"));
     let scheduled = merge_into(recorded.clone(), json!({"spec": {"nodeName": "n"}}));
     assert_eq!(
         pod_needs_work(&pod(scheduled.clone()), &[], found_allocated),
         (true, "allocated claim not reserved for the scheduled pod")
     );
-    let deleting = merge_into(
-        json!({}),
-        json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}),
-    );
-    assert_eq!(
-        pod_needs_work(&pod(deleting), &[], none),
-        (false, "pod is being deleted")
-    );
+    let deleting = merge_into(json!({}), json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}));
+    assert_eq!(pod_needs_work(&pod(deleting), &[], none), (false, "pod is being deleted"));
     // A status applied but not yet in the cache counts as recorded.
     let applied = [("gpu".to_string(), "pod-gpu-x".to_string())];
-    assert_eq!(
-        pod_needs_work(&pod(json!({})), &applied, found),
-        (false, "nothing to do")
-    );
+    assert_eq!(pod_needs_work(&pod(json!({})), &applied, found), (false, "nothing to do"));
 }
 
 fn merge_into(mut base: Value, patch: Value) -> Value {
@@ -201,10 +165,7 @@ fn statuses_are_merged_and_sorted() {
     let p = pod(json!({"status": {"resourceClaimStatuses": [
         {"name": "z", "resourceClaimName": "pod-z-1"}, {"name": "b"}]}}));
     let merged = merged_claim_statuses(&p, &[("a".into(), "pod-a-1".into()), ("z".into(), "pod-z-2".into())]);
-    let got: Vec<_> = merged
-        .iter()
-        .map(|s| (s.name.as_str(), s.resource_claim_name.as_deref()))
-        .collect();
+    let got: Vec<_> = merged.iter().map(|s| (s.name.as_str(), s.resource_claim_name.as_deref())).collect();
     assert_eq!(got, vec![("a", Some("pod-a-1")), ("b", None), ("z", Some("pod-z-2"))]);
 }
 
@@ -223,16 +184,10 @@ fn desired_claim_copies_the_template_verbatim() {
     let before = template.clone();
     let p = pod(json!({}));
     let claim = desired_claim(&p, "gpu", &template).expect("claim");
-    assert_eq!(
-        claim["spec"], template.data["spec"]["spec"],
-        "spec must be copied verbatim, unknown fields included"
-    );
+    assert_eq!(claim["spec"], template.data["spec"]["spec"], "spec must be copied verbatim, unknown fields included");
     assert_eq!(claim["metadata"]["generateName"], "pod-gpu-");
     assert_eq!(claim["metadata"]["labels"], json!({"team": "ml"}));
-    assert_eq!(
-        claim["metadata"]["annotations"],
-        json!({"note": "x", POD_CLAIM_NAME_ANNOTATION: "gpu"})
-    );
+    assert_eq!(claim["metadata"]["annotations"], json!({"note": "x", POD_CLAIM_NAME_ANNOTATION: "gpu"}));
     assert_eq!(
         claim["metadata"]["ownerReferences"],
         json!([{"apiVersion": "v1", "kind": "Pod", "name": "pod", "uid": "pod-uid", "controller": true}])

@@ -1,0 +1,68 @@
+//! `gpu-dra controller` beside kube-controller-manager's own resourceclaim-controller (on by default since 1.34):
+//! it detects the other controller, turns observe-only, says so, and no pod ends up with two claims.
+
+mod support;
+
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use kube::{Api, ResourceExt};
+use serde_json::json;
+use support::objects::{self, claim_statuses, create_pod, create_template, list_claims, one_gpu};
+use support::process::Component;
+use support::{TestContext, wait};
+
+fn main() {
+    support::run_with("controller_beside_kcm", true, &[test!(turns_observe_only_and_no_pod_gets_two_claims)])
+}
+
+async fn turns_observe_only_and_no_pod_gets_two_claims(ctx: TestContext) -> anyhow::Result<()> {
+    const PODS: usize = 20;
+    let controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    for i in 0..PODS {
+        create_pod(&ctx, &format!("p{i:02}"), json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    }
+    wait::until("observe-only mode", Duration::from_secs(30), || async {
+        Ok((controller.metric("gpu_dra_controller_observe_only", &[]).await? == 1.0).then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+
+    // Settle: every pod records one existing claim and no other claim is left.
+    let pods_api = objects::pods(&ctx);
+    wait::until("one claim per pod", Duration::from_secs(60), || async {
+        let pods = pods_api.list(&Default::default()).await?.items;
+        let claims = list_claims(&ctx).await?;
+        let names: Vec<String> = claims.iter().map(|c| c.name_any()).collect();
+        let recorded: Vec<String> =
+            pods.iter().filter_map(|p| claim_statuses(p).first().and_then(|s| s.1.clone())).collect();
+        let settled = recorded.len() == PODS && claims.len() == PODS && recorded.iter().all(|r| names.contains(r));
+        Ok(settled.then_some(()))
+    })
+    .await?;
+    // Stays settled: nothing creates more claims later.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let claims = list_claims(&ctx).await?;
+    ensure!(claims.len() == PODS, "{} claims for {PODS} pods", claims.len());
+
+    let log = controller.log_text();
+    ensure!(
+        log.contains("OBSERVE-ONLY") && log.contains("--controllers=*,-resourceclaim-controller"),
+        "log lacks the warning"
+    );
+    let warned = wait::until("the AnotherClaimControllerActive warning", Duration::from_secs(10), || async {
+        let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+        let found = events.list(&Default::default()).await?.items.into_iter().find(|e| {
+            e.type_.as_deref() == Some("Warning") && e.reason.as_deref() == Some("AnotherClaimControllerActive")
+        });
+        Ok(found.map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default())))
+    })
+    .await?;
+    ensure!(warned.2.contains("kube-controller-manager") || warned.2.contains("field manager"), "{warned:?}");
+    eprintln!(
+        "claims created by gpu-dra before it noticed: {}",
+        controller.metric("dynamic_resource_allocation_resourceclaim_creates_total", &[("status", "success")]).await?
+    );
+    Ok(())
+}
