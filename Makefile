@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo test bench lint fmt k8s-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -11,7 +11,10 @@ demo: ## Run the demo on a local control plane (builds what is missing; leaves t
 	e2e/demo.sh
 
 test: k8s-binaries lint ## Run every check and test CI runs (builds what is missing)
-	$(CARGO) test --locked --all-targets
+	$(CARGO) test --locked
+
+bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager (prints a table)
+	$(CARGO) bench --locked --bench claim_controller
 
 lint: ## cargo fmt --check and clippy with warnings as errors
 	$(CARGO) fmt --all --check

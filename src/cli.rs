@@ -20,7 +20,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create each pod's ResourceClaims from its ResourceClaimTemplates (kube-controller-manager style).
-    Controller(ControllerArgs),
+    Controller(Box<ControllerArgs>),
     /// Discover this node's GPUs, publish them as ResourceSlices and serve the kubelet DRA plugin API.
     NodeAgent(NodeAgentArgs),
 }
@@ -45,13 +45,21 @@ pub enum LogFormat {
 /// Flags of `gpu-dra controller`.
 #[derive(Debug, Args)]
 pub struct ControllerArgs {
+    #[command(flatten)]
+    pub client: crate::kube_client::ClientArgs,
     /// Address of the HTTP endpoint serving /metrics, /healthz and /readyz (`127.0.0.1:0` picks a free port).
     #[arg(long, env = "GPU_DRA_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     pub metrics_addr: SocketAddr,
+    /// Requests per second for Events, on a client of their own so that Events never hold up claims (0: unlimited).
+    #[arg(long, env = "GPU_DRA_EVENTS_QPS", default_value_t = 50.0)]
+    pub events_qps: f64,
+    /// Events allowed at once above the average.
+    #[arg(long, env = "GPU_DRA_EVENTS_BURST", default_value_t = 200)]
+    pub events_burst: u32,
     /// Watch and act on one namespace only (tests, or one controller per tenant); default: all namespaces.
     #[arg(long, env = "GPU_DRA_WATCH_NAMESPACE")]
     pub namespace: Option<String>,
-    /// Concurrent syncs (kube-controller-manager's --concurrent-resource-claim-syncs, also 50 by default).
+    /// Concurrent syncs (kube-controller-manager's --concurrent-resourceclaim-syncs, also 50 by default).
     #[arg(long, env = "GPU_DRA_CONTROLLER_WORKERS", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     pub workers: u16,
     /// Elect a leader through a Lease so that only one replica writes. `false` only for a single process.

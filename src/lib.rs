@@ -8,6 +8,7 @@
 
 pub mod cli;
 pub mod controller;
+pub mod kube_client;
 pub mod leader;
 pub mod node_agent;
 pub mod telemetry;

@@ -1,11 +1,25 @@
 //! Kubernetes Events (events.k8s.io/v1) for operators. The recorder aggregates repeats of the same event into a
 //! series, so a retried failure updates one Event instead of creating a storm.
+//!
+//! Events never slow the controller down: they queue for one background sender (one at a time, so repeats
+//! aggregate), which uses a client with its own rate limit (`--events-qps`). At most [`MAX_QUEUED`] wait; beyond
+//! that they are dropped and counted in `gpu_dra_controller_events_dropped_total`, as client-go's recorder drops
+//! what it cannot send.
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Resource;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tokio::sync::mpsc;
 use tracing::warn;
+
+/// Events waiting to be sent; more are dropped.
+pub const MAX_QUEUED: usize = 1000;
+
+type Queued = (ObjectReference, EventType, Reason, String);
 
 /// Event reasons, as operators filter them (`kubectl get events --field-selector reason=…`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,7 +60,8 @@ impl Reason {
 /// Publishes the controller's Events; failures to publish are logged, never fatal.
 #[derive(Clone)]
 pub struct Events {
-    recorder: Recorder,
+    queue: mpsc::Sender<Queued>,
+    dropped: Arc<AtomicU64>,
 }
 
 impl std::fmt::Debug for Events {
@@ -56,9 +71,22 @@ impl std::fmt::Debug for Events {
 }
 
 impl Events {
+    /// `client` should be one of its own, with its own rate limit. Starts the sender task.
     pub fn new(client: kube::Client, instance: String) -> Self {
         let reporter = Reporter { controller: super::CLAIM_FIELD_MANAGER.into(), instance: Some(instance) };
-        Self { recorder: Recorder::new(client, reporter) }
+        let recorder = Recorder::new(client, reporter);
+        let (queue, mut queued) = mpsc::channel::<Queued>(MAX_QUEUED);
+        tokio::spawn(async move {
+            while let Some((regarding, type_, reason, note)) = queued.recv().await {
+                send(&recorder, regarding, type_, reason, note).await;
+            }
+        });
+        Self { queue, dropped: Arc::default() }
+    }
+
+    /// Events dropped because too many were in flight.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     pub async fn pod_warning(&self, pod: &Pod, reason: Reason, note: String) {
@@ -77,30 +105,36 @@ impl Events {
         self.publish(claim.object_ref(&()), EventType::Warning, reason, note).await;
     }
 
-    async fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, mut note: String) {
-        // The API limits an Event's note to 1 kB.
-        if note.len() > 1024 {
-            let mut cut = 1021;
-            while !note.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            note.truncate(cut);
-            note.push_str("...");
+    async fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
+        if self.queue.try_send((regarding, type_, reason, note)).is_err() {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
         }
-        let event = Event {
-            type_,
-            reason: reason.as_str().into(),
-            note: Some(note),
-            action: reason.action().into(),
-            secondary: None,
-        };
-        if let Err(err) = self.recorder.publish(&event, &regarding).await {
-            warn!(
-                reason = reason.as_str(),
-                object = ?regarding.name,
-                error = %err,
-                "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
-            );
+    }
+}
+
+async fn send(recorder: &Recorder, regarding: ObjectReference, type_: EventType, reason: Reason, mut note: String) {
+    // The API limits an Event's note to 1 kB.
+    if note.len() > 1024 {
+        let mut cut = 1021;
+        while !note.is_char_boundary(cut) {
+            cut -= 1;
         }
+        note.truncate(cut);
+        note.push_str("...");
+    }
+    let event = Event {
+        type_,
+        reason: reason.as_str().into(),
+        note: Some(note),
+        action: reason.action().into(),
+        secondary: None,
+    };
+    if let Err(err) = recorder.publish(&event, &regarding).await {
+        warn!(
+            reason = reason.as_str(),
+            object = ?regarding.name,
+            error = %err,
+            "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
+        );
     }
 }

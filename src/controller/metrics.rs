@@ -59,7 +59,12 @@ pub struct ControllerMetrics {
 }
 
 impl ControllerMetrics {
-    pub fn register(registry: &mut Registry, caches: Arc<Caches>, queue: WorkQueue) -> Self {
+    pub fn register(
+        registry: &mut Registry,
+        caches: Arc<Caches>,
+        queue: WorkQueue,
+        events: super::events::Events,
+    ) -> Self {
         let metrics = Self {
             creates: Family::default(),
             syncs: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
@@ -92,7 +97,7 @@ impl ControllerMetrics {
             "1 while this replica holds the leader lease",
             metrics.leader.clone(),
         );
-        registry.register_collector(Box::new(ScrapeTimeMetrics { caches, queue }));
+        registry.register_collector(Box::new(ScrapeTimeMetrics { caches, queue, events }));
         metrics
     }
 
@@ -141,6 +146,7 @@ pub fn requests_admin_access(spec: &Value) -> bool {
 struct ScrapeTimeMetrics {
     caches: Arc<Caches>,
     queue: WorkQueue,
+    events: super::events::Events,
 }
 
 impl Collector for ScrapeTimeMetrics {
@@ -182,6 +188,13 @@ impl Collector for ScrapeTimeMetrics {
             "Keys waiting in the work queue",
             None,
             MetricType::Gauge,
+        )?)?;
+        let dropped = prometheus_client::metrics::counter::ConstCounter::new(self.events.dropped());
+        dropped.encode(encoder.encode_descriptor(
+            "gpu_dra_controller_events_dropped",
+            "Events not sent because too many were in flight",
+            None,
+            MetricType::Counter,
         )?)?;
         let pending = ConstGauge::new(i64::try_from(self.caches.created_pending()).unwrap_or(i64::MAX));
         pending.encode(encoder.encode_descriptor(

@@ -94,7 +94,10 @@ impl std::fmt::Debug for Context {
 
 /// Runs the controller until SIGTERM/SIGINT (or until it loses the leader lease, which is an error).
 pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
-    let client = Client::try_default().await.map_err(ControllerError::Client)?;
+    let client = crate::kube_client::client(&args.client).await.map_err(ControllerError::Client)?;
+    let events_limit =
+        crate::kube_client::ClientArgs { kube_api_qps: args.events_qps, kube_api_burst: args.events_burst };
+    let events_client = crate::kube_client::client(&events_limit).await.map_err(ControllerError::Client)?;
     let stop = CancellationToken::new();
     spawn_signal_handler(stop.clone())?;
 
@@ -102,14 +105,15 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     let (caches, writers) = Caches::new();
     let caches = Arc::new(caches);
     let queue = WorkQueue::new();
+    let events = Events::new(events_client, identity.clone());
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ProcessCollector));
     let ctx = Arc::new(Context {
         client: client.clone(),
         caches: caches.clone(),
         queue: queue.clone(),
-        events: Events::new(client.clone(), identity.clone()),
-        metrics: ControllerMetrics::register(&mut registry, caches.clone(), queue.clone()),
+        metrics: ControllerMetrics::register(&mut registry, caches.clone(), queue.clone(), events.clone()),
+        events,
         foreign: ForeignControllerDetector::new(Timestamp::now()),
     });
 

@@ -22,7 +22,15 @@ impl Cluster {
     /// Reuses the cluster `KUBECONFIG` points at when it is a gpu-dra e2e cluster; starts one otherwise. With
     /// `kcm_claim_controller` it always starts its own, with kube-controller-manager's resourceclaim-controller.
     pub fn start(binary: &str, kcm_claim_controller: bool) -> anyhow::Result<Self> {
-        if !kcm_claim_controller && let Some(state_dir) = reusable_state_dir() {
+        Self::start_with(binary, kcm_claim_controller, &[])
+    }
+
+    /// Like [`Cluster::start`], passing `env` to `e2e/cluster.sh up` (e.g. `GPU_DRA_E2E_KCM_FLAGS`).
+    pub fn start_with(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)]) -> anyhow::Result<Self> {
+        if !kcm_claim_controller
+            && env.is_empty()
+            && let Some(state_dir) = reusable_state_dir()
+        {
             eprintln!("reusing the test cluster in {}", state_dir.display());
             return Ok(Self { state_dir, owned: false });
         }
@@ -32,6 +40,7 @@ impl Cluster {
         if kcm_claim_controller {
             up.arg("--with-kcm-claim-controller");
         }
+        up.envs(env.iter().copied());
         let status = up
             .env("GPU_DRA_E2E_DIR", &state_dir)
             .env("GPU_DRA_E2E_OWNER_PID", std::process::id().to_string())

@@ -1,0 +1,301 @@
+//! Benchmark: gpu-dra controller vs kube-controller-manager's resourceclaim-controller vs a raw client doing the
+//! same writes directly (the API server's own limit), on the local control plane.
+//!
+//! For each pod count, each contender gets a fresh cluster; N pods with one template claim each are created as
+//! fast as the API server takes them, and the clock runs from the first pod created until every pod's status
+//! records its claim. All three use the same client rate limit (QPS/burst).
+//!
+//!   cargo bench --bench claim_controller                 # 2,000 and 5,000 pods
+//!   GPU_DRA_BENCH_PODS=500 cargo bench --bench claim_controller
+//!   GPU_DRA_BENCH_QPS=1000 GPU_DRA_BENCH_BURST=2000 …    # client limit for all contenders (default 500/1000)
+
+#[path = "../tests/support/mod.rs"]
+#[allow(unused_imports)]
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use support::Cluster;
+use support::process::Component;
+
+const NAMESPACE: &str = "bench";
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Contender {
+    GpuDra,
+    Kcm,
+    Raw,
+}
+
+impl Contender {
+    fn label(self) -> &'static str {
+        match self {
+            Contender::GpuDra => "gpu-dra controller",
+            Contender::Kcm => "kube-controller-manager",
+            Contender::Raw => "raw client baseline",
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Run {
+    wall: Duration,
+    writes: f64,
+    events: f64,
+    duplicates: i64,
+    peak_rss_mib: Option<f64>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let counts: Vec<usize> = std::env::var("GPU_DRA_BENCH_PODS")
+        .unwrap_or_else(|_| "2000,5000".into())
+        .split(',')
+        .map(|n| n.trim().parse().context("GPU_DRA_BENCH_PODS must be a comma-separated list of pod counts"))
+        .collect::<anyhow::Result<_>>()?;
+    let qps: u32 = std::env::var("GPU_DRA_BENCH_QPS").ok().and_then(|v| v.parse().ok()).unwrap_or(500);
+    let burst: u32 = std::env::var("GPU_DRA_BENCH_BURST").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut results = BTreeMap::new();
+    for &pods in &counts {
+        for contender in [Contender::GpuDra, Contender::Kcm, Contender::Raw] {
+            eprintln!("--- {pods} pods: {}", contender.label());
+            let run = runtime.block_on(run_one(contender, pods, qps, burst))?;
+            eprintln!("    {run:?}");
+            results.insert((pods, contender as u8), run);
+        }
+    }
+    println!();
+    println!("Claim creation throughput, local control plane, client limit {qps} QPS / {burst} burst for all");
+    println!(
+        "{:>6}  {:<24} {:>8} {:>9} {:>11} {:>11} {:>6} {:>13} {:>8} {:>8}",
+        "pods", "contender", "wall s", "pods/s", "writes/pod", "events/pod", "dups", "peak RSS MiB", "vs KCM", "vs raw"
+    );
+    for &pods in &counts {
+        let kcm = &results[&(pods, Contender::Kcm as u8)];
+        let raw = &results[&(pods, Contender::Raw as u8)];
+        for contender in [Contender::GpuDra, Contender::Kcm, Contender::Raw] {
+            let r = &results[&(pods, contender as u8)];
+            let rate = pods as f64 / r.wall.as_secs_f64();
+            let ratio = |other: &Run| rate / (pods as f64 / other.wall.as_secs_f64());
+            println!(
+                "{:>6}  {:<24} {:>8.2} {:>9.1} {:>11.2} {:>11.2} {:>6} {:>13} {:>7.2}x {:>7.2}x",
+                pods,
+                contender.label(),
+                r.wall.as_secs_f64(),
+                rate,
+                r.writes,
+                r.events,
+                r.duplicates,
+                r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.1}")),
+                ratio(kcm),
+                ratio(raw),
+            );
+        }
+    }
+    let ours = |pods| &results[&(pods, Contender::GpuDra as u8)];
+    for &pods in &counts {
+        let (o, k) = (ours(pods), &results[&(pods, Contender::Kcm as u8)]);
+        if let (Some(a), Some(b)) = (o.peak_rss_mib, k.peak_rss_mib) {
+            println!("{pods} pods: gpu-dra peak RSS is {:.2} of kube-controller-manager's", a / b);
+        }
+    }
+    Ok(())
+}
+
+async fn run_one(contender: Contender, pods: usize, qps: u32, burst: u32) -> anyhow::Result<Run> {
+    let kcm_flags = format!("--kube-api-qps={qps} --kube-api-burst={burst} --concurrent-resourceclaim-syncs=50");
+    let env = [("GPU_DRA_E2E_KCM_FLAGS", kcm_flags.as_str())];
+    let cluster =
+        Cluster::start_with(&format!("bench-{contender:?}").to_lowercase(), contender == Contender::Kcm, &env)?;
+    let result = measure(&cluster, contender, pods, qps, burst).await;
+    cluster.stop()?;
+    result
+}
+
+async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32, burst: u32) -> anyhow::Result<Run> {
+    let client = cluster.client().await?;
+    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
+    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    let template: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
+        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.bench"}}]}}}
+    }))?;
+    Api::<DynamicObject>::namespaced_with(client.clone(), NAMESPACE, &support::objects::template_resource())
+        .create(&PostParams::default(), &template)
+        .await?;
+
+    let (qps_s, burst_s) = (qps.to_string(), burst.to_string());
+    let mut component = None;
+    let mut raw = None;
+    match contender {
+        Contender::GpuDra => {
+            let args = ["controller", "--leader-elect=false", "--kube-api-qps", &qps_s, "--kube-api-burst", &burst_s];
+            let c = Component::start(&cluster.kubeconfig(), "bench-gpu-dra", &args)?;
+            c.wait_ready().await?;
+            component = Some(c);
+        }
+        Contender::Kcm => {}
+        Contender::Raw => {
+            let limited = rate_limited_client(cluster, qps, burst).await?;
+            raw = Some(tokio::spawn(raw_controller(limited)));
+        }
+    }
+
+    let before = write_counters(&client).await?;
+    let recorded = tokio::spawn(wait_all_recorded(client.clone(), pods));
+    let started = Instant::now();
+    futures::stream::iter(0..pods)
+        .map(|i| {
+            let client = client.clone();
+            async move {
+                let pod: Pod = serde_json::from_value(json!({
+                    "metadata": {"name": format!("pod-{i:05}")},
+                    "spec": {
+                        // No scheduler takes these pods: the run measures claim creation alone.
+                        "schedulerName": "bench-no-scheduler",
+                        "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
+                        "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]
+                    }
+                }))?;
+                Api::<Pod>::namespaced(client, NAMESPACE).create(&PostParams::default(), &pod).await?;
+                anyhow::Ok(())
+            }
+        })
+        .buffer_unordered(64)
+        .try_collect::<Vec<_>>()
+        .await?;
+    tokio::time::timeout(Duration::from_secs(900), recorded).await.context("timed out after 15 min")???;
+    let wall = started.elapsed();
+    // Let trailing writes (events, retries) land before counting.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = write_counters(&client).await?;
+
+    let claims = Api::<ResourceClaim>::namespaced(client.clone(), NAMESPACE).list(&Default::default()).await?.items;
+    let mut seen = HashSet::new();
+    let mut duplicates = 0i64;
+    for claim in &claims {
+        let owner = claim.owner_references().first().map(|o| o.uid.clone()).unwrap_or_default();
+        if !seen.insert(owner) {
+            duplicates += 1;
+        }
+    }
+    let peak_rss_mib = match contender {
+        Contender::GpuDra => component.as_ref().and_then(|c| peak_rss_mib(c.pid())),
+        Contender::Kcm => kcm_pid(cluster).and_then(peak_rss_mib),
+        Contender::Raw => None,
+    };
+    if let Some(task) = raw {
+        task.abort();
+    }
+    Ok(Run {
+        wall,
+        writes: (after.0 - before.0) / pods as f64,
+        events: (after.1 - before.1) / pods as f64,
+        duplicates,
+        peak_rss_mib,
+    })
+}
+
+/// Waits until `pods` pods in the namespace record their claim.
+async fn wait_all_recorded(client: Client, pods: usize) -> anyhow::Result<()> {
+    let api = Api::<Pod>::namespaced(client, NAMESPACE);
+    let mut done = HashSet::new();
+    let mut stream = watcher(api, watcher::Config::default()).default_backoff().applied_objects().boxed();
+    while let Some(pod) = stream.try_next().await? {
+        let recorded =
+            pod.status.as_ref().and_then(|s| s.resource_claim_statuses.as_ref()).is_some_and(|s| !s.is_empty());
+        if recorded {
+            done.insert(pod.name_any());
+            if done.len() == pods {
+                return Ok(());
+            }
+        }
+    }
+    bail!("pod watch ended")
+}
+
+/// (object writes, event writes) counted by the API server: claim creates/updates/deletes and pod status writes;
+/// events separately.
+async fn write_counters(client: &Client) -> anyhow::Result<(f64, f64)> {
+    let request = http::Request::get("/metrics").body(Vec::new())?;
+    let text = client.request_text(request).await?;
+    let (mut writes, mut events) = (0.0, 0.0);
+    for line in text.lines().filter(|l| l.starts_with("apiserver_request_total{")) {
+        let Some((labels, value)) = line.rsplit_once(' ') else { continue };
+        let value: f64 = value.parse().unwrap_or(0.0);
+        let label = |k: &str| {
+            labels.split(&[',', '{', '}'][..]).find_map(|kv| kv.strip_prefix(&format!("{k}=\""))?.strip_suffix('"'))
+        };
+        let verb = label("verb").unwrap_or_default();
+        let is_write = matches!(verb, "POST" | "PUT" | "PATCH" | "APPLY" | "DELETE");
+        let resource = label("resource").unwrap_or_default();
+        let subresource = label("subresource").unwrap_or_default();
+        if is_write && (resource == "resourceclaims" || (resource == "pods" && subresource == "status")) {
+            writes += value;
+        } else if is_write && resource == "events" {
+            events += value;
+        }
+    }
+    Ok((writes, events))
+}
+
+/// The raw baseline: what any claim controller must at least do, without caches or checks: for every new pod,
+/// create its claim and apply its status, 50 at a time.
+async fn raw_controller(client: Client) -> anyhow::Result<()> {
+    let pods = Api::<Pod>::namespaced(client.clone(), NAMESPACE);
+    let claims = Api::<ResourceClaim>::namespaced(client.clone(), NAMESPACE);
+    let handled = Arc::new(Mutex::new(HashSet::new()));
+    watcher(pods.clone(), watcher::Config::default())
+        .default_backoff()
+        .applied_objects()
+        .try_for_each_concurrent(50, |pod| {
+            let (pods, claims, handled) = (pods.clone(), claims.clone(), handled.clone());
+            async move {
+                let uid = pod.uid().unwrap_or_default();
+                if !handled.lock().map(|mut h| h.insert(uid.clone())).unwrap_or(false) {
+                    return Ok(());
+                }
+                let name = pod.name_any();
+                let claim: ResourceClaim = serde_json::from_value(json!({
+                    "metadata": {"generateName": format!("{name}-gpu-"), "annotations": {"resource.kubernetes.io/pod-claim-name": "gpu"},
+                                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "controller": true}]},
+                    "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.bench"}}]}}
+                }))
+                .map_err(|e| watcher::Error::WatchFailed(kube::Error::SerdeError(e)))?;
+                let Ok(created) = claims.create(&PostParams::default(), &claim).await else { return Ok(()) };
+                let status = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                    "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": created.name_any()}]}});
+                let _ = pods.patch_status(&name, &PatchParams::apply("raw-baseline").force(), &Patch::Apply(&status)).await;
+                Ok(())
+            }
+        })
+        .await?;
+    Ok(())
+}
+
+async fn rate_limited_client(cluster: &Cluster, qps: u32, burst: u32) -> anyhow::Result<Client> {
+    let config = cluster.client_config().await?;
+    let bucket = gpu_dra::kube_client::ClientArgs { kube_api_qps: f64::from(qps), kube_api_burst: burst };
+    Ok(gpu_dra::kube_client::client_from_config(config, &bucket)?)
+}
+
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: f64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.split_whitespace().next()?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+fn kcm_pid(cluster: &Cluster) -> Option<u32> {
+    let pids = std::fs::read_to_string(cluster.state_dir().join("pids")).ok()?;
+    pids.lines().find_map(|l| l.strip_prefix("kube-controller-manager ")).and_then(|p| p.trim().parse().ok())
+}

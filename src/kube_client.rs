@@ -1,0 +1,144 @@
+//! The Kubernetes client every component uses: the usual configuration (KUBECONFIG, else in-cluster) and a
+//! client-side rate limit, as client-go's `--kube-api-qps`/`--kube-api-burst`, so a burst of work never floods
+//! the API server.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, ready};
+use std::time::{Duration, Instant};
+
+use clap::Args;
+use kube::client::ClientBuilder;
+use tower::{Layer, Service};
+
+/// API client flags shared by the components.
+#[derive(Debug, Clone, Args)]
+pub struct ClientArgs {
+    /// Requests per second to the API server, averaged (0: unlimited).
+    #[arg(long, env = "GPU_DRA_KUBE_API_QPS", default_value_t = 50.0)]
+    pub kube_api_qps: f64,
+    /// Requests allowed at once above the average.
+    #[arg(long, env = "GPU_DRA_KUBE_API_BURST", default_value_t = 100)]
+    pub kube_api_burst: u32,
+}
+
+/// Builds a client from the inferred configuration, rate limited by `args`.
+pub async fn client(args: &ClientArgs) -> Result<kube::Client, kube::Error> {
+    let config = kube::Config::infer().await.map_err(kube::Error::InferConfig)?;
+    client_from_config(config, args)
+}
+
+/// Builds a client from `config`, rate limited by `args`.
+pub fn client_from_config(config: kube::Config, args: &ClientArgs) -> Result<kube::Client, kube::Error> {
+    let builder = ClientBuilder::try_from(config)?;
+    if args.kube_api_qps <= 0.0 {
+        return Ok(builder.build());
+    }
+    let bucket = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst.max(1)));
+    Ok(builder.with_layer(&RateLimitLayer { bucket }).build())
+}
+
+/// A token bucket: `burst` tokens, refilled at `qps` per second.
+#[derive(Debug)]
+pub struct TokenBucket {
+    qps: f64,
+    burst: f64,
+    state: Mutex<(f64, Instant)>,
+}
+
+impl TokenBucket {
+    pub fn new(qps: f64, burst: u32) -> Self {
+        let burst = f64::from(burst);
+        Self { qps, burst, state: Mutex::new((burst, Instant::now())) }
+    }
+
+    /// Takes a token, or says how long until one is there.
+    pub fn try_take(&self) -> Result<(), Duration> {
+        self.try_take_at(Instant::now())
+    }
+
+    fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
+        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (tokens, last) = &mut *state;
+        *tokens = (*tokens + now.saturating_duration_since(*last).as_secs_f64() * self.qps).min(self.burst);
+        *last = now;
+        if *tokens >= 1.0 {
+            *tokens -= 1.0;
+            Ok(())
+        } else {
+            Err(Duration::from_secs_f64((1.0 - *tokens) / self.qps))
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct RateLimitLayer {
+    bucket: Arc<TokenBucket>,
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit { inner, bucket: self.bucket.clone(), wait: None, permitted: false }
+    }
+}
+
+/// Holds each request until the bucket has a token for it.
+struct RateLimit<S> {
+    inner: S,
+    bucket: Arc<TokenBucket>,
+    wait: Option<Pin<Box<tokio::time::Sleep>>>,
+    permitted: bool,
+}
+
+impl<S, R> Service<R> for RateLimit<S>
+where
+    S: Service<R>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        while !self.permitted {
+            if let Some(wait) = self.wait.as_mut() {
+                ready!(wait.as_mut().poll(cx));
+                self.wait = None;
+            }
+            match self.bucket.try_take() {
+                Ok(()) => self.permitted = true,
+                Err(delay) => self.wait = Some(Box::pin(tokio::time::sleep(delay))),
+            }
+        }
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: R) -> Self::Future {
+        self.permitted = false;
+        self.inner.call(request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_allows_burst_then_qps() {
+        let bucket = TokenBucket::new(10.0, 3);
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            assert!(bucket.try_take_at(t0).is_ok());
+        }
+        let wait = bucket.try_take_at(t0).expect_err("burst spent");
+        assert!((wait.as_secs_f64() - 0.1).abs() < 1e-6, "{wait:?}");
+        assert!(bucket.try_take_at(t0 + Duration::from_millis(100)).is_ok());
+        assert!(bucket.try_take_at(t0 + Duration::from_millis(100)).is_err());
+        // Idle time refills at most to the burst.
+        for _ in 0..3 {
+            assert!(bucket.try_take_at(t0 + Duration::from_secs(60)).is_ok());
+        }
+        assert!(bucket.try_take_at(t0 + Duration::from_secs(60)).is_err());
+    }
+}
