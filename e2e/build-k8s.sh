@@ -22,12 +22,16 @@ fi
 log() { printf '[build-k8s] %s\n' "$*" >&2; }
 die() { printf '[build-k8s] error: %s\n' "$*" >&2; exit 1; }
 
-command -v go >/dev/null 2>&1 || die "the 'go' command is not on PATH; install Go >= 1.26 (https://go.dev/doc/install) and retry"
-
-go_env_proxy=$(go env GOPROXY)
-if [[ "$go_env_proxy" == "off" ]]; then
-    die "GOPROXY is 'off'; the Kubernetes modules come from the Go module proxy. Set GOPROXY (e.g. the default https://proxy.golang.org) and retry"
-fi
+# Go and the module proxy are needed only when something has to be built.
+require_go() {
+    command -v go >/dev/null 2>&1 ||
+        die "the 'go' command is not on PATH; install Go >= 1.26 (https://go.dev/doc/install) and retry"
+    go_env_proxy=$(go env GOPROXY)
+    if [[ "$go_env_proxy" == "off" ]]; then
+        die "GOPROXY is 'off'; the Kubernetes modules come from the Go module proxy. Set GOPROXY (e.g. the default https://proxy.golang.org) and retry"
+    fi
+}
+go_env_proxy=unknown
 
 export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--buildvcs=false}"
 
@@ -58,6 +62,7 @@ build_kubernetes() {
         log "kubernetes $K8S_VERSION: cached in $K8S_BIN"
         return
     fi
+    require_go
     log "kubernetes $K8S_VERSION: building ${missing[*]} (cold: 10-25 min on 2 cores)"
     local work="$GPU_DRA_CACHE/work/k8s-$K8S_VERSION"
     new_wrapper_module "$work"
@@ -98,6 +103,7 @@ build_etcd() {
         log "etcd $ETCD_VERSION: cached in $ETCD_BIN"
         return
     fi
+    require_go
     log "etcd $ETCD_VERSION: building"
     local work="$GPU_DRA_CACHE/work/etcd-$ETCD_VERSION"
     new_wrapper_module "$work"
@@ -119,6 +125,7 @@ build_helm() {
         log "helm $HELM_VERSION: cached in $HELM_BIN"
         return
     fi
+    require_go
     log "helm $HELM_VERSION: building"
     mkdir -p "$HELM_BIN"
     local work="$GPU_DRA_CACHE/work/helm-$HELM_VERSION"

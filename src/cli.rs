@@ -3,6 +3,7 @@
 //! Every flag has an environment-variable twin so that a Helm chart can set it either way.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -22,7 +23,7 @@ pub enum Command {
     /// Create each pod's ResourceClaims from its ResourceClaimTemplates (kube-controller-manager style).
     Controller(Box<ControllerArgs>),
     /// Discover this node's GPUs, publish them as ResourceSlices and serve the kubelet DRA plugin API.
-    NodeAgent(NodeAgentArgs),
+    NodeAgent(Box<NodeAgentArgs>),
 }
 
 /// Logging flags shared by every component.
@@ -86,6 +87,50 @@ pub struct ControllerArgs {
     pub identity: Option<String>,
 }
 
-/// Flags of `gpu-dra node-agent`.
+/// Flags of `gpu-dra node-agent`. Every path is configurable so that several agents (one per fake node) can run
+/// side by side in tests.
 #[derive(Debug, Args)]
-pub struct NodeAgentArgs {}
+pub struct NodeAgentArgs {
+    #[command(flatten)]
+    pub client: crate::kube_client::ClientArgs,
+    /// The Node this agent runs on (from the downward API in a DaemonSet).
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// The DRA driver name: a DNS subdomain, the `driver` of every ResourceSlice and the domain of attributes.
+    #[arg(long, env = "GPU_DRA_DRIVER_NAME", default_value = "gpu.gpu-dra.dev")]
+    pub driver_name: String,
+    /// Where GPUs come from: `nvml` (the NVIDIA driver) or `simulated` (machines without GPUs).
+    #[arg(long, env = "GPU_DRA_GPU_BACKEND", value_enum, default_value_t = GpuBackend::Nvml)]
+    pub gpu_backend: GpuBackend,
+    /// Simulated GPUs: `<count>x<model>[,…]` (e.g. `4xH100-80GB`) or `@<file>` holding such a list.
+    #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
+    pub simulated_gpus: Option<String>,
+    /// Root of the NVIDIA driver installation (`/` on most nodes; e.g. `/run/nvidia/driver` with the GPU Operator).
+    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// The kubelet's plugin registration directory.
+    #[arg(long, env = "GPU_DRA_KUBELET_REGISTRY_DIR", default_value = "/var/lib/kubelet/plugins_registry")]
+    pub kubelet_registry_dir: PathBuf,
+    /// The kubelet's plugins directory; the DRA socket goes into `<dir>/<driver>/dra.sock`.
+    #[arg(long, env = "GPU_DRA_KUBELET_PLUGINS_DIR", default_value = "/var/lib/kubelet/plugins")]
+    pub kubelet_plugins_dir: PathBuf,
+    /// Where CDI specs are written (the runtime's dynamic CDI directory).
+    #[arg(long, env = "GPU_DRA_CDI_DIR", default_value = "/var/run/cdi")]
+    pub cdi_dir: PathBuf,
+    /// Where the agent keeps its checkpoint of prepared claims.
+    #[arg(long, env = "GPU_DRA_STATE_DIR", default_value = "/var/lib/gpu-dra")]
+    pub state_dir: PathBuf,
+    /// Address of /metrics (and /healthz, /readyz unless --health-addr differs).
+    #[arg(long, env = "GPU_DRA_METRICS_ADDR", default_value = "0.0.0.0:8081")]
+    pub metrics_addr: SocketAddr,
+    /// Address of /healthz and /readyz when they should be served apart from /metrics.
+    #[arg(long, env = "GPU_DRA_HEALTH_ADDR")]
+    pub health_addr: Option<SocketAddr>,
+}
+
+/// Where the node agent finds GPUs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum GpuBackend {
+    Nvml,
+    Simulated,
+}

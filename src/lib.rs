@@ -11,4 +11,5 @@ pub mod controller;
 pub mod kube_client;
 pub mod leader;
 pub mod node_agent;
+pub mod signals;
 pub mod telemetry;

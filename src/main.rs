@@ -9,7 +9,7 @@ async fn main() -> anyhow::Result<()> {
     gpu_dra::telemetry::init_logging(&cli.log)?;
     match cli.command {
         Command::Controller(args) => gpu_dra::controller::run(*args).await?,
-        Command::NodeAgent(args) => gpu_dra::node_agent::run(args).await?,
+        Command::NodeAgent(args) => gpu_dra::node_agent::run(*args).await?,
     }
     Ok(())
 }

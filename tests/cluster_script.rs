@@ -25,6 +25,10 @@ fn main() {
         StandaloneTest { name: "pinned_api_port_in_use_is_named", body: pinned_api_port_in_use_is_named },
         StandaloneTest { name: "killed_owner_stops_the_cluster", body: killed_owner_stops_the_cluster },
         StandaloneTest {
+            name: "build_script_names_missing_go_and_proxy",
+            body: build_script_names_missing_go_and_proxy,
+        },
+        StandaloneTest {
             name: "stale_state_from_a_killed_run_is_cleaned",
             body: stale_state_from_a_killed_run_is_cleaned,
         },
@@ -207,5 +211,26 @@ fn stale_state_from_a_killed_run_is_cleaned() -> anyhow::Result<()> {
     let nodes = kubectl(&dir, &["get", "--raw", "/readyz"])?;
     ensure!(nodes == "ok", "fresh cluster not ready: {nodes}");
     run_ok(&dir, &["down"], &[])?;
+    Ok(())
+}
+
+/// With nothing cached, a missing `go` command or a disabled module proxy is named, with what to do.
+fn build_script_names_missing_go_and_proxy() -> anyhow::Result<()> {
+    let empty_cache = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("empty-k8s-cache");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-k8s.sh");
+    let go = Command::new("sh").args(["-c", "command -v go"]).output()?;
+    let go_dir = Path::new(text(&go.stdout).trim()).parent().map(Path::to_path_buf).context("go not found")?;
+    let path_without_go: Vec<String> =
+        std::env::var("PATH")?.split(':').filter(|dir| Path::new(dir) != go_dir).map(str::to_string).collect();
+    let no_go =
+        Command::new(&script).env("GPU_DRA_CACHE", &empty_cache).env("PATH", path_without_go.join(":")).output()?;
+    ensure!(!no_go.status.success(), "build-k8s.sh succeeded without go");
+    ensure!(text(&no_go.stderr).contains("the 'go' command is not on PATH; install Go"), "{}", text(&no_go.stderr));
+
+    let no_proxy = Command::new(&script).env("GPU_DRA_CACHE", &empty_cache).env("GOPROXY", "off").output()?;
+    ensure!(!no_proxy.status.success(), "build-k8s.sh succeeded with GOPROXY=off");
+    ensure!(text(&no_proxy.stderr).contains("GOPROXY is 'off'"), "{}", text(&no_proxy.stderr));
+    let version = support::cluster::pinned_kubernetes_version()?;
+    ensure!(!empty_cache.join(format!("k8s-{version}")).exists(), "something was built");
     Ok(())
 }

@@ -302,8 +302,14 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
             on_event("pods", event, |e| on_pod_event(&ctx, e));
             futures::future::ready(())
         });
+    let inspecting = ctx.clone();
     let claims = watcher(api::<ResourceClaim>(&client, namespace), watcher::Config::default())
         .default_backoff()
+        // managedFields are read once, to tell who created the claim, and not kept: they are most of a claim.
+        .modify(move |claim| {
+            inspecting.foreign.inspect(&inspecting, claim);
+            claim.metadata.managed_fields = None;
+        })
         .reflect(writers.claims)
         .for_each(|event| {
             on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
@@ -396,7 +402,6 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
     let claim = match event {
         watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
             ctx.caches.observed_claim(claim);
-            ctx.foreign.inspect(ctx, claim);
             ctx.queue.add(WorkKey::Claim(object_key(claim)));
             claim
         }

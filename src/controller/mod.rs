@@ -99,7 +99,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         crate::kube_client::ClientArgs { kube_api_qps: args.events_qps, kube_api_burst: args.events_burst };
     let events_client = crate::kube_client::client(&events_limit).await.map_err(ControllerError::Client)?;
     let stop = CancellationToken::new();
-    spawn_signal_handler(stop.clone())?;
+    crate::signals::spawn_signal_handler(stop.clone()).map_err(ControllerError::Signal)?;
 
     let identity = args.identity.clone().unwrap_or_else(default_identity);
     let (caches, writers) = Caches::new();
@@ -233,20 +233,6 @@ async fn sync(ctx: &Context, key: &WorkKey) -> Result<(), SyncError> {
         WorkKey::Pod(key) => pod::sync_pod(ctx, key).await,
         WorkKey::Claim(key) => claim::sync_claim(ctx, key).await,
     }
-}
-
-fn spawn_signal_handler(stop: CancellationToken) -> Result<(), ControllerError> {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut term = signal(SignalKind::terminate()).map_err(ControllerError::Signal)?;
-    let mut int = signal(SignalKind::interrupt()).map_err(ControllerError::Signal)?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => info!("SIGTERM: shutting down"),
-            _ = int.recv() => info!("SIGINT: shutting down"),
-        }
-        stop.cancel();
-    });
-    Ok(())
 }
 
 /// `POD_NAME` in a cluster (downward API), else the host name plus the process id.

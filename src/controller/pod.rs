@@ -138,8 +138,9 @@ async fn create_claim(
         template: template_name.to_string(),
         source,
     })?;
-    let created: ResourceClaim =
+    let mut created: ResourceClaim =
         serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
+    created.metadata.managed_fields = None;
     let created = Arc::new(created);
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());

@@ -1,17 +1,203 @@
-//! The GPU node agent: discovers GPUs, publishes ResourceSlices and serves the kubelet's DRA plugin API.
+//! The GPU node agent: discovers this node's GPUs and publishes them as ResourceSlices.
 //!
-//! Not built yet; `run` refuses to start so that nothing mistakes it for a working agent.
+//! ```text
+//!  discovery (NVML | simulated) ─▶ slices::device ─▶ split_into_slices ─▶ Publisher ─▶ ResourceSlices
+//!        ▲ retry with back-off                                   ▲
+//!        └──── resync every minute ── watch of own slices ───────┘ (deleted, e.g. by a kubelet restart)
+//! ```
+//!
+//! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing
+//! and retries with back-off: never a crash loop. (The kubelet plugin and CDI come next.)
 
-use crate::cli::NodeAgentArgs;
+pub mod discovery;
+pub mod gpu;
+pub mod slices;
 
-/// Errors of the node agent component.
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::Api;
+use kube::runtime::{WatchStreamExt, watcher};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::cli::{GpuBackend, NodeAgentArgs};
+use crate::telemetry::process::ProcessCollector;
+use crate::telemetry::server::{self, Readiness, ServerError};
+use discovery::Discovery;
+use discovery::nvml::NvmlDiscovery;
+use discovery::simulated::{Simulated, SpecError};
+use slices::publisher::{Outcome, Publisher};
+
+/// How often devices are rediscovered and the slices checked when nothing happens.
+const RESYNC: Duration = Duration::from_secs(60);
+/// First and longest pause after a failed discovery or publish.
+const BACKOFF_START: Duration = Duration::from_secs(1);
+const BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// Changes to the node's slices that arrive together are handled once.
+const DEBOUNCE: Duration = Duration::from_millis(200);
+
+/// Errors that stop the agent at start-up (bad configuration); everything later is retried.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeAgentError {
-    #[error("the node agent is not implemented yet")]
-    NotImplemented,
+    #[error("--driver-name {name:?} is not a DNS subdomain of at most 63 characters (e.g. gpu.example.com)")]
+    DriverName { name: String },
+    #[error("--node-name (NODE_NAME) is required: the name of the Node this agent runs on")]
+    NodeName,
+    #[error("--gpu-backend simulated needs --simulated-gpus (e.g. 4xH100-80GB)")]
+    SimulatedSpecMissing,
+    #[error(transparent)]
+    SimulatedSpec(#[from] SpecError),
+    #[error("create the Kubernetes client (set KUBECONFIG, or run in a pod with a service account): {0}")]
+    Client(#[source] kube::Error),
+    #[error(transparent)]
+    Server(#[from] ServerError),
+    #[error("install the signal handler: {0}")]
+    Signal(#[source] std::io::Error),
 }
 
-/// Runs the node agent until it is told to stop.
-pub async fn run(_args: NodeAgentArgs) -> Result<(), NodeAgentError> {
-    Err(NodeAgentError::NotImplemented)
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+/// Runs the agent until SIGTERM/SIGINT.
+pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
+    let node = args.node_name.clone().filter(|n| !n.is_empty()).ok_or(NodeAgentError::NodeName)?;
+    if !is_dns_subdomain(&args.driver_name) {
+        return Err(NodeAgentError::DriverName { name: args.driver_name.clone() });
+    }
+    let discovery: Arc<dyn Discovery> = match args.gpu_backend {
+        GpuBackend::Simulated => {
+            let spec = args.simulated_gpus.as_deref().ok_or(NodeAgentError::SimulatedSpecMissing)?;
+            Arc::new(Simulated::new(&node, spec)?)
+        }
+        GpuBackend::Nvml => Arc::new(NvmlDiscovery::new(&args.driver_root)),
+    };
+    let client = crate::kube_client::client(&args.client).await.map_err(NodeAgentError::Client)?;
+    let stop = CancellationToken::new();
+    crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
+
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(ProcessCollector));
+    let devices_gauge = Gauge::<i64>::default();
+    let publishes = Family::<ResultLabels, Counter>::default();
+    registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());
+    registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
+    let registry = Arc::new(registry);
+    let readiness = Readiness::not_ready("GPUs not discovered and published yet");
+    for addr in serving_addresses(args.metrics_addr, args.health_addr) {
+        let (bound, serve) = server::bind(addr, registry.clone(), readiness.clone(), stop.clone()).await?;
+        info!(addr = %bound, "serving /metrics, /healthz and /readyz");
+        tokio::spawn(serve);
+    }
+
+    let publisher = Publisher::new(client.clone(), args.driver_name.clone(), node.clone());
+    let changed = Arc::new(Notify::new());
+    tokio::spawn(watch_own_slices(client, publisher.field_selector(), changed.clone()));
+    info!(%node, driver = %args.driver_name, backend = ?args.gpu_backend, "node agent started");
+
+    let mut backoff = BACKOFF_START;
+    loop {
+        let round = publish_once(discovery.clone(), &publisher).await;
+        let wait = match round {
+            Ok((count, outcome)) => {
+                readiness.set(Ok(()));
+                devices_gauge.set(count as i64);
+                publishes.get_or_create(&ResultLabels { result: "success" }).inc();
+                if let Outcome::Published { generation, slices } = outcome {
+                    info!(devices = count, generation, slices, "node pool up to date");
+                }
+                backoff = BACKOFF_START;
+                RESYNC
+            }
+            Err(reason) => {
+                publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
+                warn!(error = %reason, retry_in = ?backoff, "discover and publish failed");
+                readiness.set(Err(reason));
+                let wait = backoff;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                wait
+            }
+        };
+        tokio::select! {
+            () = stop.cancelled() => break,
+            () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
+            () = tokio::time::sleep(wait) => {}
+        }
+    }
+    info!("stopped");
+    Ok(())
+}
+
+/// One round: discover (blocking NVML calls off the async threads), build the slices, publish them.
+async fn publish_once(discovery: Arc<dyn Discovery>, publisher: &Publisher) -> Result<(usize, Outcome), String> {
+    let gpus = tokio::task::spawn_blocking(move || discovery.discover())
+        .await
+        .map_err(|e| format!("discovery task failed: {e}"))?
+        .map_err(|e| e.to_string())?;
+    let devices: Vec<_> = gpus.iter().map(slices::device).collect();
+    let count = devices.len();
+    let split = slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE);
+    let outcome = publisher.publish(&split).await.map_err(|e| e.to_string())?;
+    Ok((count, outcome))
+}
+
+/// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).
+async fn watch_own_slices(client: kube::Client, field_selector: String, changed: Arc<Notify>) {
+    let api = Api::<ResourceSlice>::all(client);
+    watcher(api, watcher::Config::default().fields(&field_selector))
+        .default_backoff()
+        .for_each(|event| {
+            match event {
+                Ok(watcher::Event::Delete(_) | watcher::Event::Apply(_) | watcher::Event::InitDone) => {
+                    changed.notify_one()
+                }
+                Ok(_) => {}
+                Err(err) => warn!(error = %err, "watch of own ResourceSlices failed; retrying with back-off"),
+            }
+            futures::future::ready(())
+        })
+        .await;
+}
+
+fn serving_addresses(metrics: SocketAddr, health: Option<SocketAddr>) -> Vec<SocketAddr> {
+    match health {
+        Some(health) if health != metrics => vec![metrics, health],
+        _ => vec![metrics],
+    }
+}
+
+/// A DNS subdomain (RFC 1123) of at most 63 characters: what the API accepts as a driver name.
+pub fn is_dns_subdomain(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn driver_names() {
+        for ok in ["gpu.gpu-dra.dev", "gpu.example.com", "a"] {
+            assert!(super::is_dns_subdomain(ok), "{ok}");
+        }
+        for bad in ["", "GPU.example.com", "gpu..example", "-gpu.example", "gpu_example", &"a".repeat(64)] {
+            assert!(!super::is_dns_subdomain(bad), "{bad}");
+        }
+    }
 }

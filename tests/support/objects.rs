@@ -29,19 +29,34 @@ pub fn one_gpu() -> Value {
     json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS}}]}}})
 }
 
-/// Creates a pod with the given `spec.resourceClaims` (each used by the one container).
+/// Creates a pod with the given `spec.resourceClaims`, kept away from the scheduler (no node carries its
+/// node selector) unless a test wants it there.
 pub async fn create_pod(ctx: &TestContext, name: &str, claims: Value) -> anyhow::Result<Pod> {
+    create_pod_selecting(ctx, name, claims, json!({"gpu-dra.dev/test-no-node": "true"})).await
+}
+
+/// Creates a pod pinned to `node` (by node selector) with the given `spec.resourceClaims`.
+pub async fn create_pod_on(ctx: &TestContext, name: &str, node: &str, claims: Value) -> anyhow::Result<Pod> {
+    create_pod_selecting(ctx, name, claims, json!({"kubernetes.io/hostname": node})).await
+}
+
+/// A pod whose one container uses every claim in `claims`, with `node_selector`.
+async fn create_pod_selecting(
+    ctx: &TestContext,
+    name: &str,
+    claims: Value,
+    node_selector: Value,
+) -> anyhow::Result<Pod> {
     let uses: Vec<Value> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
             "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}],
             "resourceClaims": claims,
-            // Keep the scheduler away unless a test wants it: no node carries this label.
-            "nodeSelector": {"gpu-dra.dev/test-no-node": "true"}
+            "nodeSelector": node_selector
         }
     }))?;
-    Ok(Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace).create(&PostParams::default(), &pod).await?)
+    Ok(pods(ctx).create(&PostParams::default(), &pod).await?)
 }
 
 pub fn pods(ctx: &TestContext) -> Api<Pod> {
@@ -162,18 +177,4 @@ pub async fn fake_gpu_node(ctx: &TestContext, gpus: usize) -> anyhow::Result<Fak
     }))?;
     Api::<ResourceSlice>::all(ctx.client.clone()).create(&PostParams::default(), &slice).await?;
     Ok(FakeGpuNode { name, class, driver })
-}
-
-/// Creates a pod pinned to `node` (by node selector) with the given `spec.resourceClaims`.
-pub async fn create_pod_on(ctx: &TestContext, name: &str, node: &str, claims: Value) -> anyhow::Result<Pod> {
-    let uses: Vec<Value> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}],
-            "resourceClaims": claims,
-            "nodeSelector": {"kubernetes.io/hostname": node}
-        }
-    }))?;
-    Ok(pods(ctx).create(&PostParams::default(), &pod).await?)
 }

@@ -1,0 +1,74 @@
+//! NVML discovery (`nvml-wrapper`; `libnvidia-ml.so.1` is loaded at run time, so the binary runs — and reports
+//! clearly — on nodes without a driver).
+
+use std::ffi::OsString;
+use std::path::Path;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::error::NvmlError;
+
+use super::{Discovery, DiscoveryError};
+use crate::node_agent::gpu::{Gpu, cuda_version_from_int, normalize_pci_bus_id};
+
+/// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
+/// found on the next retry.
+#[derive(Debug, Clone)]
+pub struct NvmlDiscovery {
+    library: OsString,
+}
+
+impl NvmlDiscovery {
+    /// Looks for `libnvidia-ml.so.1` under `driver_root` first (GPU Operator and similar put the driver there),
+    /// then lets the dynamic loader search.
+    pub fn new(driver_root: &Path) -> Self {
+        let candidates = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib", "lib64"];
+        let library = candidates
+            .iter()
+            .map(|dir| driver_root.join(dir).join("libnvidia-ml.so.1"))
+            .find(|path| path.exists())
+            .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string());
+        Self { library }
+    }
+}
+
+fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryError> {
+    result.map_err(|source| DiscoveryError::Nvml { what: what.to_string(), source })
+}
+
+impl Discovery for NvmlDiscovery {
+    fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
+        let nvml = Nvml::builder().lib_path(&self.library).init().map_err(|source| {
+            DiscoveryError::NvmlUnavailable { library: self.library.to_string_lossy().into_owned(), source }
+        })?;
+        let driver_version = query("the driver version", nvml.sys_driver_version())?;
+        let cuda_driver_version =
+            cuda_version_from_int(query("the CUDA driver version", nvml.sys_cuda_driver_version())?);
+        let count = query("the device count", nvml.device_count())?;
+        let mut gpus = Vec::with_capacity(count as usize);
+        for index in 0..count {
+            let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
+            let cc = query("the compute capability", device.cuda_compute_capability())?;
+            // Not every GPU supports MIG; "not supported" means MIG is off.
+            let mig_enabled = match device.mig_mode() {
+                Ok(mode) => mode.current == 1,
+                Err(NvmlError::NotSupported) => false,
+                Err(source) => return Err(DiscoveryError::Nvml { what: "the MIG mode".into(), source }),
+            };
+            gpus.push(Gpu {
+                index,
+                minor: query("the minor number", device.minor_number())?,
+                uuid: query("the UUID", device.uuid())?,
+                product_name: query("the product name", device.name())?,
+                brand: format!("{:?}", query("the brand", device.brand())?),
+                architecture: query("the architecture", device.architecture())?.to_string(),
+                cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
+                driver_version: driver_version.clone(),
+                cuda_driver_version: cuda_driver_version.clone(),
+                pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
+                memory_bytes: query("the memory size", device.memory_info())?.total,
+                mig_enabled,
+            });
+        }
+        Ok(gpus)
+    }
+}

@@ -1,0 +1,110 @@
+//! What the agent knows about one GPU, whichever backend found it, and the normalisation of what drivers report.
+
+/// One physical GPU.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Gpu {
+    /// NVML index (enumeration order; may change across reboots).
+    pub index: u32,
+    /// Device minor number: `/dev/nvidia<minor>`; the device is published as `gpu-<minor>`.
+    pub minor: u32,
+    pub uuid: String,
+    pub product_name: String,
+    pub brand: String,
+    pub architecture: String,
+    /// `major.minor`, e.g. `9.0`.
+    pub cuda_compute_capability: String,
+    /// As the driver reports it, e.g. `550.54.15`.
+    pub driver_version: String,
+    /// e.g. `12.4`.
+    pub cuda_driver_version: String,
+    /// `0000:3b:00.0` (lower case, domain included).
+    pub pci_bus_id: String,
+    pub memory_bytes: u64,
+    /// MIG mode is on: the GPU is published whole, with `migEnabled` set, never as partitions too.
+    pub mig_enabled: bool,
+}
+
+impl Gpu {
+    /// The ResourceSlice device name.
+    pub fn device_name(&self) -> String {
+        format!("gpu-{}", self.minor)
+    }
+}
+
+/// Turns a driver's version string into a semantic version the API server accepts: numeric parts without
+/// leading zeros, padded to three (`535.104.05` → `535.104.5`, `12.4` → `12.4.0`), anything after the numbers
+/// dropped (`550.54.15-custom` → `550.54.15`). NVIDIA's own driver publishes the raw string, and one odd version
+/// gets its whole ResourceSlice rejected. `None` when there is no leading number at all.
+pub fn normalize_version(raw: &str) -> Option<String> {
+    let mut parts: Vec<u64> = Vec::with_capacity(3);
+    for piece in raw.trim().trim_start_matches(['v', 'V']).split('.') {
+        let digits: String = piece.chars().take_while(char::is_ascii_digit).collect();
+        let Ok(n) = digits.parse::<u64>() else { break };
+        parts.push(n);
+        if parts.len() == 3 || digits.len() != piece.len() {
+            break;
+        }
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    parts.resize(3, 0);
+    Some(format!("{}.{}.{}", parts[0], parts[1], parts[2]))
+}
+
+/// `12040` (NVML's CUDA driver version) → `12.4`.
+pub fn cuda_version_from_int(v: i32) -> String {
+    format!("{}.{}", v / 1000, (v % 1000) / 10)
+}
+
+/// The PCIe root of a bus id, as the standard `resource.kubernetes.io/pcieRoot` attribute: `pci<domain>:<bus>`
+/// of the root complex. Without sysfs to walk, the device's own domain and bus are the best local answer.
+pub fn pcie_root(bus_id: &str) -> Option<String> {
+    let mut parts = bus_id.split(':');
+    let (domain, bus) = (parts.next()?, parts.next()?);
+    Some(format!("pci{}:{}", domain.to_ascii_lowercase(), bus.to_ascii_lowercase()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        let cases = [
+            ("535.104.05", Some("535.104.5")),
+            ("550.54.15", Some("550.54.15")),
+            ("12.4", Some("12.4.0")),
+            ("550", Some("550.0.0")),
+            ("550.54.15-custom", Some("550.54.15")),
+            ("v1.2.3.4", Some("1.2.3")),
+            ("470.82.01+grid", Some("470.82.1")),
+            ("abc", None),
+            ("", None),
+        ];
+        for (raw, want) in cases {
+            assert_eq!(normalize_version(raw).as_deref(), want, "{raw:?}");
+        }
+        assert_eq!(cuda_version_from_int(12040), "12.4");
+        assert_eq!(cuda_version_from_int(11080), "11.8");
+        assert_eq!(pcie_root("0000:3B:00.0").as_deref(), Some("pci0000:3b"));
+    }
+}
+
+/// NVML's `00000000:3B:00.0` → the standard `0000:3b:00.0` (four-digit domain, lower case).
+pub fn normalize_pci_bus_id(raw: &str) -> String {
+    let lower = raw.trim().to_ascii_lowercase();
+    match lower.split_once(':') {
+        Some((domain, rest)) if domain.len() > 4 => format!("{}:{rest}", &domain[domain.len() - 4..]),
+        _ => lower,
+    }
+}
+
+#[cfg(test)]
+mod pci_tests {
+    #[test]
+    fn pci_bus_ids() {
+        assert_eq!(super::normalize_pci_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
+        assert_eq!(super::normalize_pci_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+    }
+}

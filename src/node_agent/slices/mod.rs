@@ -1,0 +1,123 @@
+//! ResourceSlices: the devices the agent publishes (pure: built from discovered GPUs, split into slices of at most
+//! [`MAX_DEVICES_PER_SLICE`]) and the publisher that makes the API server hold exactly them.
+
+pub mod publisher;
+
+use serde_json::{Map, Value, json};
+use tracing::warn;
+
+use super::gpu::{Gpu, normalize_version, pcie_root};
+
+/// The API's limit on devices per slice (without taints or counters).
+pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The API's limit on a string attribute.
+const MAX_STRING_ATTRIBUTE: usize = 64;
+
+/// The ResourceSlice device for `gpu`, with the attribute names NVIDIA's DRA driver publishes, so existing
+/// DeviceClasses and CEL selectors keep working.
+pub fn device(gpu: &Gpu) -> Value {
+    let mut attributes = Map::new();
+    let mut string = |name: &str, value: &str| {
+        let value: String = value.chars().take(MAX_STRING_ATTRIBUTE).collect();
+        attributes.insert(name.into(), json!({"string": value}));
+    };
+    string("type", "gpu");
+    string("uuid", &gpu.uuid);
+    string("productName", &gpu.product_name);
+    string("brand", &gpu.brand);
+    string("architecture", &gpu.architecture);
+    string("resource.kubernetes.io/pciBusID", &gpu.pci_bus_id);
+    if let Some(root) = pcie_root(&gpu.pci_bus_id) {
+        string("resource.kubernetes.io/pcieRoot", &root);
+    }
+    for (name, raw) in [
+        ("cudaComputeCapability", &gpu.cuda_compute_capability),
+        ("driverVersion", &gpu.driver_version),
+        ("cudaDriverVersion", &gpu.cuda_driver_version),
+    ] {
+        // An attribute the API would reject is left out rather than losing the whole slice.
+        match normalize_version(raw) {
+            Some(version) => {
+                attributes.insert(name.into(), json!({"version": version}));
+            }
+            None => warn!(gpu = %gpu.uuid, attribute = name, value = %raw, "not a version; attribute left out"),
+        }
+    }
+    attributes.insert("index".into(), json!({"int": gpu.index}));
+    attributes.insert("minor".into(), json!({"int": gpu.minor}));
+    attributes.insert("migEnabled".into(), json!({"bool": gpu.mig_enabled}));
+    json!({
+        "name": gpu.device_name(),
+        "attributes": attributes,
+        "capacity": {"memory": {"value": memory_quantity(gpu.memory_bytes)}},
+    })
+}
+
+/// Bytes as a Kubernetes quantity, in Mi when exact (the form the API server keeps as is).
+fn memory_quantity(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 20) { format!("{}Mi", bytes >> 20) } else { bytes.to_string() }
+}
+
+/// Devices sorted by name, split into slices of at most `max` (at least one slice, possibly empty: a pool
+/// is published even when the node has no GPU, so the scheduler knows there is none).
+pub fn split_into_slices(mut devices: Vec<Value>, max: usize) -> Vec<Vec<Value>> {
+    devices.sort_by(|a, b| natural_key(&a["name"]).cmp(&natural_key(&b["name"])));
+    if devices.is_empty() {
+        return vec![Vec::new()];
+    }
+    devices.chunks(max.max(1)).map(<[Value]>::to_vec).collect()
+}
+
+/// `gpu-10` after `gpu-9`.
+fn natural_key(name: &Value) -> (String, u64) {
+    let name = name.as_str().unwrap_or_default();
+    let digits: String =
+        name.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();
+    (name[..name.len() - digits.len()].to_string(), digits.parse().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node_agent::discovery::Discovery;
+    use crate::node_agent::discovery::simulated::Simulated;
+
+    fn gpus(spec: &str) -> Vec<Gpu> {
+        Simulated::new("node", spec).expect("spec").discover().expect("discover")
+    }
+
+    #[test]
+    fn device_carries_nvidia_compatible_attributes() {
+        let mut gpu = gpus("1xH100-80GB").remove(0);
+        gpu.driver_version = "535.104.05".into();
+        let d = device(&gpu);
+        assert_eq!(d["name"], "gpu-0");
+        assert_eq!(d["attributes"]["type"], json!({"string": "gpu"}));
+        assert_eq!(d["attributes"]["productName"], json!({"string": "NVIDIA H100 80GB HBM3"}));
+        assert_eq!(d["attributes"]["driverVersion"], json!({"version": "535.104.5"}));
+        assert_eq!(d["attributes"]["cudaComputeCapability"], json!({"version": "9.0.0"}));
+        assert_eq!(d["attributes"]["resource.kubernetes.io/pciBusID"], json!({"string": "0000:18:00.0"}));
+        assert_eq!(d["attributes"]["resource.kubernetes.io/pcieRoot"], json!({"string": "pci0000:18"}));
+        assert_eq!(d["capacity"]["memory"], json!({"value": "81920Mi"}));
+        assert!(d["attributes"].as_object().is_some_and(|a| a.len() <= 32), "API limit: 32 attributes+capacities");
+    }
+
+    #[test]
+    fn an_odd_version_drops_only_that_attribute() {
+        let mut gpu = gpus("1xL4-24GB").remove(0);
+        gpu.driver_version = "unknown".into();
+        let d = device(&gpu);
+        assert!(d["attributes"].get("driverVersion").is_none());
+        assert!(d["attributes"].get("cudaDriverVersion").is_some());
+    }
+
+    #[test]
+    fn splits_at_the_api_limit_in_natural_order() {
+        let devices: Vec<Value> = gpus("300xL4-24GB").iter().rev().map(device).collect();
+        let slices = split_into_slices(devices, MAX_DEVICES_PER_SLICE);
+        assert_eq!(slices.iter().map(Vec::len).collect::<Vec<_>>(), [128, 128, 44]);
+        assert_eq!(slices[0][9]["name"], "gpu-9");
+        assert_eq!(slices[0][10]["name"], "gpu-10");
+        assert_eq!(split_into_slices(Vec::new(), 128), vec![Vec::<Value>::new()]);
+    }
+}

@@ -1,0 +1,169 @@
+//! Makes the API server hold exactly this node's devices: one pool named after the node, slices owned by the
+//! Node object, a new pool generation whenever the content changes (the scheduler ignores older generations),
+//! obsolete slices deleted with UID and resourceVersion preconditions.
+//!
+//! Idempotent: each slice carries a hash of its devices, so publishing what is already there writes nothing.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use tracing::info;
+
+/// Annotation holding the hash of a slice's devices.
+pub const DEVICES_HASH_ANNOTATION: &str = "gpu-dra.dev/devices-hash";
+
+/// Errors while publishing.
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error("node {node} not found: is --node-name (NODE_NAME) this node's name?")]
+    NodeNotFound { node: String },
+    #[error("get node {node}: {source}")]
+    GetNode {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("list the ResourceSlices of node {node}: {source}")]
+    ListSlices {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("create a ResourceSlice for node {node}: {source}")]
+    CreateSlice {
+        node: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("delete obsolete ResourceSlice {slice}: {source}")]
+    DeleteSlice {
+        slice: String,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("encode a ResourceSlice: {0}")]
+    Encode(#[source] serde_json::Error),
+}
+
+/// Publishes one node's pool.
+#[derive(Clone)]
+pub struct Publisher {
+    client: Client,
+    driver: String,
+    node: String,
+    /// The last generation published: after all slices were deleted, the next must still be newer.
+    last_generation: Arc<AtomicI64>,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher").field("driver", &self.driver).field("node", &self.node).finish()
+    }
+}
+
+/// What a publish did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Unchanged,
+    Published { generation: i64, slices: usize },
+}
+
+impl Publisher {
+    pub fn new(client: Client, driver: impl Into<String>, node: impl Into<String>) -> Self {
+        Self { client, driver: driver.into(), node: node.into(), last_generation: Arc::default() }
+    }
+
+    fn api(&self) -> Api<ResourceSlice> {
+        Api::all(self.client.clone())
+    }
+
+    /// The field selector for this node's slices of this driver.
+    pub fn field_selector(&self) -> String {
+        format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
+    }
+
+    /// Publishes `slices` (device lists, from [`super::split_into_slices`]) as the node's pool.
+    pub async fn publish(&self, slices: &[Vec<Value>]) -> Result<Outcome, PublishError> {
+        let existing = self
+            .api()
+            .list(&ListParams::default().fields(&self.field_selector()))
+            .await
+            .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
+            .items;
+        let hashes: Vec<String> = slices.iter().map(|devices| devices_hash(devices)).collect();
+        let generation = existing.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+        let current: Vec<&ResourceSlice> =
+            existing.iter().filter(|s| s.spec.pool.name == self.node && s.spec.pool.generation == generation).collect();
+        let mut current_hashes: Vec<String> =
+            current.iter().filter_map(|s| s.annotations().get(DEVICES_HASH_ANNOTATION).cloned()).collect();
+        current_hashes.sort();
+        let mut wanted = hashes.clone();
+        wanted.sort();
+        let counts_right = current.iter().all(|s| s.spec.pool.resource_slice_count == slices.len() as i64);
+        if existing.len() == slices.len() && current_hashes == wanted && counts_right {
+            return Ok(Outcome::Unchanged);
+        }
+
+        let node_uid = self.node_uid().await?;
+        let generation = generation.max(self.last_generation.load(Ordering::Relaxed)) + 1;
+        for (devices, hash) in slices.iter().zip(&hashes) {
+            let slice: ResourceSlice = serde_json::from_value(json!({
+                "metadata": {
+                    "generateName": format!("{}-{}-", self.node, self.driver),
+                    "annotations": {DEVICES_HASH_ANNOTATION: hash},
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid, "controller": true}]
+                },
+                "spec": {
+                    "driver": self.driver,
+                    "nodeName": self.node,
+                    "pool": {"name": self.node, "generation": generation, "resourceSliceCount": slices.len()},
+                    "devices": devices
+                }
+            }))
+            .map_err(PublishError::Encode)?;
+            self.api()
+                .create(&PostParams::default(), &slice)
+                .await
+                .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
+        }
+        for old in &existing {
+            let name = old.name_any();
+            let params = DeleteParams {
+                preconditions: Some(Preconditions { uid: old.uid(), resource_version: old.resource_version() }),
+                ..Default::default()
+            };
+            match self.api().delete(&name, &params).await {
+                Ok(_) => {}
+                // Gone already, or changed meanwhile: the next publish looks again.
+                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+                Err(source) => return Err(PublishError::DeleteSlice { slice: name, source }),
+            }
+        }
+        self.last_generation.store(generation, Ordering::Relaxed);
+        let devices: usize = slices.iter().map(Vec::len).sum();
+        info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
+        Ok(Outcome::Published { generation, slices: slices.len() })
+    }
+
+    async fn node_uid(&self) -> Result<String, PublishError> {
+        let node = Api::<Node>::all(self.client.clone())
+            .get_opt(&self.node)
+            .await
+            .map_err(|source| PublishError::GetNode { node: self.node.clone(), source })?
+            .ok_or_else(|| PublishError::NodeNotFound { node: self.node.clone() })?;
+        Ok(node.uid().unwrap_or_default())
+    }
+}
+
+/// A stable hash of a device list (FNV-1a over its JSON, which serde_json writes with sorted keys).
+fn devices_hash(devices: &[Value]) -> String {
+    let text = Value::Array(devices.to_vec()).to_string();
+    let hash =
+        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+    format!("{hash:016x}")
+}

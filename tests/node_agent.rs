@@ -1,0 +1,214 @@
+//! `gpu-dra node-agent` against the real API server and scheduler: discovery (simulated; NVML where no driver is
+//! installed), ResourceSlices for its node, re-publication after deletion, allocation from them.
+
+mod support;
+
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::json;
+use support::objects::{self, create_pod_on};
+use support::process::Component;
+use support::{TestContext, wait};
+
+const DRIVER: &str = "gpu.gpu-dra.dev";
+
+fn main() {
+    support::run(
+        "node_agent",
+        &[
+            test!(publishes_simulated_gpus_as_slices_of_its_node),
+            test!(deleted_slices_are_published_again),
+            test!(scheduler_allocates_from_published_gpus),
+            test!(many_gpus_split_and_a_change_bumps_the_generation),
+            test!(without_a_driver_it_stays_up_not_ready_and_publishes_nothing),
+            test!(a_bad_simulated_spec_is_refused_with_the_reason),
+        ],
+    )
+}
+
+/// A node name unique to the test (node names become 63-character label values).
+fn node_name(ctx: &TestContext) -> String {
+    format!("gpu-node-{}", &ctx.namespace[ctx.namespace.len() - 6..])
+}
+
+async fn agent(ctx: &TestContext, node: &str, extra: &[&str]) -> anyhow::Result<Component> {
+    let mut args = vec!["node-agent", "--node-name", node, "--driver-name", DRIVER];
+    args.extend_from_slice(extra);
+    Component::start(&ctx.cluster.kubeconfig(), &format!("{}-agent", ctx.namespace), &args)
+}
+
+async fn slices_of(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<ResourceSlice>> {
+    let selector = format!("spec.nodeName={node},spec.driver={DRIVER}");
+    Ok(Api::<ResourceSlice>::all(ctx.client.clone()).list(&ListParams::default().fields(&selector)).await?.items)
+}
+
+fn device_names(slices: &[ResourceSlice]) -> Vec<String> {
+    let mut names: Vec<String> =
+        slices.iter().flat_map(|s| s.spec.devices.clone().unwrap_or_default()).map(|d| d.name).collect();
+    names.sort();
+    names
+}
+
+async fn wait_devices(ctx: &TestContext, node: &str, count: usize) -> anyhow::Result<Vec<ResourceSlice>> {
+    wait::until(&format!("{count} published devices"), Duration::from_secs(30), || async {
+        let slices = slices_of(ctx, node).await?;
+        Ok((device_names(&slices).len() == count).then_some(slices))
+    })
+    .await
+}
+
+async fn publishes_simulated_gpus_as_slices_of_its_node(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "4xH100-80GB"]).await?;
+    agent.wait_ready().await?;
+    let slices = wait_devices(&ctx, &node, 4).await?;
+    ensure!(slices.len() == 1, "{} slices", slices.len());
+    let slice = &slices[0];
+    let node_obj = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone()).get(&node).await?;
+    let owner = slice.owner_references().first().context("no owner")?;
+    ensure!(
+        owner.kind == "Node" && owner.name == node && Some(&owner.uid) == node_obj.metadata.uid.as_ref(),
+        "{owner:?}"
+    );
+    ensure!(
+        slice.spec.pool.name == node
+            && slice.spec.pool.resource_slice_count == 1
+            && slice.spec.node_name.as_deref() == Some(node.as_str()),
+        "{:?}",
+        slice.spec.pool
+    );
+    ensure!(device_names(&slices) == ["gpu-0", "gpu-1", "gpu-2", "gpu-3"], "{:?}", device_names(&slices));
+    let device = serde_json::to_value(&slice.spec.devices.as_ref().context("no devices")?[0])?;
+    ensure!(device["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3", "{device}");
+    ensure!(device["attributes"]["uuid"]["string"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{device}");
+    ensure!(agent.metric("gpu_dra_node_agent_devices", &[]).await? == 4.0, "devices gauge");
+    Ok(())
+}
+
+async fn deleted_slices_are_published_again(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xL4-24GB"]).await?;
+    let first = wait_devices(&ctx, &node, 2).await?;
+    // What a kubelet restart does: delete every slice of the node.
+    let api = Api::<ResourceSlice>::all(ctx.client.clone());
+    for slice in &first {
+        api.delete(&slice.name_any(), &DeleteParams::default()).await?;
+    }
+    let deleted = std::time::Instant::now();
+    let again = wait::until("the slices to be published again", Duration::from_secs(10), || async {
+        let slices = slices_of(&ctx, &node).await?;
+        let fresh = slices.iter().all(|s| first.iter().all(|f| f.uid() != s.uid()));
+        Ok((device_names(&slices).len() == 2 && fresh).then_some(slices))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    eprintln!("re-published {:?} after deletion", deleted.elapsed());
+    ensure!(again[0].spec.pool.generation > first[0].spec.pool.generation, "generation not bumped");
+    Ok(())
+}
+
+async fn scheduler_allocates_from_published_gpus(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let _agent =
+        agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xA100-40GB,2xH100-80GB"]).await?;
+    wait_devices(&ctx, &node, 4).await?;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == 'gpu'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "two-h100"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": ctx.namespace, "count": 2,
+            "selectors": [{"cel": {"expression": format!("device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100') && device.capacity['{DRIVER}'].memory.compareTo(quantity('80Gi')) >= 0")}}]
+        }}]}}
+    }))?;
+    objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+    create_pod_on(&ctx, "trainer", &node, json!([{"name": "gpu", "resourceClaimName": "two-h100"}])).await?;
+    let claims = objects::claims(&ctx);
+    let devices = wait::until("the scheduler to allocate two H100s", Duration::from_secs(30), || async {
+        let c = claims.get("two-h100").await?;
+        let results = c.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+        Ok(results.map(|r| r.into_iter().map(|r| (r.pool, r.device)).collect::<Vec<_>>()))
+    })
+    .await?;
+    let mut names: Vec<&str> = devices.iter().map(|(_, d)| d.as_str()).collect();
+    names.sort();
+    ensure!(names == ["gpu-2", "gpu-3"] && devices.iter().all(|(p, _)| *p == node), "allocated {devices:?}");
+    Ok(())
+}
+
+async fn many_gpus_split_and_a_change_bumps_the_generation(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let mut big = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "200xL4-24GB"]).await?;
+    let slices = wait_devices(&ctx, &node, 200).await?;
+    let mut sizes: Vec<usize> = slices.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).collect();
+    sizes.sort();
+    ensure!(sizes == [72, 128], "slice sizes {sizes:?}");
+    ensure!(slices.iter().all(|s| s.spec.pool.resource_slice_count == 2), "resourceSliceCount");
+    let generation = slices[0].spec.pool.generation;
+    big.terminate()?;
+
+    let _small = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "4xL4-24GB"]).await?;
+    let after = wait::until("the smaller pool, alone", Duration::from_secs(30), || async {
+        let s = slices_of(&ctx, &node).await?;
+        Ok((s.len() == 1 && device_names(&s).len() == 4).then_some(s))
+    })
+    .await?;
+    ensure!(
+        after[0].spec.pool.generation > generation,
+        "generation {} → {}",
+        generation,
+        after[0].spec.pool.generation
+    );
+    Ok(())
+}
+
+async fn without_a_driver_it_stays_up_not_ready_and_publishes_nothing(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let missing_root = std::env::temp_dir().join("gpu-dra-no-driver-here");
+    let mut agent =
+        agent(&ctx, &node, &["--gpu-backend", "nvml", "--driver-root", &missing_root.to_string_lossy()]).await?;
+    let (code, body) = wait::until("/readyz to explain", Duration::from_secs(20), || async {
+        Ok(agent.get("/readyz").await.ok().filter(|(_, body)| body.contains("NVML")))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(
+        code == 503 && body.contains("libnvidia-ml.so.1") && body.contains("NVIDIA driver installed"),
+        "{code} {body}"
+    );
+    ensure!(agent.get("/healthz").await?.0 == 200, "the process must stay healthy");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(agent.try_wait()?.is_none(), "the agent exited:\n{}", agent.log_tail());
+    ensure!(slices_of(&ctx, &node).await?.is_empty(), "published without GPUs");
+    ensure!(agent.log_text().contains("retry_in"), "no retry logged:\n{}", agent.log_tail());
+    Ok(())
+}
+
+async fn a_bad_simulated_spec_is_refused_with_the_reason(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    let mut agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "4xV100"]).await?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = agent.try_wait()? {
+            break status;
+        }
+        ensure!(std::time::Instant::now() < deadline, "the agent did not exit on a bad spec");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(!status.success(), "exit {status}");
+    let log = agent.log_text();
+    ensure!(log.contains("unknown model \"V100\"") && log.contains("H100-80GB"), "{log}");
+    Ok(())
+}
