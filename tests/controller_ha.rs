@@ -21,6 +21,7 @@ fn main() {
         "controller_ha",
         &[
             test!(one_leader_writes_and_a_killed_leader_hands_over),
+            test!(a_leader_that_loses_the_lease_stops_and_exits),
             test!(burst_with_a_controller_kill_makes_one_claim_per_pod),
         ],
     )
@@ -141,5 +142,29 @@ async fn burst_with_a_controller_kill_makes_one_claim_per_pod(ctx: TestContext) 
         ensure!(claim.owner_references()[0].uid == pod.uid().unwrap_or_default(), "claim {name} not owned by its pod");
     }
     ensure!(claims.len() == PODS, "{} claims for {PODS} pods", claims.len());
+    Ok(())
+}
+
+/// Someone else takes the Lease (as after a network partition): the old leader must stop writing and exit.
+async fn a_leader_that_loses_the_lease_stops_and_exits(ctx: TestContext) -> anyhow::Result<()> {
+    let mut leader = Component::controller(&ctx, &[&ELECTION[..], &["--identity", "replica-a"]].concat()).await?;
+    wait::until("leadership", Duration::from_secs(20), || async { Ok(is_leader(&leader).await?.then_some(())) })
+        .await?;
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let now = k8s_openapi::jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+    let taken = json!({"spec": {"holderIdentity": "intruder", "renewTime": now, "leaseDurationSeconds": 60}});
+    leases.patch("gpu-dra-controller", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&taken)).await?;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let status = loop {
+        if let Some(status) = leader.try_wait()? {
+            break status;
+        }
+        ensure!(Instant::now() < deadline, "still running after losing the lease:\n{}", leader.log_tail());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    ensure!(!status.success(), "exit status {status}");
+    let log = leader.log_text();
+    ensure!(log.contains("lost leadership") && log.contains("lost the lease"), "{}", leader.log_tail());
     Ok(())
 }

@@ -159,10 +159,11 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
 
     // Ready once the caches synced and the role is known; followers are ready too (warm standby).
     let mut workers = Vec::new();
-    loop {
+    let lost_leadership = loop {
         let current = *role.borrow_and_update();
         match current {
             Role::Unknown => readiness.set(Err("leadership role not known yet".into())),
+            Role::Follower if !workers.is_empty() => break true,
             Role::Follower => readiness.set(Ok(())),
             Role::Leader => {
                 readiness.set(Ok(()));
@@ -174,17 +175,24 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
             }
         }
         tokio::select! {
-            changed = role.changed() => if changed.is_err() { break },
-            () = stop.cancelled() => break,
+            // The elector ended: it only does so on shutdown or after losing the Lease.
+            changed = role.changed() => if changed.is_err() { break !workers.is_empty() && !stop.is_cancelled() },
+            () = stop.cancelled() => break false,
         }
-    }
+    };
 
-    // Leadership lost or shutdown: stop handing out keys, let in-flight syncs finish briefly.
     queue.shut_down();
     ctx.metrics.set_leader(false);
-    let drain = futures::future::join_all(workers);
-    if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
-        warn!("in-flight syncs did not finish within {DRAIN_TIMEOUT:?}");
+    if lost_leadership {
+        // Another replica leads now: not one more write from here, in-flight syncs included.
+        error!("lost leadership: stopping all workers at once");
+        workers.iter().for_each(tokio::task::JoinHandle::abort);
+    } else {
+        // Shutdown while leading: let in-flight syncs finish briefly, then release the Lease.
+        let drain = futures::future::join_all(workers);
+        if tokio::time::timeout(DRAIN_TIMEOUT, drain).await.is_err() {
+            warn!("in-flight syncs did not finish within {DRAIN_TIMEOUT:?}");
+        }
     }
     stop.cancel();
     if let Some(election) = election {
