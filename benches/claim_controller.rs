@@ -8,6 +8,7 @@
 //!   cargo bench --bench claim_controller                 # 2,000 and 5,000 pods
 //!   GPU_DRA_BENCH_PODS=500 cargo bench --bench claim_controller
 //!   GPU_DRA_BENCH_QPS=1000 GPU_DRA_BENCH_BURST=2000 …    # client limit for all contenders (default 500/1000)
+//!   GPU_DRA_BENCH_ONLY=gpu-dra …                          # one contender (no ratios): gpu-dra, kcm or raw
 
 #[path = "../tests/support/mod.rs"]
 #[allow(unused_imports)]
@@ -38,6 +39,14 @@ enum Contender {
 }
 
 impl Contender {
+    fn key(self) -> &'static str {
+        match self {
+            Contender::GpuDra => "gpu-dra",
+            Contender::Kcm => "kcm",
+            Contender::Raw => "raw",
+        }
+    }
+
     fn label(self) -> &'static str {
         match self {
             Contender::GpuDra => "gpu-dra controller",
@@ -66,13 +75,20 @@ fn main() -> anyhow::Result<()> {
     let burst: u32 = std::env::var("GPU_DRA_BENCH_BURST").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut results = BTreeMap::new();
+    let only = std::env::var("GPU_DRA_BENCH_ONLY").ok();
     for &pods in &counts {
         for contender in [Contender::GpuDra, Contender::Kcm, Contender::Raw] {
+            if only.as_deref().is_some_and(|o| o != contender.key()) {
+                continue;
+            }
             eprintln!("--- {pods} pods: {}", contender.label());
             let run = runtime.block_on(run_one(contender, pods, qps, burst))?;
             eprintln!("    {run:?}");
             results.insert((pods, contender as u8), run);
         }
+    }
+    if only.is_some() {
+        return Ok(());
     }
     println!();
     println!("Claim creation throughput, local control plane, client limit {qps} QPS / {burst} burst for all");

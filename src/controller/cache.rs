@@ -434,3 +434,63 @@ fn on_template_event(ctx: &Context, event: &watcher::Event<DynamicObject>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn pod() -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"},
+            "spec": {"containers": [], "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}
+        }))
+        .expect("pod")
+    }
+
+    fn claim(name: &str, uid: &str, created: &str) -> ResourceClaim {
+        serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": "ns", "uid": uid, "creationTimestamp": created,
+                         "annotations": {decide::POD_CLAIM_NAME_ANNOTATION: "gpu"},
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "pod-uid", "controller": true}]},
+            "spec": {"devices": {"requests": []}}
+        }))
+        .expect("claim")
+    }
+
+    #[test]
+    fn a_created_claim_is_found_until_the_watch_shows_it() {
+        let (caches, mut writers) = Caches::new();
+        let created = Arc::new(claim("p-gpu-aaaaa", "c1", "2026-01-01T00:00:00Z"));
+        caches.remember_created("pod-uid", created.clone());
+        assert_eq!(caches.created_pending(), 1);
+        // Known only from the record: found by name and adopted as the pod's orphan, never created twice.
+        assert!(caches.claim_for_pod(&pod(), "p-gpu-aaaaa").is_some());
+        assert_eq!(caches.orphan_for(&pod(), "gpu").map(|c| c.name_any()), Some("p-gpu-aaaaa".into()));
+
+        let event = watcher::Event::Apply((*created).clone());
+        writers.claims.apply_watcher_event(&event);
+        caches.claims_by_owner.apply(&event);
+        caches.observed_claim(&created);
+        assert_eq!(caches.created_pending(), 0, "the record ends when the watch shows the claim");
+        assert!(caches.claim_for_pod(&pod(), "p-gpu-aaaaa").is_some());
+
+        // A create whose watch event came first is never recorded at all.
+        caches.remember_created("pod-uid", created);
+        assert_eq!(caches.created_pending(), 0);
+    }
+
+    #[test]
+    fn the_oldest_orphan_wins() {
+        let (caches, mut writers) = Caches::new();
+        for c in
+            [claim("p-gpu-newer", "c2", "2026-01-02T00:00:00Z"), claim("p-gpu-older", "c1", "2026-01-01T00:00:00Z")]
+        {
+            let event = watcher::Event::Apply(c);
+            writers.claims.apply_watcher_event(&event);
+            caches.claims_by_owner.apply(&event);
+        }
+        assert_eq!(caches.orphan_for(&pod(), "gpu").map(|c| c.name_any()), Some("p-gpu-older".into()));
+        assert!(caches.orphan_for(&pod(), "other").is_none(), "another pod claim's annotation never matches");
+    }
+}
