@@ -63,6 +63,8 @@ struct Run {
     events: f64,
     duplicates: i64,
     peak_rss_mib: Option<f64>,
+    /// Resident memory when all claims are recorded (the caches full, the burst over).
+    end_rss_mib: Option<f64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -93,8 +95,8 @@ fn main() -> anyhow::Result<()> {
     println!();
     println!("Claim creation throughput, local control plane, client limit {qps} QPS / {burst} burst for all");
     println!(
-        "{:>6}  {:<24} {:>8} {:>9} {:>11} {:>11} {:>6} {:>13} {:>8} {:>8}",
-        "pods", "contender", "wall s", "pods/s", "writes/pod", "events/pod", "dups", "peak RSS MiB", "vs KCM", "vs raw"
+        "{:>6}  {:<24} {:>8} {:>9} {:>11} {:>11} {:>6} {:>13} {:>12} {:>8} {:>8}",
+        "pods", "contender", "wall s", "pods/s", "writes/pod", "events/pod", "dups", "peak RSS MiB", "end RSS MiB", "vs KCM", "vs raw"
     );
     for &pods in &counts {
         let kcm = &results[&(pods, Contender::Kcm as u8)];
@@ -104,7 +106,7 @@ fn main() -> anyhow::Result<()> {
             let rate = pods as f64 / r.wall.as_secs_f64();
             let ratio = |other: &Run| rate / (pods as f64 / other.wall.as_secs_f64());
             println!(
-                "{:>6}  {:<24} {:>8.2} {:>9.1} {:>11.2} {:>11.2} {:>6} {:>13} {:>7.2}x {:>7.2}x",
+                "{:>6}  {:<24} {:>8.2} {:>9.1} {:>11.2} {:>11.2} {:>6} {:>13} {:>12} {:>7.2}x {:>7.2}x",
                 pods,
                 contender.label(),
                 r.wall.as_secs_f64(),
@@ -113,6 +115,7 @@ fn main() -> anyhow::Result<()> {
                 r.events,
                 r.duplicates,
                 r.peak_rss_mib.map_or("-".into(), |m| format!("{m:.1}")),
+                r.end_rss_mib.map_or("-".into(), |m| format!("{m:.1}")),
                 ratio(kcm),
                 ratio(raw),
             );
@@ -206,8 +209,13 @@ async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32,
         }
     }
     let peak_rss_mib = match contender {
-        Contender::GpuDra => component.as_ref().and_then(|c| peak_rss_mib(c.pid())),
-        Contender::Kcm => kcm_pid(cluster).and_then(peak_rss_mib),
+        Contender::GpuDra => component.as_ref().and_then(|c| rss_mib(c.pid(), "VmHWM:")),
+        Contender::Kcm => kcm_pid(cluster).and_then(|pid| rss_mib(pid, "VmHWM:")),
+        Contender::Raw => None,
+    };
+    let end_rss_mib = match contender {
+        Contender::GpuDra => component.as_ref().and_then(|c| rss_mib(c.pid(), "VmRSS:")),
+        Contender::Kcm => kcm_pid(cluster).and_then(|pid| rss_mib(pid, "VmRSS:")),
         Contender::Raw => None,
     };
     if let Some(task) = raw {
@@ -219,6 +227,7 @@ async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32,
         events: (after.1 - before.1) / pods as f64,
         duplicates,
         peak_rss_mib,
+        end_rss_mib,
     })
 }
 
@@ -305,9 +314,10 @@ async fn rate_limited_client(cluster: &Cluster, qps: u32, burst: u32) -> anyhow:
     Ok(gpu_dra::kube_client::client_from_config(config, &bucket)?)
 }
 
-fn peak_rss_mib(pid: u32) -> Option<f64> {
+/// `VmHWM:` (peak) or `VmRSS:` (now) of a process, in MiB.
+fn rss_mib(pid: u32, field: &str) -> Option<f64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.split_whitespace().next()?.parse().ok()?;
+    let kib: f64 = status.lines().find_map(|l| l.strip_prefix(field))?.split_whitespace().next()?.parse().ok()?;
     Some(kib / 1024.0)
 }
 
