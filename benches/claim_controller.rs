@@ -96,7 +96,17 @@ fn main() -> anyhow::Result<()> {
     println!("Claim creation throughput, local control plane, client limit {qps} QPS / {burst} burst for all");
     println!(
         "{:>6}  {:<24} {:>8} {:>9} {:>11} {:>11} {:>6} {:>13} {:>12} {:>8} {:>8}",
-        "pods", "contender", "wall s", "pods/s", "writes/pod", "events/pod", "dups", "peak RSS MiB", "end RSS MiB", "vs KCM", "vs raw"
+        "pods",
+        "contender",
+        "wall s",
+        "pods/s",
+        "writes/pod",
+        "events/pod",
+        "dups",
+        "peak RSS MiB",
+        "end RSS MiB",
+        "vs KCM",
+        "vs raw"
     );
     for &pods in &counts {
         let kcm = &results[&(pods, Contender::Kcm as u8)];

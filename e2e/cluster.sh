@@ -7,6 +7,8 @@
 #   e2e/cluster.sh up [--with-kcm-claim-controller]   start (or find running) and print `export KUBECONFIG=...`
 #   e2e/cluster.sh env                                 print the KUBECONFIG and PATH exports of the running cluster
 #   e2e/cluster.sh add-node NAME [KEY=VALUE ...]      create a Ready Node (extra labels optional)
+#   e2e/cluster.sh run NAME CMD [ARG ...]              start CMD detached with the cluster's KUBECONFIG, logging to
+#                                                      logs/NAME.log; `down` stops it with the cluster
 #   e2e/cluster.sh down                                stop exactly what `up` started and remove the state directory
 #
 # Environment:
@@ -39,11 +41,13 @@ die() { printf '[cluster] error: %s\n' "$*" >&2; exit 1; }
 
 # --- process bookkeeping -------------------------------------------------------------------------------------
 
-# True when pid $1 is alive and its command line names the state directory (so a reused pid is never signalled).
+# True when pid $1 is alive and names the state directory in its command line or (processes started with
+# `run`) in its GPU_DRA_E2E_DIR environment variable, so a reused pid is never signalled.
 owned_alive() {
     local pid=$1
     [[ -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$STATE" 
+    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$STATE" && return 0
+    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF -- "GPU_DRA_E2E_DIR=$STATE"
 }
 
 recorded_pids() { [[ -f "$PIDS" ]] && awk '{print $2}' "$PIDS" || true; }
@@ -68,7 +72,10 @@ state_is_live() {
     [[ -f "$PIDS" && -f "$STATE/kubeconfig" ]] || return 1
     local name pid
     while read -r name pid; do
-        owned_alive "$pid" || return 1
+        # Processes started with `run` may come and go; the cluster is its own components.
+        case "$name" in
+            etcd | kube-apiserver | kube-scheduler | kube-controller-manager | watchdog) owned_alive "$pid" || return 1 ;;
+        esac
     done <"$PIDS"
     if [[ -f "$STATE/owner-pid" ]]; then
         kill -0 "$(cat "$STATE/owner-pid")" 2>/dev/null || return 1
@@ -358,10 +365,33 @@ NODE
     log "node $name created (Ready, untainted)"
 }
 
+cmd_run() {
+    local name=${1:-}
+    [[ -n "$name" && $# -ge 2 ]] || die "usage: e2e/cluster.sh run NAME CMD [ARG ...]"
+    [[ "$name" =~ ^[a-zA-Z0-9_.-]+$ ]] || die "run: NAME '$name' may hold only letters, digits, '.', '_' and '-'"
+    shift
+    state_is_live || die "no running cluster in $STATE; start one with: e2e/cluster.sh up"
+    local pid; pid=$(pid_of "$name" | tail -n 1)
+    if [[ -n "$pid" ]] && owned_alive "$pid"; then
+        log "$name is already running (pid $pid)"
+        return 0
+    fi
+    GPU_DRA_E2E_DIR="$STATE" KUBECONFIG="$STATE/kubeconfig" start "$name" "$@"
+    pid=$(pid_of "$name" | tail -n 1)
+    sleep 0.5
+    if ! owned_alive "$pid"; then
+        printf '[cluster] error: %s exited at once; last lines of %s:\n' "$name" "$LOGS/$name.log" >&2
+        tail -n 25 "$LOGS/$name.log" | sed 's/^/    /' >&2
+        exit 1
+    fi
+    log "$name running (pid $pid, log $LOGS/$name.log)"
+}
+
 case "${1:-}" in
     up) shift; cmd_up "$@" ;;
     down) cmd_down ;;
     env) cmd_env ;;
     add-node) shift; cmd_add_node "$@" ;;
-    *) die "usage: e2e/cluster.sh up [--with-kcm-claim-controller] | down | env | add-node NAME [KEY=VALUE ...]" ;;
+    run) shift; cmd_run "$@" ;;
+    *) die "usage: e2e/cluster.sh up [--with-kcm-claim-controller] | down | env | add-node NAME [KEY=VALUE ...] | run NAME CMD [ARG ...]" ;;
 esac

@@ -72,9 +72,14 @@ fn recorded(dir: &Path) -> anyhow::Result<Vec<(String, u32)>> {
         .collect()
 }
 
-/// Whether `pid` is a live process that still belongs to the cluster in `dir`.
+/// Whether `pid` is a live process that still belongs to the cluster in `dir` (by command line, or by the
+/// environment of processes started with `run`).
 fn alive(dir: &Path, pid: u32) -> bool {
-    std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| text(&c).contains(&*dir.to_string_lossy())).unwrap_or(false)
+    let dir = dir.to_string_lossy();
+    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| text(&c)).unwrap_or_default();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).map(|c| text(&c)).unwrap_or_default();
+    let in_env = environ.split('\0').any(|v| v == format!("GPU_DRA_E2E_DIR={dir}"));
+    !cmdline.is_empty() && (cmdline.contains(&*dir) || in_env)
 }
 
 fn ensure_none_alive(dir: &Path, pids: &[(String, u32)], within: Duration) -> anyhow::Result<()> {
@@ -138,6 +143,17 @@ fn up_is_idempotent_and_down_twice_is_harmless() -> anyhow::Result<()> {
         ],
     )?;
     ensure!(ready == "True test", "node Ready/label: {ready:?}");
+
+    // `run` starts a process the cluster owns: it survives the script, does not count as a cluster component, and
+    // `down` stops it too. A process that dies at once is reported with its log, and the cluster stays up.
+    run_ok(&dir, &["run", "sleeper", "sleep", "600"], &[])?;
+    let sleeper = recorded(&dir)?.into_iter().find(|(n, _)| n == "sleeper").context("sleeper not recorded")?;
+    ensure!(alive(&dir, sleeper.1), "sleeper not running");
+    let failed = run(&dir, &["run", "broken", "sh", "-c", "echo no such thing >&2; exit 3"], &[])?;
+    ensure!(!failed.status.success() && text(&failed.stderr).contains("no such thing"), "{}", text(&failed.stderr));
+    let (_, stderr) = run_ok(&dir, &["up"], &[])?;
+    ensure!(stderr.contains("already up"), "a dead `run` process made the cluster look stale:\n{stderr}");
+    let pids = recorded(&dir)?;
 
     run_ok(&dir, &["down"], &[])?;
     ensure!(!dir.exists(), "down left {}", dir.display());

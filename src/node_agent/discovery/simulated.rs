@@ -156,9 +156,13 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
     }
 }
 
-/// FNV-1a, 64 bit: stable across builds and platforms (std's hashers promise neither).
+/// FNV-1a, 64 bit, then splitmix64's finaliser so that similar inputs give unrelated outputs: stable across
+/// builds and platforms (std's hashers promise neither).
 fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+    let h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    let h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
 }
 
 #[cfg(test)]
