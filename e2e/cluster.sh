@@ -42,12 +42,14 @@ die() { printf '[cluster] error: %s\n' "$*" >&2; exit 1; }
 # --- process bookkeeping -------------------------------------------------------------------------------------
 
 # True when pid $1 is alive and names the state directory in its command line or (processes started with
-# `run`) in its GPU_DRA_E2E_DIR environment variable, so a reused pid is never signalled.
+# `run`) in its GPU_DRA_E2E_RUN_BY environment variable, so a reused pid is never signalled.
 owned_alive() {
-    local pid=$1
-    [[ -r /proc/$pid/cmdline ]] || return 1
-    tr '\0' ' ' <"/proc/$pid/cmdline" | grep -qF -- "$STATE" && return 0
-    tr '\0' '\n' <"/proc/$pid/environ" 2>/dev/null | grep -qxF -- "GPU_DRA_E2E_DIR=$STATE"
+    local pid=$1 cmdline
+    cmdline=$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || return 1
+    # A zombie (exited, not yet reaped) has an empty command line: it is gone.
+    [[ -n "$cmdline" ]] || return 1
+    [[ "$cmdline" == *"$STATE"* ]] && return 0
+    { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF -- "GPU_DRA_E2E_RUN_BY=$STATE"
 }
 
 recorded_pids() { [[ -f "$PIDS" ]] && awk '{print $2}' "$PIDS" || true; }
@@ -55,7 +57,8 @@ recorded_pids() { [[ -f "$PIDS" ]] && awk '{print $2}' "$PIDS" || true; }
 # Stops every recorded process that is still ours: SIGTERM, then SIGKILL after a grace period.
 stop_recorded() {
     local pids=() pid
-    for pid in $(recorded_pids); do owned_alive "$pid" && pids+=("$pid"); done
+    # Never this very process: the watchdog becomes `down` by exec, keeping its recorded pid.
+    for pid in $(recorded_pids); do [[ "$pid" != "$$" ]] && owned_alive "$pid" && pids+=("$pid"); done
     [[ ${#pids[@]} -eq 0 ]] && return 0
     kill -TERM "${pids[@]}" 2>/dev/null || true
     for _ in $(seq 50); do
@@ -376,7 +379,7 @@ cmd_run() {
         log "$name is already running (pid $pid)"
         return 0
     fi
-    GPU_DRA_E2E_DIR="$STATE" KUBECONFIG="$STATE/kubeconfig" start "$name" "$@"
+    GPU_DRA_E2E_RUN_BY="$STATE" KUBECONFIG="$STATE/kubeconfig" start "$name" "$@"
     pid=$(pid_of "$name" | tail -n 1)
     sleep 0.5
     if ! owned_alive "$pid"; then

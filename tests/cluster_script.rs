@@ -78,7 +78,7 @@ fn alive(dir: &Path, pid: u32) -> bool {
     let dir = dir.to_string_lossy();
     let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).map(|c| text(&c)).unwrap_or_default();
     let environ = std::fs::read(format!("/proc/{pid}/environ")).map(|c| text(&c)).unwrap_or_default();
-    let in_env = environ.split('\0').any(|v| v == format!("GPU_DRA_E2E_DIR={dir}"));
+    let in_env = environ.split('\0').any(|v| v == format!("GPU_DRA_E2E_RUN_BY={dir}"));
     !cmdline.is_empty() && (cmdline.contains(&*dir) || in_env)
 }
 
