@@ -172,16 +172,7 @@ impl Caches {
         // As for created claims: the pod's watch event may already be in the store (checked under the lock).
         let cached = self.pod(&object_key(pod)).filter(|p| p.metadata.uid.as_deref() == Some(uid));
         let shown = |pod_claim: &str, claim: &str| {
-            cached.as_ref().is_some_and(|p| {
-                decide::pod_claims(p).iter().any(|pc| {
-                    pc.name == pod_claim
-                        && decide::claim_source(p, pc)
-                            == decide::ClaimSource::Template {
-                                template: pc.resource_claim_template_name.as_deref().unwrap_or_default(),
-                                recorded: decide::Recorded::Claim(claim),
-                            }
-                })
-            })
+            cached.as_ref().is_some_and(|p| decide::recorded_claim(p, pod_claim) == Some(claim))
         };
         let missing: Vec<_> = entries.iter().filter(|(pc, claim)| !shown(pc, claim)).cloned().collect();
         if !missing.is_empty() {

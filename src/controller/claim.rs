@@ -145,9 +145,11 @@ async fn delete_if_pod_finished(ctx: &Context, key: &ObjectKey, claim: &Resource
     };
     delete_claim(ctx, key, claim).await?;
     info!(pod = pod_name, why, "deleted claim");
-    ctx.events
-        .claim_normal(claim, Reason::ResourceClaimDeleted, format!("Deleted ResourceClaim: {why} (pod {pod_name})"))
-        .await;
+    ctx.events.claim_normal(
+        claim,
+        Reason::ResourceClaimDeleted,
+        format!("Deleted ResourceClaim: {why} (pod {pod_name})"),
+    );
     Ok(())
 }
 
@@ -170,7 +172,8 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
     let Some(cached_pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
         return Ok(false);
     };
-    if !decide::is_owned_by(claim, &cached_pod) || recorded_claim(&cached_pod, pod_claim).is_none_or(|r| r == key.name)
+    if !decide::is_owned_by(claim, &cached_pod)
+        || decide::recorded_claim(&cached_pod, pod_claim).is_none_or(|r| r == key.name)
     {
         return Ok(false);
     }
@@ -193,7 +196,7 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
         .await
         .map_err(|source| SyncError::GetPod { pod: pod_key, source })?;
     let Some(pod) = pod.filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
-    let Some(recorded) = recorded_claim(&pod, pod_claim).filter(|r| *r != key.name).map(str::to_string) else {
+    let Some(recorded) = decide::recorded_claim(&pod, pod_claim).filter(|r| *r != key.name).map(str::to_string) else {
         return Ok(false);
     };
     let live = claims(ctx, key).get_opt(&recorded).await.map_err(|source| SyncError::GetClaim {
@@ -207,17 +210,8 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
     info!(pod = pod_name, pod_claim, recorded = %recorded, "deleted duplicate generated claim");
     let note =
         format!("Deleted duplicate ResourceClaim for pod claim {pod_claim} of pod {pod_name}: the pod uses {recorded}");
-    ctx.events.claim_normal(claim, Reason::DuplicateResourceClaimDeleted, note).await;
+    ctx.events.claim_normal(claim, Reason::DuplicateResourceClaimDeleted, note);
     Ok(true)
-}
-
-/// The claim name the pod's status records for template pod claim `pod_claim`.
-fn recorded_claim<'a>(pod: &'a Pod, pod_claim: &str) -> Option<&'a str> {
-    let pc = decide::pod_claims(pod).iter().find(|pc| pc.name == pod_claim)?;
-    match decide::claim_source(pod, pc) {
-        decide::ClaimSource::Template { recorded: decide::Recorded::Claim(name), .. } => Some(name),
-        _ => None,
-    }
 }
 
 async fn delete_claim(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<(), SyncError> {

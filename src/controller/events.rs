@@ -89,23 +89,23 @@ impl Events {
         self.dropped.load(Ordering::Relaxed)
     }
 
-    pub async fn pod_warning(&self, pod: &Pod, reason: Reason, note: String) {
-        self.publish(pod.object_ref(&()), EventType::Warning, reason, note).await;
+    pub fn pod_warning(&self, pod: &Pod, reason: Reason, note: String) {
+        self.publish(pod.object_ref(&()), EventType::Warning, reason, note);
     }
 
-    pub async fn pod_normal(&self, pod: &Pod, reason: Reason, note: String) {
-        self.publish(pod.object_ref(&()), EventType::Normal, reason, note).await;
+    pub fn pod_normal(&self, pod: &Pod, reason: Reason, note: String) {
+        self.publish(pod.object_ref(&()), EventType::Normal, reason, note);
     }
 
-    pub async fn claim_normal(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Normal, reason, note).await;
+    pub fn claim_normal(&self, claim: &ResourceClaim, reason: Reason, note: String) {
+        self.publish(claim.object_ref(&()), EventType::Normal, reason, note);
     }
 
-    pub async fn claim_warning(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Warning, reason, note).await;
+    pub fn claim_warning(&self, claim: &ResourceClaim, reason: Reason, note: String) {
+        self.publish(claim.object_ref(&()), EventType::Warning, reason, note);
     }
 
-    async fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
+    fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
         if self.queue.try_send((regarding, type_, reason, note)).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }

@@ -77,8 +77,7 @@ impl ForeignControllerDetector {
              gpu-dra controller now only observes. {REMEDY}.",
             detection.claim, detection.field_manager
         );
-        let (events, claim) = (ctx.events.clone(), claim.clone());
-        tokio::spawn(async move { events.claim_warning(&claim, Reason::AnotherClaimControllerActive, note).await });
+        ctx.events.claim_warning(claim, Reason::AnotherClaimControllerActive, note);
     }
 }
 

@@ -44,13 +44,11 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
             Ok(Outcome::Unchanged) => {}
             Err(err) => {
                 // Tell the operator on the pod; the other pod claims still go ahead.
-                ctx.events
-                    .pod_warning(
-                        &pod,
-                        Reason::FailedResourceClaimCreation,
-                        format!("PodResourceClaim {}: {err}", pod_claim.name),
-                    )
-                    .await;
+                ctx.events.pod_warning(
+                    &pod,
+                    Reason::FailedResourceClaimCreation,
+                    format!("PodResourceClaim {}: {err}", pod_claim.name),
+                );
                 errors.push(err);
             }
         }
@@ -107,7 +105,7 @@ async fn handle_claim(
         let name = orphan.name_any();
         info!(claim = %name, pod_claim = %pod_claim.name, "adopting claim generated earlier for this pod");
         let note = format!("Adopted ResourceClaim {name} (from template {template}) for pod claim {}", pod_claim.name);
-        ctx.events.pod_normal(pod, Reason::ResourceClaimAdopted, note).await;
+        ctx.events.pod_normal(pod, Reason::ResourceClaimAdopted, note);
         return Ok(Outcome::Record(name));
     }
     let claim = create_claim(ctx, pod, &pod_claim.name, template).await?;
@@ -148,7 +146,7 @@ async fn create_claim(
     info!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
     let note =
         format!("Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}", created.name_any());
-    ctx.events.pod_normal(pod, Reason::ResourceClaimCreated, note).await;
+    ctx.events.pod_normal(pod, Reason::ResourceClaimCreated, note);
     Ok(created)
 }
 

@@ -78,6 +78,15 @@ pub fn claim_source<'a>(pod: &'a Pod, pod_claim: &'a PodResourceClaim) -> ClaimS
     ClaimSource::Template { template, recorded }
 }
 
+/// The claim name the pod's status records for template pod claim `pod_claim`.
+pub fn recorded_claim<'a>(pod: &'a Pod, pod_claim: &str) -> Option<&'a str> {
+    let pc = pod_claims(pod).iter().find(|pc| pc.name == pod_claim)?;
+    match claim_source(pod, pc) {
+        ClaimSource::Template { recorded: Recorded::Claim(name), .. } => Some(name),
+        _ => None,
+    }
+}
+
 /// The pod's `spec.resourceClaims` (empty when it has none).
 pub fn pod_claims(pod: &Pod) -> &[PodResourceClaim] {
     pod.spec.as_ref().and_then(|s| s.resource_claims.as_deref()).unwrap_or_default()
