@@ -184,8 +184,13 @@ pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PIDS"; }
 # Stops everything, shows why NAME failed, and exits non-zero. The logs stay for inspection; the next `up`
 # treats the directory as stale and removes it.
 fail_component() {
-    local name=$1 why=$2
     stop_recorded
+    report_failure "$@"
+}
+
+# report_failure NAME WHY: says why NAME failed, with the end of its log, and exits non-zero.
+report_failure() {
+    local name=$1 why=$2
     printf '[cluster] error: %s %s; last lines of %s:\n' "$name" "$why" "$LOGS/$name.log" >&2
     tail -n 25 "$LOGS/$name.log" | sed 's/^/    /' >&2
     exit 1
@@ -382,11 +387,8 @@ cmd_run() {
     GPU_DRA_E2E_RUN_BY="$STATE" KUBECONFIG="$STATE/kubeconfig" start "$name" "$@"
     pid=$(pid_of "$name" | tail -n 1)
     sleep 0.5
-    if ! owned_alive "$pid"; then
-        printf '[cluster] error: %s exited at once; last lines of %s:\n' "$name" "$LOGS/$name.log" >&2
-        tail -n 25 "$LOGS/$name.log" | sed 's/^/    /' >&2
-        exit 1
-    fi
+    # The cluster stays up: only this process failed.
+    owned_alive "$pid" || report_failure "$name" "exited at once"
     log "$name running (pid $pid, log $LOGS/$name.log)"
 }
 

@@ -91,6 +91,12 @@ mod tests {
     }
 }
 
+/// FNV-1a, 64 bit: a hash stable across builds and platforms (std's hashers promise neither), for names and
+/// content hashes that must not change between agent versions.
+pub fn stable_hash(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
 /// NVML's `00000000:3B:00.0` → the standard `0000:3b:00.0` (four-digit domain, lower case).
 pub fn normalize_pci_bus_id(raw: &str) -> String {
     let lower = raw.trim().to_ascii_lowercase();

@@ -5,7 +5,7 @@
 //! `@<path>` naming a file that holds such a spec.
 
 use super::{Discovery, DiscoveryError};
-use crate::node_agent::gpu::Gpu;
+use crate::node_agent::gpu::{Gpu, stable_hash};
 
 /// What the simulated driver reports.
 const DRIVER_VERSION: &str = "570.133.20";
@@ -130,8 +130,8 @@ impl Discovery for Simulated {
 }
 
 fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
-    let h = fnv1a(&format!("{node}/{index}"));
-    let g = fnv1a(&format!("{index}/{node}/uuid"));
+    let h = mixed_hash(&format!("{node}/{index}"));
+    let g = mixed_hash(&format!("{index}/{node}/uuid"));
     let uuid = format!(
         "GPU-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
         h >> 32,
@@ -156,10 +156,9 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
     }
 }
 
-/// FNV-1a, 64 bit, then splitmix64's finaliser so that similar inputs give unrelated outputs: stable across
-/// builds and platforms (std's hashers promise neither).
-fn fnv1a(s: &str) -> u64 {
-    let h = s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
+/// [`stable_hash`], then splitmix64's finaliser so that similar inputs give unrelated outputs.
+fn mixed_hash(s: &str) -> u64 {
+    let h = stable_hash(s.as_bytes());
     let h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     let h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     h ^ (h >> 31)

@@ -160,10 +160,8 @@ impl Publisher {
     }
 }
 
-/// A stable hash of a device list (FNV-1a over its JSON, which serde_json writes with sorted keys).
+/// A stable hash of a device list (over its JSON, which serde_json writes with sorted keys).
 fn devices_hash(devices: &[Value]) -> String {
     let text = Value::Array(devices.to_vec()).to_string();
-    let hash =
-        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3));
-    format!("{hash:016x}")
+    format!("{:016x}", crate::node_agent::gpu::stable_hash(text.as_bytes()))
 }
