@@ -120,6 +120,10 @@ pub struct NodeAgentArgs {
     /// Where the agent keeps its checkpoint of prepared claims.
     #[arg(long, env = "GPU_DRA_STATE_DIR", default_value = "/var/lib/gpu-dra")]
     pub state_dir: PathBuf,
+    /// The file holding this boot's ID: checkpoint entries of an earlier boot are dropped (their device state is
+    /// gone). Only tests point it elsewhere.
+    #[arg(long, env = "GPU_DRA_BOOT_ID_FILE", default_value = "/proc/sys/kernel/random/boot_id")]
+    pub boot_id_file: PathBuf,
     /// Address of /metrics (and /healthz, /readyz unless --health-addr differs).
     #[arg(long, env = "GPU_DRA_METRICS_ADDR", default_value = "0.0.0.0:8081")]
     pub metrics_addr: SocketAddr,

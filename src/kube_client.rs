@@ -28,8 +28,17 @@ pub async fn client(args: &ClientArgs) -> Result<kube::Client, kube::Error> {
     client_from_config(config, args)
 }
 
+/// Makes `ring` the process's TLS crypto provider. Two providers are linked (kube uses `ring`; the CDI crate's
+/// schema validator brings `aws-lc-rs`), and rustls then refuses to guess: every client must be built after this.
+/// Idempotent.
+pub fn install_crypto_provider() {
+    // Err means a provider is installed already, which is all we need.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// Builds a client from `config`, rate limited by `args`.
 pub fn client_from_config(config: kube::Config, args: &ClientArgs) -> Result<kube::Client, kube::Error> {
+    install_crypto_provider();
     let builder = ClientBuilder::try_from(config)?;
     if args.kube_api_qps <= 0.0 {
         return Ok(builder.build());

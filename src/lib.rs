@@ -6,9 +6,12 @@
 //!
 //! See ARCHITECTURE.md for the map.
 
+pub mod cdi;
 pub mod cli;
 pub mod controller;
+pub mod fsutil;
 pub mod kube_client;
+pub mod kubelet_plugin;
 pub mod leader;
 pub mod node_agent;
 pub mod signals;

@@ -192,7 +192,10 @@ async fn rbac_refuses_identity_without_grants(ctx: TestContext) -> anyhow::Resul
 
     let mut config = ctx.cluster.client_config().await?;
     config.auth_info = kube::config::AuthInfo { token: Some(token.into()), ..Default::default() };
-    let nobody = kube::Client::try_from(config)?;
+    let nobody = {
+        gpu_dra::kube_client::install_crypto_provider();
+        kube::Client::try_from(config)
+    }?;
     let pods = Api::<Pod>::namespaced(nobody.clone(), &ctx.namespace);
     match pods.list(&ListParams::default()).await {
         Err(kube::Error::Api(status)) if status.code == 403 => {}

@@ -10,11 +10,9 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
+use support::node::{DRIVER, NodeAgent};
 use support::objects::{self, create_pod_on};
-use support::process::Component;
 use support::{TestContext, wait};
-
-const DRIVER: &str = "gpu.gpu-dra.dev";
 
 fn main() {
     support::run(
@@ -35,10 +33,8 @@ fn node_name(ctx: &TestContext) -> String {
     format!("gpu-node-{}", &ctx.namespace[ctx.namespace.len() - 6..])
 }
 
-async fn agent(ctx: &TestContext, node: &str, extra: &[&str]) -> anyhow::Result<Component> {
-    let mut args = vec!["node-agent", "--node-name", node, "--driver-name", DRIVER];
-    args.extend_from_slice(extra);
-    Component::start(&ctx.cluster.kubeconfig(), &format!("{}-agent", ctx.namespace), &args)
+async fn agent(ctx: &TestContext, node: &str, extra: &[&str]) -> anyhow::Result<NodeAgent> {
+    NodeAgent::start(ctx, node, extra)
 }
 
 async fn slices_of(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<ResourceSlice>> {

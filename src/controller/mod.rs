@@ -118,7 +118,9 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     });
 
     let readiness = Readiness::not_ready("informer caches have not synced");
-    let (addr, serve) = server::bind(args.metrics_addr, Arc::new(registry), readiness.clone(), stop.clone()).await?;
+    let (addr, serve) =
+        server::bind(args.metrics_addr, Arc::new(registry), readiness.clone(), Default::default(), stop.clone())
+            .await?;
     info!(%addr, "serving /metrics, /healthz and /readyz");
     let server = tokio::spawn(serve);
     if let Some(namespace) = &args.namespace {

@@ -1,16 +1,19 @@
-//! The GPU node agent: discovers this node's GPUs and publishes them as ResourceSlices.
+//! The GPU node agent: discovers this node's GPUs, publishes them as ResourceSlices and serves the kubelet's DRA
+//! plugin API (see [`crate::kubelet_plugin`]) that prepares them as CDI devices.
 //!
 //! ```text
 //!  discovery (NVML | simulated) ─▶ slices::device ─▶ split_into_slices ─▶ Publisher ─▶ ResourceSlices
-//!        ▲ retry with back-off                                   ▲
-//!        └──── resync every minute ── watch of own slices ───────┘ (deleted, e.g. by a kubelet restart)
+//!        │ ▲ retry with back-off                                 ▲
+//!        │ └── resync every minute ── watch of own slices ───────┘ (deleted, e.g. by a kubelet restart)
+//!        └─▶ inventory ─▶ kubelet plugin (started after the first successful discovery)
 //! ```
 //!
-//! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing
-//! and retries with back-off: never a crash loop. (The kubelet plugin and CDI come next.)
+//! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing,
+//! does not register with the kubelet, and retries with back-off: never a crash loop.
 
 pub mod discovery;
 pub mod gpu;
+mod plugin;
 pub mod slices;
 
 use std::net::SocketAddr;
@@ -26,16 +29,21 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::cli::{GpuBackend, NodeAgentArgs};
+use crate::kubelet_plugin::allocation::Inventory;
+use crate::kubelet_plugin::metrics::PluginMetrics;
+use crate::kubelet_plugin::{SocketError, SocketPaths};
 use crate::telemetry::process::ProcessCollector;
-use crate::telemetry::server::{self, Readiness, ServerError};
+use crate::telemetry::server::{self, Liveness, Readiness, ServerError};
 use discovery::Discovery;
 use discovery::nvml::NvmlDiscovery;
 use discovery::simulated::{Simulated, SpecError};
+use gpu::Gpu;
+use plugin::PluginSettings;
 use slices::publisher::{Outcome, Publisher};
 
 /// How often devices are rediscovered and the slices checked when nothing happens.
@@ -61,6 +69,8 @@ pub enum NodeAgentError {
     Client(#[source] kube::Error),
     #[error(transparent)]
     Server(#[from] ServerError),
+    #[error(transparent)]
+    Sockets(#[from] SocketError),
     #[error("install the signal handler: {0}")]
     Signal(#[source] std::io::Error),
 }
@@ -83,6 +93,15 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         }
         GpuBackend::Nvml => Arc::new(NvmlDiscovery::new(&args.driver_root)),
     };
+    let settings = PluginSettings {
+        driver: args.driver_name.clone(),
+        node: node.clone(),
+        sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &args.driver_name)?,
+        cdi_dir: args.cdi_dir.clone(),
+        state_dir: args.state_dir.clone(),
+        driver_root: (args.gpu_backend == GpuBackend::Nvml).then(|| args.driver_root.clone()),
+        boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
+    };
     let client = crate::kube_client::client(&args.client).await.map_err(NodeAgentError::Client)?;
     let stop = CancellationToken::new();
     crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
@@ -93,22 +112,44 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let publishes = Family::<ResultLabels, Counter>::default();
     registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());
     registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
+    let plugin_metrics = PluginMetrics::register(&mut registry);
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
+    let liveness = Liveness::default();
     for addr in serving_addresses(args.metrics_addr, args.health_addr) {
-        let (bound, serve) = server::bind(addr, registry.clone(), readiness.clone(), stop.clone()).await?;
+        let (bound, serve) =
+            server::bind(addr, registry.clone(), readiness.clone(), liveness.clone(), stop.clone()).await?;
         info!(addr = %bound, "serving /metrics, /healthz and /readyz");
         tokio::spawn(serve);
     }
 
     let publisher = Publisher::new(client.clone(), args.driver_name.clone(), node.clone());
     let changed = Arc::new(Notify::new());
-    tokio::spawn(watch_own_slices(client, publisher.field_selector(), changed.clone()));
+    tokio::spawn(watch_own_slices(client.clone(), publisher.field_selector(), changed.clone()));
     info!(%node, driver = %args.driver_name, backend = ?args.gpu_backend, "node agent started");
 
+    let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
+    let mut plugin_task = None;
     let mut backoff = BACKOFF_START;
     loop {
-        let round = publish_once(discovery.clone(), &publisher).await;
+        let round = async {
+            let gpus = discover(discovery.clone()).await?;
+            inventory.send_replace(Arc::new(gpus.iter().map(|g| (g.device_name(), g.clone())).collect()));
+            // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
+            // on this node could prepare.
+            if plugin_task.is_none() {
+                let metrics = plugin_metrics.clone();
+                let task =
+                    plugin::start(&settings, client.clone(), inventory_rx.clone(), metrics, &liveness, stop.clone())
+                        .await
+                        .map_err(|e| format!("start the kubelet plugin: {e}"))?;
+                plugin_task = Some(task);
+            }
+            let count = gpus.len();
+            let outcome = publish(&gpus, &publisher).await?;
+            Ok::<_, String>((count, outcome))
+        }
+        .await;
         let wait = match round {
             Ok((count, outcome)) => {
                 readiness.set(Ok(()));
@@ -135,21 +176,26 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             () = tokio::time::sleep(wait) => {}
         }
     }
+    if let Some(task) = plugin_task {
+        let _ = task.await;
+    }
     info!("stopped");
     Ok(())
 }
 
-/// One round: discover (blocking NVML calls off the async threads), build the slices, publish them.
-async fn publish_once(discovery: Arc<dyn Discovery>, publisher: &Publisher) -> Result<(usize, Outcome), String> {
-    let gpus = tokio::task::spawn_blocking(move || discovery.discover())
+/// Discovers the GPUs, with the blocking NVML calls off the async threads.
+async fn discover(discovery: Arc<dyn Discovery>) -> Result<Vec<Gpu>, String> {
+    tokio::task::spawn_blocking(move || discovery.discover())
         .await
         .map_err(|e| format!("discovery task failed: {e}"))?
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())
+}
+
+/// Builds the node's slices from `gpus` and publishes them.
+async fn publish(gpus: &[Gpu], publisher: &Publisher) -> Result<Outcome, String> {
     let devices: Vec<_> = gpus.iter().map(slices::device).collect();
-    let count = devices.len();
     let split = slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE);
-    let outcome = publisher.publish(&split).await.map_err(|e| e.to_string())?;
-    Ok((count, outcome))
+    publisher.publish(&split).await.map_err(|e| e.to_string())
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

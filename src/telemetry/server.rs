@@ -1,5 +1,5 @@
 //! The HTTP endpoint every component serves: `/metrics` (Prometheus text format), `/healthz` (the process is
-//! alive) and `/readyz` (the component is ready; the body says why not).
+//! alive, and its own [`Liveness`] check passes) and `/readyz` (the component is ready; the body says why not).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -43,10 +43,42 @@ impl Readiness {
     }
 }
 
+type Check = Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync>;
+
+/// What `/healthz` checks beyond the process answering HTTP (e.g. that the node agent's gRPC sockets answer);
+/// settable later, because some checks only make sense once their subject exists.
+#[derive(Clone, Default)]
+pub struct Liveness(Arc<Mutex<Option<Check>>>);
+
+impl std::fmt::Debug for Liveness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Liveness")
+    }
+}
+
+impl Liveness {
+    /// From now on `/healthz` fails with the check's reason when it fails.
+    pub fn set(
+        &self,
+        check: impl Fn() -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync + 'static,
+    ) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(check));
+    }
+
+    async fn check(&self) -> Result<(), String> {
+        let check = self.0.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        match check {
+            Some(check) => check().await,
+            None => Ok(()),
+        }
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     registry: Arc<Registry>,
     readiness: Readiness,
+    liveness: Liveness,
 }
 
 /// Binds `addr` now (so a bad address fails start-up) and returns the server future, which runs until `stop`.
@@ -54,15 +86,16 @@ pub async fn bind(
     addr: SocketAddr,
     registry: Arc<Registry>,
     readiness: Readiness,
+    liveness: Liveness,
     stop: CancellationToken,
 ) -> Result<(SocketAddr, impl Future<Output = Result<(), ServerError>>), ServerError> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
     let local = listener.local_addr().map_err(|source| ServerError::Bind { addr, source })?;
     let app = Router::new()
         .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .with_state(AppState { registry, readiness });
+        .with_state(AppState { registry, readiness, liveness });
     let serve = async move {
         axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await.map_err(ServerError::Serve)
     };
@@ -82,6 +115,13 @@ async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
             "encoding metrics failed".to_string(),
         ),
+    }
+}
+
+async fn healthz(State(state): State<AppState>) -> impl IntoResponse {
+    match state.liveness.check().await {
+        Ok(()) => (StatusCode::OK, "ok".to_string()),
+        Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("unhealthy: {reason}")),
     }
 }
 

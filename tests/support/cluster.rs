@@ -72,7 +72,11 @@ impl Cluster {
     /// A client with the cluster's admin identity.
     pub async fn client(&self) -> anyhow::Result<kube::Client> {
         let config = self.client_config().await?;
-        kube::Client::try_from(config).context("build kube client")
+        {
+            gpu_dra::kube_client::install_crypto_provider();
+            kube::Client::try_from(config)
+        }
+        .context("build kube client")
     }
 
     /// The admin client configuration, for tests that derive other identities from it.

@@ -10,6 +10,7 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different part of this module.
 
 pub mod cluster;
+pub mod node;
 pub mod objects;
 pub mod process;
 pub mod wait;

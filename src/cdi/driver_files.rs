@@ -1,0 +1,352 @@
+//! The NVIDIA user-space driver files a CUDA container needs, found under the driver root.
+//!
+//! The kernel driver is the node's, so the user-space half (`libcuda.so.1`, NVML, the JIT compilers, `nvidia-smi`)
+//! must come from the node too, in exactly the node's version: a container with the device nodes but without these
+//! libraries sees its GPU and cannot use it. Each file is bind-mounted read-only at its own path.
+//!
+//! The driver root may be a foreign tree (the GPU Operator's driver container under `/run/nvidia/driver`), so every
+//! symlink is resolved *inside* that root, as `chroot` would: an absolute target such as
+//! `/usr/lib/x86_64-linux-gnu/libcuda.so.550.54.15` means that path under the root, and `..` never climbs above it.
+//! Otherwise a link in the driver tree could make the agent mount an arbitrary host file into every GPU container.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ffi::OsString;
+use std::fs;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+
+use super::CdiError;
+
+/// The libraries a CUDA (and OpenCL) container needs, as file name prefixes (`libcuda.so` matches `libcuda.so.1`).
+const LIBRARY_PREFIXES: &[&str] = &[
+    "libcuda.so",
+    "libnvidia-ml.so",
+    "libnvidia-ptxjitcompiler.so",
+    "libnvidia-nvvm.so",
+    "libcudadebugger.so",
+    "libnvidia-gpucomp.so",
+    "libnvidia-allocator.so",
+    "libnvidia-cfg.so",
+    "libnvidia-opencl.so",
+];
+
+/// Where distributions (Debian multiarch, RHEL, the GPU Operator's driver image) put those libraries.
+const LIBRARY_DIRS: &[&str] = &[
+    "usr/lib/x86_64-linux-gnu",
+    "usr/lib/aarch64-linux-gnu",
+    "usr/lib64",
+    "usr/lib",
+    "lib64",
+    "lib/x86_64-linux-gnu",
+    "lib",
+];
+
+/// The utilities workloads and their tooling expect (`nvidia-smi` above all).
+const UTILITIES: &[&str] =
+    &["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"];
+
+const UTILITY_DIRS: &[&str] = &["usr/bin", "bin", "usr/sbin"];
+
+/// The GSP firmware of driver version `<v>` lives in `<FIRMWARE_DIR>/<v>/`.
+const FIRMWARE_DIR: &str = "lib/firmware/nvidia";
+
+/// The library the CUDA runtime loads: without it the driver root is not a driver installation.
+const CUDA_LIBRARY: &str = "libcuda.so.1";
+
+/// Symlinks followed while resolving one path before giving up (Linux's own limit), so a loop ends.
+const MAX_SYMLINKS: usize = 40;
+
+/// One driver file: bind-mount `host_path` read-only at `container_path`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DriverMount {
+    host_path: PathBuf,
+    container_path: PathBuf,
+}
+
+impl DriverMount {
+    /// The real file on the host (symlinks resolved inside the driver root; the driver root included).
+    pub fn host_path(&self) -> &Path {
+        &self.host_path
+    }
+
+    /// Where the container sees it: the name found in the driver tree (`/usr/lib/x86_64-linux-gnu/libcuda.so.1`),
+    /// so the sonames the dynamic linker looks for exist as plain files.
+    pub fn container_path(&self) -> &Path {
+        &self.container_path
+    }
+}
+
+/// The driver files to mount into every GPU container, sorted by container path, without duplicates.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DriverFiles {
+    mounts: Vec<DriverMount>,
+}
+
+impl DriverFiles {
+    /// No driver files at all. Only for the simulated GPU backend (machines without GPUs, tests, the demo): there
+    /// is no driver to mount, and a container given such a spec cannot run CUDA. Real GPUs need [`Self::discover`].
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Finds the driver files under `driver_root` (`/` on most nodes). Cheap (a few directory listings), so it can
+    /// run per prepare and pick up a driver upgraded in place.
+    ///
+    /// Fails when the root is missing or holds no `libcuda.so.1`: a spec without the driver would give containers
+    /// GPUs they cannot use, which is worse than failing prepare with an error that says what to fix.
+    pub fn discover(driver_root: &Path) -> Result<Self, CdiError> {
+        let root_error = |source| CdiError::DriverRoot { path: driver_root.to_path_buf(), source };
+        let root = fs::canonicalize(driver_root).map_err(root_error)?;
+        if !root.is_dir() {
+            return Err(root_error(io::Error::new(io::ErrorKind::NotADirectory, "not a directory")));
+        }
+        let mut scan = Scan { root, scanned: BTreeSet::new(), found: BTreeMap::new() };
+        for dir in LIBRARY_DIRS {
+            scan.dir(dir, |name| LIBRARY_PREFIXES.iter().any(|prefix| name.starts_with(prefix)))?;
+        }
+        let Some(cuda) = scan.found.iter().find(|(path, _)| path.file_name() == Some(CUDA_LIBRARY.as_ref())) else {
+            return Err(CdiError::NoCudaLibrary {
+                library: CUDA_LIBRARY,
+                root: driver_root.to_path_buf(),
+                searched: LIBRARY_DIRS.join(", "),
+            });
+        };
+        let version = driver_version(cuda.1);
+        for dir in UTILITY_DIRS {
+            scan.dir(dir, |name| UTILITIES.contains(&name))?;
+        }
+        if let Some(version) = version {
+            scan.dir(&format!("{FIRMWARE_DIR}/{version}"), |_| true)?;
+        }
+        let mounts =
+            scan.found.into_iter().map(|(container_path, host_path)| DriverMount { host_path, container_path });
+        Ok(Self { mounts: mounts.collect() })
+    }
+
+    /// The mounts, sorted by container path.
+    pub fn mounts(&self) -> &[DriverMount] {
+        &self.mounts
+    }
+}
+
+/// The driver version from the real CUDA library's name (`libcuda.so.550.54.15` → `550.54.15`); it names the
+/// firmware directory of the driver that is installed, not of older ones left behind.
+fn driver_version(cuda_library: &Path) -> Option<String> {
+    let version = cuda_library.file_name()?.to_str()?.strip_prefix("libcuda.so.")?;
+    let plausible = version.contains('.') && version.chars().all(|c| c.is_ascii_digit() || c == '.');
+    plausible.then(|| version.to_string())
+}
+
+/// One discovery in progress.
+struct Scan {
+    /// The canonical driver root.
+    root: PathBuf,
+    /// Directories already listed, resolved: `lib` → `usr/lib` on merged-/usr systems is listed once.
+    scanned: BTreeSet<PathBuf>,
+    /// Container path → host path.
+    found: BTreeMap<PathBuf, PathBuf>,
+}
+
+impl Scan {
+    /// Adds the regular files of `dir` (relative to the root) whose names `wanted` accepts. A directory that does
+    /// not exist is simply not there; one that exists but cannot be listed is an error.
+    fn dir(&mut self, dir: &str, wanted: impl Fn(&str) -> bool) -> Result<(), CdiError> {
+        let Ok(resolved) = resolve_in_root(&self.root, Path::new(dir)) else {
+            return Ok(());
+        };
+        let host_dir = self.root.join(&resolved);
+        if !host_dir.is_dir() || !self.scanned.insert(resolved.clone()) {
+            return Ok(());
+        }
+        let read_error = |source| CdiError::ReadDriverDir { path: host_dir.clone(), source };
+        let mut names = Vec::new();
+        for entry in fs::read_dir(&host_dir).map_err(read_error)? {
+            names.push(entry.map_err(read_error)?.file_name());
+        }
+        for name in names.iter().filter_map(|name| name.to_str()).filter(|name| wanted(name)) {
+            let link = resolved.join(name);
+            let target = match resolve_in_root(&self.root, &link) {
+                Ok(target) => self.root.join(target),
+                Err(err) => {
+                    tracing::debug!(path = %host_dir.join(name).display(), error = %err, "skipping driver file");
+                    continue;
+                }
+            };
+            // JSON needs UTF-8 paths; the runtime needs a regular file to bind.
+            if target.is_file() && target.to_str().is_some() {
+                self.found.entry(Path::new("/").join(link)).or_insert(target);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One step of a path still to resolve.
+enum Step {
+    Up,
+    Name(OsString),
+}
+
+fn steps(path: &Path) -> impl DoubleEndedIterator<Item = Step> + '_ {
+    path.components().filter_map(|component| match component {
+        Component::ParentDir => Some(Step::Up),
+        Component::Normal(name) => Some(Step::Name(name.to_os_string())),
+        Component::RootDir | Component::CurDir | Component::Prefix(_) => None,
+    })
+}
+
+/// Resolves `path` (relative to `root`) with every symlink followed as if `root` were `/`: absolute targets start
+/// over at the root, `..` stops at the root. Returns the resolved path relative to the root, free of symlinks.
+/// Fails when a component is missing or the links loop.
+fn resolve_in_root(root: &Path, path: &Path) -> io::Result<PathBuf> {
+    let mut resolved = PathBuf::new();
+    let mut pending: VecDeque<Step> = steps(path).collect();
+    let mut links = 0;
+    while let Some(step) = pending.pop_front() {
+        let name = match step {
+            Step::Up => {
+                resolved.pop();
+                continue;
+            }
+            Step::Name(name) => name,
+        };
+        let candidate = resolved.join(&name);
+        let on_host = root.join(&candidate);
+        if !fs::symlink_metadata(&on_host)?.file_type().is_symlink() {
+            resolved = candidate;
+            continue;
+        }
+        links += 1;
+        if links > MAX_SYMLINKS {
+            return Err(io::Error::other(format!("{}: too many levels of symbolic links", on_host.display())));
+        }
+        let target = fs::read_link(&on_host)?;
+        if target.has_root() {
+            resolved.clear();
+        }
+        for step in steps(&target).rev() {
+            pending.push_front(step);
+        }
+    }
+    Ok(resolved)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    const LIB: &str = "usr/lib/x86_64-linux-gnu";
+
+    fn touch(root: &Path, path: &str) -> io::Result<()> {
+        let path = root.join(path);
+        fs::create_dir_all(path.parent().unwrap_or(root))?;
+        fs::write(path, b"elf")
+    }
+
+    fn link(root: &Path, path: &str, target: &str) -> io::Result<()> {
+        symlink(target, root.join(path))
+    }
+
+    /// A Debian-like merged-/usr driver tree, beside a directory outside the root that links try to reach.
+    fn fake_driver_root(base: &Path) -> io::Result<PathBuf> {
+        let root = base.join("root");
+        touch(&root, &format!("{LIB}/libcuda.so.550.54.15"))?;
+        touch(&root, &format!("{LIB}/libnvidia-ml.so.550.54.15"))?;
+        touch(&root, &format!("{LIB}/libcudadebugger.so.550.54.15"))?;
+        touch(&root, &format!("{LIB}/libunrelated.so.1"))?;
+        touch(&root, "usr/lib/libnvidia-cfg.so.550")?;
+        touch(&root, "usr/bin/nvidia-smi")?;
+        touch(&root, "usr/bin/bash")?;
+        touch(&root, "usr/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin")?;
+        touch(&root, "usr/lib/firmware/nvidia/535.104.05/gsp_ga10x.bin")?;
+        touch(base, "lib/libnvidia-cfg.so.550")?; // outside the root
+        link(&root, "lib", "usr/lib")?;
+        link(&root, "bin", "usr/bin")?;
+        link(&root, &format!("{LIB}/libcuda.so.1"), "libcuda.so.550.54.15")?;
+        // Absolute: means the same path under the root, never the host's.
+        link(&root, &format!("{LIB}/libcuda.so"), &format!("/{LIB}/libcuda.so.1"))?;
+        link(&root, &format!("{LIB}/libnvidia-ml.so.1"), &format!("/{LIB}/libnvidia-ml.so.550.54.15"))?;
+        // Climbs four levels from root/usr/lib/x86_64-linux-gnu: to base/lib without the clamp, root/lib with it.
+        link(&root, &format!("{LIB}/libnvidia-cfg.so.1"), "../../../../lib/libnvidia-cfg.so.550")?;
+        // Escapes to a file that exists only outside: must be skipped.
+        link(&root, &format!("{LIB}/libnvidia-opencl.so.1"), "../../../../../../../lib/libunrelated.so.1")?;
+        touch(base, "lib/libunrelated.so.1")?;
+        link(&root, &format!("{LIB}/libnvidia-gpucomp.so.1"), "missing.so")?; // dangling
+        link(&root, &format!("{LIB}/libnvidia-nvvm.so.1"), "libnvidia-nvvm.so.4")?; // loop
+        link(&root, &format!("{LIB}/libnvidia-nvvm.so.4"), "libnvidia-nvvm.so.1")?;
+        Ok(root)
+    }
+
+    #[test]
+    fn finds_the_driver_files_with_links_resolved_inside_the_root() -> TestResult {
+        let base = tempfile::tempdir()?;
+        let root = fake_driver_root(base.path())?;
+        let files = DriverFiles::discover(&root)?;
+        let real = fs::canonicalize(&root)?;
+        let got: Vec<(String, PathBuf)> = files
+            .mounts()
+            .iter()
+            .map(|m| {
+                (
+                    m.container_path().display().to_string(),
+                    m.host_path().strip_prefix(&real).unwrap_or(m.host_path()).to_path_buf(),
+                )
+            })
+            .collect();
+        let lib = |name: &str| format!("/{LIB}/{name}");
+        let expected = [
+            ("/usr/bin/nvidia-smi".into(), "usr/bin/nvidia-smi".into()),
+            (
+                "/usr/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin".into(),
+                "usr/lib/firmware/nvidia/550.54.15/gsp_ga10x.bin".into(),
+            ),
+            ("/usr/lib/libnvidia-cfg.so.550".into(), "usr/lib/libnvidia-cfg.so.550".into()),
+            (lib("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib("libcuda.so.550.54.15"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
+            (lib("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
+            (lib("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+            (lib("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+        ];
+        let expected: Vec<(String, PathBuf)> = expected.into_iter().map(|(c, h)| (c, PathBuf::from(h))).collect();
+        assert_eq!(got, expected);
+        assert!(files.mounts().iter().all(|m| m.host_path().starts_with(&real)));
+        assert_eq!(DriverFiles::discover(&root)?, files, "discovery is deterministic");
+        Ok(())
+    }
+
+    #[test]
+    fn a_missing_root_or_driver_is_a_typed_error() -> TestResult {
+        let base = tempfile::tempdir()?;
+        let missing = base.path().join("nope");
+        let err = DriverFiles::discover(&missing).err();
+        assert!(matches!(&err, Some(CdiError::DriverRoot { path, .. }) if *path == missing), "{err:?}");
+        assert!(err.map(|e| e.to_string()).unwrap_or_default().contains("--driver-root"));
+
+        touch(base.path(), "file")?;
+        let err = DriverFiles::discover(&base.path().join("file")).err();
+        assert!(matches!(err, Some(CdiError::DriverRoot { .. })), "{err:?}");
+
+        touch(base.path(), &format!("{LIB}/libnvidia-ml.so.1"))?;
+        link(base.path(), &format!("{LIB}/libcuda.so.1"), "../../../../../elsewhere/libcuda.so.1")?;
+        let err = DriverFiles::discover(base.path()).err();
+        assert!(matches!(&err, Some(CdiError::NoCudaLibrary { root, .. }) if root == base.path()), "{err:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn none_has_no_mounts() {
+        assert!(DriverFiles::none().mounts().is_empty());
+    }
+
+    #[test]
+    fn versions_come_from_the_real_library_name() {
+        assert_eq!(driver_version(Path::new("/x/libcuda.so.550.54.15")).as_deref(), Some("550.54.15"));
+        assert_eq!(driver_version(Path::new("/x/libcuda.so.1")), None);
+        assert_eq!(driver_version(Path::new("/x/libcuda.so.550-beta")), None);
+    }
+}

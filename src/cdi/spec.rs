@@ -1,0 +1,166 @@
+//! The CDI spec of one prepared claim: pure, deterministic, and validated before anyone writes it.
+
+use std::path::{Path, PathBuf};
+
+use container_device_interface::specs::config::Spec;
+use container_device_interface::{spec::new_spec, version::minimum_required_version};
+use serde_json::{Value, json};
+
+use super::{CdiError, CdiKind, DriverFiles, check_claim_uid, check_name, device_name, files::spec_file_name};
+use crate::node_agent::gpu::Gpu;
+
+/// Driver files are read-only in the container, and nothing mounted from the driver tree may bring set-uid
+/// binaries or device files with it.
+const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
+
+/// Device nodes every CUDA process needs besides its GPUs' own: the control device and unified memory.
+const SHARED_DEVICE_NODES: [&str; 3] = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+
+/// The CDI spec that gives a container the claim's `gpus`: one device per GPU (its `/dev/nvidia<minor>`), named
+/// [`device_name`]`(claim_uid, minor)`, and spec-wide edits that every container with any of them gets: the shared
+/// device nodes, the driver files, and the environment:
+///
+/// - `NVIDIA_VISIBLE_DEVICES=void`: a node's legacy `nvidia-container-runtime` hook would otherwise inject every
+///   GPU of the node into the container as well (the double-allocation problem).
+/// - `CUDA_DEVICE_ORDER=PCI_BUS_ID`: CUDA numbers the devices the way `nvidia-smi` and `GPU_DRA_GPU_UUIDS` list them.
+/// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's GPUs by PCI bus id, so a workload can see exactly what it got.
+///
+/// `cdiVersion` is the lowest version that covers the fields used: runtimes refuse versions newer than they know.
+/// The output depends only on the input (GPUs in any order give the same spec). No I/O.
+pub fn build_claim_spec(
+    kind: &CdiKind,
+    claim_uid: &str,
+    gpus: &[Gpu],
+    driver_files: &DriverFiles,
+) -> Result<Spec, CdiError> {
+    check_claim_uid(claim_uid)?;
+    if gpus.is_empty() {
+        return Err(CdiError::NoGpus { claim_uid: claim_uid.to_string() });
+    }
+    let mut by_minor: Vec<&Gpu> = gpus.iter().collect();
+    by_minor.sort_by_key(|gpu| gpu.minor);
+    let mut devices = Vec::with_capacity(by_minor.len());
+    for gpu in by_minor {
+        let name = device_name(claim_uid, gpu.minor);
+        check_name("device name", &name, super::DEVICE)?;
+        devices.push(json!({
+            "name": name,
+            "containerEdits": { "deviceNodes": [{ "path": format!("/dev/nvidia{}", gpu.minor) }] },
+        }));
+    }
+    let mut by_bus: Vec<&Gpu> = gpus.iter().collect();
+    by_bus.sort_by(|a, b| (&a.pci_bus_id, &a.uuid).cmp(&(&b.pci_bus_id, &b.uuid)));
+    let uuids: Vec<&str> = by_bus.iter().map(|gpu| gpu.uuid.as_str()).collect();
+    let mut edits = json!({
+        "env": [
+            "NVIDIA_VISIBLE_DEVICES=void",
+            "CUDA_DEVICE_ORDER=PCI_BUS_ID",
+            format!("GPU_DRA_GPU_UUIDS={}", uuids.join(",")),
+        ],
+        "deviceNodes": SHARED_DEVICE_NODES.map(|path| json!({ "path": path })),
+    });
+    if !driver_files.mounts().is_empty() {
+        let mounts = driver_files.mounts().iter().map(|m| mount(claim_uid, m.host_path(), m.container_path()));
+        edits["mounts"] = Value::Array(mounts.collect::<Result<_, _>>()?);
+    }
+    let document = |version: &str| json!({ "cdiVersion": version, "kind": kind.to_string(), "devices": devices, "containerEdits": edits });
+    let invalid = |source: anyhow::Error| CdiError::InvalidSpec {
+        claim_uid: claim_uid.to_string(),
+        reason: format!("{source:#}"),
+        source: source.into(),
+    };
+    // The crate computes the version from the typed spec, so type it once with any version, then with the right one.
+    let draft = typed(claim_uid, document(container_device_interface::specs::config::CURRENT_VERSION))?;
+    let version = minimum_required_version(&draft).map_err(invalid)?.to_string();
+    let spec = typed(claim_uid, document(&version))?;
+    // The path only labels the spec inside the crate; what the runtime will see is checked all the same.
+    let label = PathBuf::from(spec_file_name(kind, claim_uid)?);
+    new_spec(&spec, &label, 0).map_err(invalid)?;
+    Ok(spec)
+}
+
+/// One read-only bind mount of a driver file.
+fn mount(claim_uid: &str, host: &Path, container: &Path) -> Result<Value, CdiError> {
+    let utf8 = |path: &Path| {
+        path.to_str().map(str::to_string).ok_or_else(|| CdiError::InvalidName {
+            what: "mount path",
+            name: path.display().to_string(),
+            reason: format!("it is not UTF-8 (claim {claim_uid})"),
+        })
+    };
+    Ok(json!({ "hostPath": utf8(host)?, "containerPath": utf8(container)?, "options": MOUNT_OPTIONS }))
+}
+
+fn typed(claim_uid: &str, document: Value) -> Result<Spec, CdiError> {
+    serde_json::from_value(document).map_err(|source| CdiError::BuildSpec { claim_uid: claim_uid.to_string(), source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cdi::{device_id, test_gpu as gpu};
+
+    fn to_json(spec: &Spec) -> Value {
+        serde_json::to_value(spec).unwrap_or_default()
+    }
+
+    #[test]
+    fn one_device_per_gpu_and_shared_edits() -> Result<(), CdiError> {
+        let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
+        // Minor order and bus order differ: devices follow minors, the UUID list follows bus ids.
+        let gpus = [gpu(1, "0000:3b:00.0"), gpu(0, "0000:86:00.0")];
+        let spec = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::none())?);
+        assert_eq!(spec["kind"], "gpu.gpu-dra.dev/gpu");
+        assert_eq!(spec["cdiVersion"], "0.3.0", "nothing here needs more than the oldest supported version");
+        assert_eq!(spec["devices"][0]["name"], "abc-1-gpu-0");
+        assert_eq!(spec["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
+        let edits = &spec["containerEdits"];
+        assert_eq!(edits["env"][0], "NVIDIA_VISIBLE_DEVICES=void");
+        assert_eq!(
+            edits["env"][2],
+            "GPU_DRA_GPU_UUIDS=GPU-00000001-0000-0000-0000-000000000000,GPU-00000000-0000-0000-0000-000000000000"
+        );
+        assert_eq!(edits["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
+        assert!(edits.get("mounts").is_none());
+        assert_eq!(device_id(&kind, "abc-1", 0), format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0"));
+        Ok(())
+    }
+
+    #[test]
+    fn the_version_is_the_lowest_that_fits() -> Result<(), CdiError> {
+        let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
+        // CDI 0.5.0 first allowed device names that start with a digit (as most UIDs do).
+        let spec = to_json(&build_claim_spec(&kind, "0b5b2d9c-1", &[gpu(0, "0000:01:00.0")], &DriverFiles::none())?);
+        assert_eq!(spec["cdiVersion"], "0.5.0");
+        Ok(())
+    }
+
+    #[test]
+    fn output_is_deterministic() -> Result<(), CdiError> {
+        let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
+        let a = [gpu(2, "0000:02:00.0"), gpu(0, "0000:03:00.0"), gpu(1, "0000:01:00.0")];
+        let b = [a[1].clone(), a[2].clone(), a[0].clone()];
+        let one = serde_json::to_string(&build_claim_spec(&kind, "u", &a, &DriverFiles::none())?).unwrap_or_default();
+        let two = serde_json::to_string(&build_claim_spec(&kind, "u", &b, &DriverFiles::none())?).unwrap_or_default();
+        assert!(!one.is_empty());
+        assert_eq!(one, two);
+        Ok(())
+    }
+
+    #[test]
+    fn bad_claims_are_refused() -> Result<(), CdiError> {
+        let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
+        let gpus = [gpu(0, "0000:01:00.0")];
+        for uid in ["", "a/b", "../etc", "uid-"] {
+            let err = build_claim_spec(&kind, uid, &gpus, &DriverFiles::none()).err();
+            assert!(matches!(err, Some(CdiError::InvalidName { what: "claim UID", .. })), "{uid:?}: {err:?}");
+        }
+        let err = build_claim_spec(&kind, "u", &[], &DriverFiles::none()).err();
+        assert!(matches!(err, Some(CdiError::NoGpus { .. })), "{err:?}");
+        let err = build_claim_spec(&kind, "u", &[gpus[0].clone(), gpus[0].clone()], &DriverFiles::none()).err();
+        assert!(matches!(err, Some(CdiError::InvalidSpec { .. })), "{err:?}");
+        let text = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple device"), "{text}");
+        Ok(())
+    }
+}

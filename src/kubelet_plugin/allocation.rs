@@ -1,0 +1,205 @@
+//! What preparing one claim means, decided without I/O: the claim as read from the API plus this node's GPUs give
+//! the list of GPUs to hand out, or the reason to refuse.
+//!
+//! Refusals are per claim and write nothing. They guard against the mistakes that would hand a container the wrong
+//! GPU: a claim deleted and re-created under the same name (UID mismatch), a claim not allocated, results for
+//! another node's pool, and devices this node does not have (e.g. a GPU that vanished since the slice was
+//! published).
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+
+use super::config::{ConfigEntry, GpuConfig, effective_config};
+use crate::node_agent::gpu::Gpu;
+
+/// This node's GPUs by ResourceSlice device name (`gpu-<minor>`).
+pub type Inventory = BTreeMap<String, Gpu>;
+
+/// The claim kubelet asked for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub name: String,
+    pub uid: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// One allocated GPU, ready to be prepared.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PlannedDevice {
+    /// The request as the allocation names it (`gpus` or `gpus/h100` for a subrequest).
+    pub request: String,
+    pub pool: String,
+    pub gpu: Gpu,
+    pub share_id: Option<String>,
+    pub admin_access: bool,
+    pub config: GpuConfig,
+}
+
+impl PlannedDevice {
+    /// The request name kubelet matches against containers' `resources.claims[].request`: without `/subrequest`.
+    pub fn base_request(&self) -> &str {
+        self.request.split('/').next().unwrap_or(&self.request)
+    }
+}
+
+/// Decides which of this node's GPUs `claim` (as read from the API) allocates to driver `driver` in pool `pool`.
+pub fn plan(
+    wanted: &ClaimRef,
+    claim: &ResourceClaim,
+    driver: &str,
+    pool: &str,
+    inventory: &Inventory,
+) -> Result<Vec<PlannedDevice>, String> {
+    let uid = claim.metadata.uid.as_deref().unwrap_or_default();
+    if uid != wanted.uid {
+        return Err(format!(
+            "claim {wanted} has UID {uid:?}, kubelet asked for {:?}: it was deleted and re-created; not preparing it",
+            wanted.uid
+        ));
+    }
+    let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
+        return Err(format!("claim {wanted} is not allocated: nothing to prepare"));
+    };
+    let Some(devices) = allocation.devices.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let configs: Vec<ConfigEntry<'_>> = devices
+        .config
+        .iter()
+        .flatten()
+        .filter_map(|c| {
+            let opaque = c.opaque.as_ref()?;
+            Some(ConfigEntry {
+                source: &c.source,
+                requests: c.requests.as_deref().unwrap_or_default(),
+                driver: &opaque.driver,
+                parameters: &opaque.parameters.0,
+            })
+        })
+        .collect();
+    let mut planned = Vec::new();
+    for result in devices.results.iter().flatten().filter(|r| r.driver == driver) {
+        if result.pool != pool {
+            return Err(format!(
+                "claim {wanted}: request {:?} is allocated device {:?} of pool {:?}, but this node's pool is {pool:?}",
+                result.request, result.device, result.pool
+            ));
+        }
+        let Some(gpu) = inventory.get(&result.device) else {
+            return Err(format!(
+                "claim {wanted}: request {:?} is allocated device {:?}, which this node does not have (it has {})",
+                result.request,
+                result.device,
+                inventory.keys().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        };
+        let config = effective_config(driver, &result.request, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
+        planned.push(PlannedDevice {
+            request: result.request.clone(),
+            pool: result.pool.clone(),
+            gpu: gpu.clone(),
+            share_id: result.share_id.clone(),
+            admin_access: result.admin_access.unwrap_or(false),
+            config,
+        });
+    }
+    Ok(planned)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DRIVER: &str = "gpu.gpu-dra.dev";
+
+    fn gpu(minor: u32) -> Gpu {
+        Gpu {
+            index: minor,
+            minor,
+            uuid: format!("GPU-{minor}"),
+            product_name: "NVIDIA H100 80GB HBM3".into(),
+            brand: "Nvidia".into(),
+            architecture: "Hopper".into(),
+            cuda_compute_capability: "9.0".into(),
+            driver_version: "550.54.15".into(),
+            cuda_driver_version: "12.4".into(),
+            pci_bus_id: format!("0000:{minor:02x}:00.0"),
+            memory_bytes: 80 << 30,
+            mig_enabled: false,
+        }
+    }
+
+    fn inventory() -> Inventory {
+        [0, 1].into_iter().map(|m| (format!("gpu-{m}"), gpu(m))).collect()
+    }
+
+    fn wanted() -> ClaimRef {
+        ClaimRef { namespace: "ns".into(), name: "c".into(), uid: "uid-1".into() }
+    }
+
+    fn claim(status: serde_json::Value) -> ResourceClaim {
+        let value = json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": "ns", "name": "c", "uid": "uid-1"},
+            "spec": {}, "status": status,
+        });
+        serde_json::from_value(value).unwrap_or_else(|e| panic!("test claim: {e}"))
+    }
+
+    fn allocated(results: serde_json::Value, config: serde_json::Value) -> ResourceClaim {
+        claim(json!({"allocation": {"devices": {"results": results, "config": config}}}))
+    }
+
+    fn result(request: &str, pool: &str, device: &str) -> serde_json::Value {
+        json!({"request": request, "driver": DRIVER, "pool": pool, "device": device})
+    }
+
+    #[test]
+    fn plans_the_allocated_gpus_of_this_driver_only() {
+        let claim = allocated(
+            json!([
+                result("gpus/h100", "node-a", "gpu-1"),
+                {"request": "nic", "driver": "net.example.com", "pool": "node-a", "device": "eth0"},
+            ]),
+            json!([]),
+        );
+        let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory()).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(planned.len(), 1);
+        assert_eq!((planned[0].base_request(), planned[0].gpu.minor), ("gpus", 1));
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        let other_uid = {
+            let mut c = allocated(json!([result("g", "node-a", "gpu-0")]), json!([]));
+            c.metadata.uid = Some("uid-2".into());
+            c
+        };
+        let bad_config = allocated(
+            json!([result("g", "node-a", "gpu-0")]),
+            json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Nope"}}}}]),
+        );
+        let cases = [
+            (other_uid, "deleted and re-created"),
+            (claim(json!({})), "is not allocated"),
+            (allocated(json!([result("g", "node-b", "gpu-0")]), json!([])), "this node's pool is \"node-a\""),
+            (allocated(json!([result("g", "node-a", "gpu-7")]), json!([])), "does not have (it has gpu-0, gpu-1)"),
+            (bad_config, "config #1 (FromClaim): sharing.strategy: unknown variant `Nope`"),
+        ];
+        for (claim, expected) in cases {
+            match plan(&wanted(), &claim, DRIVER, "node-a", &inventory()) {
+                Ok(planned) => panic!("expected refusal {expected:?}, planned {planned:?}"),
+                Err(reason) => assert!(reason.contains(expected), "{reason:?} lacks {expected:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,645 @@
+//! The node agent's record of the ResourceClaims it prepared on this node.
+//!
+//! Why it exists: on `NodeUnprepareResources` the kubelet sends only a claim's namespace, name and UID, and the claim
+//! may already be deleted from the API, so the agent must itself remember which devices and CDI files belong to which
+//! claim, across agent restarts.
+//!
+//! What it guards against:
+//! - a corrupted or truncated file crash-looping the plugin with nothing in the cluster saying why: a file that cannot
+//!   be trusted is moved aside (never deleted: an operator can inspect it) and [`LoadOutcome::Corrupt`] tells the
+//!   caller to rebuild from the API and emit a Warning event and a metric;
+//! - stale entries after an interrupted prepare: an entry is written [`PrepareState::PrepareStarted`] before any CDI
+//!   file exists and [`PrepareState::PrepareCompleted`] after, so on start-up every `PrepareStarted` entry is a
+//!   half-done prepare whose leftovers the caller cleans up;
+//! - a reboot losing device state while the checkpoint still says "prepared": the file records the kernel's boot ID,
+//!   and entries from another boot are dropped (and reported) instead of being served as if still in place.
+//!
+//! On disk (`checkpoint.json` in the state directory):
+//! `{"version": 1, "checksum": "<16 hex digits>", "checkpoint": {...}}`. The checksum is FNV-1a 64 over the compact
+//! serialization of the `checkpoint` value as a `serde_json::Value`, which is canonical (object keys sorted), so it
+//! does not depend on the file's whitespace or key order, only on its content.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::fsutil::write_atomic;
+use crate::node_agent::gpu::stable_hash;
+
+/// The only file format version this agent reads and writes. Any other version is treated as corrupt (moved aside),
+/// so a downgraded agent never misreads a newer agent's file.
+pub const CHECKPOINT_VERSION: u64 = 1;
+
+/// The checkpoint's file name inside the state directory.
+pub const CHECKPOINT_FILE: &str = "checkpoint.json";
+
+/// Where Linux publishes a random ID that changes on every boot.
+pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
+
+/// Every claim this node prepared (or began to prepare) during the boot `boot_id`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Checkpoint {
+    /// The kernel boot ID the entries belong to (see [`boot_id`]); empty when it could not be read.
+    pub boot_id: String,
+    /// Claim UID → what was prepared for it.
+    #[serde(default)]
+    pub claims: BTreeMap<String, ClaimEntry>,
+}
+
+/// One claim's prepare record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimEntry {
+    pub namespace: String,
+    pub name: String,
+    pub state: PrepareState,
+    #[serde(default)]
+    pub devices: Vec<PreparedDevice>,
+}
+
+/// How far a prepare got. Saved `PrepareStarted` before the first CDI file is written and `PrepareCompleted` after the
+/// last, so a crash in between leaves a `PrepareStarted` entry that names what to clean up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PrepareState {
+    PrepareStarted,
+    PrepareCompleted,
+}
+
+/// One allocated device as prepared for a claim.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PreparedDevice {
+    /// The claim's requests this device satisfies.
+    pub request_names: Vec<String>,
+    pub pool: String,
+    pub device: String,
+    /// Fully qualified CDI device names handed to the kubelet.
+    pub cdi_device_ids: Vec<String>,
+    /// Set when the allocation is one share of a device that several claims may hold at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub share_id: Option<String>,
+}
+
+impl Checkpoint {
+    /// An empty checkpoint for the boot `boot_id`.
+    pub fn new(boot_id: &str) -> Self {
+        Self { boot_id: boot_id.to_owned(), claims: BTreeMap::new() }
+    }
+
+    /// The UID of a claim (the first by UID) holding `device` of `pool` in any state, shared or not.
+    pub fn device_owner(&self, pool: &str, device: &str) -> Option<&str> {
+        self.holders(pool, device).map(|(uid, _)| uid).next()
+    }
+
+    /// The UID of another claim (not `claim_uid`) whose hold on the device conflicts with preparing `wanted` for
+    /// `claim_uid`: both name the same pool and device, and they are not two different shares of it. Entries still
+    /// `PrepareStarted` count: their device is not free until their cleanup has run. Use this, not [`device_owner`]
+    /// (which ignores shares), to refuse a device already prepared for someone else.
+    ///
+    /// [`device_owner`]: Checkpoint::device_owner
+    pub fn conflicting_owner(&self, claim_uid: &str, wanted: &PreparedDevice) -> Option<&str> {
+        self.holders(&wanted.pool, &wanted.device)
+            .filter(|(uid, _)| *uid != claim_uid)
+            .find(|(_, held)| match (&held.share_id, &wanted.share_id) {
+                (Some(held), Some(wanted)) => held == wanted,
+                _ => true,
+            })
+            .map(|(uid, _)| uid)
+    }
+
+    /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it).
+    pub fn completed(&self, uid: &str) -> Option<&ClaimEntry> {
+        self.claims.get(uid).filter(|entry| entry.state == PrepareState::PrepareCompleted)
+    }
+
+    /// Half-done prepares (`PrepareStarted`) as `(claim UID, entry)`: after a restart, their CDI files and device
+    /// state are to be cleaned up before anything else is prepared.
+    pub fn half_prepared(&self) -> impl Iterator<Item = (&str, &ClaimEntry)> {
+        self.claims
+            .iter()
+            .filter(|(_, entry)| entry.state == PrepareState::PrepareStarted)
+            .map(|(uid, entry)| (uid.as_str(), entry))
+    }
+
+    fn holders<'a, 'q>(
+        &'a self,
+        pool: &'q str,
+        device: &'q str,
+    ) -> impl Iterator<Item = (&'a str, &'a PreparedDevice)> + use<'a, 'q> {
+        self.claims.iter().flat_map(move |(uid, entry)| {
+            entry.devices.iter().filter(move |d| d.pool == pool && d.device == device).map(move |d| (uid.as_str(), d))
+        })
+    }
+}
+
+/// What [`CheckpointStore::load`] found, with the checkpoint to continue from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loaded {
+    /// Always for the current boot: empty unless the outcome is [`LoadOutcome::Loaded`].
+    pub checkpoint: Checkpoint,
+    pub outcome: LoadOutcome,
+}
+
+/// How loading went. Only `Loaded` carries entries over; the caller should save the returned checkpoint in the other
+/// cases so that the next start-up does not report the same thing again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LoadOutcome {
+    /// No checkpoint file: first start on this node (or after a `Corrupt` file was moved aside and nothing saved).
+    Fresh,
+    /// The file was valid and from this boot (or the boot could not be told, see [`boot_id`]).
+    Loaded,
+    /// The file was valid but written during another boot: device state from then is gone, so its entries were
+    /// dropped. They are returned (claim UID → entry) so the caller can log them, or re-write their CDI specs if it
+    /// chooses; the kubelet calls `NodePrepareResources` again for the pods that restart.
+    PreviousBoot { dropped: BTreeMap<String, ClaimEntry> },
+    /// The file could not be trusted (unreadable, not JSON, truncated, wrong checksum, unknown version): it was moved
+    /// to `moved_to` and an empty checkpoint returned; the caller rebuilds from the API and emits a Warning event.
+    Corrupt { moved_to: PathBuf, reason: String },
+}
+
+/// Failures that leave the state directory unusable; everything else about a bad file is a [`LoadOutcome`].
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("create the checkpoint directory {path}")]
+    CreateDir {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("read the checkpoint {path} (moving it aside failed too: {move_error})")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+        move_error: io::Error,
+    },
+    #[error("move the untrusted checkpoint {path} aside ({reason})")]
+    MoveAside {
+        path: PathBuf,
+        reason: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("encode the checkpoint for {path}")]
+    Encode {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("write the checkpoint {path}")]
+    Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// The checkpoint file in the agent's state directory. One agent process owns it.
+#[derive(Debug, Clone)]
+pub struct CheckpointStore {
+    path: PathBuf,
+}
+
+impl CheckpointStore {
+    /// The store for `state_dir/checkpoint.json`.
+    pub fn new(state_dir: &Path) -> Self {
+        Self { path: state_dir.join(CHECKPOINT_FILE) }
+    }
+
+    /// The checkpoint file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Loads the checkpoint for the boot `current_boot_id`, creating the state directory when missing (so a directory
+    /// the agent cannot write fails here, at start-up, not at the first prepare). A bad file never fails the load: it
+    /// is moved aside and reported as [`LoadOutcome::Corrupt`]; only a directory where that move (or the creation)
+    /// fails is an error.
+    pub fn load(&self, current_boot_id: &str) -> Result<Loaded, CheckpointError> {
+        let dir = self.dir();
+        fs::create_dir_all(dir).map_err(|source| CheckpointError::CreateDir { path: dir.to_path_buf(), source })?;
+        let fresh = Checkpoint::new(current_boot_id);
+        let bytes = match fs::read(&self.path) {
+            Ok(bytes) => bytes,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Fresh });
+            }
+            Err(source) => {
+                let reason = format!("unreadable: {source}");
+                let moved_to = self.move_aside().map_err(|move_error| CheckpointError::Read {
+                    path: self.path.clone(),
+                    source,
+                    move_error,
+                })?;
+                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { moved_to, reason } });
+            }
+        };
+        let stored = match decode(&bytes) {
+            Ok(stored) => stored,
+            Err(reason) => {
+                let moved_to = match self.move_aside() {
+                    Ok(moved_to) => moved_to,
+                    Err(source) => return Err(CheckpointError::MoveAside { path: self.path.clone(), reason, source }),
+                };
+                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { moved_to, reason } });
+            }
+        };
+        if same_boot(&stored.boot_id, current_boot_id) {
+            Ok(Loaded { checkpoint: Checkpoint { claims: stored.claims, ..fresh }, outcome: LoadOutcome::Loaded })
+        } else {
+            Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::PreviousBoot { dropped: stored.claims } })
+        }
+    }
+
+    /// Replaces the file atomically (temporary file, fsync, rename, directory fsync): a crash leaves the old
+    /// checkpoint or the new one, never half of one.
+    pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
+        write_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write { path: self.path.clone(), source })
+    }
+
+    fn dir(&self) -> &Path {
+        self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
+    }
+
+    /// Renames the file to `checkpoint.json.corrupt-<unix seconds>` (with `-<n>` appended when that name is taken, so
+    /// an earlier corrupt file is never overwritten) and returns the new path.
+    fn move_aside(&self) -> io::Result<PathBuf> {
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let base = format!("{}.corrupt-{secs}", self.path.file_name().unwrap_or_default().to_string_lossy());
+        let mut n = 0u32;
+        let target = loop {
+            let name = if n == 0 { base.clone() } else { format!("{base}-{n}") };
+            let candidate = self.path.with_file_name(name);
+            match fs::symlink_metadata(&candidate) {
+                Err(err) if err.kind() == io::ErrorKind::NotFound => break candidate,
+                Err(err) => return Err(err),
+                Ok(_) => n += 1,
+            }
+        };
+        fs::rename(&self.path, &target)?;
+        Ok(target)
+    }
+}
+
+/// The ID of the running boot, read from [`BOOT_ID_PATH`].
+///
+/// When it cannot be read (no procfs, a sandbox hiding it) this returns an empty string, which means "unknown": a
+/// checkpoint written or loaded with an unknown boot ID is kept as if from this boot, so a reboot is then NOT
+/// detected and entries from before it are served as prepared. Keeping them is the lesser harm: dropping would lose
+/// what unprepare needs to clean up.
+pub fn boot_id() -> String {
+    boot_id_from(Path::new(BOOT_ID_PATH))
+}
+
+/// [`boot_id`] read from `path` (trimmed); empty when unreadable.
+pub fn boot_id_from(path: &Path) -> String {
+    fs::read_to_string(path).map(|id| id.trim().to_owned()).unwrap_or_default()
+}
+
+/// Entries carry over when both boot IDs are known and equal, or when either is unknown (see [`boot_id`]).
+fn same_boot(stored: &str, current: &str) -> bool {
+    stored.is_empty() || current.is_empty() || stored == current
+}
+
+/// FNV-1a 64 over the canonical compact serialization of `value`, as 16 hex digits (a string, because JSON tools
+/// lose precision on integers above 2^53).
+fn checksum(value: &Value) -> Result<String, serde_json::Error> {
+    Ok(format!("{:016x}", stable_hash(&serde_json::to_vec(value)?)))
+}
+
+#[derive(Serialize)]
+struct FileOut<'a> {
+    version: u64,
+    checksum: String,
+    checkpoint: &'a Value,
+}
+
+fn encode(checkpoint: &Checkpoint) -> Result<Vec<u8>, serde_json::Error> {
+    let inner = serde_json::to_value(checkpoint)?;
+    let checksum = checksum(&inner)?;
+    let mut bytes = serde_json::to_vec_pretty(&FileOut { version: CHECKPOINT_VERSION, checksum, checkpoint: &inner })?;
+    bytes.push(b'\n');
+    Ok(bytes)
+}
+
+/// The checkpoint in `bytes`, or why the file cannot be trusted.
+fn decode(bytes: &[u8]) -> Result<Checkpoint, String> {
+    let file: Value = serde_json::from_slice(bytes).map_err(|err| format!("not valid JSON: {err}"))?;
+    let Value::Object(mut fields) = file else {
+        return Err("not a JSON object".to_owned());
+    };
+    match fields.get("version") {
+        Some(version) if version.as_u64() == Some(CHECKPOINT_VERSION) => {}
+        Some(version) => {
+            return Err(format!(
+                "unsupported checkpoint version {version} (this agent reads version {CHECKPOINT_VERSION})"
+            ));
+        }
+        None => return Err("no version field".to_owned()),
+    }
+    let Some(Value::String(recorded)) = fields.remove("checksum") else {
+        return Err("no checksum string".to_owned());
+    };
+    let inner = fields.remove("checkpoint").ok_or_else(|| "no checkpoint field".to_owned())?;
+    let actual = checksum(&inner).map_err(|err| format!("cannot re-encode the content: {err}"))?;
+    if recorded != actual {
+        return Err(format!("checksum mismatch: the file records {recorded}, its content hashes to {actual}"));
+    }
+    serde_json::from_value(inner)
+        .map_err(|err| format!("content is not a version {CHECKPOINT_VERSION} checkpoint: {err}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    fn device(pool: &str, device: &str, share_id: Option<&str>) -> PreparedDevice {
+        PreparedDevice {
+            request_names: vec!["gpu".to_owned()],
+            pool: pool.to_owned(),
+            device: device.to_owned(),
+            cdi_device_ids: vec![format!("k8s.gpu.nvidia.com/claim=uid-{device}")],
+            share_id: share_id.map(str::to_owned),
+        }
+    }
+
+    fn entry(name: &str, state: PrepareState, devices: Vec<PreparedDevice>) -> ClaimEntry {
+        ClaimEntry { namespace: "default".to_owned(), name: name.to_owned(), state, devices }
+    }
+
+    fn sample(boot: &str) -> Checkpoint {
+        let mut checkpoint = Checkpoint::new(boot);
+        checkpoint.claims.insert(
+            "uid-a".to_owned(),
+            entry("a", PrepareState::PrepareCompleted, vec![device("node1", "gpu-0", None)]),
+        );
+        checkpoint.claims.insert(
+            "uid-b".to_owned(),
+            entry("b", PrepareState::PrepareStarted, vec![device("node1", "gpu-1", Some("s1"))]),
+        );
+        checkpoint
+    }
+
+    fn names(dir: &Path) -> io::Result<Vec<String>> {
+        let mut names: Vec<String> = fs::read_dir(dir)?
+            .map(|e| e.map(|e| e.file_name().to_string_lossy().into_owned()))
+            .collect::<Result<_, _>>()?;
+        names.sort();
+        Ok(names)
+    }
+
+    /// Loads and asserts a `Corrupt` outcome: the original is gone, the moved file holds the original bytes, the
+    /// returned checkpoint is empty for the current boot. Returns the reason.
+    fn expect_corrupt(store: &CheckpointStore, original: &[u8]) -> Result<String, Box<dyn std::error::Error>> {
+        let loaded = store.load("boot-1")?;
+        assert_eq!(loaded.checkpoint, Checkpoint::new("boot-1"));
+        let LoadOutcome::Corrupt { moved_to, reason } = loaded.outcome else {
+            panic!("expected Corrupt, got {:?}", loaded.outcome);
+        };
+        assert!(!store.path().exists());
+        let moved_name = moved_to.file_name().ok_or("no file name")?.to_string_lossy().into_owned();
+        assert!(moved_name.starts_with("checkpoint.json.corrupt-"), "{moved_name}");
+        assert_eq!(fs::read(&moved_to)?, original);
+        Ok(reason)
+    }
+
+    #[test]
+    fn round_trip() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample("boot-1"))?;
+        let loaded = store.load("boot-1")?;
+        assert_eq!(loaded, Loaded { checkpoint: sample("boot-1"), outcome: LoadOutcome::Loaded });
+        Ok(())
+    }
+
+    #[test]
+    fn fresh_directory_is_created() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let state = dir.path().join("plugins").join("gpu");
+        let loaded = CheckpointStore::new(&state).load("boot-1")?;
+        assert_eq!(loaded, Loaded { checkpoint: Checkpoint::new("boot-1"), outcome: LoadOutcome::Fresh });
+        assert!(state.is_dir());
+        Ok(())
+    }
+
+    #[test]
+    fn unusable_directory_is_an_error() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join("not-a-dir");
+        fs::write(&file, b"")?;
+        let err = CheckpointStore::new(&file.join("state")).load("boot-1").err().ok_or("expected an error")?;
+        assert!(matches!(err, CheckpointError::CreateDir { .. }), "{err:?}");
+        assert!(err.to_string().starts_with("create the checkpoint directory "), "{err}");
+        assert!(std::error::Error::source(&err).is_some());
+        Ok(())
+    }
+
+    #[test]
+    fn invalid_json_is_moved_aside() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        fs::write(store.path(), b"{not json")?;
+        let reason = expect_corrupt(&store, b"{not json")?;
+        assert!(reason.contains("not valid JSON"), "{reason}");
+        // Nothing left to trip over on the next start.
+        assert_eq!(store.load("boot-1")?.outcome, LoadOutcome::Fresh);
+        Ok(())
+    }
+
+    #[test]
+    fn unreadable_file_is_moved_aside() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        fs::create_dir(store.path())?;
+        let loaded = store.load("boot-1")?;
+        let LoadOutcome::Corrupt { moved_to, reason } = loaded.outcome else {
+            panic!("expected Corrupt, got {:?}", loaded.outcome);
+        };
+        assert!(reason.starts_with("unreadable: "), "{reason}");
+        assert!(moved_to.is_dir() && !store.path().exists());
+        Ok(())
+    }
+
+    #[test]
+    fn a_second_corrupt_file_does_not_overwrite_the_first() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        fs::write(store.path(), b"first")?;
+        expect_corrupt(&store, b"first")?;
+        fs::write(store.path(), b"second")?;
+        expect_corrupt(&store, b"second")?;
+        assert_eq!(names(dir.path())?.len(), 2);
+        Ok(())
+    }
+
+    #[test]
+    fn truncated_file_is_corrupt() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample("boot-1"))?;
+        let bytes = fs::read(store.path())?;
+        let half = &bytes[..bytes.len() / 2];
+        fs::write(store.path(), half)?;
+        expect_corrupt(&store, half)?;
+        Ok(())
+    }
+
+    #[test]
+    fn wrong_checksum_is_corrupt() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample("boot-1"))?;
+        let tampered = fs::read_to_string(store.path())?.replace("gpu-0", "gpu-7");
+        fs::write(store.path(), &tampered)?;
+        let reason = expect_corrupt(&store, tampered.as_bytes())?;
+        assert!(reason.contains("checksum mismatch"), "{reason}");
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_version_is_corrupt() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        let file = br#"{"version": 2, "checksum": "0", "checkpoint": {"bootId": "boot-1", "claims": {}}}"#;
+        fs::write(store.path(), file)?;
+        let reason = expect_corrupt(&store, file)?;
+        assert!(reason.contains("version 2"), "{reason}");
+        Ok(())
+    }
+
+    #[test]
+    fn valid_json_of_the_wrong_shape_is_corrupt() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        let inner = serde_json::json!({"bootId": "boot-1", "claims": {"uid-a": {"state": "Prepared"}}});
+        let file =
+            serde_json::to_vec(&serde_json::json!({"version": 1, "checksum": checksum(&inner)?, "checkpoint": inner}))?;
+        fs::write(store.path(), &file)?;
+        let reason = expect_corrupt(&store, &file)?;
+        assert!(reason.contains("not a version 1 checkpoint"), "{reason}");
+        Ok(())
+    }
+
+    /// A file as written by this version, byte for byte: a change in the encoding or the checksum would make every
+    /// node's checkpoint "corrupt" after an agent upgrade.
+    #[test]
+    fn reads_the_version_1_format() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        let mut checkpoint = Checkpoint::new("boot-1");
+        checkpoint.claims.insert(
+            "uid-a".to_owned(),
+            entry("a", PrepareState::PrepareCompleted, vec![device("node1", "gpu-0", Some("s1"))]),
+        );
+        let golden = r#"{
+  "version": 1,
+  "checksum": "8b7ab56587a7a4ea",
+  "checkpoint": {
+    "bootId": "boot-1",
+    "claims": {
+      "uid-a": {
+        "devices": [
+          {
+            "cdiDeviceIds": [
+              "k8s.gpu.nvidia.com/claim=uid-gpu-0"
+            ],
+            "device": "gpu-0",
+            "pool": "node1",
+            "requestNames": [
+              "gpu"
+            ],
+            "shareId": "s1"
+          }
+        ],
+        "name": "a",
+        "namespace": "default",
+        "state": "PrepareCompleted"
+      }
+    }
+  }
+}
+"#;
+        fs::write(store.path(), golden)?;
+        assert_eq!(store.load("boot-1")?, Loaded { checkpoint: checkpoint.clone(), outcome: LoadOutcome::Loaded });
+        store.save(&checkpoint)?;
+        assert_eq!(fs::read_to_string(store.path())?, golden);
+        Ok(())
+    }
+
+    #[test]
+    fn previous_boot_entries_are_dropped_and_reported() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample("boot-1"))?;
+        let loaded = store.load("boot-2")?;
+        assert_eq!(loaded.checkpoint, Checkpoint::new("boot-2"));
+        assert_eq!(loaded.outcome, LoadOutcome::PreviousBoot { dropped: sample("boot-1").claims });
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_boot_id_keeps_entries() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample(""))?;
+        assert_eq!(store.load("boot-2")?, Loaded { checkpoint: sample("boot-2"), outcome: LoadOutcome::Loaded });
+        store.save(&sample("boot-1"))?;
+        assert_eq!(store.load("")?, Loaded { checkpoint: sample(""), outcome: LoadOutcome::Loaded });
+        Ok(())
+    }
+
+    #[test]
+    fn save_leaves_no_temporary_files() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        store.save(&sample("boot-1"))?;
+        store.save(&Checkpoint::new("boot-1"))?;
+        assert_eq!(names(dir.path())?, vec![CHECKPOINT_FILE.to_owned()]);
+        assert_eq!(store.load("boot-1")?.checkpoint, Checkpoint::new("boot-1"));
+        Ok(())
+    }
+
+    #[test]
+    fn helpers() {
+        let checkpoint = sample("boot-1");
+        assert_eq!(checkpoint.device_owner("node1", "gpu-0"), Some("uid-a"));
+        assert_eq!(checkpoint.device_owner("node1", "gpu-1"), Some("uid-b"));
+        assert_eq!(checkpoint.device_owner("node1", "gpu-2"), None);
+        assert_eq!(checkpoint.device_owner("node2", "gpu-0"), None);
+
+        // Exclusive device held by uid-a: anyone else conflicts, uid-a itself does not.
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", None)), Some("uid-a"));
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", Some("s9"))), Some("uid-a"));
+        assert_eq!(checkpoint.conflicting_owner("uid-a", &device("node1", "gpu-0", None)), None);
+        // Share s1 held by uid-b (still PrepareStarted): another share is fine, the same share or the whole is not.
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s2"))), None);
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s1"))), Some("uid-b"));
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", None)), Some("uid-b"));
+
+        assert_eq!(checkpoint.completed("uid-a").map(|e| e.name.as_str()), Some("a"));
+        assert_eq!(checkpoint.completed("uid-b"), None);
+        assert_eq!(checkpoint.completed("uid-z"), None);
+        let half: Vec<_> = checkpoint.half_prepared().map(|(uid, _)| uid).collect();
+        assert_eq!(half, vec!["uid-b"]);
+    }
+
+    #[test]
+    fn boot_id_is_read_trimmed_or_empty() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("boot_id");
+        fs::write(&path, "5f0c3a52-1d5e-4b8e-9a57-2f3c1b9e0d11\n")?;
+        assert_eq!(boot_id_from(&path), "5f0c3a52-1d5e-4b8e-9a57-2f3c1b9e0d11");
+        assert_eq!(boot_id_from(&dir.path().join("missing")), "");
+        Ok(())
+    }
+}

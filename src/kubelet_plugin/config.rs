@@ -1,0 +1,218 @@
+//! `GpuConfig`: the driver's opaque device configuration, carried in DeviceClasses and ResourceClaims as
+//! `opaque: {driver: <driver>, parameters: {apiVersion: <driver>/v1alpha1, kind: GpuConfig, …}}`.
+//!
+//! Decoding is strict (an unknown or misspelt field is an error naming it, never silently ignored), then
+//! validated; configuration from the class applies first, then the claim's (the claim wins), each to the requests it
+//! names (none = all). Errors refuse the claim at NodePrepareResources with a message the pod's events show.
+
+use serde::{Deserialize, Serialize};
+
+/// The version of `GpuConfig` this agent understands, under the driver's own domain.
+pub const GPU_CONFIG_VERSION: &str = "v1alpha1";
+pub const GPU_CONFIG_KIND: &str = "GpuConfig";
+
+/// How the GPUs of one request are prepared.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GpuConfig {
+    /// How several containers share the claim's GPUs.
+    #[serde(default)]
+    pub sharing: Sharing,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Sharing {
+    #[serde(default)]
+    pub strategy: SharingStrategy,
+    /// Only with `strategy: TimeSlicing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slicing: Option<TimeSlicing>,
+}
+
+/// `Exclusive`: the GPU's default scheduling between the processes of the containers that share the claim.
+/// `TimeSlicing`: the same, with the time-slice length chosen by `timeSlicing.interval`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SharingStrategy {
+    #[default]
+    Exclusive,
+    TimeSlicing,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TimeSlicing {
+    #[serde(default)]
+    pub interval: TimeSliceInterval,
+}
+
+/// The time-slice lengths NVIDIA's compute policy offers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TimeSliceInterval {
+    #[default]
+    Default,
+    Short,
+    Medium,
+    Long,
+}
+
+/// The envelope every opaque parameter object has.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct TypeMeta {
+    #[serde(default)]
+    api_version: String,
+    #[serde(default)]
+    kind: String,
+}
+
+/// The document as users write it: type metadata plus the config's fields, every other field refused. (Not
+/// `#[serde(flatten)]`: it would lose the path to the offending field.)
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct Document {
+    #[allow(dead_code)]
+    api_version: String,
+    #[allow(dead_code)]
+    kind: String,
+    #[serde(default)]
+    sharing: Sharing,
+}
+
+impl GpuConfig {
+    /// Decodes and validates one opaque parameter object for `driver`. The error names the offending field.
+    pub fn decode(driver: &str, parameters: &serde_json::Value) -> Result<GpuConfig, String> {
+        let meta =
+            TypeMeta::deserialize(parameters).map_err(|e| format!("not an object with apiVersion and kind: {e}"))?;
+        let expected = format!("{driver}/{GPU_CONFIG_VERSION}");
+        if meta.api_version != expected || meta.kind != GPU_CONFIG_KIND {
+            return Err(format!(
+                "apiVersion {:?}, kind {:?}: this driver understands apiVersion {expected:?}, kind {GPU_CONFIG_KIND:?}",
+                meta.api_version, meta.kind
+            ));
+        }
+        let document: Document = serde_path_to_error::deserialize(parameters).map_err(|e| {
+            let path = e.path().to_string();
+            if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) }
+        })?;
+        let config = GpuConfig { sharing: document.sharing };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Rules the types alone cannot express.
+    pub fn validate(&self) -> Result<(), String> {
+        match (self.sharing.strategy, &self.sharing.time_slicing) {
+            (SharingStrategy::Exclusive, Some(_)) => {
+                Err("sharing.timeSlicing: only allowed with sharing.strategy TimeSlicing".to_string())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// One configuration entry of a claim's allocation, in the order the API lists them (class entries first).
+#[derive(Debug)]
+pub struct ConfigEntry<'a> {
+    /// `FromClass` or `FromClaim`, for error messages.
+    pub source: &'a str,
+    /// Requests it applies to; empty = all.
+    pub requests: &'a [String],
+    pub driver: &'a str,
+    pub parameters: &'a serde_json::Value,
+}
+
+/// The effective configuration of `request` (a base request name or `request/subrequest`): the last entry of this
+/// driver that applies wins, so a claim's entry overrides its class's. Entries of other drivers are not ours to read.
+pub fn effective_config(driver: &str, request: &str, entries: &[ConfigEntry<'_>]) -> Result<GpuConfig, String> {
+    let base = request.split('/').next().unwrap_or(request);
+    let mut effective = GpuConfig::default();
+    for (position, entry) in entries.iter().enumerate() {
+        let applies = entry.requests.is_empty() || entry.requests.iter().any(|r| r == request || r == base);
+        if entry.driver != driver || !applies {
+            continue;
+        }
+        effective = GpuConfig::decode(driver, entry.parameters)
+            .map_err(|e| format!("config #{} ({}): {e}", position + 1, entry.source))?;
+    }
+    Ok(effective)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const DRIVER: &str = "gpu.gpu-dra.dev";
+
+    fn doc(extra: serde_json::Value) -> serde_json::Value {
+        let mut value = json!({"apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "GpuConfig"});
+        if let (Some(map), serde_json::Value::Object(extra)) = (value.as_object_mut(), extra) {
+            map.extend(extra);
+        }
+        value
+    }
+
+    #[test]
+    fn decodes_valid_documents() {
+        assert_eq!(GpuConfig::decode(DRIVER, &doc(json!({}))), Ok(GpuConfig::default()));
+        let config = GpuConfig::decode(
+            DRIVER,
+            &doc(json!({"sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}})),
+        );
+        assert_eq!(
+            config.map(|c| c.sharing),
+            Ok(Sharing {
+                strategy: SharingStrategy::TimeSlicing,
+                time_slicing: Some(TimeSlicing { interval: TimeSliceInterval::Long })
+            })
+        );
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (doc(json!({"sharin": {}})), "unknown field `sharin`"),
+            (doc(json!({"sharing": {"strategy": "Spatial"}})), "sharing.strategy: unknown variant `Spatial`"),
+            (
+                doc(json!({"sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Short", "x": 1}}})),
+                "sharing.timeSlicing.x: unknown field `x`",
+            ),
+            (doc(json!({"sharing": {"timeSlicing": {}}})), "sharing.timeSlicing: only allowed with"),
+            (json!({"apiVersion": "gpu.gpu-dra.dev/v9", "kind": "GpuConfig"}), "understands apiVersion"),
+            (json!({"apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "Other"}), "kind \"Other\""),
+            (json!(["not", "an", "object"]), "not an object"),
+        ];
+        for (input, expected) in cases {
+            match GpuConfig::decode(DRIVER, &input) {
+                Ok(config) => panic!("{input} decoded to {config:?}"),
+                Err(error) => assert!(error.contains(expected), "{input}: {error:?} lacks {expected:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn claim_config_overrides_class_config_for_the_requests_it_names() {
+        let class = doc(json!({"sharing": {"strategy": "TimeSlicing"}}));
+        let claim = doc(json!({"sharing": {"strategy": "Exclusive"}}));
+        let other_driver = json!({"anything": true});
+        let names = ["big".to_string()];
+        let entries = [
+            ConfigEntry { source: "FromClass", requests: &[], driver: DRIVER, parameters: &class },
+            ConfigEntry { source: "FromClaim", requests: &names, driver: DRIVER, parameters: &claim },
+            ConfigEntry { source: "FromClaim", requests: &[], driver: "other.example.com", parameters: &other_driver },
+        ];
+        let strategy = |request| effective_config(DRIVER, request, &entries).map(|c| c.sharing.strategy);
+        assert_eq!(strategy("big"), Ok(SharingStrategy::Exclusive));
+        assert_eq!(strategy("big/h100"), Ok(SharingStrategy::Exclusive));
+        assert_eq!(strategy("small"), Ok(SharingStrategy::TimeSlicing));
+    }
+
+    #[test]
+    fn a_bad_entry_is_named_by_position_and_source() {
+        let bad = doc(json!({"sharing": {"strategy": 7}}));
+        let entries = [ConfigEntry { source: "FromClaim", requests: &[], driver: DRIVER, parameters: &bad }];
+        let error = effective_config(DRIVER, "gpu", &entries).err().unwrap_or_default();
+        assert!(error.starts_with("config #1 (FromClaim): sharing.strategy:"), "{error}");
+    }
+}

@@ -1,0 +1,53 @@
+//! The registration service the kubelet's plugin watcher calls: GetInfo tells it who we are and where the DRA
+//! service listens; NotifyRegistrationStatus tells us whether it accepted.
+
+use std::path::PathBuf;
+
+use prometheus_client::metrics::gauge::Gauge;
+use tonic::{Request, Response, Status};
+use tracing::{info, warn};
+
+use super::proto::registration::registration_server::Registration;
+use super::proto::registration::{InfoRequest, PluginInfo, RegistrationStatus, RegistrationStatusResponse};
+
+/// The plugin type the kubelet routes to its DRA manager.
+const PLUGIN_TYPE: &str = "DRAPlugin";
+/// Services served, in order of preference: the kubelet takes the first it supports, so a 1.34+ kubelet speaks v1
+/// and older ones v1beta1.
+pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+
+/// Answers the kubelet's plugin watcher.
+#[derive(Debug)]
+pub struct RegistrationService {
+    pub driver: String,
+    pub dra_socket: PathBuf,
+    /// 1 while the kubelet says we are registered.
+    pub registered: Gauge,
+}
+
+#[tonic::async_trait]
+impl Registration for RegistrationService {
+    async fn get_info(&self, _request: Request<InfoRequest>) -> Result<Response<PluginInfo>, Status> {
+        Ok(Response::new(PluginInfo {
+            r#type: PLUGIN_TYPE.to_string(),
+            name: self.driver.clone(),
+            endpoint: self.dra_socket.to_string_lossy().into_owned(),
+            supported_versions: SUPPORTED_VERSIONS.iter().map(|v| v.to_string()).collect(),
+        }))
+    }
+
+    async fn notify_registration_status(
+        &self,
+        request: Request<RegistrationStatus>,
+    ) -> Result<Response<RegistrationStatusResponse>, Status> {
+        let status = request.into_inner();
+        if status.plugin_registered {
+            info!(driver = %self.driver, "kubelet registered the plugin");
+            self.registered.set(1);
+        } else {
+            warn!(driver = %self.driver, error = %status.error, "kubelet refused to register the plugin");
+            self.registered.set(0);
+        }
+        Ok(Response::new(RegistrationStatusResponse {}))
+    }
+}

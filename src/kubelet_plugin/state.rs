@@ -1,0 +1,502 @@
+//! The prepare/unprepare state machine: the checkpoint, the CDI specs on disk and this node's GPUs kept consistent.
+//!
+//! ```text
+//!  NodePrepareResources ─▶ GET claims (concurrently) ─▶ allocation::plan ─┐
+//!                                                                        ▼
+//!   checkpoint: PrepareStarted (saved) ─▶ CDI spec per claim (atomic) ─▶ PrepareCompleted (saved) ─▶ CDI ids
+//!  NodeUnprepareResources ─▶ remove spec ─▶ drop entry (saved); unknown claims succeed
+//! ```
+//!
+//! **Invariant:** a CDI spec exists only for a claim the checkpoint on disk lists (as started or completed), so a
+//! crash at any point leaves nothing that start-up recovery cannot find and clean up. File work happens under one
+//! lock, off the async threads; the API reads happen before it, concurrently.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, ListParams};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use super::allocation::{self, ClaimRef, Inventory, PlannedDevice};
+use super::checkpoint::{
+    Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
+};
+pub use super::metrics::Operation;
+use super::metrics::PluginMetrics;
+use crate::cdi::{self, CdiKind, DriverFiles};
+use crate::node_agent::gpu::Gpu;
+
+/// A claim's outcome: its devices, or why it was refused.
+pub type ClaimResult<T> = (String, Result<T, String>);
+
+/// Errors that stop the plugin from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum StateError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("the driver name {driver:?} cannot name CDI devices: {source}")]
+    CdiKind {
+        driver: String,
+        #[source]
+        source: cdi::CdiError,
+    },
+    #[error("list ResourceClaims to rebuild the checkpoint: {0}")]
+    ListClaims(#[source] kube::Error),
+    #[error("start-up clean-up task failed: {0}")]
+    Task(String),
+}
+
+/// What start-up found and did, for the log and Events.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Recovery {
+    /// The checkpoint was unreadable: where it was moved and why.
+    pub corrupt: Option<(PathBuf, String)>,
+    /// Claims prepared again from the API after a corrupt checkpoint.
+    pub rebuilt: usize,
+    /// Entries of an earlier boot dropped (their devices' state is gone; kubelet prepares again).
+    pub previous_boot: usize,
+    /// Half-done prepares cleaned up.
+    pub half_done: usize,
+    /// Specs re-written because they were missing (e.g. the CDI directory is a tmpfs that was emptied).
+    pub rewritten: usize,
+    /// Specs of claims the checkpoint does not know, removed.
+    pub orphans: usize,
+}
+
+/// Where and how claims are prepared.
+#[derive(Debug)]
+pub struct StateConfig {
+    pub driver: String,
+    /// This node's pool (the node name).
+    pub pool: String,
+    pub cdi_dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub driver_files: DriverFiles,
+    pub boot_id: String,
+}
+
+/// The plugin's state; shared by the gRPC service and start-up recovery.
+pub struct DriverState {
+    driver: String,
+    pool: String,
+    client: kube::Client,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    cdi_kind: CdiKind,
+    cdi_dir: PathBuf,
+    driver_files: DriverFiles,
+    store: CheckpointStore,
+    checkpoint: Mutex<Checkpoint>,
+    metrics: PluginMetrics,
+}
+
+impl std::fmt::Debug for DriverState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DriverState")
+            .field("driver", &self.driver)
+            .field("pool", &self.pool)
+            .field("cdi_dir", &self.cdi_dir)
+            .field("checkpoint", &self.store)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DriverState {
+    /// Loads the checkpoint and makes disk and checkpoint agree again (see [`Recovery`]) before anything is served.
+    pub async fn start(
+        config: StateConfig,
+        client: kube::Client,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        metrics: PluginMetrics,
+    ) -> Result<(Arc<Self>, Recovery), StateError> {
+        let cdi_kind = CdiKind::from_driver_name(&config.driver)
+            .map_err(|source| StateError::CdiKind { driver: config.driver.clone(), source })?;
+        let store = CheckpointStore::new(&config.state_dir);
+        let loaded = store.load(&config.boot_id)?;
+        let state = Arc::new(Self {
+            driver: config.driver,
+            pool: config.pool,
+            client,
+            inventory,
+            cdi_kind,
+            cdi_dir: config.cdi_dir,
+            driver_files: config.driver_files,
+            store,
+            checkpoint: Mutex::new(loaded.checkpoint),
+            metrics,
+        });
+        let mut recovery = Recovery::default();
+        match loaded.outcome {
+            LoadOutcome::Fresh | LoadOutcome::Loaded => {}
+            LoadOutcome::PreviousBoot { dropped } => {
+                recovery.previous_boot = dropped.len();
+                for (uid, _) in dropped {
+                    state.remove_spec_logged(&uid);
+                }
+            }
+            LoadOutcome::Corrupt { moved_to, reason } => {
+                state.metrics.checkpoint_corruptions.inc();
+                recovery.rebuilt = state.rebuild_from_api().await?;
+                recovery.corrupt = Some((moved_to, reason));
+            }
+        }
+        let this = state.clone();
+        let cleanup = tokio::task::spawn_blocking(move || this.clean_up())
+            .await
+            .map_err(|e| StateError::Task(e.to_string()))??;
+        recovery.half_done = cleanup.0;
+        recovery.rewritten = cleanup.1;
+        recovery.orphans = cleanup.2;
+        Ok((state, recovery))
+    }
+
+    pub fn metrics(&self) -> &PluginMetrics {
+        &self.metrics
+    }
+
+    /// Prepares each claim; one claim's failure never affects another's answer.
+    pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+        let inventory = self.inventory.borrow().clone();
+        let reads = futures::future::join_all(claims.into_iter().map(|claim| {
+            let inventory = inventory.clone();
+            async move {
+                if let Some(devices) = self.already_prepared(&claim.uid) {
+                    return (claim, Plan::Done(devices));
+                }
+                let plan = match self.read_claim(&claim).await {
+                    Ok(object) => allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory),
+                    Err(error) => Err(error),
+                };
+                (claim, Plan::Todo(plan))
+            }
+        }))
+        .await;
+        let this = self.clone();
+        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads)).await.unwrap_or_else(|e| {
+            warn!(error = %e, "prepare task failed");
+            Vec::new()
+        });
+        for (_, result) in &results {
+            self.metrics.claim(Operation::Prepare, result.is_ok());
+        }
+        results
+    }
+
+    /// Unprepares each claim: its spec removed, its entry dropped. A claim never prepared here succeeds.
+    pub async fn unprepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
+        let this = self.clone();
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let results = tokio::task::spawn_blocking(move || this.unprepare_blocking(claims)).await.unwrap_or_else(|e| {
+            uids.into_iter().map(|uid| (uid, Err(format!("unprepare task failed: {e}")))).collect()
+        });
+        for (_, result) in &results {
+            self.metrics.claim(Operation::Unprepare, result.is_ok());
+        }
+        results
+    }
+
+    /// The devices of a completed prepare whose spec is still on disk: a repeated call is answered without I/O.
+    fn already_prepared(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
+        let checkpoint = self.lock();
+        let entry = checkpoint.completed(uid)?;
+        cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid).then(|| entry.devices.clone())
+    }
+
+    async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, String> {
+        Api::<ResourceClaim>::namespaced(self.client.clone(), &claim.namespace)
+            .get(&claim.name)
+            .await
+            .map_err(|e| format!("read claim {claim}: {e}"))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Checkpoint> {
+        self.checkpoint.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn prepare_planned(&self, reads: Vec<(ClaimRef, Plan)>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+        let mut checkpoint = self.lock();
+        let mut results = Vec::with_capacity(reads.len());
+        let mut todo: Vec<(ClaimRef, Vec<Gpu>)> = Vec::new();
+        for (claim, plan) in reads {
+            let planned = match plan {
+                Plan::Done(devices) => {
+                    results.push((claim.uid, Ok(devices)));
+                    continue;
+                }
+                Plan::Todo(Err(reason)) => {
+                    warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
+                    results.push((claim.uid, Err(reason)));
+                    continue;
+                }
+                Plan::Todo(Ok(planned)) if planned.is_empty() => {
+                    // Nothing of this driver in the claim: nothing to prepare, nothing to remember.
+                    results.push((claim.uid, Ok(Vec::new())));
+                    continue;
+                }
+                Plan::Todo(Ok(planned)) => planned,
+            };
+            if let Some(entry) = checkpoint.completed(&claim.uid)
+                && cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, &claim.uid)
+            {
+                results.push((claim.uid.clone(), Ok(entry.devices.clone())));
+                continue;
+            }
+            let devices = self.prepared_devices(&claim, &planned);
+            if let Some(reason) = conflict(&checkpoint, &claim, &planned, &devices) {
+                warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
+                results.push((claim.uid, Err(reason)));
+                continue;
+            }
+            let entry = ClaimEntry {
+                namespace: claim.namespace.clone(),
+                name: claim.name.clone(),
+                state: PrepareState::PrepareStarted,
+                devices,
+            };
+            checkpoint.claims.insert(claim.uid.clone(), entry);
+            todo.push((claim, unique_gpus(&planned)));
+        }
+        if todo.is_empty() {
+            return results;
+        }
+        if let Err(e) = self.store.save(&checkpoint) {
+            for (claim, _) in todo {
+                checkpoint.claims.remove(&claim.uid);
+                results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
+            }
+            return results;
+        }
+        let mut written = Vec::new();
+        for (claim, gpus) in todo {
+            let write = cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
+                .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec));
+            match write {
+                Ok(_) => {
+                    if let Some(entry) = checkpoint.claims.get_mut(&claim.uid) {
+                        entry.state = PrepareState::PrepareCompleted;
+                    }
+                    written.push(claim);
+                }
+                Err(e) => {
+                    warn!(claim = %claim, uid = %claim.uid, error = %e, "writing the CDI spec failed");
+                    checkpoint.claims.remove(&claim.uid);
+                    self.remove_spec_logged(&claim.uid);
+                    results.push((claim.uid, Err(e.to_string())));
+                }
+            }
+        }
+        let saved = self.store.save(&checkpoint);
+        for claim in written {
+            let Some(entry) = checkpoint.claims.get_mut(&claim.uid) else { continue };
+            match &saved {
+                Ok(()) => {
+                    info!(claim = %claim, uid = %claim.uid, devices = entry.devices.len(), "prepared claim");
+                    results.push((claim.uid, Ok(entry.devices.clone())));
+                }
+                Err(e) => {
+                    // The disk still says started: the next prepare finishes it, or start-up cleans it up.
+                    entry.state = PrepareState::PrepareStarted;
+                    results.push((claim.uid, Err(format!("record the completed prepare in the checkpoint: {e}"))));
+                }
+            }
+        }
+        self.update_gauges(&checkpoint);
+        results
+    }
+
+    fn unprepare_blocking(&self, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
+        let mut checkpoint = self.lock();
+        let mut results = Vec::with_capacity(claims.len());
+        let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
+        for claim in claims {
+            if !checkpoint.claims.contains_key(&claim.uid) {
+                results.push((claim.uid, Ok(())));
+                continue;
+            }
+            match cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid) {
+                Ok(()) => {
+                    if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
+                        removed.push((claim, entry));
+                    }
+                }
+                Err(e) => results.push((claim.uid, Err(e.to_string()))),
+            }
+        }
+        if removed.is_empty() {
+            return results;
+        }
+        let saved = self.store.save(&checkpoint);
+        for (claim, entry) in removed {
+            match &saved {
+                Ok(()) => {
+                    info!(claim = %claim, uid = %claim.uid, "unprepared claim");
+                    results.push((claim.uid, Ok(())));
+                }
+                Err(e) => {
+                    // Keep the entry (its spec is gone): the kubelet retries and the next save drops it.
+                    results.push((claim.uid.clone(), Err(format!("record the unprepare in the checkpoint: {e}"))));
+                    checkpoint.claims.insert(claim.uid, entry);
+                }
+            }
+        }
+        self.update_gauges(&checkpoint);
+        results
+    }
+
+    /// The answer for each planned device: CDI id, base request name, pool and device.
+    fn prepared_devices(&self, claim: &ClaimRef, planned: &[PlannedDevice]) -> Vec<PreparedDevice> {
+        planned
+            .iter()
+            .map(|p| PreparedDevice {
+                request_names: vec![p.base_request().to_string()],
+                pool: p.pool.clone(),
+                device: p.gpu.device_name(),
+                cdi_device_ids: vec![cdi::device_id(&self.cdi_kind, &claim.uid, p.gpu.minor)],
+                share_id: p.share_id.clone(),
+            })
+            .collect()
+    }
+
+    /// After a corrupt checkpoint: prepares again every claim the API says is allocated here and in use, so that
+    /// running pods keep their devices recorded and later unprepares work.
+    async fn rebuild_from_api(self: &Arc<Self>) -> Result<usize, StateError> {
+        let claims = Api::<ResourceClaim>::all(self.client.clone())
+            .list(&ListParams::default())
+            .await
+            .map_err(StateError::ListClaims)?;
+        let inventory = self.inventory.borrow().clone();
+        let reads: Vec<(ClaimRef, Plan)> = claims
+            .items
+            .iter()
+            .filter(|claim| self.allocated_here_and_reserved(claim))
+            .map(|claim| {
+                let wanted = ClaimRef {
+                    namespace: claim.metadata.namespace.clone().unwrap_or_default(),
+                    name: claim.metadata.name.clone().unwrap_or_default(),
+                    uid: claim.metadata.uid.clone().unwrap_or_default(),
+                };
+                let plan = allocation::plan(&wanted, claim, &self.driver, &self.pool, &inventory);
+                (wanted, Plan::Todo(plan))
+            })
+            .collect();
+        let this = self.clone();
+        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads)).await.unwrap_or_default();
+        for (uid, result) in &results {
+            if let Err(reason) = result {
+                warn!(%uid, %reason, "could not re-prepare claim while rebuilding the checkpoint");
+            }
+        }
+        Ok(results.iter().filter(|(_, r)| r.is_ok()).count())
+    }
+
+    fn allocated_here_and_reserved(&self, claim: &ResourceClaim) -> bool {
+        let Some(status) = claim.status.as_ref() else { return false };
+        let reserved = status.reserved_for.as_ref().is_some_and(|r| !r.is_empty());
+        let here = status
+            .allocation
+            .as_ref()
+            .and_then(|a| a.devices.as_ref())
+            .and_then(|d| d.results.as_ref())
+            .is_some_and(|results| results.iter().any(|r| r.driver == self.driver && r.pool == self.pool));
+        reserved && here
+    }
+
+    /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
+    /// records removed. Returns (half done, rewritten, orphans).
+    fn clean_up(&self) -> Result<(usize, usize, usize), CheckpointError> {
+        let mut checkpoint = self.lock();
+        let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
+        for uid in &half_done {
+            self.remove_spec_logged(uid);
+            checkpoint.claims.remove(uid);
+            info!(%uid, "cleaned up a prepare that was interrupted");
+        }
+        let inventory = self.inventory.borrow().clone();
+        let mut rewritten = 0;
+        for (uid, entry) in &checkpoint.claims {
+            if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
+                continue;
+            }
+            let gpus: Option<Vec<Gpu>> = entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
+            let Some(gpus) = gpus else {
+                warn!(%uid, "a prepared claim's GPU is gone from this node; its CDI spec cannot be re-written");
+                continue;
+            };
+            let gpus = unique_gpus_of(gpus);
+            match cdi::build_claim_spec(&self.cdi_kind, uid, &gpus, &self.driver_files)
+                .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec))
+            {
+                Ok(_) => {
+                    info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
+                    rewritten += 1;
+                }
+                Err(e) => warn!(%uid, error = %e, "re-writing a missing CDI spec failed"),
+            }
+        }
+        let mut orphans = 0;
+        match cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind) {
+            Ok(uids) => {
+                for uid in uids.iter().filter(|uid| !checkpoint.claims.contains_key(*uid)) {
+                    self.remove_spec_logged(uid);
+                    orphans += 1;
+                }
+            }
+            Err(e) => warn!(error = %e, "listing CDI specs failed; stale specs stay until the next start"),
+        }
+        self.store.save(&checkpoint)?;
+        self.update_gauges(&checkpoint);
+        Ok((half_done.len(), rewritten, orphans))
+    }
+
+    fn remove_spec_logged(&self, uid: &str) {
+        if let Err(e) = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, uid) {
+            warn!(%uid, error = %e, "removing a CDI spec failed");
+        }
+    }
+
+    fn update_gauges(&self, checkpoint: &Checkpoint) {
+        let completed = checkpoint.claims.values().filter(|e| e.state == PrepareState::PrepareCompleted);
+        let (claims, devices) = completed.fold((0, 0), |(c, d), e| (c + 1, d + e.devices.len() as i64));
+        self.metrics.prepared_claims.set(claims);
+        self.metrics.prepared_devices.set(devices);
+    }
+}
+
+/// A claim's plan after the API read.
+#[derive(Debug)]
+enum Plan {
+    /// Prepared before and still on disk: answer from the checkpoint.
+    Done(Vec<PreparedDevice>),
+    Todo(Result<Vec<PlannedDevice>, String>),
+}
+
+/// Why a device of `claim` cannot be prepared: it is held for another claim (an admin-access claim may look at a
+/// device in use, so it never conflicts).
+fn conflict(
+    checkpoint: &Checkpoint,
+    claim: &ClaimRef,
+    planned: &[PlannedDevice],
+    devices: &[PreparedDevice],
+) -> Option<String> {
+    planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(_, device)| {
+        let owner = checkpoint.conflicting_owner(&claim.uid, device)?;
+        let holder = checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name)).unwrap_or_default();
+        Some(format!(
+            "claim {claim}: device {:?} is already prepared for claim {holder} (UID {owner}); it must be unprepared \
+             first",
+            device.device
+        ))
+    })
+}
+
+/// One GPU per device, whatever the number of requests that share it.
+fn unique_gpus(planned: &[PlannedDevice]) -> Vec<Gpu> {
+    unique_gpus_of(planned.iter().map(|p| p.gpu.clone()).collect())
+}
+
+fn unique_gpus_of(gpus: Vec<Gpu>) -> Vec<Gpu> {
+    let mut seen = BTreeSet::new();
+    gpus.into_iter().filter(|g| seen.insert(g.minor)).collect()
+}

@@ -1,0 +1,100 @@
+//! Starting the kubelet plugin once the node's GPUs are known: recovery of the checkpoint (with a Warning Event on
+//! the Node when it was corrupt), then the two sockets, then `/healthz` checks that they answer.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use kube::Resource;
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::cdi::DriverFiles;
+use crate::kubelet_plugin::allocation::Inventory;
+use crate::kubelet_plugin::metrics::PluginMetrics;
+use crate::kubelet_plugin::state::{DriverState, Recovery, StateConfig};
+use crate::kubelet_plugin::{self, SocketPaths};
+use crate::telemetry::server::Liveness;
+
+/// Everything the plugin needs that does not change while the agent runs.
+#[derive(Debug)]
+pub(super) struct PluginSettings {
+    pub(super) driver: String,
+    pub(super) node: String,
+    pub(super) sockets: SocketPaths,
+    pub(super) cdi_dir: PathBuf,
+    pub(super) state_dir: PathBuf,
+    /// `None`: simulated GPUs, whose specs carry no driver files.
+    pub(super) driver_root: Option<PathBuf>,
+    pub(super) boot_id: String,
+}
+
+/// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`.
+pub(super) async fn start(
+    settings: &PluginSettings,
+    client: kube::Client,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    metrics: PluginMetrics,
+    liveness: &Liveness,
+    stop: CancellationToken,
+) -> Result<JoinHandle<()>, String> {
+    let driver_files = match &settings.driver_root {
+        Some(root) => DriverFiles::discover(root).map_err(|e| e.to_string())?,
+        None => DriverFiles::none(),
+    };
+    let config = StateConfig {
+        driver: settings.driver.clone(),
+        pool: settings.node.clone(),
+        cdi_dir: settings.cdi_dir.clone(),
+        state_dir: settings.state_dir.clone(),
+        driver_files,
+        boot_id: settings.boot_id.clone(),
+    };
+    let (state, recovery) =
+        DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
+    report(&recovery, &settings.node, client).await;
+    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state, stop)
+        .map_err(|e| e.to_string())?;
+    let sockets = settings.sockets.clone();
+    liveness.set(move || {
+        let sockets = sockets.clone();
+        Box::pin(async move { kubelet_plugin::check_sockets(&sockets).await })
+    });
+    Ok(task)
+}
+
+async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
+    if recovery != &Recovery::default() {
+        info!(?recovery, "checkpoint recovered");
+    }
+    let Some((moved_to, reason)) = &recovery.corrupt else { return };
+    let note = format!(
+        "The checkpoint of prepared claims was unreadable ({reason}); it was moved to {} and the state rebuilt from \
+         the API: {} claims allocated to this node re-prepared.",
+        moved_to.display(),
+        recovery.rebuilt
+    );
+    warn!(moved_to = %moved_to.display(), %reason, rebuilt = recovery.rebuilt, "checkpoint was corrupt");
+    let reference = match Api::<Node>::all(client.clone()).get(node).await {
+        Ok(node) => node.object_ref(&()),
+        Err(e) => {
+            warn!(error = %e, "cannot read the Node to attach the event; using its name only");
+            ObjectReference { kind: Some("Node".into()), name: Some(node.to_string()), ..Default::default() }
+        }
+    };
+    let event = Event {
+        type_: EventType::Warning,
+        reason: "CheckpointCorrupt".into(),
+        note: Some(note),
+        action: "RecoverCheckpoint".into(),
+        secondary: None,
+    };
+    let recorder = Recorder::new(client, Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
+    if let Err(e) = recorder.publish(&event, &reference).await {
+        warn!(error = %e, "publishing the CheckpointCorrupt event failed");
+    }
+}

@@ -1,0 +1,419 @@
+//! The node agent's kubelet plugin against the real API server and scheduler, driven by a kubelet stand-in that
+//! speaks the real protocol over the unix sockets: registration, prepare of what the scheduler allocated (CDI specs
+//! checked against the official schema and loaded with the `container-device-interface` crate), every refusal,
+//! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint, lost specs, a reboot, an
+//! interrupted prepare.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail, ensure};
+use gpu_dra::kubelet_plugin::checkpoint::{
+    Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
+};
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::node::{DRIVER, Kubelet, NodeDirs, start_agent};
+use support::process::Component;
+use support::{TestContext, objects, wait};
+
+fn main() {
+    support::run(
+        "kubelet_plugin",
+        &[
+            test!(registers_and_prepares_what_the_scheduler_allocated),
+            test!(refuses_what_it_must_not_prepare_and_answers_every_claim),
+            test!(kill_during_fifty_concurrent_prepares_leaves_a_consistent_state),
+            test!(a_corrupt_checkpoint_is_moved_aside_and_rebuilt_from_the_api),
+            test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
+            test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
+        ],
+    )
+}
+
+fn node_name(ctx: &TestContext) -> String {
+    format!("gpu-node-{}", &ctx.namespace[ctx.namespace.len() - 6..])
+}
+
+/// Starts an agent with `gpus` simulated GPUs and waits until it is ready (plugin serving, slices published).
+async fn ready_agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, gpus: &str) -> anyhow::Result<Component> {
+    let agent = start_agent(ctx, node, dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+    agent.wait_ready().await?;
+    Ok(agent)
+}
+
+/// Creates claim `name` asking for `devices.len()` GPUs and writes the allocation the scheduler would: `devices`
+/// of `pool`, the opaque `config`, reserved for a pod. Returns the claim's UID.
+async fn allocated_claim(
+    ctx: &TestContext,
+    name: &str,
+    pool: &str,
+    devices: &[&str],
+    config: Value,
+) -> anyhow::Result<String> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+            "deviceClassName": "gpu", "allocationMode": "ExactCount", "count": devices.len().max(1)}}]}}
+    }))?;
+    let created = objects::claims(ctx).create(&PostParams::default(), &claim).await?;
+    let results: Vec<Value> =
+        devices.iter().map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": pool, "device": d})).collect();
+    let status = json!({"status": {
+        "allocation": {"devices": {"results": results, "config": config}},
+        "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{}-pod", created.metadata.uid.clone().unwrap_or_default())}]
+    }});
+    objects::claims(ctx).patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    created.metadata.uid.context("created claim has no UID")
+}
+
+/// The official CDI schema (../shared/cdi-schema, or GPU_DRA_CDI_SCHEMA_DIR).
+fn cdi_schema_dir() -> PathBuf {
+    std::env::var_os("GPU_DRA_CDI_SCHEMA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/cdi-schema")))
+}
+
+/// Validates a written spec against the official schema and loads it with the CDI crate; returns its device names.
+fn check_cdi_spec(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
+    use container_device_interface::schema::{compile_cdi_schema, validate_cdi};
+    let dir = cdi_schema_dir();
+    let schema = std::fs::read(dir.join("schema.json"))
+        .with_context(|| format!("read the CDI schema in {} (set GPU_DRA_CDI_SCHEMA_DIR)", dir.display()))?;
+    let defs = std::fs::read(dir.join("defs.json"))?;
+    let validator = compile_cdi_schema(&schema, &defs)?;
+    let document = std::fs::read(path)?;
+    validate_cdi(&validator, &document).with_context(|| format!("{} against the official schema", path.display()))?;
+    let mut spec = container_device_interface::spec::read_spec(&path.to_path_buf(), 0)
+        .map_err(|e| anyhow::anyhow!("load {} with the CDI crate: {e:#}", path.display()))?;
+    let devices = spec.validate().map_err(|e| anyhow::anyhow!("CDI crate validation: {e:#}"))?;
+    Ok(devices.into_keys().collect())
+}
+
+fn checkpoint(dirs: &NodeDirs, boot: &str) -> anyhow::Result<Checkpoint> {
+    let loaded = CheckpointStore::new(&dirs.state()).load(boot)?;
+    ensure!(matches!(loaded.outcome, LoadOutcome::Loaded | LoadOutcome::Fresh), "checkpoint: {:?}", loaded.outcome);
+    Ok(loaded.checkpoint)
+}
+
+async fn registers_and_prepares_what_the_scheduler_allocated(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "4xH100-80GB").await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    ensure!(kubelet.info.supported_versions == ["v1.DRAPlugin", "v1beta1.DRAPlugin"], "{:?}", kubelet.info);
+    ensure!(std::path::Path::new(&kubelet.info.endpoint) == dirs.dra_socket(), "endpoint {:?}", kubelet.info.endpoint);
+
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "pair"},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": ctx.namespace, "count": 2}}]}}
+    }))?;
+    objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+    objects::create_pod_on(&ctx, "trainer", &node, json!([{"name": "gpus", "resourceClaimName": "pair"}])).await?;
+    let claims = objects::claims(&ctx);
+    let (uid, mut allocated) =
+        wait::until("the scheduler to allocate and reserve", Duration::from_secs(30), || async {
+            let c = claims.get("pair").await?;
+            let status = c.status.unwrap_or_default();
+            let results = status.allocation.and_then(|a| a.devices).and_then(|d| d.results).unwrap_or_default();
+            let reserved = status.reserved_for.is_some_and(|r| !r.is_empty());
+            Ok((reserved && results.len() == 2).then(|| {
+                (c.metadata.uid.unwrap_or_default(), results.into_iter().map(|r| r.device).collect::<Vec<_>>())
+            }))
+        })
+        .await?;
+    allocated.sort();
+
+    let answer = kubelet.prepare(&[(&ctx.namespace, "pair", &uid)]).await?;
+    let prepared = answer.get(&uid).context("no answer for the claim")?;
+    ensure!(prepared.error.is_empty(), "prepare failed: {}", prepared.error);
+    let mut devices: Vec<_> = prepared.devices.iter().map(|d| d.device_name.clone()).collect();
+    devices.sort();
+    ensure!(devices == allocated, "prepared {devices:?}, allocated {allocated:?}");
+    for device in &prepared.devices {
+        let minor = device.device_name.trim_start_matches("gpu-");
+        ensure!(
+            device.request_names == ["gpus"]
+                && device.pool_name == node
+                && device.cdi_device_ids == [format!("{DRIVER}/gpu={uid}-gpu-{minor}")],
+            "{device:?}"
+        );
+    }
+    let spec = dirs.cdi_spec(&uid);
+    let mut names = check_cdi_spec(&spec)?;
+    names.sort();
+    let expected: Vec<String> = allocated.iter().map(|d| format!("{uid}-{d}")).collect();
+    ensure!(names == expected, "CDI devices {names:?}, expected {expected:?}");
+    let text = std::fs::read_to_string(&spec)?;
+    for minor in 0..4 {
+        let node_path = format!("\"/dev/nvidia{minor}\"");
+        ensure!(text.contains(&node_path) == allocated.contains(&format!("gpu-{minor}")), "{node_path} in {text}");
+    }
+    ensure!(text.contains("/dev/nvidiactl") && text.contains("NVIDIA_VISIBLE_DEVICES=void"), "{text}");
+
+    // Idempotent, in both protocol versions.
+    let again = kubelet.prepare(&[(&ctx.namespace, "pair", &uid)]).await?;
+    ensure!(again.get(&uid) == Some(prepared), "second prepare differs: {again:?}");
+    let beta = gpu_dra::kubelet_plugin::proto::dra_v1beta1::NodePrepareResourcesRequest {
+        claims: vec![gpu_dra::kubelet_plugin::proto::dra_v1beta1::Claim {
+            namespace: ctx.namespace.clone(),
+            uid: uid.clone(),
+            name: "pair".into(),
+        }],
+    };
+    let beta = kubelet.v1beta1.node_prepare_resources(beta).await?.into_inner();
+    let beta_ids: Vec<_> = beta.claims.get(&uid).into_iter().flat_map(|c| c.devices.iter()).collect();
+    ensure!(beta_ids.len() == 2 && beta_ids.iter().all(|d| d.cdi_device_ids.len() == 1), "v1beta1: {beta:?}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_prepared_devices", &[]).await? == 2.0, "prepared devices gauge");
+    ensure!(agent.get("/healthz").await?.0 == 200, "healthz");
+
+    let unprepared = kubelet.unprepare(&[(&ctx.namespace, "pair", &uid)]).await?;
+    ensure!(unprepared.get(&uid).is_some_and(String::is_empty), "unprepare: {unprepared:?}");
+    ensure!(!spec.exists(), "the spec outlived unprepare");
+    let again = kubelet.unprepare(&[(&ctx.namespace, "pair", &uid), (&ctx.namespace, "never", "no-such-uid")]).await?;
+    ensure!(again.values().all(String::is_empty), "repeated/unknown unprepare: {again:?}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_prepared_devices", &[]).await? == 0.0, "gauge after unprepare");
+
+    let status = agent.terminate()?;
+    ensure!(status.success(), "agent exited with {status}");
+    ensure!(!dirs.registration_socket().exists() && !dirs.dra_socket().exists(), "sockets left after SIGTERM");
+    Ok(())
+}
+
+async fn refuses_what_it_must_not_prepare_and_answers_every_claim(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let ns = ctx.namespace.as_str();
+    let bad_config = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": format!("{DRIVER}/v1alpha1"), "kind": "GpuConfig", "sharing": {"strategy": "Nope"}}}}]);
+    let good = allocated_claim(&ctx, "good", &node, &["gpu-0"], json!([])).await?;
+    let other_pool = allocated_claim(&ctx, "other-pool", "some-other-node", &["gpu-1"], json!([])).await?;
+    let unknown = allocated_claim(&ctx, "unknown-device", &node, &["gpu-9"], json!([])).await?;
+    let config = allocated_claim(&ctx, "bad-config", &node, &["gpu-1"], bad_config).await?;
+    let unallocated = objects::create_claim(&ctx, "unallocated").await?.metadata.uid.unwrap_or_default();
+    let answers = kubelet
+        .prepare(&[
+            (ns, "good", &good),
+            (ns, "good", "0b5e1c4e-0000-4000-8000-000000000000"),
+            (ns, "other-pool", &other_pool),
+            (ns, "unknown-device", &unknown),
+            (ns, "bad-config", &config),
+            (ns, "unallocated", &unallocated),
+            (ns, "missing", "11111111-0000-4000-8000-000000000000"),
+        ])
+        .await?;
+    let error = |uid: &str| answers.get(uid).map(|a| a.error.clone()).unwrap_or_else(|| "NO ANSWER".into());
+    ensure!(error(&good).is_empty() && dirs.cdi_spec(&good).exists(), "good claim: {:?}", error(&good));
+    let expected = [
+        ("0b5e1c4e-0000-4000-8000-000000000000", "deleted and re-created"),
+        (other_pool.as_str(), "this node's pool is"),
+        (unknown.as_str(), "\"gpu-9\", which this node does not have"),
+        (config.as_str(), "sharing.strategy: unknown variant `Nope`"),
+        (unallocated.as_str(), "is not allocated"),
+        ("11111111-0000-4000-8000-000000000000", "not found"),
+    ];
+    for (uid, reason) in expected {
+        ensure!(error(uid).contains(reason), "claim {uid}: {:?} lacks {reason:?}", error(uid));
+    }
+    ensure!(dirs.cdi_specs()?.len() == 1, "specs written for refused claims: {:?}", dirs.cdi_specs()?);
+
+    // gpu-0 is held by "good": a second claim allocated the same device (stale allocation) is refused until the
+    // first is unprepared.
+    let twin = allocated_claim(&ctx, "twin", &node, &["gpu-0"], json!([])).await?;
+    let refused = kubelet.prepare(&[(ns, "twin", &twin)]).await?;
+    let reason = refused.get(&twin).map(|a| a.error.clone()).unwrap_or_default();
+    ensure!(reason.contains(&format!("already prepared for claim {ns}/good")), "twin: {reason:?}");
+    kubelet.unprepare(&[(ns, "good", &good)]).await?;
+    let accepted = kubelet.prepare(&[(ns, "twin", &twin)]).await?;
+    ensure!(accepted.get(&twin).is_some_and(|a| a.error.is_empty()), "twin after unprepare: {accepted:?}");
+    Ok(())
+}
+
+async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: TestContext) -> anyhow::Result<()> {
+    const CLAIMS: usize = 50;
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "64xH100-80GB").await?;
+    let mut claims = Vec::new();
+    for i in 0..CLAIMS {
+        let name = format!("c{i}");
+        let uid = allocated_claim(&ctx, &name, &node, &[&format!("gpu-{i}")], json!([])).await?;
+        claims.push((name, uid));
+    }
+    let kubelet = Kubelet::register(&dirs).await?;
+    let ns = ctx.namespace.clone();
+    let calls: Vec<_> = claims
+        .iter()
+        .map(|(name, uid)| {
+            let mut client = kubelet.v1.clone();
+            let claim = gpu_dra::kubelet_plugin::proto::dra_v1::Claim {
+                namespace: ns.clone(),
+                name: name.clone(),
+                uid: uid.clone(),
+            };
+            tokio::spawn(async move {
+                let request =
+                    gpu_dra::kubelet_plugin::proto::dra_v1::NodePrepareResourcesRequest { claims: vec![claim] };
+                client.node_prepare_resources(request).await
+            })
+        })
+        .collect();
+    // Kill as soon as the first specs land: some prepares done, some in flight, some not started.
+    wait::until("the first CDI specs", Duration::from_secs(30), || async {
+        Ok((dirs.cdi_specs()?.len() >= 3).then_some(()))
+    })
+    .await?;
+    agent.kill()?;
+    let mut answered = 0;
+    for call in calls {
+        if matches!(call.await, Ok(Ok(_))) {
+            answered += 1;
+        }
+    }
+    let specs_at_kill = dirs.cdi_specs()?.len();
+    ensure!(specs_at_kill < CLAIMS, "all {CLAIMS} prepares finished before the kill: the test proved nothing");
+
+    let _agent = ready_agent(&ctx, &node, &dirs, "64xH100-80GB").await?;
+    let state = checkpoint(&dirs, "boot-1")?;
+    ensure!(state.half_prepared().next().is_none(), "half-done entries survived the restart");
+    let recorded: BTreeSet<String> = state.claims.keys().map(|uid| format!("{DRIVER}-gpu_{uid}.json")).collect();
+    let on_disk: BTreeSet<String> = dirs.cdi_specs()?.into_iter().collect();
+    ensure!(recorded == on_disk, "checkpoint {recorded:?} vs specs {on_disk:?}");
+
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let refs: Vec<(&str, &str, &str)> = claims.iter().map(|(n, u)| (ns.as_str(), n.as_str(), u.as_str())).collect();
+    let answers = kubelet.prepare(&refs).await?;
+    let failed: Vec<_> = answers.iter().filter(|(_, a)| !a.error.is_empty()).collect();
+    ensure!(failed.is_empty(), "prepares after restart failed: {failed:?}");
+    ensure!(dirs.cdi_specs()?.len() == CLAIMS, "{} specs", dirs.cdi_specs()?.len());
+    let unprepared = kubelet.unprepare(&refs).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    ensure!(dirs.cdi_specs()?.is_empty() && checkpoint(&dirs, "boot-1")?.claims.is_empty(), "state left behind");
+    eprintln!("kill -9 with {answered} of {CLAIMS} prepares answered and {specs_at_kill} specs written: consistent");
+    Ok(())
+}
+
+async fn a_corrupt_checkpoint_is_moved_aside_and_rebuilt_from_the_api(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
+    agent.terminate()?;
+
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_checkpoint_corruptions_total", &[]).await? == 1.0, "metric");
+    let moved: Vec<_> = std::fs::read_dir(dirs.state())?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint.json.corrupt-"))
+        .collect();
+    ensure!(moved.len() == 1, "the corrupt file was not kept aside");
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
+    wait::until("a CheckpointCorrupt event on the Node", Duration::from_secs(20), || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("CheckpointCorrupt")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str())
+                    && e.type_.as_deref() == Some("Warning")
+            })
+            .map(|_| ()))
+    })
+    .await?;
+    let state = checkpoint(&dirs, "boot-1")?;
+    let rebuilt: BTreeSet<&String> =
+        state.completed(&a).into_iter().chain(state.completed(&b)).map(|e| &e.name).collect();
+    ensure!(rebuilt.len() == 2, "rebuilt entries: {:?}", state.claims);
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let unprepared = kubelet.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(unprepared.values().all(String::is_empty) && dirs.cdi_specs()?.is_empty(), "{unprepared:?}");
+    Ok(())
+}
+
+async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let uid = allocated_claim(&ctx, "a", &node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
+    let spec = dirs.cdi_spec(&uid);
+    let written = std::fs::read(&spec)?;
+    agent.terminate()?;
+
+    std::fs::remove_file(&spec)?; // e.g. /var/run/cdi is a tmpfs that was emptied
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(std::fs::read(&spec).ok() == Some(written), "the lost spec was not re-written identically");
+    agent.terminate()?;
+
+    std::fs::write(dirs.boot_id_file(), "boot-2\n")?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(checkpoint(&dirs, "boot-2")?.claims.is_empty(), "entries of the earlier boot kept");
+    ensure!(!spec.exists(), "the spec of the earlier boot was kept");
+    let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
+    ensure!(again.get(&uid).is_some_and(|a| a.error.is_empty()) && spec.exists(), "{again:?}");
+    Ok(())
+}
+
+async fn an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let (half, stray) = ("22222222-0000-4000-8000-000000000000", "33333333-0000-4000-8000-000000000000");
+    let mut state = Checkpoint::new("boot-1");
+    let device = PreparedDevice {
+        request_names: vec!["gpus".into()],
+        pool: node.clone(),
+        device: "gpu-0".into(),
+        cdi_device_ids: vec![format!("{DRIVER}/gpu={half}-gpu-0")],
+        share_id: None,
+    };
+    let entry = ClaimEntry {
+        namespace: ctx.namespace.clone(),
+        name: "half".into(),
+        state: PrepareState::PrepareStarted,
+        devices: vec![device],
+    };
+    state.claims.insert(half.into(), entry);
+    CheckpointStore::new(&dirs.state()).save(&state)?;
+    std::fs::create_dir_all(dirs.cdi())?;
+    for uid in [half, stray] {
+        std::fs::write(dirs.cdi_spec(uid), "{}")?;
+    }
+    std::fs::write(dirs.cdi().join("someone-else.json"), "{}")?;
+
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let left = dirs.cdi_specs()?;
+    ensure!(left == ["someone-else.json"], "after start: {left:?} (only other vendors' specs may stay)");
+    if !checkpoint(&dirs, "boot-1")?.claims.is_empty() {
+        bail!("the interrupted prepare is still recorded");
+    }
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    ensure!(!slices.items.is_empty(), "no slices published");
+    Ok(())
+}

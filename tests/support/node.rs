@@ -1,0 +1,181 @@
+//! A node for the node agent without a real kubelet: the directories a kubelet and container runtime would share
+//! with it, the agent process, and a kubelet stand-in that speaks the real plugin protocol over the unix sockets
+//! (registration as the kubelet's plugin watcher does it, then NodePrepareResources / NodeUnprepareResources).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
+use gpu_dra::kubelet_plugin::proto::dra_v1beta1 as v1beta1;
+use gpu_dra::kubelet_plugin::proto::registration::registration_client::RegistrationClient;
+use gpu_dra::kubelet_plugin::proto::registration::{InfoRequest, RegistrationStatus};
+use gpu_dra::kubelet_plugin::socket::dial;
+
+use super::process::Component;
+use super::{TestContext, wait};
+
+pub const DRIVER: &str = "gpu.gpu-dra.dev";
+
+/// The per-node directories, under a short temporary path (unix socket paths must stay under 108 bytes).
+#[derive(Debug)]
+pub struct NodeDirs {
+    root: tempfile::TempDir,
+}
+
+impl NodeDirs {
+    pub fn new() -> anyhow::Result<Self> {
+        Ok(Self { root: tempfile::Builder::new().prefix("gd-").tempdir_in("/tmp")? })
+    }
+    pub fn registry(&self) -> PathBuf {
+        self.root.path().join("registry")
+    }
+    pub fn plugins(&self) -> PathBuf {
+        self.root.path().join("plugins")
+    }
+    pub fn cdi(&self) -> PathBuf {
+        self.root.path().join("cdi")
+    }
+    pub fn state(&self) -> PathBuf {
+        self.root.path().join("state")
+    }
+    pub fn checkpoint(&self) -> PathBuf {
+        self.state().join("checkpoint.json")
+    }
+    pub fn boot_id_file(&self) -> PathBuf {
+        self.root.path().join("boot_id")
+    }
+    pub fn registration_socket(&self) -> PathBuf {
+        self.registry().join(format!("{DRIVER}-reg.sock"))
+    }
+    pub fn dra_socket(&self) -> PathBuf {
+        self.plugins().join(DRIVER).join("dra.sock")
+    }
+    /// The CDI spec files now in the CDI directory, sorted.
+    pub fn cdi_specs(&self) -> anyhow::Result<Vec<String>> {
+        let mut names: Vec<String> = match std::fs::read_dir(self.cdi()) {
+            Ok(entries) => entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e.into()),
+        };
+        names.sort();
+        Ok(names)
+    }
+    /// The spec file of claim `uid`.
+    pub fn cdi_spec(&self, uid: &str) -> PathBuf {
+        self.cdi().join(format!("{DRIVER}-gpu_{uid}.json"))
+    }
+    fn args(&self) -> anyhow::Result<Vec<String>> {
+        if !self.boot_id_file().exists() {
+            std::fs::write(self.boot_id_file(), "boot-1\n")?;
+        }
+        let flag = |name: &str, path: PathBuf| [format!("--{name}"), path.to_string_lossy().into_owned()];
+        Ok([
+            flag("kubelet-registry-dir", self.registry()),
+            flag("kubelet-plugins-dir", self.plugins()),
+            flag("cdi-dir", self.cdi()),
+            flag("state-dir", self.state()),
+            flag("boot-id-file", self.boot_id_file()),
+        ]
+        .concat())
+    }
+}
+
+/// Starts `gpu-dra node-agent` for `node` with its directories in `dirs`; does not wait.
+pub fn start_agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, extra: &[&str]) -> anyhow::Result<Component> {
+    let dir_args = dirs.args()?;
+    let mut args = vec!["node-agent", "--node-name", node, "--driver-name", DRIVER];
+    args.extend(dir_args.iter().map(String::as_str));
+    args.extend_from_slice(extra);
+    Component::start(&ctx.cluster.kubeconfig(), &format!("{}-agent", ctx.namespace), &args)
+}
+
+/// The kubelet's side of the plugin protocol.
+#[derive(Debug)]
+pub struct Kubelet {
+    pub info: gpu_dra::kubelet_plugin::proto::registration::PluginInfo,
+    pub v1: v1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+    pub v1beta1: v1beta1::dra_plugin_client::DraPluginClient<tonic::transport::Channel>,
+}
+
+impl Kubelet {
+    /// Registers the plugin as the kubelet does: waits for the registration socket, GetInfo, checks the answer,
+    /// dials the announced endpoint, reports success.
+    pub async fn register(dirs: &NodeDirs) -> anyhow::Result<Self> {
+        let socket = dirs.registration_socket();
+        wait::until("the registration socket", Duration::from_secs(30), || async { Ok(socket.exists().then_some(())) })
+            .await?;
+        let mut registration = RegistrationClient::new(dial(&socket).await?);
+        let info = registration.get_info(InfoRequest {}).await?.into_inner();
+        ensure!(info.r#type == "DRAPlugin" && info.name == DRIVER, "plugin info {info:?}");
+        let endpoint = Path::new(&info.endpoint);
+        ensure!(endpoint.exists(), "announced endpoint {endpoint:?} does not exist");
+        let v1 = v1::dra_plugin_client::DraPluginClient::new(dial(endpoint).await?);
+        let v1beta1 = v1beta1::dra_plugin_client::DraPluginClient::new(dial(endpoint).await?);
+        registration
+            .notify_registration_status(RegistrationStatus { plugin_registered: true, error: String::new() })
+            .await?;
+        Ok(Self { info, v1, v1beta1 })
+    }
+
+    /// NodePrepareResources (v1) for `claims` (namespace, name, uid): the answer per claim UID.
+    pub async fn prepare(
+        &mut self,
+        claims: &[(&str, &str, &str)],
+    ) -> anyhow::Result<HashMap<String, v1::NodePrepareResourceResponse>> {
+        let request = v1::NodePrepareResourcesRequest { claims: claims.iter().map(claim).collect() };
+        let response = self.v1.node_prepare_resources(request).await.context("NodePrepareResources")?.into_inner();
+        ensure!(
+            response.claims.len() == claims.len(),
+            "answers for {} of {} claims",
+            response.claims.len(),
+            claims.len()
+        );
+        Ok(response.claims)
+    }
+
+    /// NodeUnprepareResources (v1): the error per claim UID (empty = success).
+    pub async fn unprepare(&mut self, claims: &[(&str, &str, &str)]) -> anyhow::Result<HashMap<String, String>> {
+        let request = v1::NodeUnprepareResourcesRequest { claims: claims.iter().map(claim).collect() };
+        let response = self.v1.node_unprepare_resources(request).await.context("NodeUnprepareResources")?.into_inner();
+        ensure!(
+            response.claims.len() == claims.len(),
+            "answers for {} of {} claims",
+            response.claims.len(),
+            claims.len()
+        );
+        Ok(response.claims.into_iter().map(|(uid, r)| (uid, r.error)).collect())
+    }
+}
+
+fn claim((namespace, name, uid): &(&str, &str, &str)) -> v1::Claim {
+    v1::Claim { namespace: namespace.to_string(), name: name.to_string(), uid: uid.to_string() }
+}
+
+/// An agent together with its node's directories (removed when it is dropped).
+#[derive(Debug)]
+pub struct NodeAgent {
+    pub process: Component,
+    pub dirs: NodeDirs,
+}
+
+impl NodeAgent {
+    pub fn start(ctx: &TestContext, node: &str, extra: &[&str]) -> anyhow::Result<Self> {
+        let dirs = NodeDirs::new()?;
+        Ok(Self { process: start_agent(ctx, node, &dirs, extra)?, dirs })
+    }
+}
+
+impl std::ops::Deref for NodeAgent {
+    type Target = Component;
+    fn deref(&self) -> &Component {
+        &self.process
+    }
+}
+
+impl std::ops::DerefMut for NodeAgent {
+    fn deref_mut(&mut self) -> &mut Component {
+        &mut self.process
+    }
+}
