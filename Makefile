@@ -13,8 +13,9 @@ demo: ## Run the demo on a local control plane (builds what is missing; leaves t
 test: k8s-binaries lint ## Run every check and test CI runs (builds what is missing)
 	$(CARGO) test --locked
 
-bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager (prints a table)
+bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager, and the kubelet plugin (prints tables)
 	$(CARGO) bench --locked --bench claim_controller
+	$(CARGO) bench --locked --bench kubelet_plugin
 
 lint: ## cargo fmt --check and clippy with warnings as errors
 	$(CARGO) fmt --all --check

@@ -24,6 +24,9 @@ pub enum Command {
     Controller(Box<ControllerArgs>),
     /// Discover this node's GPUs, publish them as ResourceSlices and serve the kubelet DRA plugin API.
     NodeAgent(Box<NodeAgentArgs>),
+    /// Check this machine's GPUs without a cluster: print what the node agent would publish and prepare one claim
+    /// into a CDI directory (e2e/gpu-check.sh).
+    GpuCheck(Box<GpuCheckArgs>),
 }
 
 /// Logging flags shared by every component.
@@ -137,4 +140,30 @@ pub struct NodeAgentArgs {
 pub enum GpuBackend {
     Nvml,
     Simulated,
+}
+
+/// Flags of `gpu-dra gpu-check`.
+#[derive(Debug, Args)]
+pub struct GpuCheckArgs {
+    /// The node name the slice would carry.
+    #[arg(long, env = "NODE_NAME", default_value = "gpu-check")]
+    pub node_name: String,
+    /// The DRA driver name (as for the node agent).
+    #[arg(long, env = "GPU_DRA_DRIVER_NAME", default_value = "gpu.gpu-dra.dev")]
+    pub driver_name: String,
+    /// Where GPUs come from (as for the node agent).
+    #[arg(long, env = "GPU_DRA_GPU_BACKEND", value_enum, default_value_t = GpuBackend::Nvml)]
+    pub gpu_backend: GpuBackend,
+    /// Simulated GPUs (as for the node agent).
+    #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
+    pub simulated_gpus: Option<String>,
+    /// Root of the NVIDIA driver installation (as for the node agent).
+    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+    /// Where to write the CDI spec of the sample claim (a scratch directory, not the runtime's).
+    #[arg(long)]
+    pub cdi_dir: PathBuf,
+    /// GPUs in the sample claim (the first N discovered).
+    #[arg(long, default_value_t = 1)]
+    pub claim_gpus: usize,
 }

@@ -10,6 +10,7 @@ async fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Controller(args) => gpu_dra::controller::run(*args).await?,
         Command::NodeAgent(args) => gpu_dra::node_agent::run(*args).await?,
+        Command::GpuCheck(args) => gpu_dra::node_agent::gpu_check::run(&args)?,
     }
     Ok(())
 }

@@ -13,6 +13,7 @@
 
 pub mod discovery;
 pub mod gpu;
+pub mod gpu_check;
 mod plugin;
 pub mod slices;
 

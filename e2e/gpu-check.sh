@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Checks a GPU machine in one command, without a cluster: the node agent's NVML discovery, the ResourceSlice it
+# would publish, and one sample claim prepared into a scratch CDI directory (the spec is printed, then removed).
+#
+# Usage: e2e/gpu-check.sh [gpu-dra gpu-check flags…]
+#   e.g. e2e/gpu-check.sh --driver-root /run/nvidia/driver --claim-gpus 2
+#        e2e/gpu-check.sh --gpu-backend simulated --simulated-gpus 4xH100-80GB   (machines without GPUs)
+# Environment:
+#   GPU_DRA_BIN   a gpu-dra binary to use (e.g. one built elsewhere and copied here); default: build
+#                 target/release/gpu-dra with cargo (or use it as it is when cargo is not installed)
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+log() { printf '[gpu-check] %s\n' "$*" >&2; }
+die() { printf '[gpu-check] error: %s\n' "$*" >&2; exit 1; }
+
+start=$(date +%s.%N)
+bin=${GPU_DRA_BIN:-}
+if [[ -z "$bin" ]]; then
+    bin=$root/target/release/gpu-dra
+    if command -v cargo >/dev/null 2>&1; then
+        log "building $bin (cargo build --release --locked)"
+        (cd "$root" && cargo build --release --locked --bin gpu-dra) >&2
+    fi
+fi
+[[ -x "$bin" ]] || die "no gpu-dra binary at $bin: install Rust (cargo) or set GPU_DRA_BIN"
+
+if command -v nvidia-smi >/dev/null 2>&1; then
+    log "nvidia-smi -L:"
+    nvidia-smi -L >&2 || true
+fi
+
+scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-check.XXXXXX")
+trap 'rm -rf "$scratch"' EXIT
+"$bin" gpu-check --cdi-dir "$scratch/cdi" "$@"
+for spec in "$scratch"/cdi/*.json; do
+    [[ -e "$spec" ]] || die "no CDI spec was written"
+    printf '\nCDI spec %s:\n' "$(basename "$spec")"
+    cat "$spec"
+    echo
+done
+log "done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.1f", e - s}') s"

@@ -1,0 +1,51 @@
+//! `e2e/gpu-check.sh`, the one-command check of a GPU machine: with simulated GPUs everywhere, and with NVML as this
+//! machine allows (a clear refusal without a driver; the full report where a GPU is present).
+
+use std::process::Command;
+
+fn gpu_check(args: &[&str]) -> (bool, String) {
+    let output = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/gpu-check.sh"))
+        .args(args)
+        .env("GPU_DRA_BIN", env!("CARGO_BIN_EXE_gpu-dra"))
+        .env_remove("RUST_BACKTRACE")
+        .output()
+        .unwrap_or_else(|e| panic!("run e2e/gpu-check.sh: {e}"));
+    let text = format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    (output.status.success(), text)
+}
+
+#[test]
+fn simulated_gpus_are_reported_published_and_prepared() {
+    let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--claim-gpus", "2"]);
+    assert!(ok, "{out}");
+    for expected in [
+        "2 GPU(s) found",
+        "ResourceSlice 1 spec",
+        "\"productName\"",
+        "Prepared a sample claim with 2 GPU(s)",
+        "CDI device gpu.gpu-dra.dev/gpu=0c4ec4ec-0000-4000-8000-000000000001-gpu-1",
+        "\"path\": \"/dev/nvidia1\"",
+        "NVIDIA_VISIBLE_DEVICES=void",
+    ] {
+        assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
+    }
+}
+
+#[test]
+fn nvml_reports_the_gpus_or_names_the_missing_driver() {
+    let (ok, out) = gpu_check(&[]);
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        assert!(ok && out.contains("Prepared a sample claim") && out.contains("libcuda"), "{out}");
+    } else {
+        assert!(!ok, "succeeded without a GPU driver:\n{out}");
+        assert!(out.contains("load NVML (libnvidia-ml.so.1)") && out.contains("--driver-root"), "{out}");
+    }
+}
+
+#[test]
+fn bad_input_is_named() {
+    let (ok, out) = gpu_check(&["--gpu-backend", "simulated"]);
+    assert!(!ok && out.contains("needs --simulated-gpus"), "{out}");
+    let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "2xZ999"]);
+    assert!(!ok && out.contains("Z999"), "{out}");
+}
