@@ -239,6 +239,36 @@ async fn refuses_what_it_must_not_prepare_and_answers_every_claim(ctx: TestConte
     kubelet.unprepare(&[(ns, "good", &good)]).await?;
     let accepted = kubelet.prepare(&[(ns, "twin", &twin)]).await?;
     ensure!(accepted.get(&twin).is_some_and(|a| a.error.is_empty()), "twin after unprepare: {accepted:?}");
+
+    // The same claim prepared, then unprepared, by eight calls at once (kubelet retries overlap): one outcome.
+    let busy = allocated_claim(&ctx, "busy", &node, &["gpu-1"], json!([])).await?;
+    let request = || gpu_dra::kubelet_plugin::proto::dra_v1::NodePrepareResourcesRequest {
+        claims: vec![gpu_dra::kubelet_plugin::proto::dra_v1::Claim {
+            namespace: ns.to_string(),
+            name: "busy".into(),
+            uid: busy.clone(),
+        }],
+    };
+    let calls = (0..8).map(|_| {
+        let mut client = kubelet.v1.clone();
+        let request = request();
+        async move { client.node_prepare_resources(request).await.map(|r| r.into_inner()) }
+    });
+    let answers: Vec<_> = futures::future::join_all(calls).await.into_iter().collect::<Result<_, _>>()?;
+    ensure!(answers.windows(2).all(|w| w[0] == w[1]), "concurrent prepares disagree: {answers:?}");
+    ensure!(answers[0].claims.get(&busy).is_some_and(|a| a.error.is_empty() && a.devices.len() == 1), "{answers:?}");
+    let unprepares = (0..8).map(|_| {
+        let mut client = kubelet.v1.clone();
+        let claims = request().claims;
+        async move {
+            let request = gpu_dra::kubelet_plugin::proto::dra_v1::NodeUnprepareResourcesRequest { claims };
+            client.node_unprepare_resources(request).await.map(|r| r.into_inner())
+        }
+    });
+    for answer in futures::future::join_all(unprepares).await {
+        ensure!(answer?.claims.get(&busy).is_some_and(|a| a.error.is_empty()), "concurrent unprepare failed");
+    }
+    ensure!(!dirs.cdi_spec(&busy).exists(), "spec left after concurrent unprepares");
     Ok(())
 }
 

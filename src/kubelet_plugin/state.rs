@@ -222,7 +222,12 @@ impl DriverState {
         for (claim, plan) in reads {
             let planned = match plan {
                 Plan::Done(devices) => {
-                    results.push((claim.uid, Ok(devices)));
+                    // Still prepared under the lock? An unprepare may have run since the look before the API read.
+                    let result = match checkpoint.completed(&claim.uid) {
+                        Some(_) => Ok(devices),
+                        None => Err(format!("claim {claim} was unprepared while being prepared; retry")),
+                    };
+                    results.push((claim.uid, result));
                     continue;
                 }
                 Plan::Todo(Err(reason)) => {
