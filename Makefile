@@ -17,9 +17,10 @@ bench: k8s-binaries ## Benchmark the claim controller against kube-controller-ma
 	$(CARGO) bench --locked --bench claim_controller
 	$(CARGO) bench --locked --bench kubelet_plugin
 
-lint: ## cargo fmt --check and clippy with warnings as errors
+lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
+	e2e/hadolint.sh
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -111,6 +111,11 @@ pub struct NodeAgentArgs {
     /// Root of the NVIDIA driver installation (`/` on most nodes; e.g. `/run/nvidia/driver` with the GPU Operator).
     #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
     pub driver_root: PathBuf,
+    /// The driver root as the container runtime on the host sees it, when this process sees it elsewhere (a
+    /// DaemonSet mounting the host's root at `--driver-root /driver-root`): CDI host paths start here. Default:
+    /// `--driver-root`.
+    #[arg(long, env = "GPU_DRA_HOST_DRIVER_ROOT")]
+    pub host_driver_root: Option<PathBuf>,
     /// The kubelet's plugin registration directory.
     #[arg(long, env = "GPU_DRA_KUBELET_REGISTRY_DIR", default_value = "/var/lib/kubelet/plugins_registry")]
     pub kubelet_registry_dir: PathBuf,

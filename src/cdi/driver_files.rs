@@ -80,6 +80,8 @@ impl DriverMount {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DriverFiles {
     mounts: Vec<DriverMount>,
+    /// The canonical driver root the host paths start with (as this process sees it).
+    root: PathBuf,
 }
 
 impl DriverFiles {
@@ -100,7 +102,7 @@ impl DriverFiles {
         if !root.is_dir() {
             return Err(root_error(io::Error::new(io::ErrorKind::NotADirectory, "not a directory")));
         }
-        let mut scan = Scan { root, scanned: BTreeSet::new(), found: BTreeMap::new() };
+        let mut scan = Scan { root: root.clone(), scanned: BTreeSet::new(), found: BTreeMap::new() };
         for dir in LIBRARY_DIRS {
             scan.dir(dir, |name| LIBRARY_PREFIXES.iter().any(|prefix| name.starts_with(prefix)))?;
         }
@@ -120,7 +122,20 @@ impl DriverFiles {
         }
         let mounts =
             scan.found.into_iter().map(|(container_path, host_path)| DriverMount { host_path, container_path });
-        Ok(Self { mounts: mounts.collect() })
+        Ok(Self { mounts: mounts.collect(), root })
+    }
+
+    /// The same files with host paths as the container runtime sees them, when this process sees the driver root
+    /// somewhere else: in a DaemonSet the host's `/run/nvidia/driver` is mounted at, say, `/driver-root`, but the
+    /// runtime reads CDI `hostPath`s on the host.
+    pub fn seen_from_host(mut self, host_root: &Path) -> Self {
+        for mount in &mut self.mounts {
+            if let Ok(relative) = mount.host_path.strip_prefix(&self.root) {
+                mount.host_path = host_root.join(relative);
+            }
+        }
+        self.root = host_root.to_path_buf();
+        self
     }
 
     /// The mounts, sorted by container path.
@@ -316,6 +331,13 @@ mod tests {
         assert_eq!(got, expected);
         assert!(files.mounts().iter().all(|m| m.host_path().starts_with(&real)));
         assert_eq!(DriverFiles::discover(&root)?, files, "discovery is deterministic");
+
+        let host = files.clone().seen_from_host(Path::new("/run/nvidia/driver"));
+        for (seen, moved) in files.mounts().iter().zip(host.mounts()) {
+            let relative = seen.host_path().strip_prefix(&real)?;
+            assert_eq!(moved.host_path(), Path::new("/run/nvidia/driver").join(relative));
+            assert_eq!(moved.container_path(), seen.container_path());
+        }
         Ok(())
     }
 

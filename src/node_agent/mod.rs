@@ -101,6 +101,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         cdi_dir: args.cdi_dir.clone(),
         state_dir: args.state_dir.clone(),
         driver_root: (args.gpu_backend == GpuBackend::Nvml).then(|| args.driver_root.clone()),
+        host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
     };
     let client = crate::kube_client::client(&args.client).await.map_err(NodeAgentError::Client)?;

@@ -30,6 +30,8 @@ pub(super) struct PluginSettings {
     pub(super) state_dir: PathBuf,
     /// `None`: simulated GPUs, whose specs carry no driver files.
     pub(super) driver_root: Option<PathBuf>,
+    /// Where the host sees `driver_root` when it differs (see `--host-driver-root`).
+    pub(super) host_driver_root: Option<PathBuf>,
     pub(super) boot_id: String,
 }
 
@@ -43,7 +45,13 @@ pub(super) async fn start(
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
     let driver_files = match &settings.driver_root {
-        Some(root) => DriverFiles::discover(root).map_err(|e| e.to_string())?,
+        Some(root) => {
+            let files = DriverFiles::discover(root).map_err(|e| e.to_string())?;
+            match &settings.host_driver_root {
+                Some(host_root) => files.seen_from_host(host_root),
+                None => files,
+            }
+        }
         None => DriverFiles::none(),
     };
     let config = StateConfig {

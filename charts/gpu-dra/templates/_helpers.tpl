@@ -1,0 +1,90 @@
+{{/* The chart name, for the app.kubernetes.io/name label. */}}
+{{- define "gpu-dra.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+The prefix of every object name. Kept to 45 characters so that "<fullname>-node-agent-metrics" and similar names
+stay within 63.
+*/}}
+{{- define "gpu-dra.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of every object. */}}
+{{- define "gpu-dra.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "gpu-dra.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: gpu-dra
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Labels of one component's objects: (dict "ctx" $ "component" "controller"). */}}
+{{- define "gpu-dra.componentLabels" -}}
+{{ include "gpu-dra.labels" .ctx }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* The immutable selector of one component's pods: (dict "ctx" $ "component" "controller"). */}}
+{{- define "gpu-dra.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "gpu-dra.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "gpu-dra.controller.fullname" -}}
+{{ include "gpu-dra.fullname" . }}-controller
+{{- end }}
+
+{{- define "gpu-dra.nodeAgent.fullname" -}}
+{{ include "gpu-dra.fullname" . }}-node-agent
+{{- end }}
+
+{{- define "gpu-dra.controller.serviceAccountName" -}}
+{{ default (include "gpu-dra.controller.fullname" .) .Values.controller.serviceAccount.name }}
+{{- end }}
+
+{{- define "gpu-dra.nodeAgent.serviceAccountName" -}}
+{{ default (include "gpu-dra.nodeAgent.fullname" .) .Values.nodeAgent.serviceAccount.name }}
+{{- end }}
+
+{{- define "gpu-dra.controller.leaseName" -}}
+{{ default (include "gpu-dra.controller.fullname" .) .Values.controller.leaderElection.leaseName }}
+{{- end }}
+
+{{/* The user name the API server gives the node agent's ServiceAccount. */}}
+{{- define "gpu-dra.nodeAgent.userName" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra.nodeAgent.serviceAccountName" . }}
+{{- end }}
+
+{{- define "gpu-dra.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The CEL expression selecting this driver's whole GPUs. */}}
+{{- define "gpu-dra.gpuSelector" -}}
+device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.driverName }}'].type == 'gpu'
+{{- end }}
+
+{{/* An address for host:port: IPv6 addresses in brackets. */}}
+{{- define "gpu-dra.hostPort" -}}
+{{- if contains ":" . }}[{{ . }}]{{ else }}{{ . }}{{ end }}
+{{- end }}
