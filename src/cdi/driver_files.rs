@@ -82,13 +82,21 @@ pub struct DriverFiles {
     mounts: Vec<DriverMount>,
     /// The canonical driver root the host paths start with (as this process sees it).
     root: PathBuf,
+    simulated: bool,
 }
 
 impl DriverFiles {
-    /// No driver files at all. Only for the simulated GPU backend (machines without GPUs, tests, the demo): there
-    /// is no driver to mount, and a container given such a spec cannot run CUDA. Real GPUs need [`Self::discover`].
-    pub fn none() -> Self {
-        Self::default()
+    /// The simulated GPU backend's (machines without GPUs, tests, the demo): no driver files at all, and device
+    /// nodes described in full (type, major, minor) so that a runtime injects them without looking for them on the
+    /// host, where they do not exist. A container given such a spec starts but cannot run CUDA. Real GPUs need
+    /// [`Self::discover`].
+    pub fn simulated() -> Self {
+        Self { simulated: true, ..Self::default() }
+    }
+
+    /// Whether these are [`Self::simulated`] files.
+    pub fn is_simulated(&self) -> bool {
+        self.simulated
     }
 
     /// Finds the driver files under `driver_root` (`/` on most nodes). Cheap (a few directory listings), so it can
@@ -122,7 +130,7 @@ impl DriverFiles {
         }
         let mounts =
             scan.found.into_iter().map(|(container_path, host_path)| DriverMount { host_path, container_path });
-        Ok(Self { mounts: mounts.collect(), root })
+        Ok(Self { mounts: mounts.collect(), root, simulated: false })
     }
 
     /// The same files with host paths as the container runtime sees them, when this process sees the driver root
@@ -362,7 +370,7 @@ mod tests {
 
     #[test]
     fn none_has_no_mounts() {
-        assert!(DriverFiles::none().mounts().is_empty());
+        assert!(DriverFiles::simulated().mounts().is_empty());
     }
 
     #[test]

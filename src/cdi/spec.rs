@@ -13,8 +13,15 @@ use crate::node_agent::gpu::Gpu;
 /// binaries or device files with it.
 const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
 
-/// Device nodes every CUDA process needs besides its GPUs' own: the control device and unified memory.
-const SHARED_DEVICE_NODES: [&str; 3] = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+/// Device nodes every CUDA process needs besides its GPUs' own: the control device and unified memory, with the
+/// numbers simulated specs give them (see [`device_node`]).
+const SHARED_DEVICE_NODES: [(&str, u32, u32); 3] =
+    [("/dev/nvidiactl", NVIDIA_MAJOR, 255), ("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)];
+
+/// The character-device major of `/dev/nvidia<minor>` and `/dev/nvidiactl`, fixed by the NVIDIA driver.
+const NVIDIA_MAJOR: u32 = 195;
+/// `nvidia-uvm`'s major is assigned at load time; simulated specs use a typical value.
+const UVM_MAJOR: u32 = 510;
 
 /// The CDI spec that gives a container the claim's `gpus`: one device per GPU (its `/dev/nvidia<minor>`), named
 /// [`device_name`]`(claim_uid, minor)`, and spec-wide edits that every container with any of them gets: the shared
@@ -45,7 +52,7 @@ pub fn build_claim_spec(
         check_name("device name", &name, super::DEVICE)?;
         devices.push(json!({
             "name": name,
-            "containerEdits": { "deviceNodes": [{ "path": format!("/dev/nvidia{}", gpu.minor) }] },
+            "containerEdits": { "deviceNodes": [device_node(&format!("/dev/nvidia{}", gpu.minor), NVIDIA_MAJOR, gpu.minor, driver_files)] },
         }));
     }
     let mut by_bus: Vec<&Gpu> = gpus.iter().collect();
@@ -57,7 +64,7 @@ pub fn build_claim_spec(
             "CUDA_DEVICE_ORDER=PCI_BUS_ID",
             format!("GPU_DRA_GPU_UUIDS={}", uuids.join(",")),
         ],
-        "deviceNodes": SHARED_DEVICE_NODES.map(|path| json!({ "path": path })),
+        "deviceNodes": SHARED_DEVICE_NODES.map(|(path, major, minor)| device_node(path, major, minor, driver_files)),
     });
     if !driver_files.mounts().is_empty() {
         let mounts = driver_files.mounts().iter().map(|m| mount(claim_uid, m.host_path(), m.container_path()));
@@ -77,6 +84,16 @@ pub fn build_claim_spec(
     let label = PathBuf::from(spec_file_name(kind, claim_uid)?);
     new_spec(&spec, &label, 0).map_err(invalid)?;
     Ok(spec)
+}
+
+/// A device node. For real GPUs only its path: the runtime reads type and numbers from the host's node, which is
+/// always right (minors can change across reboots). Simulated GPUs have no host node, so type and numbers are given.
+fn device_node(path: &str, major: u32, minor: u32, driver_files: &DriverFiles) -> Value {
+    if driver_files.is_simulated() {
+        json!({ "path": path, "type": "c", "major": major, "minor": minor })
+    } else {
+        json!({ "path": path })
+    }
 }
 
 /// One read-only bind mount of a driver file.
@@ -109,19 +126,30 @@ mod tests {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         // Minor order and bus order differ: devices follow minors, the UUID list follows bus ids.
         let gpus = [gpu(1, "0000:3b:00.0"), gpu(0, "0000:86:00.0")];
-        let spec = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::none())?);
+        let spec = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::simulated())?);
         assert_eq!(spec["kind"], "gpu.gpu-dra.dev/gpu");
         assert_eq!(spec["cdiVersion"], "0.3.0", "nothing here needs more than the oldest supported version");
         assert_eq!(spec["devices"][0]["name"], "abc-1-gpu-0");
-        assert_eq!(spec["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
+        assert_eq!(
+            spec["devices"][1]["containerEdits"],
+            json!({ "deviceNodes": [{ "path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1 }] }),
+            "simulated device nodes carry their numbers: the host has none to look at"
+        );
         let edits = &spec["containerEdits"];
         assert_eq!(edits["env"][0], "NVIDIA_VISIBLE_DEVICES=void");
         assert_eq!(
             edits["env"][2],
             "GPU_DRA_GPU_UUIDS=GPU-00000001-0000-0000-0000-000000000000,GPU-00000000-0000-0000-0000-000000000000"
         );
-        assert_eq!(edits["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
+        assert_eq!(
+            edits["deviceNodes"][0],
+            json!({ "path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255 })
+        );
         assert!(edits.get("mounts").is_none());
+        // Real GPUs: the path only, the runtime reads the rest from the host's device node.
+        let real = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default())?);
+        assert_eq!(real["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
+        assert_eq!(real["containerEdits"]["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
         assert_eq!(device_id(&kind, "abc-1", 0), format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0"));
         Ok(())
     }
@@ -130,7 +158,8 @@ mod tests {
     fn the_version_is_the_lowest_that_fits() -> Result<(), CdiError> {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         // CDI 0.5.0 first allowed device names that start with a digit (as most UIDs do).
-        let spec = to_json(&build_claim_spec(&kind, "0b5b2d9c-1", &[gpu(0, "0000:01:00.0")], &DriverFiles::none())?);
+        let spec =
+            to_json(&build_claim_spec(&kind, "0b5b2d9c-1", &[gpu(0, "0000:01:00.0")], &DriverFiles::simulated())?);
         assert_eq!(spec["cdiVersion"], "0.5.0");
         Ok(())
     }
@@ -140,8 +169,10 @@ mod tests {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         let a = [gpu(2, "0000:02:00.0"), gpu(0, "0000:03:00.0"), gpu(1, "0000:01:00.0")];
         let b = [a[1].clone(), a[2].clone(), a[0].clone()];
-        let one = serde_json::to_string(&build_claim_spec(&kind, "u", &a, &DriverFiles::none())?).unwrap_or_default();
-        let two = serde_json::to_string(&build_claim_spec(&kind, "u", &b, &DriverFiles::none())?).unwrap_or_default();
+        let one =
+            serde_json::to_string(&build_claim_spec(&kind, "u", &a, &DriverFiles::simulated())?).unwrap_or_default();
+        let two =
+            serde_json::to_string(&build_claim_spec(&kind, "u", &b, &DriverFiles::simulated())?).unwrap_or_default();
         assert!(!one.is_empty());
         assert_eq!(one, two);
         Ok(())
@@ -152,12 +183,12 @@ mod tests {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         let gpus = [gpu(0, "0000:01:00.0")];
         for uid in ["", "a/b", "../etc", "uid-"] {
-            let err = build_claim_spec(&kind, uid, &gpus, &DriverFiles::none()).err();
+            let err = build_claim_spec(&kind, uid, &gpus, &DriverFiles::simulated()).err();
             assert!(matches!(err, Some(CdiError::InvalidName { what: "claim UID", .. })), "{uid:?}: {err:?}");
         }
-        let err = build_claim_spec(&kind, "u", &[], &DriverFiles::none()).err();
+        let err = build_claim_spec(&kind, "u", &[], &DriverFiles::simulated()).err();
         assert!(matches!(err, Some(CdiError::NoGpus { .. })), "{err:?}");
-        let err = build_claim_spec(&kind, "u", &[gpus[0].clone(), gpus[0].clone()], &DriverFiles::none()).err();
+        let err = build_claim_spec(&kind, "u", &[gpus[0].clone(), gpus[0].clone()], &DriverFiles::simulated()).err();
         assert!(matches!(err, Some(CdiError::InvalidSpec { .. })), "{err:?}");
         let text = err.map(|e| e.to_string()).unwrap_or_default();
         assert!(text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple device"), "{text}");

@@ -14,6 +14,7 @@
 //! kubelet believe the plugin is still there).
 
 pub mod allocation;
+mod authority;
 pub mod checkpoint;
 pub mod config;
 pub mod metrics;
@@ -26,6 +27,7 @@ pub mod state;
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
+use tokio_stream::StreamExt as _;
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
@@ -66,9 +68,11 @@ pub fn serve(
     };
     let registration =
         RegistrationService { driver, dra_socket: paths.dra.clone(), registered: state.metrics().registered.clone() };
+    // Each connection through the authority filter: a real kubelet's calls are otherwise refused by h2.
+    let connections = UnixListenerStream::new(registration_listener).map(|c| c.map(authority::filtered));
     let registration = Server::builder()
         .add_service(RegistrationServer::new(registration))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(registration_listener), stop.cancelled_owned());
+        .serve_with_incoming_shutdown(connections, stop.cancelled_owned());
     info!(socket = %paths.registration.display(), "registration socket ready for the kubelet");
     Ok(tokio::spawn(async move {
         let (dra, registration) = tokio::join!(dra, tokio::spawn(registration));

@@ -60,7 +60,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
 
     let driver_files = match args.gpu_backend {
         GpuBackend::Nvml => DriverFiles::discover(&args.driver_root)?,
-        GpuBackend::Simulated => DriverFiles::none(),
+        GpuBackend::Simulated => DriverFiles::simulated(),
     };
     let kind = CdiKind::from_driver_name(&args.driver_name)?;
     let claim: Vec<Gpu> = gpus.iter().take(args.claim_gpus.max(1)).cloned().collect();

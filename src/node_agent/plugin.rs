@@ -52,7 +52,7 @@ pub(super) async fn start(
                 None => files,
             }
         }
-        None => DriverFiles::none(),
+        None => DriverFiles::simulated(),
     };
     let config = StateConfig {
         driver: settings.driver.clone(),

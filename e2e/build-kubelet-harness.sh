@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# Builds gpu-dra-kubelet-harness (e2e/kubelet-harness): the real kubelet DRA code from k8s.io/kubernetes
+# (plugin manager + DRA manager) for one fake node. See e2e/kubelet-harness/README.md.
+#
+# The binary lands in a cache outside the repository, keyed by the Kubernetes version and a hash of the harness
+# sources (and this script), so a changed harness rebuilds and an unchanged one is found again:
+#   ${GPU_DRA_CACHE}/kubelet-harness-<K8S_VERSION>-<hash>/bin/gpu-dra-kubelet-harness
+# The last line on stdout is the binary's path; everything else goes to stderr.
+#
+# Usage: e2e/build-kubelet-harness.sh [--update-go-mod]
+#   --update-go-mod  rewrite e2e/kubelet-harness/go.mod and go.sum for K8S_VERSION (after bumping it in
+#                    e2e/versions.sh), then build.
+set -euo pipefail
+
+E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=e2e/versions.sh
+source "$E2E_DIR/versions.sh"
+SRC="$E2E_DIR/kubelet-harness"
+
+log() { printf '[build-kubelet-harness] %s\n' "$*" >&2; }
+die() { printf '[build-kubelet-harness] error: %s\n' "$*" >&2; exit 1; }
+
+export CGO_ENABLED=0 GOFLAGS="${GOFLAGS:--buildvcs=false}"
+
+require_go() {
+    command -v go >/dev/null 2>&1 ||
+        die "the 'go' command is not on PATH; install Go >= 1.26 (https://go.dev/doc/install) and retry"
+}
+
+# Runs go in the harness module; a failure shows the end of its output.
+go_in_src() {
+    local out
+    if ! out=$(cd "$SRC" && go "$@" 2>&1); then
+        printf '%s\n' "$out" | tail -n 30 >&2
+        die "'go $1' failed in $SRC; check that the Go module proxy ($(go env GOPROXY)) is reachable"
+    fi
+}
+
+# The harness's go.mod is written the way build-k8s.sh writes its wrapper module: k8s.io/kubernetes requires
+# every staging module at v0.0.0, and each gets a replace to its published twin (v0.<minor>.<patch>).
+update_go_mod() {
+    require_go
+    log "writing $SRC/go.mod for k8s.io/kubernetes $K8S_VERSION"
+    rm -f "$SRC/go.mod" "$SRC/go.sum"
+    go_in_src mod init local/gpu-dra-kubelet-harness
+    local gomod
+    gomod=$(cd "$SRC" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+    [[ -n "$gomod" && -f "$gomod" ]] || die "could not download k8s.io/kubernetes@$K8S_VERSION from the Go module proxy"
+    local staging_version="v0.${K8S_VERSION#v1.}"
+    local replaces=()
+    while read -r mod; do
+        replaces+=("-replace=$mod=$mod@$staging_version")
+    done < <(grep -E '^\s+k8s\.io/[a-z0-9-]+ v0\.0\.0$' "$gomod" | awk '{print $1}')
+    [[ ${#replaces[@]} -gt 0 ]] || die "found no staging modules in $gomod; the module layout changed"
+    go_in_src mod edit "${replaces[@]}"
+    go_in_src get "k8s.io/kubernetes@$K8S_VERSION"
+    go_in_src mod tidy
+}
+
+case "${1:-}" in
+    --update-go-mod) update_go_mod ;;
+    "") ;;
+    *) die "usage: e2e/build-kubelet-harness.sh [--update-go-mod]" ;;
+esac
+
+pinned=$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' "$SRC/go.mod")
+[[ "$pinned" == "$K8S_VERSION" ]] ||
+    die "e2e/kubelet-harness/go.mod pins k8s.io/kubernetes ${pinned:-(none)}, but K8S_VERSION is $K8S_VERSION; run: e2e/build-kubelet-harness.sh --update-go-mod"
+
+# The key covers everything that shapes the binary: sources, module pins and the build command (this script).
+hash=$(cd "$SRC" && cat ./*.go go.mod go.sum "$E2E_DIR/build-kubelet-harness.sh" | sha256sum | cut -c1-12)
+bin="$GPU_DRA_CACHE/kubelet-harness-$K8S_VERSION-$hash/bin/gpu-dra-kubelet-harness"
+if [[ -x "$bin" ]]; then
+    log "cached: $bin"
+    printf '%s\n' "$bin"
+    exit 0
+fi
+
+require_go
+log "building $bin (cold, with the Go build cache of build-k8s.sh: a few minutes on 2 cores)"
+mkdir -p "$(dirname "$bin")"
+t0=$SECONDS
+# -mod=readonly: go.mod and go.sum are pinned in the repository; the build never rewrites them.
+go_in_src build -mod=readonly -trimpath -ldflags "-s -w" -o "$bin.tmp" .
+mv "$bin.tmp" "$bin"
+log "built in $((SECONDS - t0))s"
+printf '%s\n' "$bin"

@@ -1,0 +1,419 @@
+// Command gpu-dra-kubelet-harness is "the kubelet side" of one fake node for gpu-dra's end-to-end tests.
+//
+// It runs the real kubelet DRA code from k8s.io/kubernetes, not a re-implementation: the plugin manager
+// (pkg/kubelet/pluginmanager) watches the plugin registry directory and registers DRA drivers with the DRA
+// manager (pkg/kubelet/cm/dra), which calls the drivers' NodePrepareResources / NodeUnprepareResources and
+// keeps its own checkpoint, exactly as in a kubelet. What a kubelet does around it (pod workers, the
+// container runtime, the status manager) is reduced to what the tests observe:
+//
+//   - a pod bound to the node and not finished gets PrepareResources (retried with back-off, as the pod
+//     worker retries a failed sync), then the status a running pod would have;
+//   - a pod that is deleted, finished (phase Succeeded/Failed) or terminating gets UnprepareResources.
+//
+// Every observable step is one JSON line on stdout; logs go to stderr or --log-file.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"sync"
+	"syscall"
+	"time"
+
+	v1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/util/sets"
+	utilfeature "k8s.io/apiserver/pkg/util/feature"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	toolscache "k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/tools/record"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/klog/v2"
+	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
+	"k8s.io/kubernetes/pkg/kubelet/config"
+	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
+	plugincache "k8s.io/kubernetes/pkg/kubelet/pluginmanager/cache"
+	"k8s.io/utils/ptr"
+)
+
+// workers is how many pods are synced in parallel. The kubelet has one worker per pod; a few are enough here,
+// and more than one keeps a slow or stuck driver call for one pod from holding up the others.
+const workers = 4
+
+func main() {
+	kubeconfig := flag.String("kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster (default $KUBECONFIG)")
+	nodeName := flag.String("node-name", "", "the node this harness plays the kubelet for (required)")
+	registryDir := flag.String("registry-dir", "", "plugin registration directory to watch, the kubelet's plugins_registry (required)")
+	stateDir := flag.String("state-dir", "", "directory for the DRA manager's checkpoint (required)")
+	logFile := flag.String("log-file", "", "write logs to this file instead of stderr")
+	verbosity := flag.Int("v", 2, "log verbosity (klog)")
+	featureGates := flag.String("feature-gates", "", "kubelet feature gates, e.g. ResourceHealthStatus=false (optional)")
+	flag.Parse()
+	if *nodeName == "" || *registryDir == "" || *stateDir == "" || *kubeconfig == "" {
+		fmt.Fprintln(os.Stderr, "gpu-dra-kubelet-harness: --kubeconfig (or $KUBECONFIG), --node-name, --registry-dir and --state-dir are required")
+		flag.Usage()
+		os.Exit(2)
+	}
+	if err := setUpLogging(*logFile, *verbosity); err != nil {
+		fatal(err)
+	}
+	if *featureGates != "" {
+		if err := utilfeature.DefaultMutableFeatureGate.Set(*featureGates); err != nil {
+			fatal(fmt.Errorf("--feature-gates: %w", err))
+		}
+	}
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	ctx = klog.NewContext(ctx, klog.Background().WithValues("node", *nodeName))
+	if err := run(ctx, *kubeconfig, *nodeName, *registryDir, *stateDir); err != nil {
+		fatal(err)
+	}
+	klog.Flush()
+}
+
+func fatal(err error) {
+	klog.Flush()
+	fmt.Fprintf(os.Stderr, "gpu-dra-kubelet-harness: %v\n", err)
+	os.Exit(1)
+}
+
+// setUpLogging points klog at a file or stderr; stdout is reserved for the JSON events.
+func setUpLogging(logFile string, verbosity int) error {
+	fs := flag.NewFlagSet("klog", flag.ContinueOnError)
+	klog.InitFlags(fs)
+	settings := map[string]string{"v": fmt.Sprint(verbosity)}
+	if logFile != "" {
+		settings["logtostderr"] = "false"
+		settings["log_file"] = logFile
+		settings["stderrthreshold"] = "FATAL"
+	}
+	for name, value := range settings {
+		if err := fs.Set(name, value); err != nil {
+			return fmt.Errorf("klog flag %s: %w", name, err)
+		}
+	}
+	return nil
+}
+
+func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string) error {
+	logger := klog.FromContext(ctx)
+	restConfig, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
+	if err != nil {
+		return fmt.Errorf("kubeconfig %s: %w", kubeconfig, err)
+	}
+	restConfig.UserAgent = "gpu-dra-kubelet-harness/" + nodeName
+	client, err := kubernetes.NewForConfig(restConfig)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(stateDir, 0o750); err != nil {
+		return err
+	}
+
+	// Only the pods bound to this node, as the kubelet's API pod source watches them.
+	factory := informers.NewSharedInformerFactoryWithOptions(client, 0, informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+		o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", nodeName).String()
+	}))
+	podInformer := factory.Core().V1().Pods().Informer()
+
+	h := &harness{
+		client:  client,
+		pods:    podInformer.GetIndexer(),
+		started: map[string]*startedPod{},
+		// The kubelet's pod workers retry a failed sync after a back-off; a shorter one suits tests.
+		queue: workqueue.NewTypedRateLimitingQueueWithConfig(
+			workqueue.NewTypedItemExponentialFailureRateLimiter[string](500*time.Millisecond, 10*time.Second),
+			workqueue.TypedRateLimitingQueueConfig[string]{Name: "pods"}),
+	}
+	enqueue := func(obj any) {
+		if key, err := toolscache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			h.queue.Add(key)
+		}
+	}
+	if _, err := podInformer.AddEventHandler(toolscache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue,
+		UpdateFunc: func(_, obj any) { enqueue(obj) },
+		DeleteFunc: enqueue,
+	}); err != nil {
+		return err
+	}
+
+	// The DRA manager as the kubelet's container manager creates and starts it (cm/container_manager_linux.go).
+	// The kubelet passes its root directory as the state directory.
+	h.dra, err = dra.NewManager(logger, client, stateDir)
+	if err != nil {
+		return fmt.Errorf("DRA manager: %w", err)
+	}
+	// The manager's reconcile loop unprepares claims of pods that are no longer active, once all pod sources
+	// were seen; here the only source is the pod informer.
+	sourcesReady := config.NewSourcesReady(func(sets.Set[string]) bool { return podInformer.HasSynced() })
+	getNode := func(ctx context.Context) (*v1.Node, error) {
+		return client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
+	}
+	// Start creates the DRA plugin manager, which at once wipes this node's ResourceSlices in the background,
+	// as a starting kubelet does, and later wipes a driver's slices when its plugin stays unregistered.
+	if err := h.dra.Start(ctx, h.activePods, getNode, sourcesReady); err != nil {
+		return fmt.Errorf("start DRA manager: %w", err)
+	}
+	defer h.dra.Stop()
+
+	// The plugin manager as kubelet.go creates and runs it, with the DRA manager's handler for "DRAPlugin"
+	// (GetWatcherHandler must be called after Start). Its event recorder is kept but never used in v1.37.
+	plugins := pluginmanager.NewPluginManager(registryDir, &record.FakeRecorder{})
+	plugins.AddHandler(pluginwatcherapi.DRAPlugin, reportingHandler{h.dra.GetWatcherHandler()})
+	var wg sync.WaitGroup
+	wg.Go(func() { plugins.Run(ctx, sourcesReady, ctx.Done()) })
+
+	factory.Start(ctx.Done())
+	if !toolscache.WaitForCacheSync(ctx.Done(), podInformer.HasSynced) {
+		return errors.New("stopped before the pod informer synced")
+	}
+	for range workers {
+		wg.Go(func() {
+			for h.processNext(ctx) {
+			}
+		})
+	}
+	emit(event{Event: "ready", Node: nodeName})
+
+	<-ctx.Done()
+	logger.Info("Shutting down")
+	h.queue.ShutDown()
+	factory.Shutdown()
+	wg.Wait()
+	return nil
+}
+
+// reportingHandler is the DRA manager's plugin handler; it also reports (de)registrations on stdout.
+type reportingHandler struct{ plugincache.PluginHandler }
+
+func (r reportingHandler) RegisterPlugin(ctx context.Context, name, endpoint string, versions []string, timeout *time.Duration) error {
+	err := r.PluginHandler.RegisterPlugin(ctx, name, endpoint, versions, timeout)
+	if err == nil {
+		emit(event{Event: "registered", Driver: name, Endpoint: endpoint})
+	} else {
+		emit(event{Event: "registration-failed", Driver: name, Endpoint: endpoint, Error: err.Error()})
+	}
+	return err
+}
+
+func (r reportingHandler) DeRegisterPlugin(ctx context.Context, name, endpoint string) {
+	r.PluginHandler.DeRegisterPlugin(ctx, name, endpoint)
+	emit(event{Event: "deregistered", Driver: name, Endpoint: endpoint})
+}
+
+type harness struct {
+	client kubernetes.Interface
+	dra    *dra.Manager
+	pods   toolscache.Indexer
+	queue  workqueue.TypedRateLimitingInterface[string]
+
+	mu sync.Mutex
+	// started holds, per pod key (namespace/name), the pod whose resources this harness began to prepare.
+	// Its object is what UnprepareResources needs once the pod is gone from the API.
+	started map[string]*startedPod
+}
+
+type startedPod struct {
+	pod      *v1.Pod
+	prepared bool // PrepareResources succeeded
+	reported bool // its status was written and the "prepared" event printed
+}
+
+// activePods is the kubelet's notion for the DRA manager's reconcile loop: pods on the node that still run.
+func (h *harness) activePods() []*v1.Pod {
+	var active []*v1.Pod
+	for _, obj := range h.pods.List() {
+		if pod := obj.(*v1.Pod); !finished(pod) {
+			active = append(active, pod)
+		}
+	}
+	return active
+}
+
+// finished: the kubelet stops a pod's containers, and then unprepares its claims, when the pod is being
+// deleted or has reached a terminal phase.
+func finished(pod *v1.Pod) bool {
+	return pod.DeletionTimestamp != nil || pod.Status.Phase == v1.PodSucceeded || pod.Status.Phase == v1.PodFailed
+}
+
+func (h *harness) processNext(ctx context.Context) bool {
+	key, quit := h.queue.Get()
+	if quit {
+		return false
+	}
+	defer h.queue.Done(key)
+	if err := h.sync(ctx, key); err != nil {
+		if ctx.Err() == nil {
+			klog.FromContext(ctx).Info("Pod sync failed, will retry", "pod", key, "err", err)
+			h.queue.AddRateLimited(key)
+		}
+		return true
+	}
+	h.queue.Forget(key)
+	return true
+}
+
+// sync brings one pod's DRA resources in line with its state, like the kubelet's pod worker.
+// The work queue never syncs the same key concurrently.
+func (h *harness) sync(ctx context.Context, key string) error {
+	var pod *v1.Pod
+	if obj, exists, err := h.pods.GetByKey(key); err != nil {
+		return err
+	} else if exists {
+		pod = obj.(*v1.Pod)
+	}
+
+	h.mu.Lock()
+	prev := h.started[key]
+	h.mu.Unlock()
+
+	// A pod we started that is gone, replaced by a namesake or finished: unprepare it. Like the kubelet, also
+	// after a failed prepare, which may have left claims half-prepared.
+	if prev != nil && (pod == nil || pod.UID != prev.pod.UID || finished(pod)) {
+		if err := h.unprepare(ctx, key, prev); err != nil {
+			return err
+		}
+		prev = nil
+	}
+	if pod == nil {
+		return nil
+	}
+	if finished(pod) {
+		// It may have been prepared before this harness (re)started: the manager's checkpoint knows.
+		if h.dra.PodMightNeedToUnprepareResources(pod.UID) {
+			return h.unprepare(ctx, key, &startedPod{pod: pod})
+		}
+		return nil
+	}
+	if prev == nil {
+		prev = &startedPod{pod: pod}
+		h.mu.Lock()
+		h.started[key] = prev
+		h.mu.Unlock()
+	}
+	if prev.reported {
+		return nil
+	}
+
+	if !prev.prepared {
+		// Idempotent: claims that the manager's checkpoint has as prepared are not prepared again.
+		if err := h.dra.PrepareResources(ctx, pod); err != nil {
+			emit(event{Event: "prepare-failed", Pod: key, Error: err.Error()})
+			return err
+		}
+		prev.prepared = true
+	}
+
+	// What the runtime would get for each container: the CDI devices of its claims.
+	containers := map[string][]string{}
+	for _, c := range append(append([]v1.Container{}, pod.Spec.InitContainers...), pod.Spec.Containers...) {
+		info, err := h.dra.GetResources(pod, &c)
+		if err != nil {
+			return fmt.Errorf("container %s: %w", c.Name, err)
+		}
+		ids := []string{}
+		for _, d := range info.CDIDevices {
+			ids = append(ids, d.Name)
+		}
+		containers[c.Name] = ids
+	}
+
+	if err := h.markRunning(ctx, pod); err != nil {
+		return fmt.Errorf("update pod status: %w", err)
+	}
+	prev.reported = true
+	emit(event{Event: "prepared", Pod: key, Containers: containers})
+	return nil
+}
+
+// unprepare calls UnprepareResources and reports it when there was something to unprepare: the pod was
+// prepared, or the manager still holds claims for it.
+func (h *harness) unprepare(ctx context.Context, key string, p *startedPod) error {
+	held := h.dra.PodMightNeedToUnprepareResources(p.pod.UID)
+	if err := h.dra.UnprepareResources(ctx, p.pod); err != nil {
+		emit(event{Event: "unprepare-failed", Pod: key, Error: err.Error()})
+		return err
+	}
+	h.mu.Lock()
+	delete(h.started, key)
+	h.mu.Unlock()
+	if held || p.prepared {
+		emit(event{Event: "unprepared", Pod: key})
+	}
+	return nil
+}
+
+// markRunning writes the status of a pod whose containers all started and are ready, as the kubelet's status
+// manager would (without IPs or image ids). A conflict is retried by the caller's back-off.
+func (h *harness) markRunning(ctx context.Context, pod *v1.Pod) error {
+	now := metav1.Now()
+	p := pod.DeepCopy()
+	st := &p.Status
+	st.Phase = v1.PodRunning
+	if st.StartTime == nil {
+		st.StartTime = &now
+	}
+	for _, t := range []v1.PodConditionType{v1.PodReadyToStartContainers, v1.PodInitialized, v1.ContainersReady, v1.PodReady} {
+		setCondition(st, t, now)
+	}
+	st.ContainerStatuses = nil
+	for _, c := range pod.Spec.Containers {
+		st.ContainerStatuses = append(st.ContainerStatuses, v1.ContainerStatus{
+			Name:    c.Name,
+			Image:   c.Image,
+			Ready:   true,
+			Started: ptr.To(true),
+			State:   v1.ContainerState{Running: &v1.ContainerStateRunning{StartedAt: now}},
+		})
+	}
+	// The kubelet fills in the health of allocated DRA devices (feature ResourceHealthStatus) the same way.
+	h.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, st)
+	_, err := h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	return err
+}
+
+func setCondition(st *v1.PodStatus, t v1.PodConditionType, now metav1.Time) {
+	for i := range st.Conditions {
+		if st.Conditions[i].Type == t {
+			if st.Conditions[i].Status != v1.ConditionTrue {
+				st.Conditions[i] = v1.PodCondition{Type: t, Status: v1.ConditionTrue, LastTransitionTime: now}
+			}
+			return
+		}
+	}
+	st.Conditions = append(st.Conditions, v1.PodCondition{Type: t, Status: v1.ConditionTrue, LastTransitionTime: now})
+}
+
+// event is one line on stdout.
+type event struct {
+	Event      string              `json:"event"`
+	Pod        string              `json:"pod,omitempty"`
+	Containers map[string][]string `json:"containers,omitempty"`
+	Driver     string              `json:"driver,omitempty"`
+	Endpoint   string              `json:"endpoint,omitempty"`
+	Node       string              `json:"node,omitempty"`
+	Error      string              `json:"error,omitempty"`
+}
+
+var stdout = struct {
+	sync.Mutex
+	*json.Encoder
+}{Encoder: json.NewEncoder(os.Stdout)}
+
+// emit prints one event; lines from concurrent workers never interleave.
+func emit(e event) {
+	stdout.Lock()
+	defer stdout.Unlock()
+	_ = stdout.Encode(e)
+}
