@@ -4,7 +4,10 @@
 //!
 //! - NodePrepareResources and NodeUnprepareResources latency as the client sees it, one claim per call, for a claim
 //!   allocated 1 GPU and one allocated 8 GPUs: `GPU_DRA_BENCH_CYCLES` (default 1,000) prepare+unprepare cycles each,
-//!   after 10 unmeasured warm-up cycles. Every prepare does the full work (the claim read from the API server, the
+//!   after 10 unmeasured warm-up cycles, one cycle started every `GPU_DRA_BENCH_INTERVAL_MS` (default 25 ms; 0: back
+//!   to back). The pacing keeps the claim reads under the agent's client-side API limit (`--kube-api-qps` 50, burst
+//!   100, as deployed): back to back, cycles outrun it and every prepare after the first 100 waits for a token,
+//!   ~20 ms, which measures the limiter, not a prepare (a kubelet prepares per pod start, far below 50/s). Every prepare does the full work (the claim read from the API server, the
 //!   checkpoint saved twice and the CDI spec written, each write fsync'd with its directory), because the unprepare
 //!   before it dropped the claim's record: a repeated prepare of a claim still held is answered from the checkpoint
 //!   without I/O and would measure nothing. Checked: the spec exists after every prepare and is gone after every
@@ -15,6 +18,7 @@
 //!
 //!   cargo bench --bench kubelet_plugin
 //!   GPU_DRA_BENCH_CYCLES=200 cargo bench --bench kubelet_plugin
+//!   GPU_DRA_BENCH_INTERVAL_MS=0 cargo bench --bench kubelet_plugin    # back to back: shows the rate limiter
 //!
 //! The node directories are under /tmp (the file system is printed): an fsync costs what that disk costs. The API
 //! server, etcd and the agent share the machine's cores with this process.
@@ -65,21 +69,31 @@ struct Report {
     file_system: String,
 }
 
+/// How the prepare/unprepare cycles run.
+#[derive(Clone, Copy, Debug)]
+struct Pace {
+    cycles: usize,
+    /// One cycle starts this long after the previous one started (or when it ends, if later).
+    interval: Duration,
+}
+
 fn main() -> anyhow::Result<()> {
-    let cycles: usize = match std::env::var("GPU_DRA_BENCH_CYCLES") {
-        Ok(v) => v.trim().parse().context("GPU_DRA_BENCH_CYCLES must be a number of cycles")?,
-        Err(_) => 1000,
+    let number = |name: &str, default: u64| match std::env::var(name) {
+        Ok(v) => v.trim().parse::<u64>().with_context(|| format!("{name} must be a whole number")),
+        Err(_) => Ok(default),
     };
+    let cycles = number("GPU_DRA_BENCH_CYCLES", 1000)? as usize;
     ensure!(cycles > 0, "GPU_DRA_BENCH_CYCLES must be at least 1");
+    let pace = Pace { cycles, interval: Duration::from_millis(number("GPU_DRA_BENCH_INTERVAL_MS", 25)?) };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let cluster = Arc::new(Cluster::start("bench-kubelet-plugin", false)?);
-    let result = runtime.block_on(measure(cluster.clone(), cycles));
+    let result = runtime.block_on(measure(cluster.clone(), pace));
     let stopped = cluster.stop();
-    print_report(&result?, cycles);
+    print_report(&result?, pace);
     stopped
 }
 
-async fn measure(cluster: Arc<Cluster>, cycles: usize) -> anyhow::Result<Report> {
+async fn measure(cluster: Arc<Cluster>, pace: Pace) -> anyhow::Result<Report> {
     let client = cluster.client().await?;
     let namespace = support::unique_name("bench-kubelet-plugin");
     let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}}))?;
@@ -88,8 +102,8 @@ async fn measure(cluster: Arc<Cluster>, cycles: usize) -> anyhow::Result<Report>
     let result = async {
         eprintln!("--- start to ResourceSlice visible, {STARTS} fresh starts");
         let slice_visible = slice_visible(&ctx).await?;
-        eprintln!("--- prepare/unprepare, {cycles} cycles per claim after {WARM_UP} warm-up cycles");
-        latencies(&ctx, cycles, slice_visible).await
+        eprintln!("--- prepare/unprepare, {} cycles per claim after {WARM_UP} warm-up cycles", pace.cycles);
+        latencies(&ctx, pace, slice_visible).await
     }
     .await;
     let _ = Api::<Namespace>::all(client).delete(&ctx.namespace, &DeleteParams::default()).await;
@@ -97,7 +111,7 @@ async fn measure(cluster: Arc<Cluster>, cycles: usize) -> anyhow::Result<Report>
 }
 
 /// Starts one agent and runs the cycles of a 1-GPU and an 8-GPU claim against it.
-async fn latencies(ctx: &TestContext, cycles: usize, slice_visible: Vec<Duration>) -> anyhow::Result<Report> {
+async fn latencies(ctx: &TestContext, pace: Pace, slice_visible: Vec<Duration>) -> anyhow::Result<Report> {
     let node = format!("{}-node", ctx.namespace);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
@@ -111,14 +125,14 @@ async fn latencies(ctx: &TestContext, cycles: usize, slice_visible: Vec<Duration
     let mut series = Vec::new();
     for (name, gpus) in [("one-gpu", 1), ("eight-gpus", 8)] {
         let uid = allocated_claim(ctx, name, &node, gpus).await?;
-        let (prepare, unprepare) = cycle(&mut kubelet, &dirs, (ns, name, &uid), gpus, cycles).await?;
+        let (prepare, unprepare) = cycle(&mut kubelet, &dirs, (ns, name, &uid), gpus, pace).await?;
         eprintln!("    {gpus} GPU(s): done");
         series.push(Series { gpus, prepare, unprepare });
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let (end_rss, peak_rss) = (rss_mb(agent.pid(), "VmRSS:")?, rss_mb(agent.pid(), "VmHWM:")?);
     let full = agent.log_text().lines().filter(|l| l.contains(": prepared claim ")).count();
-    let expected = series.len() * (WARM_UP + cycles);
+    let expected = series.len() * (WARM_UP + pace.cycles);
     ensure!(full == expected, "the agent logged {full} full prepares, expected {expected}: some were answered cached");
     ensure!(agent.terminate()?.success(), "the agent did not exit cleanly");
     let file_system = file_system(&dirs.cdi());
@@ -131,11 +145,14 @@ async fn cycle(
     dirs: &NodeDirs,
     claim: (&str, &str, &str),
     gpus: usize,
-    cycles: usize,
+    pace: Pace,
 ) -> anyhow::Result<(Vec<Duration>, Vec<Duration>)> {
     let spec = dirs.cdi_spec(claim.2);
-    let (mut prepare, mut unprepare) = (Vec::with_capacity(cycles), Vec::with_capacity(cycles));
-    for i in 0..WARM_UP + cycles {
+    let (mut prepare, mut unprepare) = (Vec::with_capacity(pace.cycles), Vec::with_capacity(pace.cycles));
+    let mut next_cycle = tokio::time::Instant::now();
+    for i in 0..WARM_UP + pace.cycles {
+        tokio::time::sleep_until(next_cycle).await;
+        next_cycle = tokio::time::Instant::now() + pace.interval;
         let started = Instant::now();
         let answers = kubelet.prepare(&[claim]).await?;
         let prepared = started.elapsed();
@@ -215,7 +232,7 @@ where
         .context("the slice watch ended")
 }
 
-fn print_report(report: &Report, cycles: usize) {
+fn print_report(report: &Report, pace: Pace) {
     println!();
     println!(
         "machine: {} cores, {}; node dirs on {}; agent: release build; API server and etcd on the same cores",
@@ -223,7 +240,11 @@ fn print_report(report: &Report, cycles: usize) {
         cpu_model(),
         report.file_system
     );
-    println!("kubelet plugin, {cycles} prepare+unprepare cycles per claim (one claim per call, client-observed)");
+    println!(
+        "kubelet plugin: {} prepare+unprepare cycles per claim, one every {} ms; one claim per call, client-observed",
+        pace.cycles,
+        pace.interval.as_millis()
+    );
     println!("{:<44} {:>10}  {:<3} {:>8} {:>7}", "metric", "measured", "", "target", "ratio");
     let row = |metric: &str, value: f64, unit: &str, target: Option<f64>| {
         let (target, ratio) = match target {

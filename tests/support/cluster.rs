@@ -92,6 +92,13 @@ impl Cluster {
         self.script_command_args(&["add-node", name])
     }
 
+    /// Like [`Cluster::add_node`], with extra `KEY=VALUE` labels.
+    pub fn add_node_labeled(&self, name: &str, labels: &[&str]) -> anyhow::Result<()> {
+        let mut args = vec!["add-node", name];
+        args.extend_from_slice(labels);
+        self.script_command_args(&args)
+    }
+
     fn script_command(&self, command: &str) -> anyhow::Result<()> {
         self.script_command_args(&[command])
     }

@@ -10,6 +10,7 @@
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different part of this module.
 
 pub mod cluster;
+pub mod harness;
 pub mod node;
 pub mod objects;
 pub mod process;
@@ -63,17 +64,22 @@ const TEST_TIMEOUT: Duration = Duration::from_secs(180);
 
 /// Runs `tests` against one shared cluster and exits with libtest's status.
 pub fn run(binary: &str, tests: &[Test]) -> ! {
-    run_with(binary, false, tests)
+    run_with_env(binary, false, &[], tests)
 }
 
 /// Like [`run`]; `kcm_claim_controller` starts the cluster with kube-controller-manager's claim controller.
 pub fn run_with(binary: &str, kcm_claim_controller: bool, tests: &[Test]) -> ! {
+    run_with_env(binary, kcm_claim_controller, &[], tests)
+}
+
+/// Like [`run_with`], passing `env` to `e2e/cluster.sh up` (e.g. more kube-controller-manager controllers).
+pub fn run_with_env(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)], tests: &[Test]) -> ! {
     let args = Arguments::from_args();
     if args.list {
         let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(()))).collect();
         libtest_mimic::run(&args, trials).exit();
     }
-    let cluster = match Cluster::start(binary, kcm_claim_controller) {
+    let cluster = match Cluster::start_with(binary, kcm_claim_controller, env) {
         Ok(cluster) => Arc::new(cluster),
         Err(err) if std::env::var_os("CI").is_some() => {
             eprintln!("error: CI is set and the test cluster could not be started: {err:#}");

@@ -43,6 +43,10 @@ impl NodeDirs {
     pub fn checkpoint(&self) -> PathBuf {
         self.state().join("checkpoint.json")
     }
+    /// The kubelet harness's own state (its DRA manager checkpoint).
+    pub fn kubelet_state(&self) -> PathBuf {
+        self.root.path().join("kubelet")
+    }
     pub fn boot_id_file(&self) -> PathBuf {
         self.root.path().join("boot_id")
     }

@@ -1,0 +1,433 @@
+//! The whole pipeline end to end: pod → claim from a template (gpu-dra controller) → allocation and binding by the
+//! real kube-scheduler from the node agents' ResourceSlices → prepare through the REAL kubelet DRA code
+//! (`gpu-dra-kubelet-harness`: the kubelet's plugin watcher and DRA manager from `k8s.io/kubernetes`) → CDI devices,
+//! resolved and injected into an OCI spec with the `container-device-interface` crate → unprepare → claim deleted.
+//!
+//! Each test has two fake nodes (simulated GPUs, own kubelet directories, its own agent and kubelet harness), a
+//! DeviceClass, and a namespaced gpu-dra controller; the cluster runs kube-controller-manager's garbage collector,
+//! namespace, deployment and replicaset controllers (never its claim controller).
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+use support::harness::KubeletHarness;
+use support::node::{DRIVER, NodeDirs, start_agent};
+use support::process::Component;
+use support::{TestContext, objects, wait};
+
+const KCM_CONTROLLERS: &str = "--controllers=deployment-controller,replicaset-controller";
+const PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn main() {
+    support::run_with_env(
+        "pipeline",
+        false,
+        &[("GPU_DRA_E2E_KCM_FLAGS", KCM_CONTROLLERS)],
+        &[
+            test!(a_template_pod_gets_two_h100s_prepared_and_released),
+            test!(replicas_get_their_own_gpus_and_the_one_beyond_capacity_waits),
+            test!(two_containers_with_two_claims_get_different_gpus),
+            test!(a_shared_claim_is_prepared_once_and_released_after_its_last_pod),
+            test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
+        ],
+    )
+}
+
+/// One fake node: its directories, agent and kubelet side.
+struct Node {
+    name: String,
+    dirs: NodeDirs,
+    agent: Component,
+    kubelet: KubeletHarness,
+}
+
+/// Two GPU nodes, a DeviceClass and a controller, all the test's own.
+struct Testbed {
+    nodes: Vec<Node>,
+    controller: Component,
+    /// The DeviceClass, and the node label the test's pods select.
+    class: String,
+}
+
+const GPUS: [&str; 2] = ["2xA100-80GB,2xH100-80GB", "4xH100-80GB"];
+
+impl Testbed {
+    async fn start(ctx: &TestContext) -> anyhow::Result<Self> {
+        let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+        let label = format!("gpu-dra.dev/e2e={}", ctx.namespace);
+        let mut nodes = Vec::new();
+        for (i, gpus) in GPUS.iter().enumerate() {
+            let name = format!("e2e-{suffix}-{i}");
+            ctx.cluster.add_node_labeled(&name, &[&label])?;
+            let dirs = NodeDirs::new()?;
+            let agent = start_agent(ctx, &name, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+            let kubelet = KubeletHarness::start(ctx, &name, &dirs)?;
+            nodes.push(Node { name, dirs, agent, kubelet });
+        }
+        for node in &nodes {
+            node.agent.wait_ready().await?;
+            node.kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+        }
+        let class: DeviceClass = serde_json::from_value(json!({
+            "metadata": {"name": ctx.namespace},
+            "spec": {"selectors": [{"cel": {"expression": format!(
+                "device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == 'gpu'")}}]}
+        }))?;
+        Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+        let controller = Component::controller(ctx, &[]).await?;
+        Ok(Self { nodes, controller, class: ctx.namespace.clone() })
+    }
+
+    fn node(&self, name: &str) -> anyhow::Result<&Node> {
+        self.nodes.iter().find(|n| n.name == name).with_context(|| format!("no node {name}"))
+    }
+
+    /// A template asking for `count` H100s (a CEL selector on the product name).
+    async fn h100_template(&self, ctx: &TestContext, name: &str, count: u32) -> anyhow::Result<()> {
+        let selector = format!("device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100')");
+        objects::create_template(
+            ctx,
+            name,
+            json!({"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+                "deviceClassName": self.class, "count": count, "selectors": [{"cel": {"expression": selector}}]}}]}}}),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// A pod spec on the test's nodes whose `containers` (name → pod claims it uses) use `claims`.
+    fn pod(&self, ctx: &TestContext, name: &str, claims: Value, containers: &[(&str, &[&str])]) -> anyhow::Result<Pod> {
+        let containers: Vec<Value> = containers
+            .iter()
+            .map(|(c, uses)| {
+                let uses: Vec<Value> = uses.iter().map(|u| json!({"name": u})).collect();
+                json!({"name": c, "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}})
+            })
+            .collect();
+        Ok(serde_json::from_value(json!({
+            "metadata": {"name": name, "labels": {"app": name}},
+            "spec": {"containers": containers, "resourceClaims": claims,
+                     "nodeSelector": {"gpu-dra.dev/e2e": ctx.namespace}, "terminationGracePeriodSeconds": 0}
+        }))?)
+    }
+
+    /// Waits until some node's kubelet prepared `pod`; returns (node, container → CDI ids).
+    async fn prepared(&self, ctx: &TestContext, pod: &str) -> anyhow::Result<(String, BTreeMap<String, Vec<String>>)> {
+        let key = format!("{}/{pod}", ctx.namespace);
+        let node = wait::until(&format!("{key} to be bound"), PREPARE_TIMEOUT, || async {
+            Ok(objects::pods(ctx).get(pod).await?.spec.and_then(|s| s.node_name))
+        })
+        .await?;
+        let event = self.node(&node)?.kubelet.wait_for("prepared", &key, PREPARE_TIMEOUT).await?;
+        let containers: BTreeMap<String, Vec<String>> = serde_json::from_value(event["containers"].clone())?;
+        Ok((node, containers))
+    }
+
+    /// Deletes `pod` at once and waits for its node's kubelet to unprepare it.
+    async fn delete_pod(&self, ctx: &TestContext, pod: &str, node: &str) -> anyhow::Result<()> {
+        objects::pods(ctx).delete(pod, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+        let key = format!("{}/{pod}", ctx.namespace);
+        self.node(node)?.kubelet.wait_for("unprepared", &key, PREPARE_TIMEOUT).await?;
+        Ok(())
+    }
+}
+
+/// The allocated (pool, device) pairs of a claim.
+async fn allocated(ctx: &TestContext, claim: &str) -> anyhow::Result<BTreeSet<(String, String)>> {
+    let claim = objects::claims(ctx).get(claim).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    Ok(results.unwrap_or_default().into_iter().map(|r| (r.pool, r.device)).collect())
+}
+
+/// The claim the controller created for `pod`'s pod claim `name`.
+async fn claim_of(ctx: &TestContext, pod: &str, name: &str) -> anyhow::Result<String> {
+    let pod = objects::pods(ctx).get(pod).await?;
+    objects::claim_statuses(&pod)
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .and_then(|(_, claim)| claim)
+        .with_context(|| format!("no claim recorded for pod claim {name}"))
+}
+
+/// A device's attribute (string) from its node's ResourceSlices.
+async fn attribute(ctx: &TestContext, node: &str, device: &str, attr: &str) -> anyhow::Result<String> {
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    let device = slices
+        .items
+        .iter()
+        .flat_map(|s| s.spec.devices.iter().flatten())
+        .find(|d| d.name == device)
+        .with_context(|| format!("{device} not published for {node}"))?;
+    let value = device.attributes.as_ref().and_then(|a| a.get(attr)).and_then(|a| a.string.clone());
+    value.with_context(|| format!("{device:?} has no string attribute {attr}"))
+}
+
+/// Resolves `ids` with the CDI crate from the node's CDI directory, as a runtime does, and injects them into an
+/// empty OCI spec: (device node paths, environment).
+fn inject(node: &Node, ids: &[String]) -> anyhow::Result<(BTreeSet<String>, Vec<String>)> {
+    use container_device_interface::cache::{new_cache, with_auto_refresh};
+    use container_device_interface::spec_dirs::with_spec_dirs;
+    let dir = node.dirs.cdi().to_string_lossy().into_owned();
+    let cache = new_cache(vec![with_spec_dirs(&[&dir]), with_auto_refresh(false)]);
+    let mut cache = cache.lock().map_err(|_| anyhow::anyhow!("CDI cache lock poisoned"))?;
+    let mut spec = oci_spec::runtime::Spec::default();
+    cache.inject_devices(Some(&mut spec), ids.to_vec()).map_err(|e| anyhow::anyhow!("inject {ids:?}: {e}"))?;
+    let devices = spec
+        .linux()
+        .as_ref()
+        .and_then(|l| l.devices().clone())
+        .unwrap_or_default()
+        .iter()
+        .map(|d| d.path().display().to_string())
+        .collect();
+    let env = spec.process().as_ref().and_then(|p| p.env().clone()).unwrap_or_default();
+    Ok((devices, env))
+}
+
+async fn a_template_pod_gets_two_h100s_prepared_and_released(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "two-h100", 2).await?;
+    let claims = json!([{"name": "gpus", "resourceClaimTemplateName": "two-h100"}]);
+    let created = std::time::Instant::now();
+    objects::pods(&ctx)
+        .create(&PostParams::default(), &bed.pod(&ctx, "trainer", claims.clone(), &[("train", &["gpus"])])?)
+        .await?;
+    let (node_name, containers) = bed.prepared(&ctx, "trainer").await?;
+    let elapsed = created.elapsed();
+    let claim = claim_of(&ctx, "trainer", "gpus").await?;
+    let devices = allocated(&ctx, &claim).await?;
+    ensure!(devices.len() == 2 && devices.iter().all(|(pool, _)| *pool == node_name), "allocated {devices:?}");
+    let mut uuids = Vec::new();
+    for (_, device) in &devices {
+        let product = attribute(&ctx, &node_name, device, "productName").await?;
+        ensure!(product.starts_with("NVIDIA H100"), "{device} is a {product}");
+        uuids.push(attribute(&ctx, &node_name, device, "uuid").await?);
+    }
+    let ids = containers.get("train").context("no CDI ids for container train")?;
+    ensure!(ids.len() == 2, "CDI ids {ids:?}");
+
+    let node = bed.node(&node_name)?;
+    let (device_nodes, env) = inject(node, ids)?;
+    let mut expected: BTreeSet<String> =
+        devices.iter().map(|(_, d)| format!("/dev/nvidia{}", d.trim_start_matches("gpu-"))).collect();
+    expected.extend(["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"].map(String::from));
+    ensure!(device_nodes == expected, "injected device nodes {device_nodes:?}, expected {expected:?}");
+    let visible = env.iter().find_map(|e| e.strip_prefix("GPU_DRA_GPU_UUIDS=")).context("no GPU_DRA_GPU_UUIDS")?;
+    let visible: BTreeSet<&str> = visible.split(',').collect();
+    ensure!(visible == uuids.iter().map(String::as_str).collect(), "env {env:?}, uuids {uuids:?}");
+    ensure!(env.iter().any(|e| e == "NVIDIA_VISIBLE_DEVICES=void"), "env {env:?}");
+    eprintln!("pod created → CDI devices prepared in {elapsed:?}");
+
+    bed.delete_pod(&ctx, "trainer", &node_name).await?;
+    ensure!(node.dirs.cdi_specs()?.is_empty(), "specs left after unprepare: {:?}", node.dirs.cdi_specs()?);
+    wait::until("the claim to be deleted", Duration::from_secs(30), || async {
+        Ok(objects::claims(&ctx).get_opt(&claim).await?.is_none().then_some(()))
+    })
+    .await?;
+    // The GPUs are allocatable again: a second pod asking for two H100s on the same node gets them.
+    let mut again = bed.pod(&ctx, "trainer-2", claims, &[("train", &["gpus"])])?;
+    if let Some(spec) = again.spec.as_mut() {
+        spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node_name.clone())].into());
+    }
+    objects::pods(&ctx).create(&PostParams::default(), &again).await?;
+    let (second_node, _) = bed.prepared(&ctx, "trainer-2").await?;
+    ensure!(second_node == node_name, "second pod on {second_node}");
+    Ok(())
+}
+
+async fn replicas_get_their_own_gpus_and_the_one_beyond_capacity_waits(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "pair", 2).await?;
+    let template = bed.pod(
+        &ctx,
+        "replica",
+        json!([{"name": "gpus", "resourceClaimTemplateName": "pair"}]),
+        &[("app", &["gpus"])],
+    )?;
+    let deployment: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "trainers"},
+        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "replica"}},
+                 "template": {"metadata": {"labels": {"app": "replica"}}, "spec": template.spec}}
+    }))?;
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    deployments.create(&PostParams::default(), &deployment).await?;
+    let pods = wait::until("three replica pods", Duration::from_secs(30), || async {
+        let list = objects::pods(&ctx).list(&ListParams::default().labels("app=replica")).await?;
+        Ok((list.items.len() == 3).then_some(list.items))
+    })
+    .await?;
+    let mut all_devices = BTreeSet::new();
+    let mut claims = BTreeSet::new();
+    for pod in &pods {
+        let name = pod.metadata.name.clone().unwrap_or_default();
+        bed.prepared(&ctx, &name).await?;
+        let claim = claim_of(&ctx, &name, "gpus").await?;
+        let devices = allocated(&ctx, &claim).await?;
+        ensure!(devices.len() == 2, "{name}: {devices:?}");
+        ensure!(claims.insert(claim.clone()), "two pods share claim {claim}");
+        for device in devices {
+            ensure!(all_devices.insert(device.clone()), "{device:?} allocated twice");
+        }
+    }
+    // Six H100s in all: a fourth replica cannot be placed, and the scheduler says why.
+    deployments.patch("trainers", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 4}}))).await?;
+    let reason = wait::until("the fourth replica to be unschedulable", Duration::from_secs(30), || async {
+        let list = objects::pods(&ctx).list(&ListParams::default().labels("app=replica")).await?;
+        Ok(list.items.iter().find_map(|p| {
+            let conditions = p.status.as_ref()?.conditions.as_ref()?;
+            let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+            scheduled.message.clone()
+        }))
+    })
+    .await?;
+    ensure!(reason.contains("cannot allocate all claims"), "scheduler said: {reason}");
+    Ok(())
+}
+
+async fn two_containers_with_two_claims_get_different_gpus(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let claims = json!([
+        {"name": "gpu-a", "resourceClaimTemplateName": "one-h100"},
+        {"name": "gpu-b", "resourceClaimTemplateName": "one-h100"}
+    ]);
+    let pod = bed.pod(&ctx, "pod-with-two", claims, &[("first", &["gpu-a"]), ("second", &["gpu-b"])])?;
+    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    let (node, containers) = bed.prepared(&ctx, "pod-with-two").await?;
+    let (first, second) = (containers.get("first"), containers.get("second"));
+    let (Some([first]), Some([second])) = (first.map(Vec::as_slice), second.map(Vec::as_slice)) else {
+        anyhow::bail!("expected one CDI id per container: {containers:?}");
+    };
+    let gpu = |id: &str| id.rsplit("-gpu-").next().map(str::to_string);
+    ensure!(gpu(first) != gpu(second), "both containers got the same GPU: {first} {second}");
+    let (a, b) = (claim_of(&ctx, "pod-with-two", "gpu-a").await?, claim_of(&ctx, "pod-with-two", "gpu-b").await?);
+    let (a, b) = (allocated(&ctx, &a).await?, allocated(&ctx, &b).await?);
+    ensure!(a.len() == 1 && b.len() == 1 && a != b, "allocations {a:?} {b:?}");
+    let node = bed.node(&node)?;
+    for id in [first, second] {
+        let (devices, _) = inject(node, std::slice::from_ref(id))?;
+        let minor = gpu(id).unwrap_or_default();
+        ensure!(devices.contains(&format!("/dev/nvidia{minor}")), "{id} injects {devices:?}");
+    }
+    Ok(())
+}
+
+async fn a_shared_claim_is_prepared_once_and_released_after_its_last_pod(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "shared"},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": bed.class}}]}}
+    }))?;
+    objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+    let node_name = bed.nodes[1].name.clone();
+    for name in ["user-1", "user-2"] {
+        let mut pod =
+            bed.pod(&ctx, name, json!([{"name": "gpus", "resourceClaimName": "shared"}]), &[("app", &["gpus"])])?;
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node_name.clone())].into());
+        }
+        objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    }
+    let (_, one) = bed.prepared(&ctx, "user-1").await?;
+    let (_, two) = bed.prepared(&ctx, "user-2").await?;
+    ensure!(one == two, "the pods of one claim got different devices: {one:?} {two:?}");
+    let node = bed.node(&node_name)?;
+    ensure!(node.dirs.cdi_specs()?.len() == 1, "specs: {:?}", node.dirs.cdi_specs()?);
+    // The kubelet may ask once per pod; the second answer comes from the checkpoint ("prepared claim" is logged
+    // only when the work is done).
+    let log = node.agent.log_text();
+    let prepared = log.lines().filter(|l| l.contains("prepared claim") && !l.contains("unprepared claim")).count();
+    ensure!(prepared == 1, "the agent prepared the shared claim {prepared} times");
+
+    bed.delete_pod(&ctx, "user-1", &node_name).await?;
+    ensure!(node.dirs.cdi_specs()?.len() == 1, "unprepared while user-2 still runs");
+    bed.delete_pod(&ctx, "user-2", &node_name).await?;
+    wait::until("the shared claim's spec to go", Duration::from_secs(30), || async {
+        Ok(node.dirs.cdi_specs()?.is_empty().then_some(()))
+    })
+    .await?;
+    ensure!(objects::claims(&ctx).get_opt("shared").await?.is_some(), "a user's claim must outlive its pods");
+    Ok(())
+}
+
+async fn restarts_of_agent_kubelet_and_controller_lose_nothing(ctx: TestContext) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let claims = json!([{"name": "gpu", "resourceClaimTemplateName": "one-h100"}]);
+    let first = bed.pod(&ctx, "held", claims.clone(), &[("app", &["gpu"])])?;
+    objects::pods(&ctx).create(&PostParams::default(), &first).await?;
+    let (node_name, _) = bed.prepared(&ctx, "held").await?;
+    let index = bed.nodes.iter().position(|n| n.name == node_name).context("node")?;
+
+    // The agent dies with a prepared pod and comes back: the kubelet re-registers it, nothing is lost.
+    {
+        let node = &mut bed.nodes[index];
+        node.agent.kill()?;
+        node.agent = start_agent(
+            &ctx,
+            &node.name,
+            &node.dirs,
+            &["--gpu-backend", "simulated", "--simulated-gpus", GPUS[index]],
+        )?;
+        node.agent.wait_ready().await?;
+        wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
+            Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
+        })
+        .await?;
+        ensure!(node.dirs.cdi_specs()?.len() == 1, "the held pod's spec was lost");
+    }
+    // The kubelet restarts: it wipes the node's slices, the agent publishes them again, a new pod is prepared.
+    {
+        let node = &mut bed.nodes[index];
+        node.kubelet.kill()?;
+        node.kubelet = KubeletHarness::start(&ctx, &node.name, &node.dirs)?;
+        node.kubelet.wait_for("registered", "", PREPARE_TIMEOUT).await?;
+        let name = node.name.clone();
+        wait::until("the node's slices after the kubelet's wipe", Duration::from_secs(30), || async {
+            let list = Api::<ResourceSlice>::all(ctx.client.clone())
+                .list(&ListParams::default().fields(&format!("spec.nodeName={name}")))
+                .await?;
+            let devices: usize = list.items.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+            Ok((devices == 4).then_some(()))
+        })
+        .await?;
+    }
+    bed.delete_pod(&ctx, "held", &node_name).await?;
+    ensure!(bed.nodes[index].dirs.cdi_specs()?.is_empty(), "the held pod's spec outlived it");
+
+    // The controller is killed in the middle of a burst of pods: each pod still gets exactly one claim, prepared.
+    let burst: Vec<String> = (0..6).map(|i| format!("burst-{i}")).collect();
+    for name in &burst {
+        let pod = bed.pod(&ctx, name, claims.clone(), &[("app", &["gpu"])])?;
+        objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    }
+    wait::until("the first claims of the burst", Duration::from_secs(30), || async {
+        Ok((!objects::list_claims(&ctx).await?.is_empty()).then_some(()))
+    })
+    .await?;
+    bed.controller.kill()?;
+    bed.controller = Component::controller(&ctx, &[]).await?;
+    for name in &burst {
+        bed.prepared(&ctx, name).await?;
+    }
+    let mut owners: BTreeMap<String, usize> = BTreeMap::new();
+    for claim in objects::list_claims(&ctx).await? {
+        for owner in claim.metadata.owner_references.unwrap_or_default() {
+            *owners.entry(owner.name).or_default() += 1;
+        }
+    }
+    ensure!(burst.iter().all(|p| owners.get(p) == Some(&1)), "claims per pod: {owners:?}");
+    for node in &mut bed.nodes {
+        node.kubelet.check_alive()?;
+    }
+    Ok(())
+}

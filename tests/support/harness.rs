@@ -1,0 +1,121 @@
+//! The kubelet side of a fake node: `gpu-dra-kubelet-harness` (e2e/kubelet-harness), which runs the real kubelet's
+//! plugin watcher and DRA manager from the `k8s.io/kubernetes` module for one node. Its stdout is one JSON event
+//! per line (`registered`, `prepared`, `unprepared`, …), collected here for tests to wait on.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use serde_json::Value;
+
+use super::node::NodeDirs;
+use super::{TestContext, wait};
+
+/// Builds the harness once per test process (cached outside the repository, keyed by its sources).
+pub fn binary() -> anyhow::Result<PathBuf> {
+    static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BINARY
+        .get_or_init(|| {
+            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/build-kubelet-harness.sh");
+            let output = Command::new(script).stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            match stdout.lines().last() {
+                Some(path) if output.status.success() => Ok(PathBuf::from(path.trim())),
+                _ => Err(format!("{script} failed ({})", output.status)),
+            }
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// A running harness for one node.
+#[derive(Debug)]
+pub struct KubeletHarness {
+    child: Child,
+    events: Arc<Mutex<Vec<Value>>>,
+    pub log: PathBuf,
+}
+
+impl KubeletHarness {
+    /// Starts the kubelet side of `node`, watching the registry directory of `dirs`.
+    pub fn start(ctx: &TestContext, node: &str, dirs: &NodeDirs) -> anyhow::Result<Self> {
+        let log = dirs.kubelet_state().with_extension("log");
+        let mut child = Command::new(binary()?)
+            .arg("--kubeconfig")
+            .arg(ctx.cluster.kubeconfig())
+            .args(["--node-name", node])
+            .arg("--registry-dir")
+            .arg(dirs.registry())
+            .arg("--state-dir")
+            .arg(dirs.kubelet_state())
+            .arg("--log-file")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("start gpu-dra-kubelet-harness")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let sink = events.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Ok(event) = serde_json::from_str::<Value>(&line) {
+                    sink.lock().unwrap_or_else(PoisonError::into_inner).push(event);
+                }
+            }
+        });
+        Ok(Self { child, events, log })
+    }
+
+    /// Every event so far.
+    pub fn events(&self) -> Vec<Value> {
+        self.events.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// Waits for the first event named `event` about `pod` (`namespace/name`; empty: any) after the first `skip`
+    /// such events.
+    pub async fn wait_for(&self, event: &str, pod: &str, timeout: Duration) -> anyhow::Result<Value> {
+        let found = wait::until(&format!("harness event {event} {pod}"), timeout, || async {
+            Ok(self.events().into_iter().find(|e| e["event"] == event && (pod.is_empty() || e["pod"] == pod)))
+        })
+        .await;
+        found.with_context(|| format!("harness events: {:?}\nlog tail:\n{}", self.events(), self.log_tail()))
+    }
+
+    /// How many events named `event` about `pod` arrived.
+    pub fn count(&self, event: &str, pod: &str) -> usize {
+        self.events().iter().filter(|e| e["event"] == event && e["pod"] == pod).count()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// SIGKILL (a kubelet crash) and wait.
+    pub fn kill(&mut self) -> anyhow::Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        Ok(())
+    }
+
+    /// Fails when the harness exited.
+    pub fn check_alive(&mut self) -> anyhow::Result<()> {
+        if let Some(status) = self.child.try_wait()? {
+            bail!("the kubelet harness exited ({status}):\n{}", self.log_tail());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for KubeletHarness {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
