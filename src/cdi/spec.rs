@@ -46,6 +46,14 @@ pub fn build_claim_spec(
     }
     let mut by_minor: Vec<&Gpu> = gpus.iter().collect();
     by_minor.sort_by_key(|gpu| gpu.minor);
+    if let Some(pair) = by_minor.windows(2).find(|pair| pair[0].minor == pair[1].minor) {
+        let reason = format!("multiple devices for GPU minor {}", pair[0].minor);
+        return Err(CdiError::InvalidSpec {
+            claim_uid: claim_uid.to_string(),
+            reason: reason.clone(),
+            source: reason.into(),
+        });
+    }
     let mut devices = Vec::with_capacity(by_minor.len());
     for gpu in by_minor {
         let name = device_name(claim_uid, gpu.minor);
@@ -79,11 +87,22 @@ pub fn build_claim_spec(
     // The crate computes the version from the typed spec, so type it once with any version, then with the right one.
     let draft = typed(claim_uid, document(container_device_interface::specs::config::CURRENT_VERSION))?;
     let version = minimum_required_version(&draft).map_err(invalid)?.to_string();
-    let spec = typed(claim_uid, document(&version))?;
-    // The path only labels the spec inside the crate; what the runtime will see is checked all the same.
+    typed(claim_uid, document(&version))
+}
+
+/// The crate's full validation of a spec: the CDI JSON schema (through a YAML round trip), names, version and
+/// edits, as a runtime would apply it. Not run on every prepare: it costs more CPU than the rest of building a
+/// spec and keeps a few MB of schema and validator code resident in the agent, for a document [`build_claim_spec`]
+/// makes from checked names only (typed with `deny_unknown_fields`, so a structural mistake still fails there). The
+/// tests and `gpu-dra gpu-check` run it on the specs the builder makes.
+pub fn validate_claim_spec(kind: &CdiKind, claim_uid: &str, spec: &Spec) -> Result<(), CdiError> {
+    // The path only labels the spec inside the crate.
     let label = PathBuf::from(spec_file_name(kind, claim_uid)?);
-    new_spec(&spec, &label, 0).map_err(invalid)?;
-    Ok(spec)
+    new_spec(spec, &label, 0).map(|_| ()).map_err(|source| CdiError::InvalidSpec {
+        claim_uid: claim_uid.to_string(),
+        reason: format!("{source:#}"),
+        source: source.into(),
+    })
 }
 
 /// A device node. For real GPUs only its path: the runtime reads type and numbers from the host's node, which is
@@ -126,7 +145,9 @@ mod tests {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         // Minor order and bus order differ: devices follow minors, the UUID list follows bus ids.
         let gpus = [gpu(1, "0000:3b:00.0"), gpu(0, "0000:86:00.0")];
-        let spec = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::simulated())?);
+        let built = build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::simulated())?;
+        validate_claim_spec(&kind, "abc-1", &built)?;
+        let spec = to_json(&built);
         assert_eq!(spec["kind"], "gpu.gpu-dra.dev/gpu");
         assert_eq!(spec["cdiVersion"], "0.3.0", "nothing here needs more than the oldest supported version");
         assert_eq!(spec["devices"][0]["name"], "abc-1-gpu-0");
@@ -147,7 +168,9 @@ mod tests {
         );
         assert!(edits.get("mounts").is_none());
         // Real GPUs: the path only, the runtime reads the rest from the host's device node.
-        let real = to_json(&build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default())?);
+        let real = build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default())?;
+        validate_claim_spec(&kind, "abc-1", &real)?;
+        let real = to_json(&real);
         assert_eq!(real["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
         assert_eq!(real["containerEdits"]["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
         assert_eq!(device_id(&kind, "abc-1", 0), format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0"));
@@ -191,7 +214,7 @@ mod tests {
         let err = build_claim_spec(&kind, "u", &[gpus[0].clone(), gpus[0].clone()], &DriverFiles::simulated()).err();
         assert!(matches!(err, Some(CdiError::InvalidSpec { .. })), "{err:?}");
         let text = err.map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple device"), "{text}");
+        assert!(text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple devices"), "{text}");
         Ok(())
     }
 }

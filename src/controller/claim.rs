@@ -1,7 +1,7 @@
 //! syncClaim: keep `status.reservedFor` to pods that still need the claim, deallocate and unprotect a claim
 //! nobody uses, delete the claims of finished pods, and remove duplicate generated claims.
 
-use k8s_openapi::api::core::v1::Pod;
+use super::slim_pod::Pod;
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
 use std::time::Duration;
 

@@ -6,7 +6,8 @@
 //! that they are dropped and counted in `gpu_dra_controller_events_dropped_total`, as client-go's recorder drops
 //! what it cannot send.
 
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use super::slim_pod::Pod;
+use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::Resource;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};

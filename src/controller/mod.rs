@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod naming;
 pub mod pod;
 pub mod queue;
+pub mod slim_pod;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

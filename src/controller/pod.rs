@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::api::core::v1::{Pod, PodResourceClaim};
+use super::slim_pod::Pod;
+use k8s_openapi::api::core::v1::PodResourceClaim;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};

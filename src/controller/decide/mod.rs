@@ -3,7 +3,8 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::core::v1::{Pod, PodResourceClaim, PodResourceClaimStatus};
+use super::slim_pod::Pod;
+use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
@@ -253,8 +254,9 @@ pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Re
     }))
 }
 
-/// Drops what the controller never reads from a cached pod: containers, volumes, managed fields, labels,
-/// conditions… A cluster's pods are most of a controller's memory; this keeps a cached pod to a few hundred bytes.
+/// Drops the metadata the controller never reads from a cached pod (managed fields, labels, annotations…); the
+/// spec and status were reduced when the pod was deserialized ([`super::slim_pod`]). A cluster's pods are most of
+/// a controller's memory; this keeps a cached pod to a few hundred bytes.
 pub fn strip_pod(pod: &mut Pod) {
     let meta = &mut pod.metadata;
     meta.managed_fields = None;
@@ -262,20 +264,6 @@ pub fn strip_pod(pod: &mut Pod) {
     meta.labels = None;
     meta.owner_references = None;
     meta.finalizers = None;
-    if let Some(spec) = pod.spec.take() {
-        pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
-            node_name: spec.node_name,
-            resource_claims: spec.resource_claims,
-            ..Default::default()
-        });
-    }
-    if let Some(status) = pod.status.take() {
-        pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
-            phase: status.phase,
-            resource_claim_statuses: status.resource_claim_statuses,
-            ..Default::default()
-        });
-    }
 }
 
 #[cfg(test)]

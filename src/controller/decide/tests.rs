@@ -212,9 +212,8 @@ fn stripped_pods_keep_what_the_controller_reads() {
     assert_eq!(
         v,
         json!({
-            "apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": "pod", "namespace": "ns", "uid": "pod-uid"},
-            "spec": {"containers": [], "nodeName": "n", "resourceClaims": [
+            "spec": {"nodeName": "n", "resourceClaims": [
                 {"name": "gpu", "resourceClaimTemplateName": "tmpl"},
                 {"name": "shared", "resourceClaimName": "shared-claim"}]},
             "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "c"}]}

@@ -1,0 +1,89 @@
+//! The Pod as this controller caches it: only the fields it reads, deserialized straight from the watch, so the
+//! rest of a pod (containers, volumes, conditions…: most of its size) is never held in memory, not even briefly.
+//! Field names and types match `k8s_openapi::api::core::v1::Pod`, so code reads it the same way.
+//!
+//! Writes never go through this type: the pod status is written with a server-side apply of exactly the fields
+//! this controller owns.
+
+use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Serialize};
+
+/// A pod, reduced to metadata, `spec.nodeName`, `spec.resourceClaims`, `status.phase` and
+/// `status.resourceClaimStatuses`.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+pub struct Pod {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<PodSpec>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<PodStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_claims: Option<Vec<PodResourceClaim>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
+}
+
+impl k8s_openapi::Resource for Pod {
+    const API_VERSION: &'static str = "v1";
+    const GROUP: &'static str = "";
+    const KIND: &'static str = "Pod";
+    const VERSION: &'static str = "v1";
+    const URL_PATH_SEGMENT: &'static str = "pods";
+    type Scope = k8s_openapi::NamespaceResourceScope;
+}
+
+impl k8s_openapi::Metadata for Pod {
+    type Ty = ObjectMeta;
+
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_pod_keeps_only_what_the_controller_reads() -> Result<(), serde_json::Error> {
+        let full = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "i"}],
+                     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+            "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
+                       "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}]}
+        });
+        let pod: Pod = serde_json::from_value(full)?;
+        assert_eq!(
+            serde_json::to_value(&pod)?,
+            serde_json::json!({
+                "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+                "spec": {"nodeName": "n", "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+                "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}]}
+            })
+        );
+        assert!(std::mem::size_of::<Pod>() < 1024, "{} bytes", std::mem::size_of::<Pod>());
+        Ok(())
+    }
+}
