@@ -1,0 +1,272 @@
+//! The components under their chart ServiceAccounts: everything they need works, the rest is refused.
+
+use super::*;
+pub(super) async fn controller_works_under_its_service_account_and_is_refused_the_rest(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let release = release(&ctx);
+    let rendered = documents(&render(
+        &release,
+        &ctx.namespace,
+        false,
+        &["nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false"],
+    )?);
+    let applied = apply(&ctx, &rendered)?;
+    let result = controller_under_its_account(&ctx, &applied).await;
+    delete(&ctx, &rendered);
+    result
+}
+
+async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let deployment = object(applied, "Deployment", Some("controller"))?;
+    let pod_spec = &deployment["spec"]["template"]["spec"];
+    let account = pod_spec["serviceAccountName"].as_str().context("no serviceAccountName")?;
+    let lease_name = env_value(&pod_spec["containers"][0], "GPU_DRA_LEADER_ELECT_LEASE_NAME").context("no lease")?;
+
+    // Exactly these grants (a change to the chart's RBAC must change this table too).
+    let cluster_role = object(applied, "ClusterRole", Some("controller"))?;
+    let granted = rules(cluster_role);
+    let expected = rows(&[
+        ("", "pods", "get,list,watch"),
+        ("", "pods/status", "patch"),
+        ("resource.k8s.io", "resourceclaims", "create,delete,get,list,patch,watch"),
+        ("resource.k8s.io", "resourceclaims/status", "patch"),
+        ("resource.k8s.io", "resourceclaimtemplates", "list,watch"),
+        ("events.k8s.io", "events", "create,patch"),
+    ]);
+    ensure!(granted == expected, "controller ClusterRole {granted:?}");
+    let role = rules(object(applied, "Role", Some("controller"))?);
+    let lease_rule = format!("leases[{lease_name}]");
+    let expected = rows(&[
+        ("coordination.k8s.io", "leases", "create"),
+        ("coordination.k8s.io", lease_rule.as_str(), "get,update"),
+    ]);
+    ensure!(role == expected, "controller Role {role:?}");
+
+    let token = token(ctx, account, None).await?;
+    let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{ns}-controller"), &token)?;
+    let identity = format!("{account}-7d9f8-x2x4q");
+    let fields = HashMap::from([("metadata.name", identity.clone()), ("metadata.namespace", ns.to_string())]);
+    let mut args = command_line(&pod_spec["containers"][0], "controller", &fields, &HashMap::new())?;
+    ensure!(args.iter().any(|a| a == "--leader-elect=true"), "leader election is not on: {args:?}");
+    args.extend(["--namespace".to_string(), ns.to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut controller = Component::start(&kubeconfig, &format!("{ns}-controller"), &args)?;
+    controller.wait_ready().await?;
+
+    create_template(ctx, "one-gpu", one_gpu()).await?;
+    create_pod(ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let pods = objects::pods(ctx);
+    let recorded = wait::until("the pod to record its claim", SETTLE, || async {
+        let pod = pods.get("trainer").await?;
+        Ok(claim_statuses(&pod).first().and_then(|(_, claim)| claim.clone()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let claim = objects::claims(ctx).get(&recorded).await?;
+    ensure!(claim.metadata.owner_references.is_some_and(|o| o[0].name == "trainer"), "claim {recorded} not the pod's");
+    wait::until("the ResourceClaimCreated event", SETTLE, || async {
+        Ok(events_about(ctx, "trainer").await?.into_iter().find(|(_, reason, _)| reason == "ResourceClaimCreated"))
+    })
+    .await?;
+    let lease = Api::<Lease>::namespaced(ctx.client.clone(), ns).get(lease_name).await?;
+    let holder = lease.spec.and_then(|s| s.holder_identity);
+    ensure!(holder.as_deref() == Some(identity.as_str()), "Lease {lease_name} held by {holder:?}");
+
+    // Outside the grant.
+    let client = client_for(&kubeconfig).await?;
+    let message = forbidden(
+        "delete a pod",
+        Api::<Pod>::namespaced(client.clone(), ns).delete("trainer", &Default::default()).await,
+    )?;
+    ensure!(message.contains("cannot delete resource \"pods\""), "{message}");
+    forbidden("list secrets", Api::<Secret>::namespaced(client.clone(), ns).list(&ListParams::default()).await)?;
+    forbidden("list ResourceSlices", Api::<ResourceSlice>::all(client.clone()).list(&ListParams::default()).await)?;
+    forbidden("read another Lease", Api::<Lease>::namespaced(client.clone(), ns).get("kube-controller-manager").await)?;
+    ensure!(
+        !controller.log_text().contains("forbidden"),
+        "the controller was refused something:\n{}",
+        controller.log_tail()
+    );
+
+    // Shutdown releases the Lease (get and update on it).
+    let status = controller.terminate()?;
+    ensure!(status.success(), "controller exited with {status}");
+    let lease = Api::<Lease>::namespaced(ctx.client.clone(), ns).get(lease_name).await?;
+    ensure!(lease.spec.and_then(|s| s.holder_identity).is_none(), "the Lease was not released");
+    Ok(())
+}
+
+pub(super) async fn node_agent_works_under_its_service_account_and_is_refused_the_rest(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let release = release(&ctx);
+    let class = ctx.namespace.clone();
+    let class_set = format!("deviceClasses.gpu.name={class}");
+    let rendered = documents(&render(
+        &release,
+        &ctx.namespace,
+        false,
+        &[
+            "controller.enabled=false",
+            "nodeAgent.gpuBackend=simulated",
+            "nodeAgent.simulatedGpus=2xH100-80GB",
+            &class_set,
+        ],
+    )?);
+    let applied = apply(&ctx, &rendered)?;
+    let result = node_agent_under_its_account(&ctx, &applied, &class).await;
+    delete(&ctx, &rendered);
+    result
+}
+
+/// A pod object of the agent's ServiceAccount bound to `node` (it never runs: there is no kubelet) and a token
+/// bound to it, which therefore carries the node's name, as the projected token of a DaemonSet pod does.
+pub(super) async fn node_bound_token(ctx: &TestContext, account: &str, node: &str) -> anyhow::Result<String> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": format!("node-agent-{node}")},
+        "spec": {"serviceAccountName": account, "nodeName": node, "automountServiceAccountToken": false,
+                 "containers": [{"name": "node-agent", "image": "gpu-dra:test"}]}
+    }))?;
+    let pod = objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    let uid = pod.metadata.uid.clone().unwrap_or_default();
+    token(ctx, account, Some((&name, &uid))).await
+}
+
+pub(super) fn slice(name: &str, node: &str, driver: &str) -> anyhow::Result<ResourceSlice> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"driver": driver, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                 "devices": []}
+    }))?)
+}
+
+/// Waits until the admission policy is in force (the API server loads it asynchronously): a ResourceSlice of
+/// `other` node written with `client` is refused. Returns the refusal.
+pub(super) async fn policy_in_force(ctx: &TestContext, client: &kube::Client, other: &str) -> anyhow::Result<String> {
+    let name = format!("{other}-probe");
+    wait::until("the admission policy to be in force", SETTLE, || async {
+        match Api::<ResourceSlice>::all(client.clone())
+            .create(&PostParams::default(), &slice(&name, other, DRIVER)?)
+            .await
+        {
+            Ok(_) => {
+                Api::<ResourceSlice>::all(ctx.client.clone()).delete(&name, &DeleteParams::default()).await?;
+                Ok(None)
+            }
+            Err(kube::Error::Api(status))
+                if status.code == 403 && status.message.contains("ValidatingAdmissionPolicy") =>
+            {
+                Ok(Some(status.message))
+            }
+            Err(err) => Err(err.into()),
+        }
+    })
+    .await
+}
+
+async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], class: &str) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let suffix = &ns[ns.len() - 6..];
+    let node = format!("gpu-node-{suffix}");
+    ctx.cluster.add_node(&node)?;
+    let daemonset = object(applied, "DaemonSet", Some("node-agent"))?;
+    let pod_spec = &daemonset["spec"]["template"]["spec"];
+    let account = pod_spec["serviceAccountName"].as_str().context("no serviceAccountName")?;
+
+    let granted = rules(object(applied, "ClusterRole", Some("node-agent"))?);
+    let expected = rows(&[
+        ("resource.k8s.io", "resourceslices", "create,delete,list,watch"),
+        ("resource.k8s.io", "resourceclaims", "get,list"),
+        ("", "nodes", "get"),
+        ("events.k8s.io", "events", "create,patch"),
+    ]);
+    ensure!(granted == expected, "node agent ClusterRole {granted:?}");
+
+    let token = node_bound_token(ctx, account, &node).await?;
+    let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{ns}-node-agent"), &token)?;
+    let client = client_for(&kubeconfig).await?;
+    // The agent runs under the policy, not before it is in force.
+    policy_in_force(ctx, &client, &format!("other-{suffix}")).await?;
+
+    let dirs = NodeDirs::new()?;
+    std::fs::write(dirs.boot_id_file(), "boot-1\n")?;
+    std::fs::create_dir_all(dirs.state())?;
+    // A corrupt checkpoint makes the agent list claims and publish an Event: both must be granted.
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    let path = |p: PathBuf| p.to_string_lossy().into_owned();
+    let overrides = HashMap::from([
+        ("GPU_DRA_KUBELET_REGISTRY_DIR", path(dirs.registry())),
+        ("GPU_DRA_KUBELET_PLUGINS_DIR", path(dirs.plugins())),
+        ("GPU_DRA_CDI_DIR", path(dirs.cdi())),
+        ("GPU_DRA_STATE_DIR", path(dirs.state())),
+    ]);
+    let fields = HashMap::from([("spec.nodeName", node.clone())]);
+    let mut args = command_line(&pod_spec["containers"][0], "node-agent", &fields, &overrides)?;
+    args.push(format!("--boot-id-file={}", dirs.boot_id_file().display()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut agent = Component::start(&kubeconfig, &format!("{ns}-node-agent"), &args)?;
+    agent.wait_ready().await?;
+
+    let selector = format!("spec.nodeName={node},spec.driver={DRIVER}");
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone());
+    wait::until("the agent's ResourceSlice", SETTLE, || async {
+        let list = slices.list(&ListParams::default().fields(&selector)).await?.items;
+        Ok(list.iter().any(|s| s.spec.devices.as_ref().is_some_and(|d| d.len() == 2)).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
+    wait::until("the CheckpointCorrupt event", SETTLE, || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        Ok(list
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("CheckpointCorrupt")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str())
+            })
+            .map(|_| ()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+
+    // The scheduler allocates through the chart's DeviceClass; the agent prepares.
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "pair"},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": class, "count": 2}}]}}
+    }))?;
+    objects::claims(ctx).create(&PostParams::default(), &claim).await?;
+    objects::create_pod_on(ctx, "trainer", &node, json!([{"name": "gpus", "resourceClaimName": "pair"}])).await?;
+    let claims = objects::claims(ctx);
+    let uid = wait::until("the scheduler to allocate the claim", SETTLE, || async {
+        let claim = claims.get("pair").await?;
+        let status = claim.status.unwrap_or_default();
+        let allocated = status.allocation.and_then(|a| a.devices).and_then(|d| d.results).unwrap_or_default();
+        Ok((allocated.len() == 2 && status.reserved_for.is_some_and(|r| !r.is_empty()))
+            .then(|| claim.metadata.uid.unwrap_or_default()))
+    })
+    .await?;
+    let answer = kubelet.prepare(&[(ns, "pair", &uid)]).await?;
+    let prepared = answer.get(&uid).context("no answer")?;
+    ensure!(prepared.error.is_empty() && prepared.devices.len() == 2, "prepare: {prepared:?}");
+    ensure!(dirs.cdi_spec(&uid).exists(), "no CDI spec written");
+    let unprepared = kubelet.unprepare(&[(ns, "pair", &uid)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "unprepare: {unprepared:?}");
+
+    // Outside the grant.
+    let message =
+        forbidden("list secrets", Api::<Secret>::namespaced(client.clone(), ns).list(&ListParams::default()).await)?;
+    ensure!(message.contains("cannot list resource \"secrets\""), "{message}");
+    forbidden("read a pod", Api::<Pod>::namespaced(client.clone(), ns).get("trainer").await)?;
+    forbidden(
+        "delete a claim",
+        Api::<ResourceClaim>::namespaced(client.clone(), ns).delete("pair", &DeleteParams::default()).await,
+    )?;
+    ensure!(!agent.log_text().contains("forbidden"), "the agent was refused something:\n{}", agent.log_tail());
+    let status = agent.terminate()?;
+    ensure!(status.success(), "agent exited with {status}");
+    Ok(())
+}

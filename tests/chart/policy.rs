@@ -1,0 +1,72 @@
+//! The ValidatingAdmissionPolicy keeps a node agent to its own node's ResourceSlices.
+
+use super::identities::{node_bound_token, policy_in_force, slice};
+use super::*;
+pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: TestContext) -> anyhow::Result<()> {
+    let release = release(&ctx);
+    let rendered = documents(&render(
+        &release,
+        &ctx.namespace,
+        false,
+        &["controller.enabled=false", "deviceClasses.gpu.enabled=false"],
+    )?);
+    let applied = apply(&ctx, &rendered)?;
+    let result = policy_refusals(&ctx, &applied).await;
+    delete(&ctx, &rendered);
+    result
+}
+
+async fn policy_refusals(ctx: &TestContext, applied: &[Value]) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let suffix = &ns[ns.len() - 6..];
+    let (own, other) = (format!("own-{suffix}"), format!("other-{suffix}"));
+    ctx.cluster.add_node(&own)?;
+    let daemonset = object(applied, "DaemonSet", Some("node-agent"))?;
+    let account = daemonset["spec"]["template"]["spec"]["serviceAccountName"].as_str().context("no account")?;
+    let bound = node_bound_token(ctx, account, &own).await?;
+    let agent = client_for(&ctx.cluster.kubeconfig_for_token(&format!("{ns}-bound"), &bound)?).await?;
+    let unbound = token(ctx, account, None).await?;
+    let unbound = client_for(&ctx.cluster.kubeconfig_for_token(&format!("{ns}-unbound"), &unbound)?).await?;
+    let as_agent = Api::<ResourceSlice>::all(agent.clone());
+    let as_admin = Api::<ResourceSlice>::all(ctx.client.clone());
+    let pp = PostParams::default();
+
+    // Another node's slice: create refused, naming both nodes.
+    let refusal = policy_in_force(ctx, &agent, &other).await?;
+    ensure!(
+        refusal.contains(&format!(
+            "the node agent on node {own} may only write ResourceSlices of its own node, not of node {other}"
+        )),
+        "{refusal}"
+    );
+    // Its own node's slice: created and deleted.
+    as_agent.create(&pp, &slice(&format!("{own}-a"), &own, DRIVER)?).await.context("create own node's slice")?;
+    as_agent.delete(&format!("{own}-a"), &DeleteParams::default()).await.context("delete own node's slice")?;
+    // Another node's existing slice: delete refused by the policy; update is not even granted (RBAC).
+    as_admin.create(&pp, &slice(&format!("{other}-b"), &other, DRIVER)?).await?;
+    let message = forbidden(
+        "delete another node's slice",
+        as_agent.delete(&format!("{other}-b"), &DeleteParams::default()).await,
+    )?;
+    ensure!(message.contains(&format!("not of node {other}")), "{message}");
+    let mut existing = as_admin.get(&format!("{other}-b")).await?;
+    existing.spec.node_name = Some(own.clone());
+    let message =
+        forbidden("update another node's slice", as_agent.replace(&format!("{other}-b"), &pp, &existing).await)?;
+    ensure!(message.contains("cannot update resource \"resourceslices\""), "{message}");
+    // Its own node, another driver's slice.
+    let message = forbidden(
+        "write another driver's slice",
+        as_agent.create(&pp, &slice(&format!("{own}-c"), &own, "other.example.com")?).await,
+    )?;
+    ensure!(message.contains(&format!("only write ResourceSlices of driver {DRIVER}")), "{message}");
+    // A token of the same account that is bound to no pod carries no node: no slice at all.
+    let message = forbidden(
+        "write a slice without a node-bound token",
+        Api::<ResourceSlice>::all(unbound).create(&pp, &slice(&format!("{own}-d"), &own, DRIVER)?).await,
+    )?;
+    ensure!(message.contains("carry no node name"), "{message}");
+    // The admin (anyone but the agent's account) is not restricted.
+    as_admin.delete(&format!("{other}-b"), &DeleteParams::default()).await?;
+    Ok(())
+}
