@@ -1,6 +1,7 @@
 //! The components under their chart ServiceAccounts: everything they need works, the rest is refused.
 
 use super::*;
+
 pub(super) async fn controller_works_under_its_service_account_and_is_refused_the_rest(
     ctx: TestContext,
 ) -> anyhow::Result<()> {

@@ -2,6 +2,7 @@
 
 use super::identities::{node_bound_token, policy_in_force, slice};
 use super::*;
+
 pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: TestContext) -> anyhow::Result<()> {
     let release = release(&ctx);
     let rendered = documents(&render(

@@ -1,6 +1,7 @@
 //! Lint, render, schema and server-side apply of the chart, and what the API server stored.
 
 use super::*;
+
 pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestContext) -> anyhow::Result<()> {
     let chart = chart_dir();
     let chart = chart.to_str().context("chart path")?;
