@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test bench lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo test release bench lint fmt k8s-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -10,8 +10,11 @@ help: ## List the targets
 demo: ## Run the demo on a local control plane (builds what is missing; leaves the cluster up)
 	e2e/demo.sh
 
-test: k8s-binaries lint ## Run every check and test CI runs (builds what is missing)
+test: k8s-binaries lint release ## Run every check and test CI runs (builds what is missing)
 	$(CARGO) test --locked
+
+release: ## Build target/release/gpu-dra exactly as the Dockerfile, the demo and gpu-check do
+	$(CARGO) build --release --locked
 
 bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager, and the kubelet plugin (prints tables)
 	$(CARGO) bench --locked --bench claim_controller

@@ -22,7 +22,7 @@ secs() { python3 -c 'import sys; print(f"{float(sys.argv[2]) - float(sys.argv[1]
 say "Building what is missing (Kubernetes and the kubelet harness from Go modules, gpu-dra with cargo)"
 "$E2E_DIR/build-k8s.sh"
 HARNESS=$("$E2E_DIR/build-kubelet-harness.sh" | tail -n 1)
-(cd "$REPO" && cargo build --locked --release --quiet)
+(cd "$REPO" && cargo build --release --locked)
 BIN="$REPO/target/release/gpu-dra"
 
 say "Starting the local control plane"

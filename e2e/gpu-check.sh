@@ -20,7 +20,7 @@ if [[ -z "$bin" ]]; then
     bin=$root/target/release/gpu-dra
     if command -v cargo >/dev/null 2>&1; then
         log "building $bin (cargo build --release --locked)"
-        (cd "$root" && cargo build --release --locked --bin gpu-dra) >&2
+        (cd "$root" && cargo build --release --locked) >&2
     fi
 fi
 [[ -x "$bin" ]] || die "no gpu-dra binary at $bin: install Rust (cargo) or set GPU_DRA_BIN"
