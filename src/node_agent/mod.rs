@@ -104,7 +104,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
     };
-    let client = crate::kube_client::client(&args.client).await.map_err(NodeAgentError::Client)?;
+    let config = kube::Config::infer().await.map_err(|e| NodeAgentError::Client(kube::Error::InferConfig(e)))?;
+    let client =
+        crate::kube_client::client_from_config(config.clone(), &args.client).map_err(NodeAgentError::Client)?;
+    // The kubelet's prepare calls read their claims through a client of their own, outside --kube-api-qps: a node
+    // starting many pods at once must not wait behind the agent's own budget (the kubelet paces those calls).
+    let unlimited = crate::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: 0 };
+    let plugin_client = crate::kube_client::client_from_config(config, &unlimited).map_err(NodeAgentError::Client)?;
     let stop = CancellationToken::new();
     crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
 
@@ -141,10 +147,16 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // on this node could prepare.
             if plugin_task.is_none() {
                 let metrics = plugin_metrics.clone();
-                let task =
-                    plugin::start(&settings, client.clone(), inventory_rx.clone(), metrics, &liveness, stop.clone())
-                        .await
-                        .map_err(|e| format!("start the kubelet plugin: {e}"))?;
+                let task = plugin::start(
+                    &settings,
+                    plugin_client.clone(),
+                    inventory_rx.clone(),
+                    metrics,
+                    &liveness,
+                    stop.clone(),
+                )
+                .await
+                .map_err(|e| format!("start the kubelet plugin: {e}"))?;
                 plugin_task = Some(task);
             }
             let count = gpus.len();
