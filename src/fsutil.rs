@@ -26,6 +26,34 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     result
 }
 
+/// Removes the temporary files [`write_atomic`] left in `dir` for targets whose name satisfies `target` when the
+/// process that wrote them is gone (killed between create and rename). Those of a live process, this one or
+/// another instance, are left alone. Returns how many were removed.
+pub fn remove_abandoned_temporaries(dir: &Path, target: impl Fn(&str) -> bool) -> io::Result<usize> {
+    let entries = match fs::read_dir(dir) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(0),
+        entries => entries?,
+    };
+    let mut removed = 0;
+    for entry in entries {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some((target_name, pid)) = name.to_str().and_then(temporary_of) else { continue };
+        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if target(target_name) && !alive {
+            remove_if_exists(&entry.path())?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
+/// `.<name>.tmp-<pid>` → (`<name>`, pid).
+fn temporary_of(file_name: &str) -> Option<(&str, u32)> {
+    let (target, pid) = file_name.strip_prefix('.')?.rsplit_once(".tmp-")?;
+    Some((target, pid.parse().ok()?))
+}
+
 /// Removes `path`; a file that is already gone is success (every removal here must be idempotent).
 pub fn remove_if_exists(path: &Path) -> io::Result<()> {
     match fs::remove_file(path) {
@@ -51,5 +79,25 @@ mod tests {
         remove_if_exists(&path)?;
         assert!(!path.exists());
         fs::remove_dir_all(&dir)
+    }
+
+    #[test]
+    fn abandoned_temporaries_go_live_ones_stay() -> io::Result<()> {
+        let dir = tempfile::tempdir()?;
+        // pid 0 is never a process of ours (and /proc/0 does not exist): abandoned.
+        let names = [".a.json.tmp-0", ".b.json.tmp-0", &format!(".a.json.tmp-{}", std::process::id()), "a.json"];
+        for name in names {
+            fs::write(dir.path().join(name), "x")?;
+        }
+        assert_eq!(remove_abandoned_temporaries(dir.path(), |target| target == "a.json")?, 1);
+        let mut left: Vec<_> = fs::read_dir(dir.path())?.flatten().map(|e| e.file_name()).collect();
+        left.sort();
+        let expected: Vec<std::ffi::OsString> =
+            [names[2], names[1], "a.json"].iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        let mut expected = expected;
+        expected.sort();
+        assert_eq!(left, expected);
+        assert_eq!(remove_abandoned_temporaries(&dir.path().join("missing"), |_| true)?, 0);
+        Ok(())
     }
 }

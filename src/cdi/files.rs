@@ -72,6 +72,14 @@ pub fn list_claim_specs(dir: &Path, kind: &CdiKind) -> Result<Vec<String>, CdiEr
     Ok(uids)
 }
 
+/// Removes the temporary spec files of this kind that a killed writer left behind (see
+/// [`crate::fsutil::remove_abandoned_temporaries`]); returns how many.
+pub fn remove_abandoned_spec_temporaries(dir: &Path, kind: &CdiKind) -> Result<usize, CdiError> {
+    let prefix = file_prefix(kind);
+    crate::fsutil::remove_abandoned_temporaries(dir, |name| name.starts_with(&prefix) && name.ends_with(".json"))
+        .map_err(|source| CdiError::ListSpecs { dir: dir.to_path_buf(), source })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

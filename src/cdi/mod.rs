@@ -20,7 +20,10 @@ use std::io;
 use std::path::PathBuf;
 
 pub use driver_files::{DriverFiles, DriverMount};
-pub use files::{claim_spec_exists, list_claim_specs, remove_claim_spec, spec_file_name, write_claim_spec};
+pub use files::{
+    claim_spec_exists, list_claim_specs, remove_abandoned_spec_temporaries, remove_claim_spec, spec_file_name,
+    write_claim_spec,
+};
 pub use spec::{build_claim_spec, validate_claim_spec};
 
 /// Why a CDI spec could not be built, written or removed. Every message starts with the operation and names the

@@ -224,6 +224,10 @@ impl CheckpointStore {
     pub fn load(&self, current_boot_id: &str) -> Result<Loaded, CheckpointError> {
         let dir = self.dir();
         fs::create_dir_all(dir).map_err(|source| CheckpointError::CreateDir { path: dir.to_path_buf(), source })?;
+        // A save killed before its rename leaves a temporary file; the checkpoint itself is intact either way.
+        if let Err(e) = crate::fsutil::remove_abandoned_temporaries(dir, |name| name == CHECKPOINT_FILE) {
+            tracing::warn!(dir = %dir.display(), error = %e, "removing abandoned temporary checkpoint files failed");
+        }
         let fresh = Checkpoint::new(current_boot_id);
         let bytes = match fs::read(&self.path) {
             Ok(bytes) => bytes,

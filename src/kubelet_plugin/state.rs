@@ -441,6 +441,11 @@ impl DriverState {
             }
         }
         let mut orphans = 0;
+        // A writer killed between creating its temporary file and renaming it leaves the temporary behind.
+        match cdi::remove_abandoned_spec_temporaries(&self.cdi_dir, &self.cdi_kind) {
+            Ok(removed) => orphans += removed,
+            Err(e) => warn!(error = %e, "removing abandoned temporary CDI files failed"),
+        }
         match cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind) {
             Ok(uids) => {
                 for uid in uids.iter().filter(|uid| !checkpoint.claims.contains_key(*uid)) {
