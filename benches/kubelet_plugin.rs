@@ -5,12 +5,10 @@
 //! - NodePrepareResources and NodeUnprepareResources latency as the client sees it, one claim per call, for a claim
 //!   allocated 1 GPU and one allocated 8 GPUs: `GPU_DRA_BENCH_CYCLES` (default 1,000) prepare+unprepare cycles each,
 //!   after 10 unmeasured warm-up cycles, one cycle started every `GPU_DRA_BENCH_INTERVAL_MS` (default 25 ms; 0: back
-//!   to back). The pacing keeps the claim reads under the agent's client-side API limit (`--kube-api-qps` 50, burst
-//!   100, as deployed): back to back, cycles outrun it and every prepare after the first 100 waits for a token,
-//!   ~20 ms, which measures the limiter, not a prepare (a kubelet prepares per pod start, far below 50/s). Every prepare does the full work (the claim read from the API server, the
-//!   checkpoint saved twice and the CDI spec written, each write fsync'd with its directory), because the unprepare
-//!   before it dropped the claim's record: a repeated prepare of a claim still held is answered from the checkpoint
-//!   without I/O and would measure nothing. Checked: the spec exists after every prepare and is gone after every
+//!   to back), as a kubelet prepares per pod start. Every prepare does the full work (the claim read from the API
+//!   server, the checkpoint saved twice and the CDI spec written, each write fsync'd with its directory), because the
+//!   unprepare before it dropped the claim's record: a repeated prepare of a claim still held is answered from the
+//!   checkpoint without I/O and would measure nothing. Checked: the spec exists after every prepare and is gone after every
 //!   unprepare, and the agent logged one "prepared claim" (the full path only) per prepare.
 //! - Start to ResourceSlice visible: from spawning the agent until a watch on the node's slices, opened before the
 //!   spawn, delivers one; the median of 5 starts, each on a fresh Node with fresh directories.
@@ -18,7 +16,7 @@
 //!
 //!   cargo bench --bench kubelet_plugin
 //!   GPU_DRA_BENCH_CYCLES=200 cargo bench --bench kubelet_plugin
-//!   GPU_DRA_BENCH_INTERVAL_MS=0 cargo bench --bench kubelet_plugin    # back to back: shows the rate limiter
+//!   GPU_DRA_BENCH_INTERVAL_MS=0 cargo bench --bench kubelet_plugin    # back to back
 //!
 //! The node directories are under /tmp (the file system is printed): an fsync costs what that disk costs. The API
 //! server, etcd and the agent share the machine's cores with this process.
