@@ -8,8 +8,8 @@
 //!   to back), as a kubelet prepares per pod start. Every prepare does the full work (the claim read from the API
 //!   server, the checkpoint saved twice and the CDI spec written, each write fsync'd with its directory), because the
 //!   unprepare before it dropped the claim's record: a repeated prepare of a claim still held is answered from the
-//!   checkpoint without I/O and would measure nothing. Checked: the spec exists after every prepare and is gone after every
-//!   unprepare, and the agent logged one "prepared claim" (the full path only) per prepare.
+//!   checkpoint without I/O and would measure nothing. Checked: the spec exists after every prepare and is gone
+//!   after every unprepare, and the agent logged one "prepared claim" (the full path only) per prepare.
 //! - Start to ResourceSlice visible: from spawning the agent until a watch on the node's slices, opened before the
 //!   spawn, delivers one; the median of 5 starts, each on a fresh Node with fresh directories.
 //! - The agent's resident memory (/proc/<pid>/status): idle after start, and VmRSS and VmHWM (peak) after all cycles.
