@@ -174,10 +174,11 @@ impl DriverState {
         }))
         .await;
         let this = self.clone();
-        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads)).await.unwrap_or_else(|e| {
-            warn!(error = %e, "prepare task failed");
-            Vec::new()
-        });
+        let uids: Vec<String> = reads.iter().map(|(c, _)| c.uid.clone()).collect();
+        // Every claim needs an answer, even if the task died (the kubelet retries the ones that failed).
+        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads))
+            .await
+            .unwrap_or_else(|e| uids.into_iter().map(|uid| (uid, Err(format!("prepare task failed: {e}")))).collect());
         for (_, result) in &results {
             self.metrics.claim(Operation::Prepare, result.is_ok());
         }
