@@ -99,18 +99,8 @@ pub struct NodeAgentArgs {
     /// The Node this agent runs on (from the downward API in a DaemonSet).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// The DRA driver name: a DNS subdomain, the `driver` of every ResourceSlice and the domain of attributes.
-    #[arg(long, env = "GPU_DRA_DRIVER_NAME", default_value = "gpu.gpu-dra.dev")]
-    pub driver_name: String,
-    /// Where GPUs come from: `nvml` (the NVIDIA driver) or `simulated` (machines without GPUs).
-    #[arg(long, env = "GPU_DRA_GPU_BACKEND", value_enum, default_value_t = GpuBackend::Nvml)]
-    pub gpu_backend: GpuBackend,
-    /// Simulated GPUs: `<count>x<model>[,…]` (e.g. `4xH100-80GB`) or `@<file>` holding such a list.
-    #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
-    pub simulated_gpus: Option<String>,
-    /// Root of the NVIDIA driver installation (`/` on most nodes; e.g. `/run/nvidia/driver` with the GPU Operator).
-    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
-    pub driver_root: PathBuf,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
     /// The driver root as the container runtime on the host sees it, when this process sees it elsewhere (a
     /// DaemonSet mounting the host's root at `--driver-root /driver-root`): CDI host paths start here. Default:
     /// `--driver-root`.
@@ -140,6 +130,24 @@ pub struct NodeAgentArgs {
     pub health_addr: Option<SocketAddr>,
 }
 
+/// The driver and where its GPUs come from: shared by `node-agent` and `gpu-check`, so that the check sees what
+/// the agent would.
+#[derive(Debug, Args)]
+pub struct GpuArgs {
+    /// The DRA driver name: a DNS subdomain, the `driver` of every ResourceSlice and the domain of attributes.
+    #[arg(long, env = "GPU_DRA_DRIVER_NAME", default_value = "gpu.gpu-dra.dev")]
+    pub driver_name: String,
+    /// Where GPUs come from: `nvml` (the NVIDIA driver) or `simulated` (machines without GPUs).
+    #[arg(long, env = "GPU_DRA_GPU_BACKEND", value_enum, default_value_t = GpuBackend::Nvml)]
+    pub gpu_backend: GpuBackend,
+    /// Simulated GPUs: `<count>x<model>[,…]` (e.g. `4xH100-80GB`) or `@<file>` holding such a list.
+    #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
+    pub simulated_gpus: Option<String>,
+    /// Root of the NVIDIA driver installation (`/` on most nodes; e.g. `/run/nvidia/driver` with the GPU Operator).
+    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
+    pub driver_root: PathBuf,
+}
+
 /// Where the node agent finds GPUs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum GpuBackend {
@@ -153,18 +161,8 @@ pub struct GpuCheckArgs {
     /// The node name the slice would carry.
     #[arg(long, env = "NODE_NAME", default_value = "gpu-check")]
     pub node_name: String,
-    /// The DRA driver name (as for the node agent).
-    #[arg(long, env = "GPU_DRA_DRIVER_NAME", default_value = "gpu.gpu-dra.dev")]
-    pub driver_name: String,
-    /// Where GPUs come from (as for the node agent).
-    #[arg(long, env = "GPU_DRA_GPU_BACKEND", value_enum, default_value_t = GpuBackend::Nvml)]
-    pub gpu_backend: GpuBackend,
-    /// Simulated GPUs (as for the node agent).
-    #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
-    pub simulated_gpus: Option<String>,
-    /// Root of the NVIDIA driver installation (as for the node agent).
-    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
-    pub driver_root: PathBuf,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
     /// Where to write the CDI spec of the sample claim (a scratch directory, not the runtime's).
     #[arg(long)]
     pub cdi_dir: PathBuf,

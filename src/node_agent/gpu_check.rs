@@ -7,23 +7,16 @@ use std::path::Path;
 
 use serde_json::json;
 
-use super::discovery::Discovery;
-use super::discovery::nvml::NvmlDiscovery;
-use super::discovery::simulated::Simulated;
 use super::gpu::Gpu;
-use super::slices;
-use crate::cdi::{self, CdiKind, DriverFiles};
+use super::{discovery, plugin, slices};
+use crate::cdi::{self, CdiKind};
 use crate::cli::{GpuBackend, GpuCheckArgs};
 
 /// What can go wrong, each naming what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum GpuCheckError {
-    #[error("--gpu-backend simulated needs --simulated-gpus (e.g. 4xH100-80GB)")]
-    SimulatedSpecMissing,
     #[error(transparent)]
-    SimulatedSpec(#[from] super::discovery::simulated::SpecError),
-    #[error(transparent)]
-    Discovery(#[from] super::discovery::DiscoveryError),
+    Discovery(#[from] discovery::DiscoveryError),
     #[error("no GPU found: nothing to publish or prepare")]
     NoGpus,
     #[error(transparent)]
@@ -37,14 +30,8 @@ const SAMPLE_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000001";
 
 /// Runs the check and prints the report to stdout.
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
-    let discovery: Box<dyn Discovery> = match args.gpu_backend {
-        GpuBackend::Simulated => {
-            let spec = args.simulated_gpus.as_deref().ok_or(GpuCheckError::SimulatedSpecMissing)?;
-            Box::new(Simulated::new(&args.node_name, spec)?)
-        }
-        GpuBackend::Nvml => Box::new(NvmlDiscovery::new(&args.driver_root)),
-    };
-    let gpus = discovery.discover()?;
+    let gpu = &args.gpu;
+    let gpus = discovery::backend(gpu, &args.node_name)?.discover()?;
     if gpus.is_empty() {
         return Err(GpuCheckError::NoGpus);
     }
@@ -52,17 +39,15 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
 
     let devices: Vec<_> = gpus.iter().map(slices::device).collect();
     for (i, devices) in slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE).iter().enumerate() {
-        let spec = json!({"driver": args.driver_name, "nodeName": args.node_name,
+        let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,
             "pool": {"name": args.node_name, "generation": 1}, "devices": devices});
         println!("\nResourceSlice {} spec (as the agent would publish it):", i + 1);
         println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
     }
 
-    let driver_files = match args.gpu_backend {
-        GpuBackend::Nvml => DriverFiles::discover(&args.driver_root)?,
-        GpuBackend::Simulated => DriverFiles::simulated(),
-    };
-    let kind = CdiKind::from_driver_name(&args.driver_name)?;
+    let driver_root = (gpu.gpu_backend == GpuBackend::Nvml).then_some(gpu.driver_root.as_path());
+    let driver_files = plugin::driver_files(driver_root, None)?;
+    let kind = CdiKind::from_driver_name(&gpu.driver_name)?;
     let claim: Vec<Gpu> = gpus.iter().take(args.claim_gpus.max(1)).cloned().collect();
     let spec = cdi::build_claim_spec(&kind, SAMPLE_CLAIM_UID, &claim, &driver_files)?;
     let path = cdi::write_claim_spec(&args.cdi_dir, &kind, SAMPLE_CLAIM_UID, &spec)?;

@@ -40,9 +40,6 @@ use crate::kubelet_plugin::metrics::PluginMetrics;
 use crate::kubelet_plugin::{SocketError, SocketPaths};
 use crate::telemetry::process::ProcessCollector;
 use crate::telemetry::server::{self, Liveness, Readiness, ServerError};
-use discovery::Discovery;
-use discovery::nvml::NvmlDiscovery;
-use discovery::simulated::{Simulated, SpecError};
 use gpu::Gpu;
 use plugin::PluginSettings;
 use slices::publisher::{Outcome, Publisher};
@@ -62,10 +59,8 @@ pub enum NodeAgentError {
     DriverName { name: String },
     #[error("--node-name (NODE_NAME) is required: the name of the Node this agent runs on")]
     NodeName,
-    #[error("--gpu-backend simulated needs --simulated-gpus (e.g. 4xH100-80GB)")]
-    SimulatedSpecMissing,
     #[error(transparent)]
-    SimulatedSpec(#[from] SpecError),
+    Discovery(#[from] discovery::DiscoveryError),
     #[error("create the Kubernetes client (set KUBECONFIG, or run in a pod with a service account): {0}")]
     Client(#[source] kube::Error),
     #[error(transparent)]
@@ -84,23 +79,18 @@ struct ResultLabels {
 /// Runs the agent until SIGTERM/SIGINT.
 pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let node = args.node_name.clone().filter(|n| !n.is_empty()).ok_or(NodeAgentError::NodeName)?;
-    if !is_dns_subdomain(&args.driver_name) {
-        return Err(NodeAgentError::DriverName { name: args.driver_name.clone() });
+    let gpu = &args.gpu;
+    if !is_dns_subdomain(&gpu.driver_name) {
+        return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
-    let discovery: Arc<dyn Discovery> = match args.gpu_backend {
-        GpuBackend::Simulated => {
-            let spec = args.simulated_gpus.as_deref().ok_or(NodeAgentError::SimulatedSpecMissing)?;
-            Arc::new(Simulated::new(&node, spec)?)
-        }
-        GpuBackend::Nvml => Arc::new(NvmlDiscovery::new(&args.driver_root)),
-    };
+    let discovery = discovery::backend(gpu, &node)?;
     let settings = PluginSettings {
-        driver: args.driver_name.clone(),
+        driver: gpu.driver_name.clone(),
         node: node.clone(),
-        sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &args.driver_name)?,
+        sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &gpu.driver_name)?,
         cdi_dir: args.cdi_dir.clone(),
         state_dir: args.state_dir.clone(),
-        driver_root: (args.gpu_backend == GpuBackend::Nvml).then(|| args.driver_root.clone()),
+        driver_root: (gpu.gpu_backend == GpuBackend::Nvml).then(|| gpu.driver_root.clone()),
         host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
     };
@@ -131,10 +121,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         tokio::spawn(serve);
     }
 
-    let publisher = Publisher::new(client.clone(), args.driver_name.clone(), node.clone());
+    let publisher = Publisher::new(client.clone(), gpu.driver_name.clone(), node.clone());
     let changed = Arc::new(Notify::new());
     tokio::spawn(watch_own_slices(client.clone(), publisher.field_selector(), changed.clone()));
-    info!(%node, driver = %args.driver_name, backend = ?args.gpu_backend, "node agent started");
+    info!(%node, driver = %gpu.driver_name, backend = ?gpu.gpu_backend, "node agent started");
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
     let mut plugin_task = None;
@@ -198,7 +188,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
 }
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.
-async fn discover(discovery: Arc<dyn Discovery>) -> Result<Vec<Gpu>, String> {
+async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, String> {
     tokio::task::spawn_blocking(move || discovery.discover())
         .await
         .map_err(|e| format!("discovery task failed: {e}"))?

@@ -1,7 +1,7 @@
 //! Starting the kubelet plugin once the node's GPUs are known: recovery of the checkpoint (with a Warning Event on
 //! the Node when it was corrupt), then the two sockets, then `/healthz` checks that they answer.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
@@ -44,16 +44,8 @@ pub(super) async fn start(
     liveness: &Liveness,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
-    let driver_files = match &settings.driver_root {
-        Some(root) => {
-            let files = DriverFiles::discover(root).map_err(|e| e.to_string())?;
-            match &settings.host_driver_root {
-                Some(host_root) => files.seen_from_host(host_root),
-                None => files,
-            }
-        }
-        None => DriverFiles::simulated(),
-    };
+    let driver_files = driver_files(settings.driver_root.as_deref(), settings.host_driver_root.as_deref())
+        .map_err(|e| e.to_string())?;
     let config = StateConfig {
         driver: settings.driver.clone(),
         pool: settings.node.clone(),
@@ -73,6 +65,20 @@ pub(super) async fn start(
         Box::pin(async move { kubelet_plugin::check_sockets(&sockets).await })
     });
     Ok(task)
+}
+
+/// The driver files prepared claims get: those under `driver_root` (host paths as the runtime sees them when
+/// `host_driver_root` is given), or, without a driver root (simulated GPUs), none.
+pub(super) fn driver_files(
+    driver_root: Option<&Path>,
+    host_driver_root: Option<&Path>,
+) -> Result<DriverFiles, crate::cdi::CdiError> {
+    let Some(root) = driver_root else { return Ok(DriverFiles::simulated()) };
+    let files = DriverFiles::discover(root)?;
+    Ok(match host_driver_root {
+        Some(host_root) => files.seen_from_host(host_root),
+        None => files,
+    })
 }
 
 async fn report(recovery: &Recovery, node: &str, client: kube::Client) {

@@ -24,8 +24,22 @@ pub enum DiscoveryError {
         #[source]
         source: ::nvml_wrapper::error::NvmlError,
     },
+    #[error("--gpu-backend simulated needs --simulated-gpus (e.g. 4xH100-80GB)")]
+    SimulatedSpecMissing,
     #[error(transparent)]
     SimulatedSpec(#[from] simulated::SpecError),
+}
+
+/// The backend `gpu` chooses, for node `node` (simulated UUIDs are stable per node). A bad simulated spec is an
+/// error here, at start-up; NVML problems show only when discovering (the agent then retries).
+pub fn backend(gpu: &crate::cli::GpuArgs, node: &str) -> Result<std::sync::Arc<dyn Discovery>, DiscoveryError> {
+    Ok(match gpu.gpu_backend {
+        crate::cli::GpuBackend::Simulated => {
+            let spec = gpu.simulated_gpus.as_deref().ok_or(DiscoveryError::SimulatedSpecMissing)?;
+            std::sync::Arc::new(simulated::Simulated::new(node, spec)?)
+        }
+        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(&gpu.driver_root)),
+    })
 }
 
 /// A source of GPUs.
