@@ -83,7 +83,8 @@ pub fn remove_abandoned_spec_temporaries(dir: &Path, kind: &CdiKind) -> Result<u
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cdi::{DriverFiles, build_claim_spec, device_name, test_gpu};
+    use crate::cdi::{DriverFiles, build_claim_spec, device_name};
+    use crate::node_agent::gpu::test_gpu;
     use container_device_interface::schema::{compile_cdi_schema, validate_cdi};
     use container_device_interface::spec::read_spec;
 

@@ -201,25 +201,6 @@ fn check_claim_uid(claim_uid: &str) -> Result<(), CdiError> {
     check_name("claim UID", claim_uid, DEVICE)
 }
 
-/// A GPU as discovery reports it, for the tests of this module.
-#[cfg(test)]
-fn test_gpu(minor: u32, bus: &str) -> crate::node_agent::gpu::Gpu {
-    crate::node_agent::gpu::Gpu {
-        index: minor,
-        minor,
-        uuid: format!("GPU-{minor:08x}-0000-0000-0000-000000000000"),
-        product_name: "NVIDIA H100 80GB HBM3".into(),
-        brand: "Nvidia".into(),
-        architecture: "Hopper".into(),
-        cuda_compute_capability: "9.0".into(),
-        driver_version: "550.54.15".into(),
-        cuda_driver_version: "12.4".into(),
-        pci_bus_id: bus.into(),
-        memory_bytes: 80 << 30,
-        mig_enabled: false,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -134,7 +134,8 @@ fn typed(claim_uid: &str, document: Value) -> Result<Spec, CdiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cdi::{device_id, test_gpu as gpu};
+    use crate::cdi::device_id;
+    use crate::node_agent::gpu::test_gpu as gpu;
 
     fn to_json(spec: &Spec) -> Value {
         serde_json::to_value(spec).unwrap_or_default()

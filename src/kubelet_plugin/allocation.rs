@@ -116,29 +116,13 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node_agent::gpu::test_gpu;
     use serde_json::json;
 
     const DRIVER: &str = "gpu.gpu-dra.dev";
 
-    fn gpu(minor: u32) -> Gpu {
-        Gpu {
-            index: minor,
-            minor,
-            uuid: format!("GPU-{minor}"),
-            product_name: "NVIDIA H100 80GB HBM3".into(),
-            brand: "Nvidia".into(),
-            architecture: "Hopper".into(),
-            cuda_compute_capability: "9.0".into(),
-            driver_version: "550.54.15".into(),
-            cuda_driver_version: "12.4".into(),
-            pci_bus_id: format!("0000:{minor:02x}:00.0"),
-            memory_bytes: 80 << 30,
-            mig_enabled: false,
-        }
-    }
-
     fn inventory() -> Inventory {
-        [0, 1].into_iter().map(|m| (format!("gpu-{m}"), gpu(m))).collect()
+        [0, 1].into_iter().map(|m| (format!("gpu-{m}"), test_gpu(m, &format!("0000:{m:02x}:00.0")))).collect()
     }
 
     fn wanted() -> ClaimRef {

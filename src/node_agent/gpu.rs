@@ -31,6 +31,25 @@ impl Gpu {
     }
 }
 
+/// A GPU as discovery reports it, for unit tests anywhere in the crate.
+#[cfg(test)]
+pub(crate) fn test_gpu(minor: u32, bus: &str) -> Gpu {
+    Gpu {
+        index: minor,
+        minor,
+        uuid: format!("GPU-{minor:08x}-0000-0000-0000-000000000000"),
+        product_name: "NVIDIA H100 80GB HBM3".into(),
+        brand: "Nvidia".into(),
+        architecture: "Hopper".into(),
+        cuda_compute_capability: "9.0".into(),
+        driver_version: "550.54.15".into(),
+        cuda_driver_version: "12.4".into(),
+        pci_bus_id: bus.into(),
+        memory_bytes: 80 << 30,
+        mig_enabled: false,
+    }
+}
+
 /// Turns a driver's version string into a semantic version the API server accepts: numeric parts without
 /// leading zeros, padded to three (`535.104.05` → `535.104.5`, `12.4` → `12.4.0`), anything after the numbers
 /// dropped (`550.54.15-custom` → `550.54.15`). NVIDIA's own driver publishes the raw string, and one odd version
