@@ -71,11 +71,8 @@ build_kubernetes() {
     local gomod
     gomod=$(cd "$work" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
     [[ -n "$gomod" && -f "$gomod" ]] || die "could not download k8s.io/kubernetes@$K8S_VERSION from the Go module proxy ($go_env_proxy)"
-    local staging_version="v0.${K8S_VERSION#v1.}"
     local replaces=()
-    while read -r mod; do
-        replaces+=("-replace=$mod=$mod@$staging_version")
-    done < <(grep -E '^\s+k8s\.io/[a-z0-9-]+ v0\.0\.0$' "$gomod" | awk '{print $1}')
+    mapfile -t replaces < <(staging_replaces "$gomod")
     [[ ${#replaces[@]} -gt 0 ]] || die "found no staging modules in $gomod; the module layout changed"
     go_in "$work" mod edit "${replaces[@]}"
     local pkgs=()

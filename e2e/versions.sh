@@ -7,5 +7,12 @@ GPU_DRA_CACHE=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra}
 K8S_BIN="$GPU_DRA_CACHE/k8s-$K8S_VERSION/bin"
 ETCD_BIN="$GPU_DRA_CACHE/etcd-$ETCD_VERSION/bin"
 HELM_BIN="$GPU_DRA_CACHE/helm-$HELM_VERSION/bin"
+# k8s.io/kubernetes requires every staging module (k8s.io/api, …) at v0.0.0; a module built from it needs a replace
+# to each one's published twin (v0.<minor>.<patch>). Prints one `-replace=…` argument for `go mod edit` per staging
+# module named in the go.mod file $1.
+staging_replaces() {
+    local staging_version="v0.${K8S_VERSION#v1.}"
+    grep -E '^\s+k8s\.io/[a-z0-9-]+ v0\.0\.0$' "$1" | awk -v v="$staging_version" '{print "-replace=" $1 "=" $1 "@" v}'
+}
 HADOLINT_VERSION=${HADOLINT_VERSION:-2.15.1}
 HADOLINT_DIR="$GPU_DRA_CACHE/hadolint-$HADOLINT_VERSION"
