@@ -24,8 +24,19 @@ pub struct ClientArgs {
 
 /// Builds a client from the inferred configuration, rate limited by `args`.
 pub async fn client(args: &ClientArgs) -> Result<kube::Client, kube::Error> {
+    client_from_config(infer_config().await?, args)
+}
+
+/// The usual configuration: `KUBECONFIG` (or `~/.kube/config`), else the pod's service account (in-cluster).
+/// Logs (once per process) the API server and default namespace it resolved to, so an operator sees which one
+/// a process uses.
+pub async fn infer_config() -> Result<kube::Config, kube::Error> {
+    static LOGGED: std::sync::Once = std::sync::Once::new();
     let config = kube::Config::infer().await.map_err(kube::Error::InferConfig)?;
-    client_from_config(config, args)
+    LOGGED.call_once(|| {
+        tracing::info!(server = %config.cluster_url, namespace = %config.default_namespace, "API server configuration");
+    });
+    Ok(config)
 }
 
 /// Makes `ring` the process's TLS crypto provider. Two providers are linked (kube uses `ring`; the CDI crate's

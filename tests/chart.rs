@@ -31,7 +31,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeDirs};
 use support::objects::{self, claim_statuses, create_pod, create_template, events_about, one_gpu};
-use support::process::Component;
+use support::process::{Component, InClusterAccount};
 use support::{TestContext, wait};
 
 const FIELD_MANAGER: &str = "gpu-dra-chart-test";

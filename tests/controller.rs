@@ -479,6 +479,17 @@ async fn rejected_claim_warns_once_and_backs_off(ctx: TestContext) -> anyhow::Re
         )
         .await?;
     ensure!((3.0..=20.0).contains(&failures), "{failures} create attempts in 6 s: expected an exponential back-off");
+    // The repeats are counted on that one Event (events.k8s.io series), as client-go's recorder does.
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let series = events
+        .list(&Default::default())
+        .await?
+        .items
+        .into_iter()
+        .find(|e| e.reason.as_deref() == Some("FailedResourceClaimCreation"))
+        .and_then(|e| e.series)
+        .map(|s| s.count);
+    ensure!(series.is_some_and(|count| count >= 2), "the repeats were not aggregated: series count {series:?}");
     ensure!(list_claims(&ctx).await?.is_empty(), "no claim may exist");
     Ok(())
 }

@@ -7,9 +7,9 @@
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use futures::StreamExt;
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -38,8 +38,9 @@ pub struct Caches {
     pub templates: Store<DynamicObject>,
     /// Claims by the UID of their controlling pod (orphan adoption).
     claims_by_owner: Index<ResourceClaim>,
-    /// Pods by `namespace/claim-name` of every claim they name or have recorded.
-    pods_by_claim: Index<Pod>,
+    /// Pods by `namespace/claim-name` of every claim they name directly (`resourceClaimName`). A claim generated
+    /// from a template leads to its pod through its owner reference instead, so the common case costs no entry.
+    pods_by_named_claim: Index<Pod>,
     /// Pods by `namespace/template-name` of every template they use.
     pods_by_template: Index<Pod>,
     deleted_pods: Mutex<RecentSet>,
@@ -74,9 +75,9 @@ impl Caches {
             claims_by_owner: Index::new(|claim: &ResourceClaim| {
                 decide::owning_pod(claim).map(|(_, uid)| uid.to_string()).into_iter().collect()
             }),
-            pods_by_claim: Index::new(|pod: &Pod| {
+            pods_by_named_claim: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
-                decide::known_claim_names(pod).into_iter().map(|name| format!("{ns}/{name}")).collect()
+                decide::named_claim_names(pod).into_iter().map(|name| format!("{ns}/{name}")).collect()
             }),
             pods_by_template: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
@@ -211,9 +212,9 @@ impl Caches {
         lock(&self.deleted_pods).contains(pod_uid)
     }
 
-    /// Pods that name `namespace/claim`.
-    pub fn pods_using_claim(&self, namespace: &str, claim: &str) -> Vec<ObjectKey> {
-        self.pods_by_claim.get(&format!("{namespace}/{claim}"))
+    /// Pods that name `namespace/claim` directly.
+    pub fn pods_naming_claim(&self, namespace: &str, claim: &str) -> Vec<ObjectKey> {
+        self.pods_by_named_claim.get(&format!("{namespace}/{claim}"))
     }
 
     fn observed_claim(&self, claim: &ResourceClaim) {
@@ -296,11 +297,8 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
     let inspecting = ctx.clone();
     let claims = watcher(api::<ResourceClaim>(&client, namespace), watcher::Config::default())
         .default_backoff()
-        // managedFields are read once, to tell who created the claim, and not kept: they are most of a claim.
-        .modify(move |claim| {
-            inspecting.foreign.inspect(&inspecting, claim);
-            claim.metadata.managed_fields = None;
-        })
+        // Claims arrive reduced (slim_claim): managed fields are already down to the list of writers.
+        .modify(move |claim| inspecting.foreign.inspect(&inspecting, claim))
         .reflect(writers.claims)
         .for_each(|event| {
             on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
@@ -333,7 +331,7 @@ fn on_event<K>(
 }
 
 fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
-    ctx.caches.pods_by_claim.apply(event);
+    ctx.caches.pods_by_named_claim.apply(event);
     ctx.caches.pods_by_template.apply(event);
     match event {
         watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
@@ -404,7 +402,8 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
     };
     // Pods using the claim may need work now: a missing claim to re-create, an allocation to reserve.
     let namespace = claim.namespace().unwrap_or_default();
-    let mut pods = ctx.caches.pods_using_claim(&namespace, &claim.name_any());
+    // The pods that use it: those naming it, and the pod it was generated for.
+    let mut pods = ctx.caches.pods_naming_claim(&namespace, &claim.name_any());
     if let Some((owner, _)) = decide::owning_pod(claim) {
         pods.push(ObjectKey::new(namespace, owner));
     }

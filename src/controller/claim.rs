@@ -2,7 +2,9 @@
 //! nobody uses, delete the claims of finished pods, and remove duplicate generated claims.
 
 use super::slim_pod::Pod;
-use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
+use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
+
+use super::slim_claim::ResourceClaim;
 use std::time::Duration;
 
 use k8s_openapi::jiff::Timestamp;

@@ -1,29 +1,61 @@
-//! Kubernetes Events (events.k8s.io/v1) for operators. The recorder aggregates repeats of the same event into a
-//! series, so a retried failure updates one Event instead of creating a storm.
+//! Kubernetes Events (events.k8s.io/v1) for operators. Repeats of the same event (same object, type and reason)
+//! within [`SERIES_WINDOW`] update one Event's `series` (count, last observed time) instead of creating another,
+//! as client-go's recorder does, so a retried failure never makes a storm.
 //!
 //! Events never slow the controller down: they queue for one background sender (one at a time, so repeats
 //! aggregate), which uses a client with its own rate limit (`--events-qps`). At most [`MAX_QUEUED`] wait; beyond
 //! that they are dropped and counted in `gpu_dra_controller_events_dropped_total`, as client-go's recorder drops
 //! what it cannot send.
+//!
+//! The sender remembers each recent event in a few hundred bytes (its key and name), at most [`MAX_SERIES`] of
+//! them: a burst of 5,000 pods makes 5,000 creation events, and keeping the whole Event objects for the window (as
+//! kube-runtime's `Recorder` does) was a third of the controller's heap.
 
-use super::slim_pod::Pod;
-use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::Resource;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
+use kube::Resource;
+use kube::api::{Api, Patch, PatchParams, PostParams};
+use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::warn;
+
+use super::slim_claim::ResourceClaim;
+use super::slim_pod::Pod;
+
+/// How long a sent event takes repeats into its series (client-go and kube-runtime: 6 minutes).
+pub const SERIES_WINDOW: SignedDuration = SignedDuration::from_secs(6 * 60);
+/// Recent events remembered for aggregation; the oldest are forgotten first (client-go's LRU holds 4,096).
+pub const MAX_SERIES: usize = 4096;
 
 /// Events waiting to be sent; more are dropped.
 pub const MAX_QUEUED: usize = 1000;
 
 type Queued = (ObjectReference, EventType, Reason, String);
 
+/// An Event's type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+impl EventType {
+    fn as_str(self) -> &'static str {
+        match self {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        }
+    }
+}
+
 /// Event reasons, as operators filter them (`kubectl get events --field-selector reason=…`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// Warning on a pod: a claim could not be created (same reason as kube-controller-manager).
     FailedResourceClaimCreation,
@@ -74,12 +106,11 @@ impl std::fmt::Debug for Events {
 impl Events {
     /// `client` should be one of its own, with its own rate limit. Starts the sender task.
     pub fn new(client: kube::Client, instance: String) -> Self {
-        let reporter = Reporter { controller: super::CLAIM_FIELD_MANAGER.into(), instance: Some(instance) };
-        let recorder = Recorder::new(client, reporter);
         let (queue, mut queued) = mpsc::channel::<Queued>(MAX_QUEUED);
+        let mut sender = Sender { client, instance, recent: RecentEvents::default() };
         tokio::spawn(async move {
             while let Some((regarding, type_, reason, note)) = queued.recv().await {
-                send(&recorder, regarding, type_, reason, note).await;
+                sender.send(regarding, type_, reason, note).await;
             }
         });
         Self { queue, dropped: Arc::default() }
@@ -113,8 +144,135 @@ impl Events {
     }
 }
 
-async fn send(recorder: &Recorder, regarding: ObjectReference, type_: EventType, reason: Reason, mut note: String) {
-    // The API limits an Event's note to 1 kB.
+/// What makes two events "the same" for aggregation (client-go's key, less the reporter, which is this process).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct SeriesKey {
+    /// Kind, namespace, name and UID of the object the event is about.
+    regarding: String,
+    type_: EventType,
+    reason: Reason,
+}
+
+impl SeriesKey {
+    fn new(regarding: &ObjectReference, type_: EventType, reason: Reason) -> Self {
+        let part = |p: &Option<String>| p.clone().unwrap_or_default();
+        let regarding =
+            [part(&regarding.kind), part(&regarding.namespace), part(&regarding.name), part(&regarding.uid)];
+        Self { regarding: regarding.join("/"), type_, reason }
+    }
+}
+
+/// A sent Event, as far as a repeat needs it.
+#[derive(Clone, Debug, PartialEq)]
+struct Sent {
+    namespace: String,
+    name: String,
+    count: i32,
+    last: Timestamp,
+}
+
+/// Events sent within the window, by key, oldest first.
+#[derive(Debug, Default)]
+struct RecentEvents {
+    by_key: HashMap<SeriesKey, Sent>,
+    /// Keys in the order their events were created. An event repeated since stays in place: it is kept while its
+    /// series is alive and holds back younger ones until then (harmless, and bounded by [`MAX_SERIES`]).
+    created: VecDeque<SeriesKey>,
+}
+
+impl RecentEvents {
+    /// Forgets events last seen a window ago, and the oldest beyond [`MAX_SERIES`].
+    fn expire(&mut self, now: Timestamp) {
+        while let Some(key) = self.created.front() {
+            let alive = self.by_key.get(key).is_some_and(|sent| sent.last + SERIES_WINDOW > now);
+            if alive && self.by_key.len() <= MAX_SERIES {
+                return;
+            }
+            if let Some(key) = self.created.pop_front() {
+                self.by_key.remove(&key);
+            }
+        }
+    }
+
+    fn repeat(&mut self, key: &SeriesKey, now: Timestamp) -> Option<Sent> {
+        let sent = self.by_key.get_mut(key)?;
+        sent.count += 1;
+        sent.last = now;
+        Some(sent.clone())
+    }
+
+    fn insert(&mut self, key: SeriesKey, sent: Sent) {
+        self.created.push_back(key.clone());
+        self.by_key.insert(key, sent);
+    }
+
+    fn forget(&mut self, key: &SeriesKey) {
+        self.by_key.remove(key);
+    }
+}
+
+/// The background sender: creates Events, or patches the series of a recent one.
+struct Sender {
+    client: kube::Client,
+    instance: String,
+    recent: RecentEvents,
+}
+
+impl Sender {
+    async fn send(&mut self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
+        let now = Timestamp::now();
+        self.recent.expire(now);
+        let key = SeriesKey::new(&regarding, type_, reason);
+        if let Some(sent) = self.recent.repeat(&key, now) {
+            let patch = json!({"series": {"count": sent.count, "lastObservedTime": MicroTime(now)}});
+            let events = Api::<Event>::namespaced(self.client.clone(), &sent.namespace);
+            match events.patch(&sent.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+                Ok(_) => return,
+                // Deleted meanwhile (events expire on the server too): start a new one.
+                Err(kube::Error::Api(status)) if status.code == 404 => self.recent.forget(&key),
+                Err(err) => return log_failure(reason, &regarding, &err),
+            }
+        }
+        let event = self.event(&regarding, type_, reason, note, now);
+        let namespace = event.metadata.namespace.clone().unwrap_or_default();
+        let name = event.metadata.name.clone().unwrap_or_default();
+        match Api::<Event>::namespaced(self.client.clone(), &namespace).create(&PostParams::default(), &event).await {
+            Ok(_) => self.recent.insert(key, Sent { namespace, name, count: 1, last: now }),
+            Err(err) => log_failure(reason, &regarding, &err),
+        }
+    }
+
+    fn event(
+        &self,
+        regarding: &ObjectReference,
+        type_: EventType,
+        reason: Reason,
+        note: String,
+        now: Timestamp,
+    ) -> Event {
+        let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
+        let object = regarding.name.as_deref().unwrap_or(super::CLAIM_FIELD_MANAGER);
+        Event {
+            metadata: ObjectMeta {
+                name: Some(format!("{object}.{:x}", now.as_nanosecond())),
+                namespace: Some(namespace),
+                ..Default::default()
+            },
+            event_time: Some(MicroTime(now)),
+            type_: Some(type_.as_str().into()),
+            reason: Some(reason.as_str().into()),
+            action: Some(reason.action().into()),
+            note: Some(truncate_note(note)),
+            regarding: Some(regarding.clone()),
+            reporting_controller: Some(super::CLAIM_FIELD_MANAGER.into()),
+            reporting_instance: Some(self.instance.clone()),
+            ..Default::default()
+        }
+    }
+}
+
+/// The API limits an Event's note to 1 kB.
+fn truncate_note(mut note: String) -> String {
     if note.len() > 1024 {
         let mut cut = 1021;
         while !note.is_char_boundary(cut) {
@@ -123,19 +281,89 @@ async fn send(recorder: &Recorder, regarding: ObjectReference, type_: EventType,
         note.truncate(cut);
         note.push_str("...");
     }
-    let event = Event {
-        type_,
-        reason: reason.as_str().into(),
-        note: Some(note),
-        action: reason.action().into(),
-        secondary: None,
-    };
-    if let Err(err) = recorder.publish(&event, &regarding).await {
-        warn!(
-            reason = reason.as_str(),
-            object = ?regarding.name,
-            error = %err,
-            "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
-        );
+    note
+}
+
+fn log_failure(reason: Reason, regarding: &ObjectReference, err: &kube::Error) {
+    warn!(
+        reason = reason.as_str(),
+        object = ?regarding.name,
+        error = %err,
+        "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str) -> ObjectReference {
+        ObjectReference {
+            kind: Some("Pod".into()),
+            namespace: Some("ns".into()),
+            name: Some(name.into()),
+            uid: Some(format!("uid-{name}")),
+            ..Default::default()
+        }
+    }
+
+    fn sent(name: &str, last: Timestamp) -> Sent {
+        Sent { namespace: "ns".into(), name: name.into(), count: 1, last }
+    }
+
+    #[test]
+    fn repeats_within_the_window_count_on_one_event() {
+        let t0 = Timestamp::UNIX_EPOCH;
+        let mut recent = RecentEvents::default();
+        let key = SeriesKey::new(&pod("p"), EventType::Warning, Reason::FailedResourceClaimCreation);
+        assert_eq!(recent.repeat(&key, t0), None, "nothing sent yet");
+        recent.insert(key.clone(), sent("p.1", t0));
+
+        let later = t0 + SignedDuration::from_secs(300);
+        recent.expire(later);
+        let repeated = recent.repeat(&key, later).expect("within the window");
+        assert_eq!((repeated.name.as_str(), repeated.count), ("p.1", 2));
+
+        // The window counts from the last repeat.
+        let after_first_window = t0 + SignedDuration::from_secs(420);
+        recent.expire(after_first_window);
+        assert_eq!(recent.repeat(&key, after_first_window).map(|s| s.count), Some(3));
+
+        let quiet = after_first_window + SERIES_WINDOW;
+        recent.expire(quiet);
+        assert_eq!(recent.repeat(&key, quiet), None, "a window without repeats ends the series");
+    }
+
+    #[test]
+    fn different_objects_types_and_reasons_are_different_events() {
+        let a = SeriesKey::new(&pod("a"), EventType::Warning, Reason::FailedResourceClaimCreation);
+        assert_ne!(a, SeriesKey::new(&pod("b"), EventType::Warning, Reason::FailedResourceClaimCreation));
+        assert_ne!(a, SeriesKey::new(&pod("a"), EventType::Normal, Reason::FailedResourceClaimCreation));
+        assert_ne!(a, SeriesKey::new(&pod("a"), EventType::Warning, Reason::ResourceClaimCreated));
+        let mut recreated = pod("a");
+        recreated.uid = Some("another-uid".into());
+        assert_ne!(a, SeriesKey::new(&recreated, EventType::Warning, Reason::FailedResourceClaimCreation));
+    }
+
+    #[test]
+    fn remembers_at_most_max_series() {
+        let now = Timestamp::UNIX_EPOCH;
+        let mut recent = RecentEvents::default();
+        let key = |i: usize| SeriesKey::new(&pod(&format!("p{i}")), EventType::Normal, Reason::ResourceClaimCreated);
+        for i in 0..MAX_SERIES + 10 {
+            recent.expire(now);
+            recent.insert(key(i), sent(&format!("p{i}.1"), now));
+        }
+        recent.expire(now);
+        assert_eq!(recent.by_key.len(), MAX_SERIES);
+        assert!(recent.repeat(&key(0), now).is_none(), "the oldest are forgotten first");
+        assert!(recent.repeat(&key(MAX_SERIES + 9), now).is_some());
+    }
+
+    #[test]
+    fn notes_are_cut_to_the_api_limit_on_a_character_boundary() {
+        assert_eq!(truncate_note("short".into()), "short");
+        let cut = truncate_note("é".repeat(600));
+        assert!(cut.len() <= 1024 && cut.ends_with("..."), "{}", cut.len());
     }
 }

@@ -9,7 +9,7 @@
 
 use std::sync::OnceLock;
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use super::slim_claim::ResourceClaim;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use tracing::error;
@@ -91,18 +91,11 @@ pub fn foreign_creator(claim: &ResourceClaim, since: Timestamp) -> Option<String
         return None;
     }
     // Entries without a subresource are writes to the object itself; the creator's is among them.
-    let writers: Vec<&str> = claim
-        .metadata
-        .managed_fields
-        .as_deref()?
-        .iter()
-        .filter(|m| m.subresource.as_deref().unwrap_or_default().is_empty())
-        .filter_map(|m| m.manager.as_deref())
-        .collect();
-    if writers.is_empty() || writers.contains(&CLAIM_FIELD_MANAGER) {
+    let writers = &claim.writers;
+    if writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
         return None;
     }
-    writers.first().map(|m| m.to_string())
+    writers.first().cloned()
 }
 
 #[cfg(test)]

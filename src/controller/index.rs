@@ -3,41 +3,99 @@
 //! Informer handlers keep them current from watch events; a re-list (watcher `Init` … `InitDone`) builds a fresh
 //! index beside the live one and swaps it in at the end, so lookups never see a half-built index and objects
 //! deleted while the watch was down do not linger.
+//!
+//! Built for tens of thousands of objects with one or two keys each: a key is stored once (shared by the reverse
+//! map), and a key's members are a plain vector until it has many (one template used by 5,000 pods), so the common
+//! single-member key costs one small allocation instead of a tree node or a hash table.
 
-use std::collections::{BTreeSet, HashMap};
-use std::sync::{Mutex, PoisonError};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use kube::runtime::watcher;
 use kube::{Resource, ResourceExt};
 
 use super::queue::ObjectKey;
 
+/// Above this many members a key's members move from a vector (linear removal) to a hash set.
+const FEW: usize = 16;
+
+/// The objects under one index key.
+enum Members {
+    Few(Vec<ObjectKey>),
+    Many(HashSet<ObjectKey>),
+}
+
+impl Members {
+    fn insert(&mut self, object: ObjectKey) {
+        match self {
+            Members::Few(few) if few.contains(&object) => {}
+            Members::Few(few) if few.len() < FEW => few.push(object),
+            Members::Few(few) => {
+                let mut many: HashSet<ObjectKey> = few.drain(..).collect();
+                many.insert(object);
+                *self = Members::Many(many);
+            }
+            Members::Many(many) => {
+                many.insert(object);
+            }
+        }
+    }
+
+    /// Removes `object`; true when no member is left.
+    fn remove(&mut self, object: &ObjectKey) -> bool {
+        match self {
+            Members::Few(few) => {
+                few.retain(|member| member != object);
+                few.is_empty()
+            }
+            Members::Many(many) => {
+                many.remove(object);
+                many.is_empty()
+            }
+        }
+    }
+
+    fn sorted(&self) -> Vec<ObjectKey> {
+        let mut members: Vec<ObjectKey> = match self {
+            Members::Few(few) => few.clone(),
+            Members::Many(many) => many.iter().cloned().collect(),
+        };
+        members.sort();
+        members
+    }
+}
+
 #[derive(Default)]
 struct Maps {
-    by_index_key: HashMap<String, BTreeSet<ObjectKey>>,
-    by_object: HashMap<ObjectKey, Vec<String>>,
+    by_index_key: HashMap<Arc<str>, Members>,
+    by_object: HashMap<ObjectKey, Box<[Arc<str>]>>,
 }
 
 impl Maps {
     fn remove(&mut self, object: &ObjectKey) {
         for key in self.by_object.remove(object).unwrap_or_default() {
-            if let Some(set) = self.by_index_key.get_mut(&key) {
-                set.remove(object);
-                if set.is_empty() {
-                    self.by_index_key.remove(&key);
-                }
+            if self.by_index_key.get_mut(&key).is_some_and(|members| members.remove(object)) {
+                self.by_index_key.remove(&key);
             }
         }
     }
 
     fn insert(&mut self, object: ObjectKey, keys: Vec<String>) {
         self.remove(&object);
-        for key in &keys {
-            self.by_index_key.entry(key.clone()).or_default().insert(object.clone());
+        if keys.is_empty() {
+            return;
         }
-        if !keys.is_empty() {
-            self.by_object.insert(object, keys);
+        let mut shared = Vec::with_capacity(keys.len());
+        for key in keys {
+            let key: Arc<str> = match self.by_index_key.get_key_value(key.as_str()) {
+                Some((stored, _)) => stored.clone(),
+                None => key.into(),
+            };
+            let members = self.by_index_key.entry(key.clone()).or_insert_with(|| Members::Few(Vec::with_capacity(1)));
+            members.insert(object.clone());
+            shared.push(key);
         }
+        self.by_object.insert(object, shared.into_boxed_slice());
     }
 }
 
@@ -87,9 +145,9 @@ impl<K: Resource> Index<K> {
         }
     }
 
-    /// The objects indexed under `key`.
+    /// The objects indexed under `key`, sorted.
     pub fn get(&self, key: &str) -> Vec<ObjectKey> {
-        self.lock().live.by_index_key.get(key).map(|set| set.iter().cloned().collect()).unwrap_or_default()
+        self.lock().live.by_index_key.get(key).map(Members::sorted).unwrap_or_default()
     }
 }
 
@@ -135,5 +193,26 @@ mod tests {
         assert_eq!(index.get("x"), vec![ObjectKey::new("ns", "b")]);
         index.apply(&watcher::Event::InitDone);
         assert_eq!(index.get("x"), vec![ObjectKey::new("ns", "c")]);
+    }
+
+    #[test]
+    fn a_key_shared_by_many_objects_keeps_every_member() {
+        let index = Index::new(by_label);
+        let names: Vec<String> = (0..3 * FEW).map(|i| format!("cm-{i:03}")).collect();
+        for name in &names {
+            index.apply(&watcher::Event::Apply(cm(name, "shared")));
+            // Re-applying an unchanged object must not add it twice.
+            index.apply(&watcher::Event::Apply(cm(name, "shared")));
+        }
+        let all: Vec<ObjectKey> = names.iter().map(|n| ObjectKey::new("ns", n.as_str())).collect();
+        assert_eq!(index.get("shared"), all);
+
+        for name in names.iter().skip(1) {
+            index.apply(&watcher::Event::Delete(cm(name, "shared")));
+        }
+        assert_eq!(index.get("shared"), vec![ObjectKey::new("ns", "cm-000")]);
+        index.apply(&watcher::Event::Apply(cm("cm-000", "other")));
+        assert!(index.get("shared").is_empty());
+        assert_eq!(index.get("other"), vec![ObjectKey::new("ns", "cm-000")]);
     }
 }

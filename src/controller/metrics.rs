@@ -3,7 +3,6 @@
 
 use std::sync::Arc;
 
-use kube::ResourceExt;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::MetricType;
@@ -15,11 +14,8 @@ use prometheus_client::registry::Registry;
 use serde_json::Value;
 
 use super::cache::Caches;
-use super::decide::{POD_CLAIM_NAME_ANNOTATION, is_allocated};
+use super::decide::is_allocated;
 use super::queue::WorkQueue;
-
-/// Annotation the scheduler puts on claims it generates for extended-resource requests.
-const EXTENDED_RESOURCE_CLAIM_ANNOTATION: &str = "resource.kubernetes.io/extended-resource-claim";
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct CreateLabels {
@@ -153,24 +149,17 @@ impl Collector for ScrapeTimeMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let claims: Family<ClaimLabels, Gauge> = Family::default();
         for claim in self.caches.claims.state() {
-            let annotations = claim.annotations();
-            let source = if annotations.contains_key(POD_CLAIM_NAME_ANNOTATION) {
+            let source = if claim.pod_claim_name.is_some() {
                 "resource_claim_template"
-            } else if annotations.get(EXTENDED_RESOURCE_CLAIM_ANNOTATION).map(String::as_str) == Some("true") {
+            } else if claim.extended_resource {
                 "extended_resource"
             } else {
                 ""
             };
-            let admin_access = claim
-                .spec
-                .devices
-                .as_ref()
-                .and_then(|d| d.requests.as_ref())
-                .is_some_and(|rs| rs.iter().any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true)));
             claims
                 .get_or_create(&ClaimLabels {
                     allocated: bool_label(is_allocated(&claim)),
-                    admin_access: bool_label(admin_access),
+                    admin_access: bool_label(claim.admin_access),
                     source,
                 })
                 .inc();

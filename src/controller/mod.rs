@@ -2,8 +2,8 @@
 //! kube-controller-manager's resourceclaim controller does, and goes beyond it where operators need more.
 //!
 //! ```text
-//!  watch pods (stripped) ─┐                       ┌─▶ syncPod   (pod.rs):   find/adopt/create claims,
-//!  watch claims ──────────┼─▶ handlers ─▶ queue ─▶┤                          ONE pod status write, reserve
+//!  watch pods (slim) ─────┐                       ┌─▶ syncPod   (pod.rs):   find/adopt/create claims,
+//!  watch claims (slim) ───┼─▶ handlers ─▶ queue ─▶┤                          ONE pod status write, reserve
 //!  watch templates ───────┘  (enqueue   (dedup,   └─▶ syncClaim (claim.rs): drop stale reservations,
 //!                             keys only) back-off)                           deallocate, delete finished pods' claims
 //! ```
@@ -17,6 +17,35 @@
 //! - only the leader writes; a replica that loses the Lease exits ([`crate::leader`]);
 //! - beside another active claim controller it turns observe-only ([`foreign`]).
 
+/// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API, watcher
+/// and reflector, exactly like the full k8s-openapi type it reduces.
+macro_rules! slim_resource {
+    ($ty:ident, api_version: $api_version:literal, group: $group:literal, kind: $kind:literal, version: $version:literal,
+     plural: $plural:literal) => {
+        impl k8s_openapi::Resource for $ty {
+            const API_VERSION: &'static str = $api_version;
+            const GROUP: &'static str = $group;
+            const KIND: &'static str = $kind;
+            const VERSION: &'static str = $version;
+            const URL_PATH_SEGMENT: &'static str = $plural;
+            type Scope = k8s_openapi::NamespaceResourceScope;
+        }
+
+        impl k8s_openapi::Metadata for $ty {
+            type Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+            fn metadata(&self) -> &Self::Ty {
+                &self.metadata
+            }
+
+            fn metadata_mut(&mut self) -> &mut Self::Ty {
+                &mut self.metadata
+            }
+        }
+    };
+}
+use slim_resource;
+
 pub mod cache;
 pub mod claim;
 pub mod decide;
@@ -28,6 +57,7 @@ pub mod metrics;
 pub mod naming;
 pub mod pod;
 pub mod queue;
+pub mod slim_claim;
 pub mod slim_pod;
 
 use std::sync::Arc;

@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use k8s_openapi::api::core::v1::PodResourceClaim;
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use kube::{Resource, ResourceExt};
 use serde_json::json;
@@ -137,9 +137,8 @@ async fn create_claim(
         template: template_name.to_string(),
         source,
     })?;
-    let mut created: ResourceClaim =
+    let created: ResourceClaim =
         serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
-    created.metadata.managed_fields = None;
     let created = Arc::new(created);
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());

@@ -39,26 +39,7 @@ pub struct PodStatus {
     pub resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
 }
 
-impl k8s_openapi::Resource for Pod {
-    const API_VERSION: &'static str = "v1";
-    const GROUP: &'static str = "";
-    const KIND: &'static str = "Pod";
-    const VERSION: &'static str = "v1";
-    const URL_PATH_SEGMENT: &'static str = "pods";
-    type Scope = k8s_openapi::NamespaceResourceScope;
-}
-
-impl k8s_openapi::Metadata for Pod {
-    type Ty = ObjectMeta;
-
-    fn metadata(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-
-    fn metadata_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+super::slim_resource!(Pod, api_version: "v1", group: "", kind: "Pod", version: "v1", plural: "pods");
 
 #[cfg(test)]
 mod tests {

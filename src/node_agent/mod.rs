@@ -94,7 +94,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
     };
-    let config = kube::Config::infer().await.map_err(|e| NodeAgentError::Client(kube::Error::InferConfig(e)))?;
+    let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
     let client =
         crate::kube_client::client_from_config(config.clone(), &args.client).map_err(NodeAgentError::Client)?;
     // The kubelet's prepare calls read their claims through a client of their own, outside --kube-api-qps: a node

@@ -46,6 +46,7 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
     ensure!(role == expected, "controller Role {role:?}");
 
     let token = token(ctx, account, None).await?;
+    // The token also makes a kubeconfig, for checking what the account is refused.
     let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{ns}-controller"), &token)?;
     let identity = format!("{account}-7d9f8-x2x4q");
     let fields = HashMap::from([("metadata.name", identity.clone()), ("metadata.namespace", ns.to_string())]);
@@ -53,8 +54,16 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
     ensure!(args.iter().any(|a| a == "--leader-elect=true"), "leader election is not on: {args:?}");
     args.extend(["--namespace".to_string(), ns.to_string()]);
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let mut controller = Component::start(&kubeconfig, &format!("{ns}-controller"), &args)?;
+    // As the Deployment runs it: in-cluster configuration from the service account's files, no kubeconfig.
+    let account_files = InClusterAccount { token, namespace: ns.to_string() };
+    let mut controller = Component::start_in_cluster(&ctx.cluster, &account_files, &format!("{ns}-controller"), &args)?;
     controller.wait_ready().await?;
+    let configured = format!("namespace={ns}");
+    ensure!(
+        controller.log_text().lines().any(|l| l.contains("API server configuration") && l.contains(&configured)),
+        "the controller did not take its namespace from the service account files:\n{}",
+        controller.log_tail()
+    );
 
     create_template(ctx, "one-gpu", one_gpu()).await?;
     create_pod(ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;

@@ -69,6 +69,16 @@ impl Cluster {
         &self.state_dir
     }
 
+    /// The API server's URL, as the kubeconfig names it.
+    pub fn server(&self) -> anyhow::Result<String> {
+        let kubeconfig = Kubeconfig::read_from(self.kubeconfig()).context("read test kubeconfig")?;
+        kubeconfig
+            .clusters
+            .iter()
+            .find_map(|c| c.cluster.as_ref()?.server.clone())
+            .context("the kubeconfig names no API server")
+    }
+
     /// A client with the cluster's admin identity.
     pub async fn client(&self) -> anyhow::Result<kube::Client> {
         let config = self.client_config().await?;

@@ -9,7 +9,15 @@ use std::time::Duration;
 use anyhow::{Context as _, bail};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::cluster::Cluster;
 use super::{TestContext, wait};
+
+/// What a pod's service account gives its containers: a token and the namespace (the CA is the cluster's).
+#[derive(Debug)]
+pub struct InClusterAccount {
+    pub token: String,
+    pub namespace: String,
+}
 
 /// A running `gpu-dra` component.
 #[derive(Debug)]
@@ -35,6 +43,52 @@ impl Component {
 
     /// Starts `gpu-dra ARGS… --metrics-addr <free port>` with `kubeconfig`; does not wait.
     pub fn start(kubeconfig: &std::path::Path, log_name: &str, args: &[&str]) -> anyhow::Result<Self> {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_gpu-dra"));
+        command.args(args).env("KUBECONFIG", kubeconfig);
+        Self::spawn(command, log_name)
+    }
+
+    /// Starts `gpu-dra ARGS…` the way a pod runs it: no kubeconfig anywhere (`KUBECONFIG` unset, an empty
+    /// `HOME`), the service account's token, CA certificate and namespace in
+    /// `/var/run/secrets/kubernetes.io/serviceaccount`, and `KUBERNETES_SERVICE_HOST`/`_PORT` naming the API
+    /// server. The files are put there inside a private mount namespace (`unshare --user --mount` with a tmpfs on
+    /// /run), so the machine's own /run is never touched. Does not wait.
+    pub fn start_in_cluster(
+        cluster: &Cluster,
+        account: &InClusterAccount,
+        log_name: &str,
+        args: &[&str],
+    ) -> anyhow::Result<Self> {
+        let root = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("in-cluster").join(log_name);
+        let secrets = root.join("serviceaccount");
+        let home = root.join("home");
+        std::fs::create_dir_all(&secrets)?;
+        std::fs::create_dir_all(&home)?;
+        std::fs::write(secrets.join("token"), &account.token)?;
+        std::fs::write(secrets.join("namespace"), &account.namespace)?;
+        std::fs::copy(cluster.state_dir().join("pki/ca.crt"), secrets.join("ca.crt")).context("copy the cluster CA")?;
+        let server = cluster.server()?;
+        let (host, port) = server
+            .strip_prefix("https://")
+            .and_then(|hp| hp.trim_end_matches('/').rsplit_once(':'))
+            .with_context(|| format!("API server address {server:?} is not https://HOST:PORT"))?;
+        const MOUNT: &str = "mount -t tmpfs tmpfs /run && mkdir -p /run/secrets/kubernetes.io && \
+                             cp -r \"$0\" /run/secrets/kubernetes.io/serviceaccount && exec \"$@\"";
+        let mut command = Command::new("unshare");
+        command
+            .args(["--user", "--map-root-user", "--mount", "--", "sh", "-c", MOUNT])
+            .arg(&secrets)
+            .arg(env!("CARGO_BIN_EXE_gpu-dra"))
+            .args(args)
+            .env_remove("KUBECONFIG")
+            .env("HOME", &home)
+            .env("KUBERNETES_SERVICE_HOST", host)
+            .env("KUBERNETES_SERVICE_PORT", port);
+        Self::spawn(command, log_name)
+    }
+
+    /// Runs `command` (the binary and its arguments) with a free metrics address, logging to a fresh file.
+    fn spawn(mut command: Command, log_name: &str) -> anyhow::Result<Self> {
         let metrics_addr = free_addr()?;
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("logs");
         std::fs::create_dir_all(&dir)?;
@@ -47,11 +101,9 @@ impl Component {
             n += 1;
         };
         let out = std::fs::File::create(&log)?;
-        let child = Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
-            .args(args)
+        let child = command
             .arg("--metrics-addr")
             .arg(metrics_addr.to_string())
-            .env("KUBECONFIG", kubeconfig)
             .env("GPU_DRA_LOG", "info,gpu_dra=debug")
             .env_remove("RUST_BACKTRACE")
             .stdin(Stdio::null())

@@ -3,9 +3,9 @@
 
 use std::collections::BTreeMap;
 
+use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
-use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
@@ -104,6 +104,11 @@ pub fn known_claim_names(pod: &Pod) -> Vec<&str> {
         .collect()
 }
 
+/// Names of the claims a pod names directly (`resourceClaimName`): claims it shares, or that others made for it.
+pub fn named_claim_names(pod: &Pod) -> Vec<&str> {
+    pod_claims(pod).iter().filter_map(|pc| pc.resource_claim_name.as_deref()).collect()
+}
+
 pub fn is_scheduled(pod: &Pod) -> bool {
     pod.spec.as_ref().and_then(|s| s.node_name.as_deref()).is_some_and(|n| !n.is_empty())
 }
@@ -132,15 +137,15 @@ pub fn is_owned_by(claim: &ResourceClaim, pod: &Pod) -> bool {
 }
 
 pub fn pod_claim_name_annotation(claim: &ResourceClaim) -> Option<&str> {
-    claim.metadata.annotations.as_ref()?.get(POD_CLAIM_NAME_ANNOTATION).map(String::as_str)
+    claim.pod_claim_name.as_deref()
 }
 
 pub fn is_allocated(claim: &ResourceClaim) -> bool {
-    claim.status.as_ref().is_some_and(|s| s.allocation.is_some())
+    claim.allocated
 }
 
 pub fn reserved_for(claim: &ResourceClaim) -> &[k8s_openapi::api::resource::v1::ResourceClaimConsumerReference] {
-    claim.status.as_ref().and_then(|s| s.reserved_for.as_deref()).unwrap_or_default()
+    &claim.reserved_for
 }
 
 pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
@@ -264,6 +269,7 @@ pub fn strip_pod(pod: &mut Pod) {
     meta.labels = None;
     meta.owner_references = None;
     meta.finalizers = None;
+    meta.generate_name = None;
 }
 
 #[cfg(test)]

@@ -74,6 +74,7 @@ fn claim_sources() {
     let neither = PodResourceClaim { name: "x".into(), ..Default::default() };
     assert_eq!(claim_source(&fresh, &neither), ClaimSource::Unsupported);
     assert_eq!(known_claim_names(&recorded), vec!["pod-gpu-x", "shared-claim"]);
+    assert_eq!(named_claim_names(&recorded), vec!["shared-claim"], "template claims are found through their owner");
 }
 
 #[test]
