@@ -288,7 +288,6 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
     let namespace = namespace.as_deref();
     let pods = watcher(api::<Pod>(&client, namespace), watcher::Config::default())
         .default_backoff()
-        .modify(decide::strip_pod)
         .reflect(writers.pods)
         .for_each(|event| {
             on_event("pods", event, |e| on_pod_event(&ctx, e));

@@ -59,6 +59,7 @@ pub mod pod;
 pub mod queue;
 pub mod slim_claim;
 pub mod slim_pod;
+pub mod wire_meta;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

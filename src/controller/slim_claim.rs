@@ -12,6 +12,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
+use super::wire_meta::WireMeta;
+
 /// Annotation on the claims kube-scheduler creates for extended resources.
 pub const EXTENDED_RESOURCE_CLAIM_ANNOTATION: &str = "resource.kubernetes.io/extended-resource-claim";
 
@@ -50,12 +52,21 @@ super::slim_resource!(
 /// deserializer without being allocated.
 #[derive(Deserialize)]
 struct WireClaim {
-    #[serde(default)]
-    metadata: ObjectMeta,
+    metadata: WireMeta<WireAnnotations>,
     #[serde(default)]
     spec: WireSpec,
     #[serde(default)]
     status: Option<WireStatus>,
+}
+
+/// The two annotations the controller reads (the keys are [`super::decide::POD_CLAIM_NAME_ANNOTATION`] and
+/// [`EXTENDED_RESOURCE_CLAIM_ANNOTATION`]; serde needs them spelled out).
+#[derive(Deserialize)]
+struct WireAnnotations {
+    #[serde(default, rename = "resource.kubernetes.io/pod-claim-name")]
+    pod_claim_name: Option<String>,
+    #[serde(default, rename = "resource.kubernetes.io/extended-resource-claim")]
+    extended_resource_claim: Option<String>,
 }
 
 #[derive(Default, Deserialize)]
@@ -95,26 +106,20 @@ struct WireStatus {
 impl From<WireClaim> for ResourceClaim {
     fn from(wire: WireClaim) -> Self {
         let WireClaim { mut metadata, spec, status } = wire;
-        let mut annotations = metadata.annotations.take().unwrap_or_default();
-        let writers = metadata
-            .managed_fields
-            .take()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|m| m.subresource.as_deref().unwrap_or_default().is_empty())
-            .filter_map(|m| m.manager)
-            .collect();
-        metadata.labels = None;
-        metadata.generate_name = None;
+        let writers = metadata.object_writers();
+        let (pod_claim_name, extended_resource_claim) = match metadata.annotations.take() {
+            Some(a) => (a.pod_claim_name, a.extended_resource_claim),
+            None => (None, None),
+        };
         let requests = spec.devices.and_then(|d| d.requests).unwrap_or_default();
         let (allocated, reserved_for) = match status {
             Some(status) => (status.allocation.is_some(), status.reserved_for.unwrap_or_default()),
             None => (false, Vec::new()),
         };
         Self {
-            metadata,
-            pod_claim_name: annotations.remove(super::decide::POD_CLAIM_NAME_ANNOTATION),
-            extended_resource: annotations.get(EXTENDED_RESOURCE_CLAIM_ANNOTATION).map(String::as_str) == Some("true"),
+            metadata: metadata.into_object_meta(),
+            pod_claim_name,
+            extended_resource: extended_resource_claim.as_deref() == Some("true"),
             admin_access: requests.iter().any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true)),
             writers,
             allocated,
@@ -135,7 +140,7 @@ mod tests {
             "metadata": {
                 "name": "p-gpu-abcde", "generateName": "p-gpu-", "namespace": "ns", "uid": "c1", "resourceVersion": "7",
                 "labels": {"team": "a"},
-                "annotations": {"resource.kubernetes.io/pod-claim-name": "gpu", "note": "x"},
+                "annotations": {crate::controller::decide::POD_CLAIM_NAME_ANNOTATION: "gpu", "note": "x"},
                 "finalizers": ["resource.kubernetes.io/delete-protection"],
                 "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u", "controller": true}],
                 "managedFields": [

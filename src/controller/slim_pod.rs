@@ -1,5 +1,6 @@
 //! The Pod as this controller caches it: only the fields it reads, deserialized straight from the watch, so the
-//! rest of a pod (containers, volumes, conditions…: most of its size) is never held in memory, not even briefly.
+//! rest of a pod (containers, volumes, conditions, labels, annotations, managed fields…: most of its size) is never
+//! held in memory, not even briefly ([`super::wire_meta`] for the metadata).
 //! Field names and types match `k8s_openapi::api::core::v1::Pod`, so code reads it the same way.
 //!
 //! Writes never go through this type: the pod status is written with a server-side apply of exactly the fields
@@ -9,16 +10,38 @@ use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 
-/// A pod, reduced to metadata, `spec.nodeName`, `spec.resourceClaims`, `status.phase` and
-/// `status.resourceClaimStatuses`.
+use super::wire_meta::{NoAnnotations, WireMeta};
+
+/// A pod, reduced to identity metadata (name, namespace, uid, resourceVersion, creation and deletion time),
+/// `spec.nodeName`, `spec.resourceClaims`, `status.phase` and `status.resourceClaimStatuses`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(from = "WirePod")]
 pub struct Pod {
-    #[serde(default)]
     pub metadata: ObjectMeta,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec: Option<PodSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub status: Option<PodStatus>,
+}
+
+/// A pod on the wire, as far as [`Pod`] reads it.
+#[derive(Deserialize)]
+struct WirePod {
+    metadata: WireMeta<NoAnnotations>,
+    #[serde(default)]
+    spec: Option<PodSpec>,
+    #[serde(default)]
+    status: Option<PodStatus>,
+}
+
+impl From<WirePod> for Pod {
+    fn from(wire: WirePod) -> Self {
+        let mut metadata = wire.metadata.into_object_meta();
+        // A pod's owners and finalizers are of no use to this controller.
+        metadata.owner_references = None;
+        metadata.finalizers = None;
+        Self { metadata, spec: wire.spec, status: wire.status }
+    }
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -49,7 +72,9 @@ mod tests {
     fn a_full_pod_keeps_only_what_the_controller_reads() -> Result<(), serde_json::Error> {
         let full = serde_json::json!({
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
+            "metadata": {"name": "p", "namespace": "ns", "uid": "u", "labels": {"a": "b"}, "annotations": {"k": "v"},
+                         "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r", "uid": "r"}],
+                         "managedFields": [{"manager": "m", "operation": "Update", "fieldsV1": {"f:spec": {}}}]},
             "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "i"}],
                      "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],

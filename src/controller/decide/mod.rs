@@ -259,18 +259,5 @@ pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Re
     }))
 }
 
-/// Drops the metadata the controller never reads from a cached pod (managed fields, labels, annotations…); the
-/// spec and status were reduced when the pod was deserialized ([`super::slim_pod`]). A cluster's pods are most of
-/// a controller's memory; this keeps a cached pod to a few hundred bytes.
-pub fn strip_pod(pod: &mut Pod) {
-    let meta = &mut pod.metadata;
-    meta.managed_fields = None;
-    meta.annotations = None;
-    meta.labels = None;
-    meta.owner_references = None;
-    meta.finalizers = None;
-    meta.generate_name = None;
-}
-
 #[cfg(test)]
 mod tests;

@@ -199,25 +199,3 @@ fn desired_claim_copies_the_template_verbatim() {
         serde_json::from_value(json!({"apiVersion": "v1", "kind": "X", "metadata": {"name": "t"}})).expect("t");
     assert_eq!(desired_claim(&p, "gpu", &empty), Err(TemplateError::NoSpec));
 }
-
-#[test]
-fn stripped_pods_keep_what_the_controller_reads() {
-    let mut p = pod(json!({
-        "metadata": {"labels": {"a": "b"}, "managedFields": [{"manager": "m"}]},
-        "spec": {"nodeName": "n"},
-        "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "c"}],
-                   "conditions": [{"type": "Ready", "status": "True"}]}
-    }));
-    strip_pod(&mut p);
-    let v = serde_json::to_value(&p).expect("pod");
-    assert_eq!(
-        v,
-        json!({
-            "metadata": {"name": "pod", "namespace": "ns", "uid": "pod-uid"},
-            "spec": {"nodeName": "n", "resourceClaims": [
-                {"name": "gpu", "resourceClaimTemplateName": "tmpl"},
-                {"name": "shared", "resourceClaimName": "shared-claim"}]},
-            "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "c"}]}
-        })
-    );
-}
