@@ -185,6 +185,20 @@ fn object<'a>(objects: &'a [Value], kind: &str, component: Option<&str>) -> anyh
 }
 
 /// A release name unique to the test (cluster-scoped objects are named after it).
+/// Renders the chart as the test's release with `sets`, applies it, runs `check` on the objects the server stored,
+/// and deletes what it applied whatever `check` found.
+async fn with_chart_applied(
+    ctx: &TestContext,
+    sets: &[&str],
+    check: impl AsyncFnOnce(&[Value]) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let rendered = documents(&render(&release(ctx), &ctx.namespace, false, sets)?);
+    let applied = apply(ctx, &rendered)?;
+    let result = check(&applied).await;
+    delete(ctx, &rendered);
+    result
+}
+
 fn release(ctx: &TestContext) -> String {
     format!("r{}", &ctx.namespace[ctx.namespace.len() - 6..])
 }

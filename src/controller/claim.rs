@@ -1,11 +1,9 @@
 //! syncClaim: keep `status.reservedFor` to pods that still need the claim, deallocate and unprotect a claim
 //! nobody uses, delete the claims of finished pods, and remove duplicate generated claims.
 
-use super::slim_pod::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
-
-use super::slim_claim::ResourceClaim;
 use std::time::Duration;
+
+use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
 
 use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
@@ -15,6 +13,8 @@ use tracing::{debug, info, instrument};
 
 use super::Context;
 use super::queue::WorkKey;
+use super::slim_claim::ResourceClaim;
+use super::slim_pod::Pod;
 
 /// How old an unrecorded duplicate must be before it is deleted: its creator may be between creating it and
 /// recording it in the pod status.

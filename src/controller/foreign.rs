@@ -90,7 +90,7 @@ pub fn foreign_creator(claim: &ResourceClaim, since: Timestamp) -> Option<String
     if created < since - CLOCK_SKEW {
         return None;
     }
-    // Entries without a subresource are writes to the object itself; the creator's is among them.
+    // The writers of the object itself (not its status); the creator is among them.
     let writers = &claim.writers;
     if writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
         return None;

@@ -11,7 +11,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use serde_json::Value;
 
 use super::cache::Caches;
 use super::decide::is_allocated;
@@ -128,13 +127,6 @@ impl ControllerMetrics {
 
 fn bool_label(b: bool) -> &'static str {
     if b { "true" } else { "false" }
-}
-
-/// Whether a claim spec (JSON) asks for admin access in any request.
-pub fn requests_admin_access(spec: &Value) -> bool {
-    spec.pointer("/devices/requests").and_then(Value::as_array).is_some_and(|requests| {
-        requests.iter().any(|r| r.pointer("/exactly/adminAccess").and_then(Value::as_bool) == Some(true))
-    })
 }
 
 /// Metrics computed from the caches when scraped: the claims gauge and the queue depth.

@@ -126,7 +126,7 @@ async fn create_claim(
     })?;
     let desired = decide::desired_claim(pod, pod_claim, &template)
         .map_err(|source| SyncError::Template { template: template_name.to_string(), source })?;
-    let admin_access = super::metrics::requests_admin_access(&desired["spec"]);
+    let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
     let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
     let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, &claim_resource());
     let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };

@@ -75,6 +75,20 @@ struct WireSpec {
     devices: Option<WireDevices>,
 }
 
+impl WireSpec {
+    /// Some request of `devices.requests` has `exactly.adminAccess: true`.
+    fn requests_admin_access(&self) -> bool {
+        let requests = self.devices.as_ref().and_then(|d| d.requests.as_deref()).unwrap_or_default();
+        requests.iter().any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true))
+    }
+}
+
+/// Whether a claim spec (JSON, as a template carries it) asks for admin access, by the same rule as
+/// [`ResourceClaim::admin_access`]: for the creation metric, before the claim exists.
+pub fn spec_requests_admin_access(spec: &serde_json::Value) -> bool {
+    WireSpec::deserialize(spec).is_ok_and(|spec| spec.requests_admin_access())
+}
+
 #[derive(Deserialize)]
 struct WireDevices {
     #[serde(default)]
@@ -111,7 +125,6 @@ impl From<WireClaim> for ResourceClaim {
             Some(a) => (a.pod_claim_name, a.extended_resource_claim),
             None => (None, None),
         };
-        let requests = spec.devices.and_then(|d| d.requests).unwrap_or_default();
         let (allocated, reserved_for) = match status {
             Some(status) => (status.allocation.is_some(), status.reserved_for.unwrap_or_default()),
             None => (false, Vec::new()),
@@ -120,7 +133,7 @@ impl From<WireClaim> for ResourceClaim {
             metadata: metadata.into_object_meta(),
             pod_claim_name,
             extended_resource: extended_resource_claim.as_deref() == Some("true"),
-            admin_access: requests.iter().any(|r| r.exactly.as_ref().and_then(|e| e.admin_access) == Some(true)),
+            admin_access: spec.requests_admin_access(),
             writers,
             allocated,
             reserved_for,
@@ -168,6 +181,18 @@ mod tests {
         assert_eq!(meta.finalizers.as_deref(), Some(&["resource.kubernetes.io/delete-protection".to_string()][..]));
         assert_eq!(meta.owner_references.as_ref().map(Vec::len), Some(1));
         Ok(())
+    }
+
+    #[test]
+    fn a_template_spec_asks_for_admin_access_by_the_same_rule() {
+        let spec = |requests: serde_json::Value| json!({"devices": {"requests": requests}});
+        assert!(spec_requests_admin_access(&spec(json!([
+            {"name": "a", "exactly": {"deviceClassName": "gpu"}},
+            {"name": "b", "exactly": {"deviceClassName": "gpu", "adminAccess": true}}
+        ]))));
+        assert!(!spec_requests_admin_access(&spec(json!([{"name": "a", "exactly": {"adminAccess": false}}]))));
+        assert!(!spec_requests_admin_access(&spec(json!([{"name": "a", "firstAvailable": [{"name": "x"}]}]))));
+        assert!(!spec_requests_admin_access(&json!({})));
     }
 
     #[test]

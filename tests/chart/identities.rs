@@ -5,17 +5,8 @@ use super::*;
 pub(super) async fn controller_works_under_its_service_account_and_is_refused_the_rest(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let release = release(&ctx);
-    let rendered = documents(&render(
-        &release,
-        &ctx.namespace,
-        false,
-        &["nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false"],
-    )?);
-    let applied = apply(&ctx, &rendered)?;
-    let result = controller_under_its_account(&ctx, &applied).await;
-    delete(&ctx, &rendered);
-    result
+    let sets = ["nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false"];
+    with_chart_applied(&ctx, &sets, async |applied| controller_under_its_account(&ctx, applied).await).await
 }
 
 async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> anyhow::Result<()> {
@@ -111,24 +102,15 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
 pub(super) async fn node_agent_works_under_its_service_account_and_is_refused_the_rest(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let release = release(&ctx);
     let class = ctx.namespace.clone();
     let class_set = format!("deviceClasses.gpu.name={class}");
-    let rendered = documents(&render(
-        &release,
-        &ctx.namespace,
-        false,
-        &[
-            "controller.enabled=false",
-            "nodeAgent.gpuBackend=simulated",
-            "nodeAgent.simulatedGpus=2xH100-80GB",
-            &class_set,
-        ],
-    )?);
-    let applied = apply(&ctx, &rendered)?;
-    let result = node_agent_under_its_account(&ctx, &applied, &class).await;
-    delete(&ctx, &rendered);
-    result
+    let sets = [
+        "controller.enabled=false",
+        "nodeAgent.gpuBackend=simulated",
+        "nodeAgent.simulatedGpus=2xH100-80GB",
+        &class_set,
+    ];
+    with_chart_applied(&ctx, &sets, async |applied| node_agent_under_its_account(&ctx, applied, &class).await).await
 }
 
 /// A pod object of the agent's ServiceAccount bound to `node` (it never runs: there is no kubelet) and a token

@@ -4,17 +4,8 @@ use super::identities::{node_bound_token, policy_in_force, slice};
 use super::*;
 
 pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: TestContext) -> anyhow::Result<()> {
-    let release = release(&ctx);
-    let rendered = documents(&render(
-        &release,
-        &ctx.namespace,
-        false,
-        &["controller.enabled=false", "deviceClasses.gpu.enabled=false"],
-    )?);
-    let applied = apply(&ctx, &rendered)?;
-    let result = policy_refusals(&ctx, &applied).await;
-    delete(&ctx, &rendered);
-    result
+    let sets = ["controller.enabled=false", "deviceClasses.gpu.enabled=false"];
+    with_chart_applied(&ctx, &sets, async |applied| policy_refusals(&ctx, applied).await).await
 }
 
 async fn policy_refusals(ctx: &TestContext, applied: &[Value]) -> anyhow::Result<()> {
