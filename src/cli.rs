@@ -3,7 +3,7 @@
 //! Every flag has an environment-variable twin so that a Helm chart can set it either way.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -143,9 +143,22 @@ pub struct GpuArgs {
     /// Simulated GPUs: `<count>x<model>[,…]` (e.g. `4xH100-80GB`) or `@<file>` holding such a list.
     #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
     pub simulated_gpus: Option<String>,
-    /// Root of the NVIDIA driver installation (`/` on most nodes; e.g. `/run/nvidia/driver` with the GPU Operator).
-    #[arg(long, env = "GPU_DRA_DRIVER_ROOT", default_value = "/")]
-    pub driver_root: PathBuf,
+    /// Root of the NVIDIA driver installation (default for `nvml`: `/`; e.g. `/run/nvidia/driver` with the GPU
+    /// Operator). With `simulated` GPUs only when given: their CDI specs then mount this tree's driver files too.
+    #[arg(long, env = "GPU_DRA_DRIVER_ROOT")]
+    pub driver_root: Option<PathBuf>,
+}
+
+impl GpuArgs {
+    /// The driver root this backend reads: `--driver-root`, else `/` for NVML; simulated GPUs have none unless
+    /// given one.
+    pub fn driver_root_to_read(&self) -> Option<&Path> {
+        match (&self.driver_root, self.gpu_backend) {
+            (Some(root), _) => Some(root),
+            (None, GpuBackend::Nvml) => Some(Path::new("/")),
+            (None, GpuBackend::Simulated) => None,
+        }
+    }
 }
 
 /// Where the node agent finds GPUs.

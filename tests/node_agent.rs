@@ -1,8 +1,10 @@
 //! `gpu-dra node-agent` against the real API server and scheduler: discovery (simulated; NVML where no driver is
-//! installed), ResourceSlices for its node, re-publication after deletion, allocation from them.
+//! installed), ResourceSlices for its node, re-publication after deletion, allocation from them, and a driver
+//! upgraded in place under a running agent.
 
 mod support;
 
+use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
@@ -10,7 +12,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
-use support::node::{DRIVER, NodeAgent};
+use support::node::{DRIVER, Kubelet, NodeAgent};
 use support::objects::{self, create_pod_on};
 use support::{TestContext, wait};
 
@@ -24,6 +26,7 @@ fn main() {
             test!(many_gpus_split_and_a_change_bumps_the_generation),
             test!(without_a_driver_it_stays_up_not_ready_and_publishes_nothing),
             test!(a_bad_simulated_spec_is_refused_with_the_reason),
+            test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
         ],
     )
 }
@@ -206,5 +209,101 @@ async fn a_bad_simulated_spec_is_refused_with_the_reason(ctx: TestContext) -> an
     ensure!(!status.success(), "exit {status}");
     let log = agent.log_text();
     ensure!(log.contains("unknown model \"V100\"") && log.contains("H100-80GB"), "{log}");
+    Ok(())
+}
+
+/// Installs the user-space driver of `version` under `root` as a package would: the versioned libraries, their
+/// soname links switched to them, the GSP firmware of that version.
+fn install_driver(root: &Path, version: &str) -> anyhow::Result<()> {
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    std::fs::create_dir_all(&lib)?;
+    std::fs::create_dir_all(root.join(format!("lib/firmware/nvidia/{version}")))?;
+    std::fs::write(root.join(format!("lib/firmware/nvidia/{version}/gsp_ga10x.bin")), b"firmware")?;
+    for library in ["libcuda.so", "libnvidia-ml.so"] {
+        std::fs::write(lib.join(format!("{library}.{version}")), b"elf")?;
+        let link = lib.join(format!("{library}.1"));
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(format!("{library}.{version}"), link)?;
+    }
+    Ok(())
+}
+
+/// Removes what [`install_driver`] installed of `version` (the soname links stay: they point at the new version).
+fn remove_driver(root: &Path, version: &str) -> anyhow::Result<()> {
+    let lib = root.join("usr/lib/x86_64-linux-gnu");
+    for library in ["libcuda.so", "libnvidia-ml.so"] {
+        std::fs::remove_file(lib.join(format!("{library}.{version}")))?;
+    }
+    std::fs::remove_dir_all(root.join(format!("lib/firmware/nvidia/{version}")))?;
+    Ok(())
+}
+
+/// A one-GPU claim `name` for a pod on `node`, allocated and reserved by the scheduler; returns its UID.
+async fn scheduled_claim(ctx: &TestContext, name: &str, node: &str) -> anyhow::Result<String> {
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": ctx.namespace}}]}}
+    }))?;
+    objects::claims(ctx).create(&PostParams::default(), &claim).await?;
+    create_pod_on(ctx, &format!("{name}-pod"), node, json!([{"name": "gpu", "resourceClaimName": name}])).await?;
+    let claims = objects::claims(ctx);
+    wait::until(&format!("the scheduler to allocate {name}"), Duration::from_secs(30), || async {
+        let c = claims.get(name).await?;
+        let reserved = c.status.as_ref().and_then(|s| s.reserved_for.as_ref()).is_some_and(|r| !r.is_empty());
+        Ok(reserved.then(|| c.metadata.uid.unwrap_or_default()))
+    })
+    .await
+}
+
+/// The host paths a CDI spec mounts.
+fn mounted_files(spec: &Path) -> anyhow::Result<Vec<String>> {
+    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(spec)?)?;
+    let mounts = spec["containerEdits"]["mounts"].as_array().context("the spec mounts no driver files")?;
+    Ok(mounts.iter().filter_map(|m| m["hostPath"].as_str().map(str::to_string)).collect())
+}
+
+/// The GPU Operator upgrades the driver under running agents (the driver root is mounted with HostToContainer
+/// propagation for that): the claims prepared afterwards must mount the new version's files, never the removed
+/// ones, or every new GPU container fails to start. Same agent process throughout.
+async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let root = tempfile::tempdir()?;
+    install_driver(root.path(), "550.54.15")?;
+    let root_arg = root.path().to_string_lossy().into_owned();
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--driver-root", &root_arg];
+    let mut agent = agent(&ctx, &node, &args).await?;
+    agent.wait_ready().await?;
+    let mut kubelet = Kubelet::register(&agent.dirs).await?;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    let ns = ctx.namespace.clone();
+
+    for (claim, version, removed) in [("before", "550.54.15", "570.86.10"), ("after", "570.86.10", "550.54.15")] {
+        if claim == "after" {
+            install_driver(root.path(), version)?;
+            remove_driver(root.path(), removed)?;
+        }
+        let uid = scheduled_claim(&ctx, claim, &node).await?;
+        let answer = kubelet.prepare(&[(&ns, claim, &uid)]).await?;
+        let prepared = answer.get(&uid).context("no answer")?;
+        ensure!(prepared.error.is_empty(), "prepare {claim}: {}\n{}", prepared.error, agent.log_tail());
+        let files = mounted_files(&agent.dirs.cdi_spec(&uid))?;
+        ensure!(
+            files.len() == 5
+                && files.iter().all(|f| f.contains(version) && !f.contains(removed))
+                && files.iter().all(|f| Path::new(f).exists()),
+            "the spec of {claim} (driver {version} installed) mounts {files:?}"
+        );
+    }
+    ensure!(agent.try_wait()?.is_none(), "the agent exited:\n{}", agent.log_tail());
+    ensure!(
+        agent.log_text().contains("the driver's files changed"),
+        "the re-discovery is not logged:\n{}",
+        agent.log_tail()
+    );
     Ok(())
 }

@@ -14,6 +14,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CdiError;
 
@@ -76,13 +77,35 @@ impl DriverMount {
     }
 }
 
-/// The driver files to mount into every GPU container, sorted by container path, without duplicates.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// The driver files to mount into every GPU container, kept current: a driver upgraded in place (new
+/// `libcuda.so.<version>`, the old one removed, firmware of the new version) is found again before the next spec is
+/// built, without restarting the agent. Cheap to clone (one shared record per driver root).
+#[derive(Clone, Debug, Default)]
 pub struct DriverFiles {
-    mounts: Vec<DriverMount>,
-    /// The canonical driver root the host paths start with (as this process sees it).
-    root: PathBuf,
+    /// `None`: no driver files at all.
+    tracked: Option<Arc<Tracked>>,
     simulated: bool,
+}
+
+/// One driver root and the files last found under it.
+#[derive(Debug)]
+struct Tracked {
+    /// As configured (`--driver-root`), canonicalized anew at every check.
+    root: PathBuf,
+    /// Where the container runtime sees `root`, when that differs (see [`DriverFiles::seen_from_host`]).
+    host_root: Option<PathBuf>,
+    current: Mutex<Found>,
+}
+
+/// What one discovery found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Found {
+    /// The canonical driver root.
+    root: PathBuf,
+    /// Container path → path relative to the root, symlinks resolved; sorted by container path.
+    files: Vec<(PathBuf, PathBuf)>,
+    /// From the real CUDA library's name (`libcuda.so.550.54.15`), when it has one.
+    version: Option<String>,
 }
 
 impl DriverFiles {
@@ -91,20 +114,79 @@ impl DriverFiles {
     /// host, where they do not exist. A container given such a spec starts but cannot run CUDA. Real GPUs need
     /// [`Self::discover`].
     pub fn simulated() -> Self {
-        Self { simulated: true, ..Self::default() }
+        Self { tracked: None, simulated: true }
     }
 
-    /// Whether these are [`Self::simulated`] files.
+    /// Whether specs describe simulated device nodes ([`Self::simulated`], [`Self::with_simulated_devices`]).
     pub fn is_simulated(&self) -> bool {
         self.simulated
     }
 
-    /// Finds the driver files under `driver_root` (`/` on most nodes). Cheap (a few directory listings), so it can
-    /// run per prepare and pick up a driver upgraded in place.
+    /// The same driver files for simulated GPUs: their device nodes are described in full, as [`Self::simulated`]'s,
+    /// while the driver's files are mounted (simulated GPUs beside a driver tree: tests of what real nodes get).
+    pub fn with_simulated_devices(mut self) -> Self {
+        self.simulated = true;
+        self
+    }
+
+    /// Finds the driver files under `driver_root` (`/` on most nodes) now, and tracks them from then on (see
+    /// [`Self::mounts`]).
     ///
     /// Fails when the root is missing or holds no `libcuda.so.1`: a spec without the driver would give containers
     /// GPUs they cannot use, which is worse than failing prepare with an error that says what to fix.
     pub fn discover(driver_root: &Path) -> Result<Self, CdiError> {
+        let found = Found::discover(driver_root)?;
+        let tracked = Tracked { root: driver_root.to_path_buf(), host_root: None, current: Mutex::new(found) };
+        Ok(Self { tracked: Some(Arc::new(tracked)), simulated: false })
+    }
+
+    /// The same files with host paths as the container runtime sees them, when this process sees the driver root
+    /// somewhere else: in a DaemonSet the host's `/run/nvidia/driver` is mounted at, say, `/driver-root`, but the
+    /// runtime reads CDI `hostPath`s on the host.
+    pub fn seen_from_host(self, host_root: &Path) -> Self {
+        let Some(tracked) = &self.tracked else { return self };
+        let current = tracked.current.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        let tracked = Tracked {
+            root: tracked.root.clone(),
+            host_root: Some(host_root.to_path_buf()),
+            current: Mutex::new(current),
+        };
+        Self { tracked: Some(Arc::new(tracked)), simulated: self.simulated }
+    }
+
+    /// The mounts, sorted by container path, as they are now. Every call checks that the files last found are
+    /// still the driver's: each container path still resolves to the same file, which still exists (a few `lstat`s
+    /// per file). An upgrade in place changes that (`libcuda.so.1` points at the new version, the old library and
+    /// firmware are removed), and the files are then discovered again. Fails when that discovery fails (the driver
+    /// is half-installed, or gone): a spec naming files that do not exist would make every container fail instead.
+    pub fn mounts(&self) -> Result<Vec<DriverMount>, CdiError> {
+        let Some(tracked) = &self.tracked else { return Ok(Vec::new()) };
+        let mut current = tracked.current.lock().unwrap_or_else(PoisonError::into_inner);
+        if !current.still_there(&tracked.root) {
+            let found = Found::discover(&tracked.root)?;
+            tracing::info!(
+                driver_root = %tracked.root.display(),
+                from_version = current.version.as_deref().unwrap_or("unknown"),
+                to_version = found.version.as_deref().unwrap_or("unknown"),
+                files = found.files.len(),
+                "the driver's files changed (driver upgraded in place?): discovered them again"
+            );
+            *current = found;
+        }
+        let host_root = tracked.host_root.as_deref().unwrap_or(&current.root);
+        Ok(current
+            .files
+            .iter()
+            .map(|(container_path, relative)| DriverMount {
+                host_path: host_root.join(relative),
+                container_path: container_path.clone(),
+            })
+            .collect())
+    }
+}
+
+impl Found {
+    fn discover(driver_root: &Path) -> Result<Self, CdiError> {
         let root_error = |source| CdiError::DriverRoot { path: driver_root.to_path_buf(), source };
         let root = fs::canonicalize(driver_root).map_err(root_error)?;
         if !root.is_dir() {
@@ -125,30 +207,31 @@ impl DriverFiles {
         for dir in UTILITY_DIRS {
             scan.dir(dir, |name| UTILITIES.contains(&name))?;
         }
-        if let Some(version) = version {
+        if let Some(version) = &version {
             scan.dir(&format!("{FIRMWARE_DIR}/{version}"), |_| true)?;
         }
-        let mounts =
-            scan.found.into_iter().map(|(container_path, host_path)| DriverMount { host_path, container_path });
-        Ok(Self { mounts: mounts.collect(), root, simulated: false })
+        let files = scan
+            .found
+            .into_iter()
+            .filter_map(|(container_path, host_path)| {
+                let relative = host_path.strip_prefix(&root).ok()?.to_path_buf();
+                Some((container_path, relative))
+            })
+            .collect();
+        Ok(Self { root, files, version })
     }
 
-    /// The same files with host paths as the container runtime sees them, when this process sees the driver root
-    /// somewhere else: in a DaemonSet the host's `/run/nvidia/driver` is mounted at, say, `/driver-root`, but the
-    /// runtime reads CDI `hostPath`s on the host.
-    pub fn seen_from_host(mut self, host_root: &Path) -> Self {
-        for mount in &mut self.mounts {
-            if let Ok(relative) = mount.host_path.strip_prefix(&self.root) {
-                mount.host_path = host_root.join(relative);
-            }
+    /// Whether the root and every file found are as they were: the root resolves to the same directory, each
+    /// container path to the same regular file. Files that appeared since are not looked for; an upgrade always
+    /// changes what `libcuda.so.1` resolves to.
+    fn still_there(&self, driver_root: &Path) -> bool {
+        if fs::canonicalize(driver_root).ok().as_ref() != Some(&self.root) {
+            return false;
         }
-        self.root = host_root.to_path_buf();
-        self
-    }
-
-    /// The mounts, sorted by container path.
-    pub fn mounts(&self) -> &[DriverMount] {
-        &self.mounts
+        self.files.iter().all(|(container_path, relative)| {
+            resolve_in_root(&self.root, container_path).ok().as_ref() == Some(relative)
+                && self.root.join(relative).is_file()
+        })
     }
 }
 
@@ -166,7 +249,7 @@ struct Scan {
     root: PathBuf,
     /// Directories already listed, resolved: `lib` → `usr/lib` on merged-/usr systems is listed once.
     scanned: BTreeSet<PathBuf>,
-    /// Container path → host path.
+    /// Container path → host path (under the canonical root).
     found: BTreeMap<PathBuf, PathBuf>,
 }
 
@@ -310,7 +393,7 @@ mod tests {
         let files = DriverFiles::discover(&root)?;
         let real = fs::canonicalize(&root)?;
         let got: Vec<(String, PathBuf)> = files
-            .mounts()
+            .mounts()?
             .iter()
             .map(|m| {
                 (
@@ -337,11 +420,11 @@ mod tests {
         ];
         let expected: Vec<(String, PathBuf)> = expected.into_iter().map(|(c, h)| (c, PathBuf::from(h))).collect();
         assert_eq!(got, expected);
-        assert!(files.mounts().iter().all(|m| m.host_path().starts_with(&real)));
-        assert_eq!(DriverFiles::discover(&root)?, files, "discovery is deterministic");
+        assert!(files.mounts()?.iter().all(|m| m.host_path().starts_with(&real)));
+        assert_eq!(DriverFiles::discover(&root)?.mounts()?, files.mounts()?, "discovery is deterministic");
 
         let host = files.clone().seen_from_host(Path::new("/run/nvidia/driver"));
-        for (seen, moved) in files.mounts().iter().zip(host.mounts()) {
+        for (seen, moved) in files.mounts()?.iter().zip(host.mounts()?) {
             let relative = seen.host_path().strip_prefix(&real)?;
             assert_eq!(moved.host_path(), Path::new("/run/nvidia/driver").join(relative));
             assert_eq!(moved.container_path(), seen.container_path());
@@ -369,8 +452,66 @@ mod tests {
     }
 
     #[test]
-    fn none_has_no_mounts() {
-        assert!(DriverFiles::simulated().mounts().is_empty());
+    fn none_has_no_mounts() -> TestResult {
+        assert!(DriverFiles::simulated().mounts()?.is_empty());
+        assert!(DriverFiles::default().mounts()?.is_empty());
+        Ok(())
+    }
+
+    /// A driver tree of `version`: the CUDA library with its soname link, NVML, and the GSP firmware.
+    fn install_driver(root: &Path, version: &str) -> io::Result<()> {
+        touch(root, &format!("{LIB}/libcuda.so.{version}"))?;
+        touch(root, &format!("{LIB}/libnvidia-ml.so.{version}"))?;
+        touch(root, &format!("lib/firmware/nvidia/{version}/gsp_ga10x.bin"))?;
+        for (link, target) in [("libcuda.so.1", "libcuda.so"), ("libnvidia-ml.so.1", "libnvidia-ml.so")] {
+            let path = root.join(LIB).join(link);
+            let _ = fs::remove_file(&path);
+            symlink(format!("{target}.{version}"), path)?;
+        }
+        Ok(())
+    }
+
+    fn remove_driver(root: &Path, version: &str) -> io::Result<()> {
+        fs::remove_file(root.join(format!("{LIB}/libcuda.so.{version}")))?;
+        fs::remove_file(root.join(format!("{LIB}/libnvidia-ml.so.{version}")))?;
+        fs::remove_dir_all(root.join(format!("lib/firmware/nvidia/{version}")))
+    }
+
+    fn names(files: &DriverFiles) -> Result<Vec<String>, CdiError> {
+        Ok(files.mounts()?.iter().map(|m| m.host_path().display().to_string()).collect())
+    }
+
+    #[test]
+    fn a_driver_upgraded_in_place_is_found_again() -> TestResult {
+        let base = tempfile::tempdir()?;
+        let root = base.path().join("root");
+        install_driver(&root, "550.54.15")?;
+        let files = DriverFiles::discover(&root)?.seen_from_host(Path::new("/run/nvidia/driver"));
+        let before = names(&files)?;
+        assert_eq!(before.len(), 5, "{before:?}");
+        assert!(before.iter().all(|n| n.contains("550.54.15")), "{before:?}");
+        assert_eq!(names(&files)?, before, "nothing changed, nothing moves");
+
+        // The package manager's order: the new files, the links switched, the old files removed.
+        install_driver(&root, "570.86.10")?;
+        remove_driver(&root, "550.54.15")?;
+        let after = names(&files)?;
+        assert_eq!(after.len(), 5, "{after:?}");
+        assert!(after.iter().all(|n| n.contains("570.86.10") && n.starts_with("/run/nvidia/driver/")), "{after:?}");
+        assert!(files.clone().mounts()? == files.mounts()?, "clones share the current files");
+
+        // Mid-upgrade (no libcuda.so.1 target): an error naming what is missing, and found again once it is back.
+        remove_driver(&root, "570.86.10")?;
+        let err = files.mounts().err();
+        assert!(matches!(err, Some(CdiError::NoCudaLibrary { .. })), "{err:?}");
+        install_driver(&root, "580.65.06")?;
+        assert!(names(&files)?.iter().all(|n| n.contains("580.65.06")));
+        // An upgrade that leaves the old library behind still moves the soname link.
+        install_driver(&root, "580.82.07")?;
+        let kept = names(&files)?;
+        assert!(kept.iter().any(|n| n.ends_with("libcuda.so.580.82.07")), "{kept:?}");
+        assert!(kept.iter().all(|n| !n.contains("580.65.06/")), "old firmware: {kept:?}");
+        Ok(())
     }
 
     #[test]

@@ -124,7 +124,7 @@ mod tests {
         std::os::unix::fs::symlink("libcuda.so.550.54.15", root.join("usr/lib64/libcuda.so.1"))?;
         fs::write(root.join("usr/bin/nvidia-smi"), b"elf")?;
         let files = DriverFiles::discover(&root)?;
-        assert_eq!(files.mounts().len(), 3);
+        assert_eq!(files.mounts()?.len(), 3);
         let gpus = [test_gpu(3, "0000:3b:00.0"), test_gpu(1, "0000:86:00.0")];
         Ok(build_claim_spec(&kind()?, UID, &gpus, &files)?)
     }

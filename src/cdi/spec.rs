@@ -33,7 +33,9 @@ const UVM_MAJOR: u32 = 510;
 /// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's GPUs by PCI bus id, so a workload can see exactly what it got.
 ///
 /// `cdiVersion` is the lowest version that covers the fields used: runtimes refuse versions newer than they know.
-/// The output depends only on the input (GPUs in any order give the same spec). No I/O.
+/// The output depends only on the input (GPUs in any order give the same spec) and the driver files as they are
+/// now: the only I/O is [`DriverFiles::mounts`]' check that they are still the driver's (a driver upgraded in place
+/// is discovered again, so no spec names the removed files of the old version).
 pub fn build_claim_spec(
     kind: &CdiKind,
     claim_uid: &str,
@@ -74,8 +76,9 @@ pub fn build_claim_spec(
         ],
         "deviceNodes": SHARED_DEVICE_NODES.map(|(path, major, minor)| device_node(path, major, minor, driver_files)),
     });
-    if !driver_files.mounts().is_empty() {
-        let mounts = driver_files.mounts().iter().map(|m| mount(claim_uid, m.host_path(), m.container_path()));
+    let driver_mounts = driver_files.mounts()?;
+    if !driver_mounts.is_empty() {
+        let mounts = driver_mounts.iter().map(|m| mount(claim_uid, m.host_path(), m.container_path()));
         edits["mounts"] = Value::Array(mounts.collect::<Result<_, _>>()?);
     }
     let document = |version: &str| json!({ "cdiVersion": version, "kind": kind.to_string(), "devices": devices, "containerEdits": edits });

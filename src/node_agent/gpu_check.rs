@@ -45,8 +45,8 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
     }
 
-    let driver_root = (gpu.gpu_backend == GpuBackend::Nvml).then_some(gpu.driver_root.as_path());
-    let driver_files = plugin::driver_files(driver_root, None)?;
+    let simulated = gpu.gpu_backend == GpuBackend::Simulated;
+    let driver_files = plugin::driver_files(gpu.driver_root_to_read(), None, simulated)?;
     let kind = CdiKind::from_driver_name(&gpu.driver_name)?;
     let claim: Vec<Gpu> = gpus.iter().take(args.claim_gpus.max(1)).cloned().collect();
     let spec = cdi::build_claim_spec(&kind, SAMPLE_CLAIM_UID, &claim, &driver_files)?;
@@ -58,7 +58,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     for gpu in &claim {
         println!("  CDI device {}", cdi::device_id(&kind, SAMPLE_CLAIM_UID, gpu.minor));
     }
-    println!("  {} driver files mounted read-only (libraries, utilities, firmware)", driver_files.mounts().len());
+    println!("  {} driver files mounted read-only (libraries, utilities, firmware)", driver_files.mounts()?.len());
     let edits = loaded.edits().map(|e| e.container_edits);
     let env = edits.as_ref().and_then(|e| e.env.clone()).unwrap_or_default();
     println!("  environment: {}", env.join(" "));

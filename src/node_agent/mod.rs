@@ -90,7 +90,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &gpu.driver_name)?,
         cdi_dir: args.cdi_dir.clone(),
         state_dir: args.state_dir.clone(),
-        driver_root: (gpu.gpu_backend == GpuBackend::Nvml).then(|| gpu.driver_root.clone()),
+        driver_root: gpu.driver_root_to_read().map(std::path::Path::to_path_buf),
+        simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
     };

@@ -28,8 +28,10 @@ pub(super) struct PluginSettings {
     pub(super) sockets: SocketPaths,
     pub(super) cdi_dir: PathBuf,
     pub(super) state_dir: PathBuf,
-    /// `None`: simulated GPUs, whose specs carry no driver files.
+    /// `None`: specs carry no driver files (simulated GPUs without `--driver-root`).
     pub(super) driver_root: Option<PathBuf>,
+    /// Simulated GPUs: specs describe their device nodes in full (see `DriverFiles::simulated`).
+    pub(super) simulated_gpus: bool,
     /// Where the host sees `driver_root` when it differs (see `--host-driver-root`).
     pub(super) host_driver_root: Option<PathBuf>,
     pub(super) boot_id: String,
@@ -44,8 +46,9 @@ pub(super) async fn start(
     liveness: &Liveness,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
-    let driver_files = driver_files(settings.driver_root.as_deref(), settings.host_driver_root.as_deref())
-        .map_err(|e| e.to_string())?;
+    let driver_files =
+        driver_files(settings.driver_root.as_deref(), settings.host_driver_root.as_deref(), settings.simulated_gpus)
+            .map_err(|e| e.to_string())?;
     let config = StateConfig {
         driver: settings.driver.clone(),
         pool: settings.node.clone(),
@@ -68,17 +71,19 @@ pub(super) async fn start(
 }
 
 /// The driver files prepared claims get: those under `driver_root` (host paths as the runtime sees them when
-/// `host_driver_root` is given), or, without a driver root (simulated GPUs), none.
+/// `host_driver_root` is given), kept current across driver upgrades, or, without a driver root, none.
 pub(super) fn driver_files(
     driver_root: Option<&Path>,
     host_driver_root: Option<&Path>,
+    simulated_gpus: bool,
 ) -> Result<DriverFiles, crate::cdi::CdiError> {
     let Some(root) = driver_root else { return Ok(DriverFiles::simulated()) };
     let files = DriverFiles::discover(root)?;
-    Ok(match host_driver_root {
+    let files = match host_driver_root {
         Some(host_root) => files.seen_from_host(host_root),
         None => files,
-    })
+    };
+    Ok(if simulated_gpus { files.with_simulated_devices() } else { files })
 }
 
 async fn report(recovery: &Recovery, node: &str, client: kube::Client) {

@@ -38,7 +38,9 @@ pub fn backend(gpu: &crate::cli::GpuArgs, node: &str) -> Result<std::sync::Arc<d
             let spec = gpu.simulated_gpus.as_deref().ok_or(DiscoveryError::SimulatedSpecMissing)?;
             std::sync::Arc::new(simulated::Simulated::new(node, spec)?)
         }
-        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(&gpu.driver_root)),
+        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(
+            gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/")),
+        )),
     })
 }
 
