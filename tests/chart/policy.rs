@@ -23,17 +23,54 @@ async fn policy_refusals(ctx: &TestContext, applied: &[Value]) -> anyhow::Result
     let as_admin = Api::<ResourceSlice>::all(ctx.client.clone());
     let pp = PostParams::default();
 
-    // Another node's slice: create refused, naming both nodes.
     let refusal = policy_in_force(ctx, &agent, &other).await?;
+    // A slice on its own node in another node's pool: the scheduler would count those devices, allocated on this
+    // node, as used on the other one.
+    let message = forbidden(
+        "write a slice of another node's pool",
+        as_agent.create(&pp, &slice_of(&format!("{own}-e"), json!({"nodeName": own}), &other)?).await,
+    )?;
+    ensure!(
+        message.contains(&format!("may only write the pool named after its node ({own}), not pool {other}")),
+        "{message}"
+    );
+    // Another node's slice: create refused, naming both nodes.
     ensure!(
         refusal.contains(&format!(
-            "the node agent on node {own} may only write ResourceSlices of its own node, not of node {other}"
+            "the node agent on node {own} may only write ResourceSlices of its own node (spec.nodeName {own}), not \
+             of node {other}"
         )),
         "{refusal}"
     );
     // Its own node's slice: created and deleted.
     as_agent.create(&pp, &slice(&format!("{own}-a"), &own, DRIVER)?).await.context("create own node's slice")?;
     as_agent.delete(&format!("{own}-a"), &DeleteParams::default()).await.context("delete own node's slice")?;
+    // Slices for all nodes, or with per-device node names: none of them is only this node's.
+    for (name, selection) in [
+        ("f", json!({"allNodes": true})),
+        ("g", json!({"perDeviceNodeSelection": true, "devices": [{"name": "gpu-0", "nodeName": other}]})),
+        (
+            "h",
+            json!({"nodeSelector": {"nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "kubernetes.io/hostname", "operator": "In", "values": [own.as_str(), other.as_str()]}]}]}}),
+        ),
+    ] {
+        let message = forbidden(
+            &format!("write a slice with {selection}"),
+            as_agent.create(&pp, &slice_of(&format!("{own}-{name}"), selection.clone(), &own)?).await,
+        )?;
+        ensure!(
+            message.contains("not for several nodes (allNodes, nodeSelector or perDeviceNodeSelection)"),
+            "{message}"
+        );
+    }
+    // Such a forgery already on its node (written before this policy): the agent may delete it, as its publisher
+    // deletes every slice of its node outside its current pool.
+    as_admin.create(&pp, &slice_of(&format!("{own}-i"), json!({"nodeName": own}), &other)?).await?;
+    as_agent
+        .delete(&format!("{own}-i"), &DeleteParams::default())
+        .await
+        .context("delete a forged slice on own node")?;
     // Another node's existing slice: delete refused by the policy; update is not even granted (RBAC).
     as_admin.create(&pp, &slice(&format!("{other}-b"), &other, DRIVER)?).await?;
     let message = forbidden(
@@ -61,4 +98,14 @@ async fn policy_refusals(ctx: &TestContext, applied: &[Value]) -> anyhow::Result
     // The admin (anyone but the agent's account) is not restricted.
     as_admin.delete(&format!("{other}-b"), &DeleteParams::default()).await?;
     Ok(())
+}
+
+/// A slice of `DRIVER` in `pool` with the node selection (and devices) of `selection`.
+fn slice_of(name: &str, selection: Value, pool: &str) -> anyhow::Result<ResourceSlice> {
+    let mut spec =
+        json!({"driver": DRIVER, "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1}, "devices": []});
+    for (key, value) in selection.as_object().context("selection is an object")? {
+        spec[key] = value.clone();
+    }
+    Ok(serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec}))?)
 }
