@@ -1,8 +1,9 @@
 //! The Helm chart `charts/gpu-dra` against the pinned helm and the real API server: lint and render (default values
 //! and `ci/all-on-values.yaml`), the schema's refusals, every rendered object accepted by a server-side apply, and
 //! least privilege both ways: each component, run as a process under its chart ServiceAccount with the settings of
-//! its rendered workload, does its job; it is refused what lies outside its grant; and the admission policy keeps
-//! the node agent to its own node's ResourceSlices.
+//! its rendered workload, does its job; it is refused what lies outside its grant; the admission policy keeps
+//! the node agent to its own node's ResourceSlices and pool; and the agent needs no host path beyond the
+//! DaemonSet's mounts, beside the real kubelet plugin watcher.
 //!
 //! Objects are applied with the pinned kubectl (`apply --server-side`), which also hands back what the server
 //! stored as JSON: the chart's YAML is never parsed here.
@@ -11,6 +12,8 @@ mod support;
 
 #[path = "chart/identities.rs"]
 mod identities;
+#[path = "chart/mounts.rs"]
+mod mounts;
 #[path = "chart/policy.rs"]
 mod policy;
 #[path = "chart/render.rs"]
@@ -41,6 +44,7 @@ use identities::{
     controller_works_under_its_service_account_and_is_refused_the_rest,
     node_agent_works_under_its_service_account_and_is_refused_the_rest,
 };
+use mounts::node_agent_works_with_only_its_mounts_beside_the_real_kubelet;
 use policy::admission_policy_keeps_the_node_agent_to_its_own_node;
 use render::{
     every_rendered_object_is_accepted_by_the_api_server, lints_and_renders_with_default_and_all_on_values,
@@ -57,6 +61,7 @@ fn main() {
             test!(controller_works_under_its_service_account_and_is_refused_the_rest),
             test!(node_agent_works_under_its_service_account_and_is_refused_the_rest),
             test!(admission_policy_keeps_the_node_agent_to_its_own_node),
+            test!(node_agent_works_with_only_its_mounts_beside_the_real_kubelet),
         ],
     )
 }

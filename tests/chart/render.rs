@@ -44,6 +44,14 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
     )?);
     ensure!(off.is_empty(), "everything off still renders {off:?}");
 
+    // A driver name whose sockets the agent could not bind (sun_path: 107 bytes) is refused at install.
+    let long = format!("driverName={}.example.com", "d".repeat(40));
+    let refused = helm(&["template", "gpu-dra", chart, "--set", &long])?;
+    ensure!(
+        !refused.status.success() && text(&refused.stderr).contains("more than the 107 a unix socket path may have"),
+        "a driver name too long for the agent's socket paths is not refused: {}",
+        text(&refused.stderr)
+    );
     // The Kubernetes floor of Chart.yaml.
     let old = helm(&["template", "gpu-dra", chart, "--kube-version", "1.33.5"])?;
     ensure!(
@@ -189,42 +197,7 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
     } else {
         ensure!(terms[0]["matchExpressions"][0]["key"] == "kubernetes.io/arch", "the user's term was lost: {terms:?}");
     }
-    // Each host directory the agent writes is mounted at the host's own path (socket paths announced to the
-    // kubelet and paths in CDI specs are resolved on the host), and the agent is told that path.
-    let mounts = container["volumeMounts"].as_array().context("no volume mounts")?;
-    let volumes = pod["volumes"].as_array().context("no volumes")?;
-    let host_path = |mount: &Value| {
-        volumes.iter().find(|v| v["name"] == mount["name"]).and_then(|v| v["hostPath"]["path"].as_str())
-    };
-    for (env, path) in [
-        ("GPU_DRA_KUBELET_REGISTRY_DIR", "/var/lib/kubelet/plugins_registry"),
-        ("GPU_DRA_KUBELET_PLUGINS_DIR", "/var/lib/kubelet/plugins"),
-        ("GPU_DRA_CDI_DIR", "/var/run/cdi"),
-        ("GPU_DRA_STATE_DIR", "/var/lib/gpu-dra"),
-    ] {
-        let mount = mounts.iter().find(|m| m["mountPath"] == path).with_context(|| format!("{path} not mounted"))?;
-        ensure!(
-            env_value(container, env) == Some(path) && host_path(mount) == Some(path) && mount["readOnly"] != true,
-            "{env}: {mount} / {:?}",
-            env_value(container, env)
-        );
-    }
-    let dev = mounts.iter().find(|m| m["mountPath"] == "/dev").context("/dev not mounted")?;
-    let root = mounts.iter().find(|m| m["mountPath"] == "/driver-root").context("driver root not mounted")?;
-    let host_root = if all_on { "/run/nvidia/driver" } else { "/" };
-    ensure!(dev["readOnly"] == true && host_path(dev) == Some("/dev"), "/dev: {dev}");
-    ensure!(
-        root["readOnly"] == true
-            && root["mountPropagation"] == "HostToContainer"
-            && host_path(root) == Some(host_root)
-            && env_value(container, "GPU_DRA_DRIVER_ROOT") == Some("/driver-root")
-            && env_value(container, "GPU_DRA_HOST_DRIVER_ROOT") == Some(host_root),
-        "driver root: {root}"
-    );
-    ensure!(
-        mounts.iter().all(|m| m["mountPropagation"] != "Bidirectional"),
-        "a Bidirectional mount needs privilege the agent does not need: {mounts:?}"
-    );
+    check_node_agent_mounts(pod, driver, !all_on)?;
     ensure!(
         container["terminationMessagePath"] != "/dev/termination-log",
         "the runtime cannot create /dev/termination-log in the read-only host /dev"
@@ -241,6 +214,67 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         // Kept by the server: extendedResourceName is served (DRAExtendedResource, GA in 1.37).
         ensure!(class["spec"]["extendedResourceName"] == "nvidia.com/gpu", "extendedResourceName dropped: {class}");
     }
+    Ok(())
+}
+
+/// The node agent's host paths are exactly what it needs, each at the host's own path (socket paths announced to
+/// the kubelet and paths in CDI specs are resolved on the host) and the agent is told that path: its own directory
+/// of the kubelet's plugin registry and of its plugins (never the directories with other plugins' sockets), the CDI
+/// and state directories; with NVML also /dev and the driver root, read-only. Returns nothing but the verdict.
+pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> anyhow::Result<()> {
+    let container = &pod["containers"][0];
+    let mounts = container["volumeMounts"].as_array().context("no volume mounts")?;
+    let volumes = pod["volumes"].as_array().context("no volumes")?;
+    let host_path = |mount: &Value| {
+        volumes.iter().find(|v| v["name"] == mount["name"]).and_then(|v| v["hostPath"]["path"].as_str())
+    };
+    // (path in the container, host path, read-only, propagation)
+    let got: BTreeSet<(String, String, bool, String)> = mounts
+        .iter()
+        .map(|m| {
+            let text = |key: &str| m[key].as_str().unwrap_or_default().to_string();
+            (
+                text("mountPath"),
+                host_path(m).unwrap_or("<not a hostPath>").to_string(),
+                m["readOnly"] == true,
+                text("mountPropagation"),
+            )
+        })
+        .collect();
+    let registry = format!("/var/lib/kubelet/plugins_registry/{driver}");
+    let plugin = format!("/var/lib/kubelet/plugins/{driver}");
+    let mut expected = vec![
+        (registry.as_str(), registry.as_str(), false, ""),
+        (plugin.as_str(), plugin.as_str(), false, ""),
+        ("/var/run/cdi", "/var/run/cdi", false, ""),
+        ("/var/lib/gpu-dra", "/var/lib/gpu-dra", false, ""),
+    ];
+    if nvml {
+        // HostToContainer: a driver root mounted later (GPU Operator) or upgraded in place is seen.
+        expected.extend([("/dev", "/dev", true, ""), ("/driver-root", "/", true, "HostToContainer")]);
+    }
+    let expected: BTreeSet<(String, String, bool, String)> =
+        expected.into_iter().map(|(c, h, ro, p)| (c.into(), h.into(), ro, p.into())).collect();
+    ensure!(got == expected, "node agent mounts (nvml: {nvml}):\n got      {got:?}\n expected {expected:?}");
+    // The agent is told those paths, and what it creates from them lies inside the mounts.
+    let env = |name: &str| env_value(container, name);
+    ensure!(
+        env("GPU_DRA_KUBELET_REGISTRY_DIR") == Some(registry.as_str())
+            && env("GPU_DRA_KUBELET_PLUGINS_DIR") == Some("/var/lib/kubelet/plugins")
+            && env("GPU_DRA_CDI_DIR") == Some("/var/run/cdi")
+            && env("GPU_DRA_STATE_DIR") == Some("/var/lib/gpu-dra"),
+        "node agent directories: {}",
+        container["env"]
+    );
+    let sockets =
+        gpu_dra::kubelet_plugin::SocketPaths::new(Path::new(&registry), Path::new("/var/lib/kubelet/plugins"), driver)?;
+    ensure!(
+        sockets.registration.starts_with(&registry) && sockets.dra.starts_with(&plugin),
+        "sockets {sockets:?} outside their mounts"
+    );
+    let driver_root = (env("GPU_DRA_DRIVER_ROOT"), env("GPU_DRA_HOST_DRIVER_ROOT"));
+    let expected_root = if nvml { (Some("/driver-root"), Some("/")) } else { (None, None) };
+    ensure!(driver_root == expected_root, "driver root settings (nvml: {nvml}): {driver_root:?}");
     Ok(())
 }
 

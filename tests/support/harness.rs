@@ -3,7 +3,7 @@
 //! per line (`registered`, `prepared`, `unprepared`, …), collected here for tests to wait on.
 
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
@@ -42,15 +42,21 @@ pub struct KubeletHarness {
 impl KubeletHarness {
     /// Starts the kubelet side of `node`, watching the registry directory of `dirs`.
     pub fn start(ctx: &TestContext, node: &str, dirs: &NodeDirs) -> anyhow::Result<Self> {
-        let log = dirs.kubelet_state().with_extension("log");
+        Self::start_watching(ctx, node, &dirs.registry(), &dirs.kubelet_state())
+    }
+
+    /// Starts the kubelet side of `node`, watching `registry` (the kubelet's plugins_registry) and keeping its own
+    /// state in `state` (its log beside it).
+    pub fn start_watching(ctx: &TestContext, node: &str, registry: &Path, state: &Path) -> anyhow::Result<Self> {
+        let log = state.with_extension("log");
         let mut child = Command::new(binary()?)
             .arg("--kubeconfig")
             .arg(ctx.cluster.kubeconfig())
             .args(["--node-name", node])
             .arg("--registry-dir")
-            .arg(dirs.registry())
+            .arg(registry)
             .arg("--state-dir")
-            .arg(dirs.kubelet_state())
+            .arg(state)
             .arg("--log-file")
             .arg(&log)
             .stdin(Stdio::null())
