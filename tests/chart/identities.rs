@@ -102,6 +102,16 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
 pub(super) async fn node_agent_works_under_its_service_account_and_is_refused_the_rest(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
+    with_simulated_agent_chart(&ctx, async |applied, class| node_agent_under_its_account(&ctx, applied, class).await)
+        .await
+}
+
+/// The chart with the node agent only (two simulated GPUs, the GPU DeviceClass named after the test's namespace)
+/// applied around `check(applied objects, class)`.
+pub(super) async fn with_simulated_agent_chart(
+    ctx: &TestContext,
+    check: impl AsyncFnOnce(&[Value], &str) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
     let class = ctx.namespace.clone();
     let class_set = format!("deviceClasses.gpu.name={class}");
     let sets = [
@@ -110,7 +120,7 @@ pub(super) async fn node_agent_works_under_its_service_account_and_is_refused_th
         "nodeAgent.simulatedGpus=2xH100-80GB",
         &class_set,
     ];
-    with_chart_applied(&ctx, &sets, async |applied| node_agent_under_its_account(&ctx, applied, &class).await).await
+    with_chart_applied(ctx, &sets, async |applied| check(applied, &class).await).await
 }
 
 /// A pod object of the agent's ServiceAccount bound to `node` (it never runs: there is no kubelet) and a token

@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::identities::{node_bound_token, policy_in_force};
+use super::identities::{node_bound_token, policy_in_force, with_simulated_agent_chart};
 use super::render::check_node_agent_mounts;
 use super::*;
 use support::harness::KubeletHarness;
@@ -13,15 +13,7 @@ use support::harness::KubeletHarness;
 pub(super) async fn node_agent_works_with_only_its_mounts_beside_the_real_kubelet(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let class = ctx.namespace.clone();
-    let class_set = format!("deviceClasses.gpu.name={class}");
-    let sets = [
-        "controller.enabled=false",
-        "nodeAgent.gpuBackend=simulated",
-        "nodeAgent.simulatedGpus=2xH100-80GB",
-        &class_set,
-    ];
-    with_chart_applied(&ctx, &sets, async |applied| through_the_mounts(&ctx, applied, &class).await).await
+    with_simulated_agent_chart(&ctx, async |applied, class| through_the_mounts(&ctx, applied, class).await).await
 }
 
 /// The directories of the agent's environment that are host paths (re-rooted under the node's directory).
