@@ -1,23 +1,30 @@
 //! Crash-safe file writes shared by the CDI specs and the checkpoint: a reader (the container runtime, the next
 //! agent process) sees the old content or the new one, never half a file.
+//!
+//! A writer holds an exclusive `flock` on its temporary file from creation to rename, so "is the writer of this
+//! temporary file still alive?" is answered by the kernel, not by a PID: the agent is PID 1 in every container, so a
+//! PID in a file name says nothing about whether the process that wrote it still runs. The lock dies with the
+//! process that held it, whichever PID namespace it ran in.
 
-use std::fs::{self, File, OpenOptions};
+use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
+use std::os::unix::fs::MetadataExt as _;
 use std::path::Path;
 
 /// Writes `data` to `path` atomically: a hidden temporary file in the same directory (so the runtime's CDI cache,
-/// which reads only `*.json`/`*.yaml`, never picks it up), fsync, rename over the target, fsync the directory so the
-/// rename itself survives a power cut. Creates the directory when missing.
+/// which reads only `*.json`/`*.yaml`, never picks it up), locked while it is written, fsync, rename over the target,
+/// fsync the directory so the rename itself survives a power cut. Creates the directory when missing.
 pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| io::Error::other(format!("{} names no file", path.display())))?;
     fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
-        let mut file = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+        let mut file = open_locked(&tmp)?;
         file.write_all(data)?;
         file.sync_all()?;
         fs::rename(&tmp, path)?;
+        drop(file);
         File::open(dir)?.sync_all()
     })();
     if result.is_err() {
@@ -26,9 +33,32 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     result
 }
 
-/// Removes the temporary files [`write_atomic`] left in `dir` for targets whose name satisfies `target` when the
-/// process that wrote them is gone (killed between create and rename). Those of a live process, this one or
-/// another instance, are left alone. Returns how many were removed.
+/// Opens (creating) the temporary file `tmp`, locked and empty. The lock is taken after the open, so a clean-up may
+/// have removed the file in between (it found it unlocked), or another writer with the same PID (another container)
+/// may have renamed it while this one waited for the lock: then `tmp` no longer names the file this one holds, and it
+/// opens the new one.
+fn open_locked(tmp: &Path) -> io::Result<File> {
+    for _ in 0..8 {
+        let file = OpenOptions::new().write(true).create(true).truncate(false).open(tmp)?;
+        file.lock()?;
+        let held = file.metadata()?;
+        match fs::symlink_metadata(tmp) {
+            Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => {
+                file.set_len(0)?;
+                return Ok(file);
+            }
+            Ok(_) => {}
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {}
+            Err(err) => return Err(err),
+        }
+    }
+    Err(io::Error::other(format!("{} keeps being replaced while it is opened", tmp.display())))
+}
+
+/// Removes the temporary files [`write_atomic`] left in `dir` for targets whose name satisfies `target` when no
+/// process holds their lock any more (their writer was killed between create and rename). Those being written, by
+/// this process or another agent (e.g. the old one during a rolling update), are locked and left alone. Only regular
+/// files are opened. Returns how many were removed.
 pub fn remove_abandoned_temporaries(dir: &Path, target: impl Fn(&str) -> bool) -> io::Result<usize> {
     let entries = match fs::read_dir(dir) {
         Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(0),
@@ -38,20 +68,42 @@ pub fn remove_abandoned_temporaries(dir: &Path, target: impl Fn(&str) -> bool) -
     for entry in entries {
         let entry = entry?;
         let name = entry.file_name();
-        let Some((target_name, pid)) = name.to_str().and_then(temporary_of) else { continue };
-        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
-        if target(target_name) && !alive {
-            remove_if_exists(&entry.path())?;
+        let Some(target_name) = name.to_str().and_then(temporary_of) else { continue };
+        if target(target_name) && entry.file_type()?.is_file() && remove_if_unlocked(&entry.path())? {
             removed += 1;
         }
     }
     Ok(removed)
 }
 
-/// `.<name>.tmp-<pid>` → (`<name>`, pid).
-fn temporary_of(file_name: &str) -> Option<(&str, u32)> {
+/// Removes `path` when nobody holds its lock; `true` when it did.
+fn remove_if_unlocked(path: &Path) -> io::Result<bool> {
+    let file = match File::open(path) {
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(false),
+        file => file?,
+    };
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(TryLockError::WouldBlock) => return Ok(false),
+        Err(TryLockError::Error(err)) => return Err(err),
+    }
+    // Still the file that was locked (not renamed away and re-created since the open)?
+    let held = file.metadata()?;
+    match fs::symlink_metadata(path) {
+        Ok(now) if now.dev() == held.dev() && now.ino() == held.ino() => {
+            remove_if_exists(path)?;
+            Ok(true)
+        }
+        Ok(_) => Ok(false),
+        Err(err) if err.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(err) => Err(err),
+    }
+}
+
+/// `.<name>.tmp-<pid>` → `<name>`.
+fn temporary_of(file_name: &str) -> Option<&str> {
     let (target, pid) = file_name.strip_prefix('.')?.rsplit_once(".tmp-")?;
-    Some((target, pid.parse().ok()?))
+    pid.parse::<u32>().ok().map(|_| target)
 }
 
 /// Removes `path`; a file that is already gone is success (every removal here must be idempotent).
@@ -81,23 +133,45 @@ mod tests {
         fs::remove_dir_all(&dir)
     }
 
+    /// A writer killed mid-write in an earlier container had the same PID as this process (PID 1 in both): its
+    /// temporary file is unlocked and goes. A temporary file whose writer still holds the lock stays, whatever
+    /// its PID.
     #[test]
-    fn abandoned_temporaries_go_live_ones_stay() -> io::Result<()> {
+    fn abandoned_temporaries_go_locked_ones_stay() -> io::Result<()> {
         let dir = tempfile::tempdir()?;
-        // pid 0 is never a process of ours (and /proc/0 does not exist): abandoned.
-        let names = [".a.json.tmp-0", ".b.json.tmp-0", &format!(".a.json.tmp-{}", std::process::id()), "a.json"];
+        let own_pid = std::process::id();
+        let abandoned_same_pid = format!(".a.json.tmp-{own_pid}");
+        let names = [abandoned_same_pid.as_str(), ".a.json.tmp-1", ".a.json.tmp-7", ".b.json.tmp-0", "a.json"];
         for name in names {
             fs::write(dir.path().join(name), "x")?;
         }
-        assert_eq!(remove_abandoned_temporaries(dir.path(), |target| target == "a.json")?, 1);
+        // A live writer (another process, as far as flock is concerned: a different open file description).
+        let writer = File::open(dir.path().join(".a.json.tmp-7"))?;
+        writer.lock()?;
+        // Not a regular file: never opened (a fifo would block the open).
+        fs::create_dir(dir.path().join(".a.json.tmp-9"))?;
+        assert_eq!(remove_abandoned_temporaries(dir.path(), |target| target == "a.json")?, 2);
         let mut left: Vec<_> = fs::read_dir(dir.path())?.flatten().map(|e| e.file_name()).collect();
         left.sort();
-        let expected: Vec<std::ffi::OsString> =
-            [names[2], names[1], "a.json"].iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
-        let mut expected = expected;
+        let mut expected: Vec<std::ffi::OsString> =
+            [".a.json.tmp-7", ".a.json.tmp-9", ".b.json.tmp-0", "a.json"].iter().map(Into::into).collect();
         expected.sort();
         assert_eq!(left, expected);
+        drop(writer);
+        assert_eq!(remove_abandoned_temporaries(dir.path(), |target| target == "a.json")?, 1);
         assert_eq!(remove_abandoned_temporaries(&dir.path().join("missing"), |_| true)?, 0);
+        Ok(())
+    }
+
+    /// A temporary file left by an earlier writer with this PID is taken over, emptied, and renamed.
+    #[test]
+    fn a_left_over_temporary_of_the_same_pid_is_reused() -> io::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("a.json");
+        fs::write(dir.path().join(format!(".a.json.tmp-{}", std::process::id())), "old and longer")?;
+        write_atomic(&path, b"new")?;
+        assert_eq!(fs::read(&path)?, b"new");
+        assert_eq!(fs::read_dir(dir.path())?.count(), 1);
         Ok(())
     }
 }

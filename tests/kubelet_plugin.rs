@@ -1,23 +1,23 @@
 //! The node agent's kubelet plugin against the real API server and scheduler, driven by a kubelet stand-in that
 //! speaks the real protocol over the unix sockets: registration, prepare of what the scheduler allocated (CDI specs
 //! checked against the official schema and loaded with the `container-device-interface` crate), every refusal,
-//! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint, lost specs, a reboot, an
-//! interrupted prepare.
+//! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint (with the API server
+//! unreachable too), lost specs, a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
+//! prepare while the liveness probe asks.
 
 mod support;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use gpu_dra::kubelet_plugin::checkpoint::{
-    Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
-};
+use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome};
+use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::node::{DRIVER, Kubelet, NodeDirs, start_agent};
+use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
 use support::{TestContext, objects, wait};
 
@@ -28,7 +28,9 @@ fn main() {
             test!(registers_and_prepares_what_the_scheduler_allocated),
             test!(refuses_what_it_must_not_prepare_and_answers_every_claim),
             test!(kill_during_fifty_concurrent_prepares_leaves_a_consistent_state),
-            test!(a_corrupt_checkpoint_is_moved_aside_and_rebuilt_from_the_api),
+            test!(a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside),
+            test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
+            test!(health_answers_while_a_prepare_hangs_on_the_disk),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
         ],
@@ -339,27 +341,55 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     Ok(())
 }
 
-async fn a_corrupt_checkpoint_is_moved_aside_and_rebuilt_from_the_api(ctx: TestContext) -> anyhow::Result<()> {
+/// Prepares claims `a` (gpu-0) and `b` (gpu-1) through a first agent, stops it and corrupts its checkpoint (a
+/// truncated write). Returns the two UIDs.
+async fn two_prepared_claims_and_a_corrupt_checkpoint(
+    ctx: &TestContext,
+    node: &str,
+    dirs: &NodeDirs,
+) -> anyhow::Result<(String, String)> {
+    let mut agent = ready_agent(ctx, node, dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(ctx, "a", node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(ctx, "b", node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let answers = Kubelet::register(dirs).await?.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
+    agent.terminate()?;
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    Ok((a, b))
+}
+
+/// The files the corrupt checkpoint was kept as.
+fn kept_aside(dirs: &NodeDirs) -> anyhow::Result<Vec<PathBuf>> {
+    Ok(std::fs::read_dir(dirs.state())?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint.json.corrupt-"))
+        .map(|e| e.path())
+        .collect())
+}
+
+/// A prepare of `uid` through the kubelet stand-in answers the claim's request and its GPU, and its spec exists.
+async fn prepares_fully(dirs: &NodeDirs, ns: &str, name: &str, uid: &str, device: &str) -> anyhow::Result<()> {
+    let answers = Kubelet::register(dirs).await?.prepare(&[(ns, name, uid)]).await?;
+    let answer = answers.get(uid).context("no answer")?;
+    ensure!(answer.error.is_empty() && answer.devices.len() == 1, "{answer:?}");
+    let prepared = &answer.devices[0];
+    ensure!(prepared.request_names == ["gpus"] && prepared.device_name == device, "{prepared:?}");
+    ensure!(dirs.cdi_spec(uid).exists(), "no spec for {name}");
+    Ok(())
+}
+
+async fn a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
-    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
-    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let (a, b) = two_prepared_claims_and_a_corrupt_checkpoint(&ctx, &node, &dirs).await?;
     let ns = ctx.namespace.as_str();
-    let mut kubelet = Kubelet::register(&dirs).await?;
-    let answers = kubelet.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
-    ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
-    agent.terminate()?;
+    let written = std::fs::read(dirs.cdi_spec(&a))?;
 
-    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
     let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     ensure!(agent.metric("gpu_dra_kubelet_plugin_checkpoint_corruptions_total", &[]).await? == 1.0, "metric");
-    let moved: Vec<_> = std::fs::read_dir(dirs.state())?
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("checkpoint.json.corrupt-"))
-        .collect();
-    ensure!(moved.len() == 1, "the corrupt file was not kept aside");
+    ensure!(kept_aside(&dirs)?.len() == 1, "the corrupt file was not kept aside");
     let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
     wait::until("a CheckpointCorrupt event on the Node", Duration::from_secs(20), || async {
         let list = events.list(&ListParams::default()).await?;
@@ -374,13 +404,125 @@ async fn a_corrupt_checkpoint_is_moved_aside_and_rebuilt_from_the_api(ctx: TestC
             .map(|_| ()))
     })
     .await?;
+    // Both specs adopted untouched, both claims recorded again.
+    ensure!(std::fs::read(dirs.cdi_spec(&a))? == written && dirs.cdi_spec(&b).exists(), "a spec changed or went");
     let state = checkpoint(&dirs, "boot-1")?;
-    let rebuilt: BTreeSet<&String> =
-        state.completed(&a).into_iter().chain(state.completed(&b)).map(|e| &e.name).collect();
-    ensure!(rebuilt.len() == 2, "rebuilt entries: {:?}", state.claims);
-    let mut kubelet = Kubelet::register(&dirs).await?;
-    let unprepared = kubelet.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(state.claims.contains_key(&a) && state.claims.contains_key(&b), "rebuilt entries: {:?}", state.claims);
+    // A repeated prepare answers in full (the claim is read again), and unprepare releases both.
+    prepares_fully(&dirs, ns, "a", &a, "gpu-0").await?;
+    let unprepared = Kubelet::register(&dirs).await?.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
     ensure!(unprepared.values().all(String::is_empty) && dirs.cdi_specs()?.is_empty(), "{unprepared:?}");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.is_empty(), "entries left after unprepare");
+    Ok(())
+}
+
+/// The node boots, the checkpoint is corrupt and the API server cannot be reached (not up yet, or the agent lacks a
+/// permission): the agent keeps every CDI spec (running pods' containers need them to restart), serves the kubelet,
+/// and prepares again from the API once it is reachable.
+async fn a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let (a, b) = two_prepared_claims_and_a_corrupt_checkpoint(&ctx, &node, &dirs).await?;
+    let ns = ctx.namespace.as_str();
+
+    let server = ctx.cluster.server()?;
+    let dead = format!("https://127.0.0.1:{}", std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port());
+    let kubeconfig = ctx.cluster.kubeconfig().with_file_name(format!("kubeconfig-unreachable-{ns}"));
+    std::fs::write(&kubeconfig, std::fs::read_to_string(ctx.cluster.kubeconfig())?.replace(&server, &dead))?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"];
+    let mut offline = start_agent_with(&kubeconfig, &format!("{ns}-offline-agent"), &node, &dirs, &args)?;
+    // The plugin serves (so the kubelet can unprepare) once start-up recovery is done; give a failed start time to
+    // be retried (1 s back-off) before looking at the specs.
+    let socket = dirs.registration_socket();
+    wait::until("the plugin to serve without the API", Duration::from_secs(30), || async {
+        Ok(socket.exists().then_some(()))
+    })
+    .await
+    .with_context(|| offline.log_tail())?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let specs = dirs.cdi_specs()?;
+    ensure!(
+        dirs.cdi_spec(&a).exists() && dirs.cdi_spec(&b).exists(),
+        "specs deleted while the API was unreachable: {specs:?}\n{}",
+        offline.log_tail()
+    );
+    ensure!(kept_aside(&dirs)?.len() == 1, "the corrupt file was not kept aside once the rebuilt one was saved");
+    // Offline, a prepare fails (the claim cannot be read) and deletes nothing; an unprepare works.
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(ns, "a", &a)]).await?;
+    ensure!(answers.get(&a).is_some_and(|r| !r.error.is_empty()), "{answers:?}");
+    ensure!(dirs.cdi_spec(&a).exists(), "a failed prepare removed the spec of a running claim");
+    let unprepared = kubelet.unprepare(&[(ns, "b", &b)]).await?;
+    ensure!(unprepared.values().all(String::is_empty) && !dirs.cdi_spec(&b).exists(), "{unprepared:?}");
+    offline.terminate()?;
+
+    // The API is back: the claim still in use is prepared in full from it, with its spec in place all along.
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    prepares_fully(&dirs, ns, "a", &a, "gpu-0").await?;
+    ensure!(kept_aside(&dirs)?.len() == 1, "a second corruption was reported");
+    Ok(())
+}
+
+/// A prepare stuck in the disk (here the spec's temporary file is a fifo nobody reads, so the open blocks as on a
+/// hung volume) holds the state lock; the liveness probe (`/healthz`, which calls both sockets) must still answer at
+/// once, or the kubelet kills the agent mid-prepare.
+async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.clone();
+    std::fs::create_dir_all(dirs.cdi())?;
+    let fifo = dirs.cdi().join(format!(".{DRIVER}-gpu_{a}.json.tmp-{}", agent.pid()));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+    ensure!(made.success(), "mkfifo {}", fifo.display());
+
+    let kubelet = Kubelet::register(&dirs).await?;
+    let call = |name: &'static str, uid: &str| {
+        let mut client = kubelet.v1.clone();
+        let claim = v1::Claim { namespace: ns.clone(), name: name.into(), uid: uid.into() };
+        tokio::spawn(async move {
+            client.node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![claim] }).await
+        })
+    };
+    let stuck = call("a", &a);
+    wait::until("the prepare of a to reach the disk", Duration::from_secs(20), || async {
+        Ok(checkpoint(&dirs, "boot-1")?.claims.contains_key(&a).then_some(()))
+    })
+    .await?;
+    // More kubelet calls queue behind it (one per pod the kubelet starts).
+    let queued: Vec<_> = (0..4).map(|_| call("b", &b)).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let asked = Instant::now();
+        let answer = tokio::time::timeout(Duration::from_secs(10), agent.get("/healthz")).await;
+        let (code, body) = answer.context("/healthz did not answer within 10 s")??;
+        slowest = slowest.max(asked.elapsed());
+        ensure!(code == 200, "/healthz answered {code} while a prepare waited on the disk: {body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    ensure!(slowest < Duration::from_secs(1), "/healthz took {slowest:?}");
+    ensure!(!stuck.is_finished(), "the prepare did not hang: the test proves nothing");
+
+    // The disk comes back (the fifo is drained): the stuck write fails, the queued prepares succeed, a retry too.
+    let reader = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut std::fs::File::open(&fifo)?, &mut data)?;
+        Ok(data)
+    });
+    let answer = stuck.await??.into_inner();
+    reader.join().map_err(|_| anyhow::anyhow!("fifo reader panicked"))??;
+    ensure!(answer.claims.get(&a).is_some_and(|r| !r.error.is_empty()), "{answer:?}");
+    for call in queued {
+        let answer = call.await??.into_inner();
+        ensure!(answer.claims.get(&b).is_some_and(|r| r.error.is_empty()), "{answer:?}");
+    }
+    prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
+    eprintln!("/healthz answered in at most {slowest:?} while a prepare hung on the disk");
     Ok(())
 }
 
@@ -416,19 +558,11 @@ async fn an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start(ctx: Tes
     let dirs = NodeDirs::new()?;
     let (half, stray) = ("22222222-0000-4000-8000-000000000000", "33333333-0000-4000-8000-000000000000");
     let mut state = Checkpoint::new("boot-1");
-    let device = PreparedDevice {
-        request_names: vec!["gpus".into()],
-        pool: node.clone(),
-        device: "gpu-0".into(),
-        cdi_device_ids: vec![format!("{DRIVER}/gpu={half}-gpu-0")],
-        share_id: None,
-    };
-    let entry = ClaimEntry {
-        namespace: ctx.namespace.clone(),
-        name: "half".into(),
-        state: PrepareState::PrepareStarted,
-        devices: vec![device],
-    };
+    let entry: ClaimEntry = serde_json::from_value(json!({
+        "namespace": ctx.namespace, "name": "half", "state": "PrepareStarted",
+        "devices": [{"requestNames": ["gpus"], "pool": node, "device": "gpu-0",
+                     "cdiDeviceIds": [format!("{DRIVER}/gpu={half}-gpu-0")]}]
+    }))?;
     state.claims.insert(half.into(), entry);
     CheckpointStore::new(&dirs.state()).save(&state)?;
     std::fs::create_dir_all(dirs.cdi())?;
@@ -436,10 +570,18 @@ async fn an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start(ctx: Tes
         std::fs::write(dirs.cdi_spec(uid), "{}")?;
     }
     std::fs::write(dirs.cdi().join("someone-else.json"), "{}")?;
+    // Writers killed between creating and renaming their temporary files, in an earlier container where the agent
+    // was PID 1 as it is in every container: PID 1 is alive, but nobody holds these files' locks.
+    let spec_temporary = dirs.cdi().join(format!(".{DRIVER}-gpu_{stray}.json.tmp-1"));
+    let checkpoint_temporary = dirs.state().join(".checkpoint.json.tmp-1");
+    for temporary in [&spec_temporary, &checkpoint_temporary] {
+        std::fs::write(temporary, "{\"half\": ")?;
+    }
 
     let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     let left = dirs.cdi_specs()?;
     ensure!(left == ["someone-else.json"], "after start: {left:?} (only other vendors' specs may stay)");
+    ensure!(!checkpoint_temporary.exists(), "the abandoned temporary checkpoint file was kept");
     if !checkpoint(&dirs, "boot-1")?.claims.is_empty() {
         bail!("the interrupted prepare is still recorded");
     }

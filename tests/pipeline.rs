@@ -36,6 +36,7 @@ fn main() {
             test!(two_containers_with_two_claims_get_different_gpus),
             test!(a_shared_claim_is_prepared_once_and_released_after_its_last_pod),
             test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
+            test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
         ],
     )
 }
@@ -116,6 +117,16 @@ impl Testbed {
             "spec": {"containers": containers, "resourceClaims": claims,
                      "nodeSelector": {"gpu-dra.dev/e2e": ctx.namespace}, "terminationGracePeriodSeconds": 0}
         }))?)
+    }
+
+    /// [`Self::pod`] pinned to node `node`.
+    fn pod_on(&self, ctx: &TestContext, name: &str, node: &str, template: &str) -> anyhow::Result<Pod> {
+        let claims = json!([{"name": "gpus", "resourceClaimTemplateName": template}]);
+        let mut pod = self.pod(ctx, name, claims, &[("app", &["gpus"])])?;
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node.to_string())].into());
+        }
+        Ok(pod)
     }
 
     /// Waits until some node's kubelet prepared `pod`; returns (node, container → CDI ids).
@@ -429,5 +440,57 @@ async fn restarts_of_agent_kubelet_and_controller_lose_nothing(ctx: TestContext)
     for node in &mut bed.nodes {
         node.kubelet.check_alive()?;
     }
+    Ok(())
+}
+
+/// A DCGM-exporter-style monitoring pod: every GPU of its node with admin access (allocationMode All), in a namespace
+/// labelled for admin access. Admin access never makes a device busy, for the scheduler as for the agent: a workload
+/// the scheduler places on a monitored GPU is prepared whichever of the two came first, and the agent's checkpoint
+/// records the admin access (so a restarted agent keeps allowing it).
+async fn a_monitoring_pod_with_admin_access_never_makes_gpus_busy(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    let label = json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+        .patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(&label))
+        .await?;
+    objects::create_template(
+        &ctx,
+        "monitor",
+        json!({"spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
+            "deviceClassName": bed.class, "allocationMode": "All", "adminAccess": true}}]}}}),
+    )
+    .await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let pods = objects::pods(&ctx);
+    let (first, second) = (bed.nodes[1].name.clone(), bed.nodes[0].name.clone());
+
+    // Monitoring first, then a workload on one of the monitored GPUs.
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "monitor-1", &first, "monitor")?).await?;
+    let (_, monitor) = bed.prepared(&ctx, "monitor-1").await?;
+    ensure!(monitor.get("app").is_some_and(|ids| ids.len() == 4), "monitor CDI ids {monitor:?}");
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "worker-1", &first, "one-h100")?).await?;
+    let (_, worker) = bed.prepared(&ctx, "worker-1").await?;
+    ensure!(worker.get("app").is_some_and(|ids| ids.len() == 1), "worker CDI ids {worker:?}");
+    let monitored = allocated(&ctx, &claim_of(&ctx, "monitor-1", "gpus").await?).await?;
+    let used = allocated(&ctx, &claim_of(&ctx, "worker-1", "gpus").await?).await?;
+    ensure!(used.is_subset(&monitored), "the worker's GPU {used:?} is not among the monitored {monitored:?}");
+
+    // A workload first, then monitoring.
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "worker-0", &second, "one-h100")?).await?;
+    bed.prepared(&ctx, "worker-0").await?;
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "monitor-0", &second, "monitor")?).await?;
+    let (_, monitor) = bed.prepared(&ctx, "monitor-0").await?;
+    ensure!(monitor.get("app").is_some_and(|ids| ids.len() == 4), "monitor CDI ids {monitor:?}");
+
+    // Recorded with admin access: one entry per monitored GPU says so, the workloads' do not.
+    for node in [&first, &second] {
+        let text = std::fs::read_to_string(bed.node(node)?.dirs.checkpoint())?;
+        ensure!(text.matches("\"adminAccess\": true").count() == 4, "checkpoint of {node}:\n{text}");
+    }
+
+    // The workload goes and comes back while monitoring stays: still prepared.
+    bed.delete_pod(&ctx, "worker-1", &first).await?;
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "worker-1b", &first, "one-h100")?).await?;
+    bed.prepared(&ctx, "worker-1b").await?;
     Ok(())
 }

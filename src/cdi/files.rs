@@ -72,6 +72,16 @@ pub fn list_claim_specs(dir: &Path, kind: &CdiKind) -> Result<Vec<String>, CdiEr
     Ok(uids)
 }
 
+/// The GPU minors a claim's spec on disk names (its devices are `<claimUID>-gpu-<minor>`), so the spec can be adopted
+/// when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
+pub fn claim_spec_gpu_minors(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<u32>> {
+    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
+    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let prefix = format!("{claim_uid}-gpu-");
+    let names = spec["devices"].as_array().into_iter().flatten().filter_map(|d| d["name"].as_str());
+    Ok(names.filter_map(|name| name.strip_prefix(&prefix)?.parse().ok()).collect())
+}
+
 /// Removes the temporary spec files of this kind that a killed writer left behind (see
 /// [`crate::fsutil::remove_abandoned_temporaries`]); returns how many.
 pub fn remove_abandoned_spec_temporaries(dir: &Path, kind: &CdiKind) -> Result<usize, CdiError> {
@@ -175,6 +185,9 @@ mod tests {
         fs::write(dir.join(format!(".gpu.gpu-dra.dev-gpu_{UID}.json.tmp-1")), b"{}")?;
         fs::write(dir.join("gpu.gpu-dra.dev-gpu_bad-.json"), b"{}")?;
         assert_eq!(list_claim_specs(&dir, &kind)?, ["a-uid", "b-uid"]);
+        write_claim_spec(&dir, &kind, UID, &spec)?;
+        assert_eq!(claim_spec_gpu_minors(&dir, &kind, UID)?, [1, 3], "the GPUs its device names name");
+        remove_claim_spec(&dir, &kind, UID)?;
         assert!(claim_spec_exists(&dir, &kind, "a-uid"));
         assert!(!claim_spec_exists(&dir, &kind, "a/uid"));
         remove_claim_spec(&dir, &kind, "a-uid")?;

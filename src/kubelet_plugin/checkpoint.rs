@@ -5,9 +5,11 @@
 //! claim, across agent restarts.
 //!
 //! What it guards against:
-//! - a corrupted or truncated file crash-looping the plugin with nothing in the cluster saying why: a file that cannot
-//!   be trusted is moved aside (never deleted: an operator can inspect it) and [`LoadOutcome::Corrupt`] tells the
-//!   caller to rebuild from the API and emit a Warning event and a metric;
+//! - a corrupted or truncated file crash-looping the plugin with nothing in the cluster saying why:
+//!   [`LoadOutcome::Corrupt`] tells the caller to rebuild the record and emit a Warning event and a metric. The file
+//!   stays where it is until [`CheckpointStore::replace_corrupt`] has saved the rebuilt one (then it is kept aside,
+//!   never deleted: an operator can inspect it), so a rebuild that fails or is killed is simply done again at the
+//!   next start: there is never a moment when the node has CDI specs and no record saying they are in use;
 //! - stale entries after an interrupted prepare: an entry is written [`PrepareState::PrepareStarted`] before any CDI
 //!   file exists and [`PrepareState::PrepareCompleted`] after, so on start-up every `PrepareStarted` entry is a
 //!   half-done prepare whose leftovers the caller cleans up;
@@ -31,7 +33,7 @@ use serde_json::Value;
 use crate::fsutil::write_atomic;
 use crate::node_agent::gpu::stable_hash;
 
-/// The only file format version this agent reads and writes. Any other version is treated as corrupt (moved aside),
+/// The only file format version this agent reads and writes. Any other version is treated as corrupt (kept aside),
 /// so a downgraded agent never misreads a newer agent's file.
 pub const CHECKPOINT_VERSION: u64 = 1;
 
@@ -61,6 +63,15 @@ pub struct ClaimEntry {
     pub state: PrepareState,
     #[serde(default)]
     pub devices: Vec<PreparedDevice>,
+    /// Adopted from a CDI spec on disk while a corrupt checkpoint was rebuilt: the claim's name, requests, shares and
+    /// admin access are unknown, so the entry only keeps its spec from being removed as an orphan and lets unprepare
+    /// find it; it never conflicts with another claim and a prepare of the claim plans it again from the API.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub recovered: bool,
+}
+
+fn is_false(value: &bool) -> bool {
+    !value
 }
 
 /// How far a prepare got. Saved `PrepareStarted` before the first CDI file is written and `PrepareCompleted` after the
@@ -84,6 +95,10 @@ pub struct PreparedDevice {
     /// Set when the allocation is one share of a device that several claims may hold at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub share_id: Option<String>,
+    /// Allocated with admin access (e.g. a monitoring agent looking at every GPU): it never makes the device busy,
+    /// for other claims as for the scheduler. Absent (false) in files written before it was recorded.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub admin_access: bool,
 }
 
 impl Checkpoint {
@@ -99,13 +114,15 @@ impl Checkpoint {
 
     /// The UID of another claim (not `claim_uid`) whose hold on the device conflicts with preparing `wanted` for
     /// `claim_uid`: both name the same pool and device, and they are not two different shares of it. Entries still
-    /// `PrepareStarted` count: their device is not free until their cleanup has run. Use this, not [`device_owner`]
-    /// (which ignores shares), to refuse a device already prepared for someone else.
+    /// `PrepareStarted` count: their device is not free until their cleanup has run. A hold with admin access never
+    /// conflicts (it does not make the device busy), nor does a recovered entry (what it holds is unknown). Use
+    /// this, not [`device_owner`] (which ignores shares), to refuse a device already prepared for someone else.
     ///
     /// [`device_owner`]: Checkpoint::device_owner
     pub fn conflicting_owner(&self, claim_uid: &str, wanted: &PreparedDevice) -> Option<&str> {
         self.holders(&wanted.pool, &wanted.device)
-            .filter(|(uid, _)| *uid != claim_uid)
+            .filter(|(uid, held)| *uid != claim_uid && !held.admin_access)
+            .filter(|(uid, _)| self.claims.get(*uid).is_some_and(|entry| !entry.recovered))
             .find(|(_, held)| match (&held.share_id, &wanted.share_id) {
                 (Some(held), Some(wanted)) => held == wanted,
                 _ => true,
@@ -113,9 +130,10 @@ impl Checkpoint {
             .map(|(uid, _)| uid)
     }
 
-    /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it).
+    /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it); never a
+    /// recovered entry, whose answer is unknown.
     pub fn completed(&self, uid: &str) -> Option<&ClaimEntry> {
-        self.claims.get(uid).filter(|entry| entry.state == PrepareState::PrepareCompleted)
+        self.claims.get(uid).filter(|entry| entry.state == PrepareState::PrepareCompleted && !entry.recovered)
     }
 
     /// Half-done prepares (`PrepareStarted`) as `(claim UID, entry)`: after a restart, their CDI files and device
@@ -150,7 +168,7 @@ pub struct Loaded {
 /// cases so that the next start-up does not report the same thing again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LoadOutcome {
-    /// No checkpoint file: first start on this node (or after a `Corrupt` file was moved aside and nothing saved).
+    /// No checkpoint file: first start on this node.
     Fresh,
     /// The file was valid and from this boot (or the boot could not be told, see [`boot_id`]).
     Loaded,
@@ -158,9 +176,11 @@ pub enum LoadOutcome {
     /// dropped. They are returned (claim UID → entry) so the caller can log them, or re-write their CDI specs if it
     /// chooses; the kubelet calls `NodePrepareResources` again for the pods that restart.
     PreviousBoot { dropped: BTreeMap<String, ClaimEntry> },
-    /// The file could not be trusted (unreadable, not JSON, truncated, wrong checksum, unknown version): it was moved
-    /// to `moved_to` and an empty checkpoint returned; the caller rebuilds from the API and emits a Warning event.
-    Corrupt { moved_to: PathBuf, reason: String },
+    /// The file could not be trusted (unreadable, not JSON, truncated, wrong checksum, unknown version): an empty
+    /// checkpoint is returned and the file left in place; the caller rebuilds the record, saves it with
+    /// [`CheckpointStore::replace_corrupt`] (which keeps the bad file aside) and emits a Warning event. Until then
+    /// every start finds the same file and reports `Corrupt` again.
+    Corrupt { reason: String },
 }
 
 /// Failures that leave the state directory unusable; everything else about a bad file is a [`LoadOutcome`].
@@ -172,17 +192,9 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
-    #[error("read the checkpoint {path} (moving it aside failed too: {move_error})")]
-    Read {
+    #[error("keep the untrusted checkpoint {path} aside before replacing it")]
+    KeepAside {
         path: PathBuf,
-        #[source]
-        source: io::Error,
-        move_error: io::Error,
-    },
-    #[error("move the untrusted checkpoint {path} aside ({reason})")]
-    MoveAside {
-        path: PathBuf,
-        reason: String,
         #[source]
         source: io::Error,
     },
@@ -219,8 +231,8 @@ impl CheckpointStore {
 
     /// Loads the checkpoint for the boot `current_boot_id`, creating the state directory when missing (so a directory
     /// the agent cannot write fails here, at start-up, not at the first prepare). A bad file never fails the load: it
-    /// is moved aside and reported as [`LoadOutcome::Corrupt`]; only a directory where that move (or the creation)
-    /// fails is an error.
+    /// is reported as [`LoadOutcome::Corrupt`] and left in place; only a directory that cannot be created is an
+    /// error.
     pub fn load(&self, current_boot_id: &str) -> Result<Loaded, CheckpointError> {
         let dir = self.dir();
         fs::create_dir_all(dir).map_err(|source| CheckpointError::CreateDir { path: dir.to_path_buf(), source })?;
@@ -235,24 +247,13 @@ impl CheckpointStore {
                 return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Fresh });
             }
             Err(source) => {
-                let reason = format!("unreadable: {source}");
-                let moved_to = self.move_aside().map_err(|move_error| CheckpointError::Read {
-                    path: self.path.clone(),
-                    source,
-                    move_error,
-                })?;
-                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { moved_to, reason } });
+                let outcome = LoadOutcome::Corrupt { reason: format!("unreadable: {source}") };
+                return Ok(Loaded { checkpoint: fresh, outcome });
             }
         };
         let stored = match decode(&bytes) {
             Ok(stored) => stored,
-            Err(reason) => {
-                let moved_to = match self.move_aside() {
-                    Ok(moved_to) => moved_to,
-                    Err(source) => return Err(CheckpointError::MoveAside { path: self.path.clone(), reason, source }),
-                };
-                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { moved_to, reason } });
-            }
+            Err(reason) => return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { reason } }),
         };
         if same_boot(&stored.boot_id, current_boot_id) {
             Ok(Loaded { checkpoint: Checkpoint { claims: stored.claims, ..fresh }, outcome: LoadOutcome::Loaded })
@@ -268,27 +269,46 @@ impl CheckpointStore {
         write_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write { path: self.path.clone(), source })
     }
 
+    /// Saves `rebuilt` in place of a file [`load`](Self::load) found corrupt, keeping the bad file as
+    /// `checkpoint.json.corrupt-<unix seconds>` (with `-<n>` appended when that name is taken, so an earlier corrupt
+    /// file is never overwritten); returns that path. A regular file gets a second name (a hard link, or a copy where
+    /// links are not supported) before the atomic save replaces it, so a crash at any point leaves either the corrupt
+    /// file (the next start rebuilds again) or the rebuilt one. Anything else there (a directory) is renamed first.
+    pub fn replace_corrupt(&self, rebuilt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
+        let keep_aside = || -> io::Result<PathBuf> {
+            let target = self.aside_path()?;
+            if fs::symlink_metadata(&self.path)?.is_file() {
+                if fs::hard_link(&self.path, &target).is_err() {
+                    fs::copy(&self.path, &target)?;
+                }
+            } else {
+                fs::rename(&self.path, &target)?;
+            }
+            Ok(target)
+        };
+        let aside = keep_aside().map_err(|source| CheckpointError::KeepAside { path: self.path.clone(), source })?;
+        self.save(rebuilt)?;
+        Ok(aside)
+    }
+
     fn dir(&self) -> &Path {
         self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
     }
 
-    /// Renames the file to `checkpoint.json.corrupt-<unix seconds>` (with `-<n>` appended when that name is taken, so
-    /// an earlier corrupt file is never overwritten) and returns the new path.
-    fn move_aside(&self) -> io::Result<PathBuf> {
+    /// A free name `checkpoint.json.corrupt-<unix seconds>[-<n>]` beside the file.
+    fn aside_path(&self) -> io::Result<PathBuf> {
         let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
         let base = format!("{}.corrupt-{secs}", self.path.file_name().unwrap_or_default().to_string_lossy());
         let mut n = 0u32;
-        let target = loop {
+        loop {
             let name = if n == 0 { base.clone() } else { format!("{base}-{n}") };
             let candidate = self.path.with_file_name(name);
             match fs::symlink_metadata(&candidate) {
-                Err(err) if err.kind() == io::ErrorKind::NotFound => break candidate,
+                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(candidate),
                 Err(err) => return Err(err),
                 Ok(_) => n += 1,
             }
-        };
-        fs::rename(&self.path, &target)?;
-        Ok(target)
+        }
     }
 }
 
@@ -373,11 +393,12 @@ mod tests {
             device: device.to_owned(),
             cdi_device_ids: vec![format!("k8s.gpu.nvidia.com/claim=uid-{device}")],
             share_id: share_id.map(str::to_owned),
+            admin_access: false,
         }
     }
 
     fn entry(name: &str, state: PrepareState, devices: Vec<PreparedDevice>) -> ClaimEntry {
-        ClaimEntry { namespace: "default".to_owned(), name: name.to_owned(), state, devices }
+        ClaimEntry { namespace: "default".to_owned(), name: name.to_owned(), state, devices, recovered: false }
     }
 
     fn sample(boot: &str) -> Checkpoint {
@@ -401,18 +422,22 @@ mod tests {
         Ok(names)
     }
 
-    /// Loads and asserts a `Corrupt` outcome: the original is gone, the moved file holds the original bytes, the
-    /// returned checkpoint is empty for the current boot. Returns the reason.
+    /// Loads and asserts a `Corrupt` outcome with an empty checkpoint for the current boot and the file untouched;
+    /// then saves a rebuilt checkpoint in its place and asserts the bad file was kept aside, byte for byte. Returns
+    /// the reason.
     fn expect_corrupt(store: &CheckpointStore, original: &[u8]) -> Result<String, Box<dyn std::error::Error>> {
         let loaded = store.load("boot-1")?;
         assert_eq!(loaded.checkpoint, Checkpoint::new("boot-1"));
-        let LoadOutcome::Corrupt { moved_to, reason } = loaded.outcome else {
+        let LoadOutcome::Corrupt { reason } = loaded.outcome else {
             panic!("expected Corrupt, got {:?}", loaded.outcome);
         };
-        assert!(!store.path().exists());
+        assert_eq!(fs::read(store.path())?, original, "the corrupt file must stay until a rebuilt one is saved");
+        let rebuilt = sample("boot-1");
+        let moved_to = store.replace_corrupt(&rebuilt)?;
         let moved_name = moved_to.file_name().ok_or("no file name")?.to_string_lossy().into_owned();
         assert!(moved_name.starts_with("checkpoint.json.corrupt-"), "{moved_name}");
         assert_eq!(fs::read(&moved_to)?, original);
+        assert_eq!(store.load("boot-1")?, Loaded { checkpoint: rebuilt, outcome: LoadOutcome::Loaded });
         Ok(reason)
     }
 
@@ -455,8 +480,20 @@ mod tests {
         fs::write(store.path(), b"{not json")?;
         let reason = expect_corrupt(&store, b"{not json")?;
         assert!(reason.contains("not valid JSON"), "{reason}");
-        // Nothing left to trip over on the next start.
-        assert_eq!(store.load("boot-1")?.outcome, LoadOutcome::Fresh);
+        Ok(())
+    }
+
+    /// A rebuild that fails (or an agent killed during it) saves nothing: the next start finds the same corrupt
+    /// file, never an empty record that would make every CDI spec look orphaned.
+    #[test]
+    fn a_corrupt_file_stays_until_a_rebuilt_one_is_saved() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        fs::write(store.path(), b"{\"version\": 1, \"checks")?;
+        for _ in 0..2 {
+            assert!(matches!(store.load("boot-1")?.outcome, LoadOutcome::Corrupt { .. }));
+        }
+        assert_eq!(names(dir.path())?, [CHECKPOINT_FILE]);
         Ok(())
     }
 
@@ -466,11 +503,12 @@ mod tests {
         let store = CheckpointStore::new(dir.path());
         fs::create_dir(store.path())?;
         let loaded = store.load("boot-1")?;
-        let LoadOutcome::Corrupt { moved_to, reason } = loaded.outcome else {
+        let LoadOutcome::Corrupt { reason } = loaded.outcome else {
             panic!("expected Corrupt, got {:?}", loaded.outcome);
         };
         assert!(reason.starts_with("unreadable: "), "{reason}");
-        assert!(moved_to.is_dir() && !store.path().exists());
+        let moved_to = store.replace_corrupt(&Checkpoint::new("boot-1"))?;
+        assert!(moved_to.is_dir() && store.path().is_file());
         Ok(())
     }
 
@@ -482,7 +520,7 @@ mod tests {
         expect_corrupt(&store, b"first")?;
         fs::write(store.path(), b"second")?;
         expect_corrupt(&store, b"second")?;
-        assert_eq!(names(dir.path())?.len(), 2);
+        assert_eq!(names(dir.path())?.len(), 3);
         Ok(())
     }
 
@@ -580,6 +618,27 @@ mod tests {
         Ok(())
     }
 
+    /// Admin access and recovered entries are written only when set: files of the format above stay byte-identical,
+    /// and an older agent reading a newer file ignores the fields (it does not deny unknown fields).
+    #[test]
+    fn admin_access_and_recovered_entries_round_trip() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        let mut checkpoint = Checkpoint::new("boot-1");
+        let admin = PreparedDevice { admin_access: true, ..device("node1", "gpu-0", None) };
+        checkpoint.claims.insert("uid-m".to_owned(), entry("m", PrepareState::PrepareCompleted, vec![admin]));
+        let recovered = ClaimEntry { recovered: true, ..entry("", PrepareState::PrepareCompleted, Vec::new()) };
+        checkpoint.claims.insert("uid-r".to_owned(), recovered);
+        store.save(&checkpoint)?;
+        let text = fs::read_to_string(store.path())?;
+        assert_eq!(
+            (text.matches("\"adminAccess\": true").count(), text.matches("\"recovered\": true").count()),
+            (1, 1)
+        );
+        assert_eq!(store.load("boot-1")?.checkpoint, checkpoint);
+        Ok(())
+    }
+
     #[test]
     fn previous_boot_entries_are_dropped_and_reported() -> TestResult {
         let dir = tempfile::tempdir()?;
@@ -629,6 +688,16 @@ mod tests {
         assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s2"))), None);
         assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s1"))), Some("uid-b"));
         assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", None)), Some("uid-b"));
+
+        // A monitoring claim with admin access on gpu-2 and a recovered entry on gpu-3 make neither busy.
+        let mut checkpoint = checkpoint;
+        let admin = PreparedDevice { admin_access: true, ..device("node1", "gpu-2", None) };
+        checkpoint.claims.insert("uid-m".to_owned(), entry("m", PrepareState::PrepareCompleted, vec![admin]));
+        let recovered = entry("", PrepareState::PrepareCompleted, vec![device("node1", "gpu-3", None)]);
+        checkpoint.claims.insert("uid-r".to_owned(), ClaimEntry { recovered: true, ..recovered });
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-2", None)), None);
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-3", None)), None);
+        assert_eq!(checkpoint.completed("uid-r"), None, "a recovered entry is planned again, never answered from");
 
         assert_eq!(checkpoint.completed("uid-a").map(|e| e.name.as_str()), Some("a"));
         assert_eq!(checkpoint.completed("uid-b"), None);

@@ -64,7 +64,7 @@ impl PluginMetrics {
         sub.register("prepared_devices", "GPUs prepared for claims on this node", metrics.prepared_devices.clone());
         sub.register(
             "checkpoint_corruptions",
-            "Corrupt checkpoints found at start (moved aside, state rebuilt from the API)",
+            "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside)",
             metrics.checkpoint_corruptions.clone(),
         );
         sub.register("registered", "1 while the kubelet reports the plugin registered", metrics.registered.clone());

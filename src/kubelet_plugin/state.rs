@@ -8,15 +8,18 @@
 //! ```
 //!
 //! **Invariant:** a CDI spec exists only for a claim the checkpoint on disk lists (as started or completed), so a
-//! crash at any point leaves nothing that start-up recovery cannot find and clean up. File work happens under one
-//! lock, off the async threads; the API reads happen before it, concurrently.
+//! crash at any point leaves nothing that start-up recovery cannot find and clean up. The one exception is a corrupt
+//! checkpoint: while it is on disk, start-up deletes nothing and adopts every spec it finds (see
+//! [`DriverState::start`]). File work happens under one lock, off the async threads (the lock is never awaited on
+//! one, so a prepare stuck on a slow disk cannot starve the health checks); the API reads happen before it,
+//! concurrently.
 
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::api::{Api, ListParams};
+use kube::api::Api;
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -43,8 +46,12 @@ pub enum StateError {
         #[source]
         source: cdi::CdiError,
     },
-    #[error("list ResourceClaims to rebuild the checkpoint: {0}")]
-    ListClaims(#[source] kube::Error),
+    #[error("adopt the CDI specs in {dir} to rebuild the corrupt checkpoint: {source}")]
+    AdoptSpecs {
+        dir: PathBuf,
+        #[source]
+        source: cdi::CdiError,
+    },
     #[error("start-up clean-up task failed: {0}")]
     Task(String),
 }
@@ -52,9 +59,9 @@ pub enum StateError {
 /// What start-up found and did, for the log and Events.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
-    /// The checkpoint was unreadable: where it was moved and why.
+    /// The checkpoint was unreadable: where it was kept aside and why.
     pub corrupt: Option<(PathBuf, String)>,
-    /// Claims prepared again from the API after a corrupt checkpoint.
+    /// CDI specs adopted as recovered entries after a corrupt checkpoint.
     pub rebuilt: usize,
     /// Entries of an earlier boot dropped (their devices' state is gone; kubelet prepares again).
     pub previous_boot: usize,
@@ -105,6 +112,14 @@ impl std::fmt::Debug for DriverState {
 
 impl DriverState {
     /// Loads the checkpoint and makes disk and checkpoint agree again (see [`Recovery`]) before anything is served.
+    ///
+    /// A corrupt checkpoint is rebuilt from the CDI specs on disk, not from the API: every spec of this driver is
+    /// adopted as a recovered entry (its GPUs read from the spec's device names) and the rebuilt checkpoint saved in
+    /// place of the corrupt one, which only then is kept aside. Nothing here needs the API server (it may be
+    /// unreachable at boot, or the agent may lack a permission), nothing is deleted before the save, and a failure
+    /// leaves the corrupt file for the next attempt. Recovered entries keep their specs until the kubelet unprepares
+    /// them; a prepare of such a claim plans it again from the API. Reading claims back from the API instead would
+    /// need a cluster-wide list of ResourceClaims, which the agent is not granted.
     pub async fn start(
         config: StateConfig,
         client: kube::Client,
@@ -136,9 +151,13 @@ impl DriverState {
                     state.remove_spec_logged(&uid);
                 }
             }
-            LoadOutcome::Corrupt { moved_to, reason } => {
+            LoadOutcome::Corrupt { reason } => {
                 state.metrics.checkpoint_corruptions.inc();
-                recovery.rebuilt = state.rebuild_from_api().await?;
+                let this = state.clone();
+                let (adopted, moved_to) = tokio::task::spawn_blocking(move || this.adopt_specs())
+                    .await
+                    .map_err(|e| StateError::Task(e.to_string()))??;
+                recovery.rebuilt = adopted;
                 recovery.corrupt = Some((moved_to, reason));
             }
         }
@@ -159,10 +178,18 @@ impl DriverState {
     /// Prepares each claim; one claim's failure never affects another's answer.
     pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let inventory = self.inventory.borrow().clone();
-        let reads = futures::future::join_all(claims.into_iter().map(|claim| {
+        // Under the lock, so on a blocking thread: an async thread waiting for a long prepare would stall every
+        // other call and the health checks with it.
+        let this = self.clone();
+        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
+        let done: Vec<Option<Vec<PreparedDevice>>> =
+            tokio::task::spawn_blocking(move || uids.iter().map(|uid| this.already_prepared(uid)).collect())
+                .await
+                .unwrap_or_else(|_| vec![None; claims.len()]);
+        let reads = futures::future::join_all(claims.into_iter().zip(done).map(|(claim, done)| {
             let inventory = inventory.clone();
             async move {
-                if let Some(devices) = self.already_prepared(&claim.uid) {
+                if let Some(devices) = done {
                     return (claim, Plan::Done(devices));
                 }
                 let plan = match self.read_claim(&claim).await {
@@ -185,8 +212,12 @@ impl DriverState {
         results
     }
 
-    /// Unprepares each claim: its spec removed, its entry dropped. A claim never prepared here succeeds.
+    /// Unprepares each claim: its spec removed, its entry dropped. A claim never prepared here succeeds. An empty
+    /// call (the liveness check) is answered at once, without waiting for the lock a long prepare may hold.
     pub async fn unprepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
+        if claims.is_empty() {
+            return Vec::new();
+        }
         let this = self.clone();
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
         let results = tokio::task::spawn_blocking(move || this.unprepare_blocking(claims)).await.unwrap_or_else(|e| {
@@ -219,7 +250,8 @@ impl DriverState {
     fn prepare_planned(&self, reads: Vec<(ClaimRef, Plan)>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let mut checkpoint = self.lock();
         let mut results = Vec::with_capacity(reads.len());
-        let mut todo: Vec<(ClaimRef, Vec<Gpu>)> = Vec::new();
+        // (claim, its GPUs, the entry it replaces: a recovered one, put back if this prepare fails)
+        let mut todo: Vec<(ClaimRef, Vec<Gpu>, Option<ClaimEntry>)> = Vec::new();
         for (claim, plan) in reads {
             let planned = match plan {
                 Plan::Done(devices) => {
@@ -260,22 +292,23 @@ impl DriverState {
                 name: claim.name.clone(),
                 state: PrepareState::PrepareStarted,
                 devices,
+                recovered: false,
             };
-            checkpoint.claims.insert(claim.uid.clone(), entry);
-            todo.push((claim, unique_gpus(&planned)));
+            let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
+            todo.push((claim, unique_gpus(&planned), previous));
         }
         if todo.is_empty() {
             return results;
         }
         if let Err(e) = self.store.save(&checkpoint) {
-            for (claim, _) in todo {
-                checkpoint.claims.remove(&claim.uid);
+            for (claim, _, previous) in todo {
+                restore(&mut checkpoint, &claim.uid, previous);
                 results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
             }
             return results;
         }
         let mut written = Vec::new();
-        for (claim, gpus) in todo {
+        for (claim, gpus, previous) in todo {
             let write = cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
                 .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec));
             match write {
@@ -287,8 +320,11 @@ impl DriverState {
                 }
                 Err(e) => {
                     warn!(claim = %claim, uid = %claim.uid, error = %e, "writing the CDI spec failed");
-                    checkpoint.claims.remove(&claim.uid);
-                    self.remove_spec_logged(&claim.uid);
+                    // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
+                    if previous.is_none() {
+                        self.remove_spec_logged(&claim.uid);
+                    }
+                    restore(&mut checkpoint, &claim.uid, previous);
                     results.push((claim.uid, Err(e.to_string())));
                 }
             }
@@ -361,52 +397,31 @@ impl DriverState {
                 device: p.gpu.device_name(),
                 cdi_device_ids: vec![cdi::device_id(&self.cdi_kind, &claim.uid, p.gpu.minor)],
                 share_id: p.share_id.clone(),
+                admin_access: p.admin_access,
             })
             .collect()
     }
 
-    /// After a corrupt checkpoint: prepares again every claim the API says is allocated here and in use, so that
-    /// running pods keep their devices recorded and later unprepares work.
-    async fn rebuild_from_api(self: &Arc<Self>) -> Result<usize, StateError> {
-        let claims = Api::<ResourceClaim>::all(self.client.clone())
-            .list(&ListParams::default())
-            .await
-            .map_err(StateError::ListClaims)?;
-        let inventory = self.inventory.borrow().clone();
-        let reads: Vec<(ClaimRef, Plan)> = claims
-            .items
-            .iter()
-            .filter(|claim| self.allocated_here_and_reserved(claim))
-            .map(|claim| {
-                let wanted = ClaimRef {
-                    namespace: claim.metadata.namespace.clone().unwrap_or_default(),
-                    name: claim.metadata.name.clone().unwrap_or_default(),
-                    uid: claim.metadata.uid.clone().unwrap_or_default(),
-                };
-                let plan = allocation::plan(&wanted, claim, &self.driver, &self.pool, &inventory);
-                (wanted, Plan::Todo(plan))
-            })
-            .collect();
-        let this = self.clone();
-        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads)).await.unwrap_or_default();
-        for (uid, result) in &results {
-            if let Err(reason) = result {
-                warn!(%uid, %reason, "could not re-prepare claim while rebuilding the checkpoint");
-            }
+    /// After a corrupt checkpoint: every spec of this driver on disk becomes a recovered entry, and the rebuilt
+    /// checkpoint is saved in place of the corrupt one. Returns (specs adopted, where the corrupt file was kept).
+    fn adopt_specs(&self) -> Result<(usize, PathBuf), StateError> {
+        let mut checkpoint = self.lock();
+        let uids = cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind)
+            .map_err(|source| StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source })?;
+        for uid in &uids {
+            let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid);
+            info!(%uid, devices = devices.len(), "adopted the CDI spec of a claim the corrupt checkpoint recorded");
+            let entry = ClaimEntry {
+                namespace: String::new(),
+                name: String::new(),
+                state: PrepareState::PrepareCompleted,
+                devices,
+                recovered: true,
+            };
+            checkpoint.claims.insert(uid.clone(), entry);
         }
-        Ok(results.iter().filter(|(_, r)| r.is_ok()).count())
-    }
-
-    fn allocated_here_and_reserved(&self, claim: &ResourceClaim) -> bool {
-        let Some(status) = claim.status.as_ref() else { return false };
-        let reserved = status.reserved_for.as_ref().is_some_and(|r| !r.is_empty());
-        let here = status
-            .allocation
-            .as_ref()
-            .and_then(|a| a.devices.as_ref())
-            .and_then(|d| d.results.as_ref())
-            .is_some_and(|results| results.iter().any(|r| r.driver == self.driver && r.pool == self.pool));
-        reserved && here
+        let moved_to = self.store.replace_corrupt(&checkpoint)?;
+        Ok((uids.len(), moved_to))
     }
 
     /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
@@ -500,6 +515,34 @@ fn conflict(
             device.device
         ))
     })
+}
+
+/// The devices a claim's spec on disk names, as recovered-entry devices (no requests, shares or admin access known).
+/// An unreadable spec is adopted with none: it is still kept, and unprepare still removes it.
+fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<PreparedDevice> {
+    let minors = cdi::claim_spec_gpu_minors(dir, kind, uid).unwrap_or_else(|e| {
+        warn!(%uid, error = %e, "the CDI spec of a recovered claim is unreadable; keeping it without devices");
+        Vec::new()
+    });
+    minors
+        .into_iter()
+        .map(|minor| PreparedDevice {
+            request_names: Vec::new(),
+            pool: pool.to_string(),
+            device: format!("gpu-{minor}"),
+            cdi_device_ids: vec![cdi::device_id(kind, uid, minor)],
+            share_id: None,
+            admin_access: false,
+        })
+        .collect()
+}
+
+/// Puts back the entry a failed prepare replaced, or drops the new one.
+fn restore(checkpoint: &mut Checkpoint, uid: &str, previous: Option<ClaimEntry>) {
+    match previous {
+        Some(entry) => checkpoint.claims.insert(uid.to_string(), entry),
+        None => checkpoint.claims.remove(uid),
+    };
 }
 
 /// One GPU per device, whatever the number of requests that share it.

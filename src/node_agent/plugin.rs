@@ -92,8 +92,8 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
     }
     let Some((moved_to, reason)) = &recovery.corrupt else { return };
     let note = format!(
-        "The checkpoint of prepared claims was unreadable ({reason}); it was moved to {} and the state rebuilt from \
-         the API: {} claims allocated to this node re-prepared.",
+        "The checkpoint of prepared claims was unreadable ({reason}); it was kept as {} and the record rebuilt from \
+         the CDI specs on disk: {} prepared claims adopted (kept until the kubelet unprepares them).",
         moved_to.display(),
         recovery.rebuilt
     );

@@ -181,7 +181,7 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
     let granted = rules(object(applied, "ClusterRole", Some("node-agent"))?);
     let expected = rows(&[
         ("resource.k8s.io", "resourceslices", "create,delete,list,watch"),
-        ("resource.k8s.io", "resourceclaims", "get,list"),
+        ("resource.k8s.io", "resourceclaims", "get"),
         ("", "nodes", "get"),
         ("events.k8s.io", "events", "create,patch"),
     ]);
@@ -196,7 +196,8 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
     let dirs = NodeDirs::new()?;
     std::fs::write(dirs.boot_id_file(), "boot-1\n")?;
     std::fs::create_dir_all(dirs.state())?;
-    // A corrupt checkpoint makes the agent list claims and publish an Event: both must be granted.
+    // A corrupt checkpoint makes the agent rebuild its record (from the CDI specs, with no API call) and publish an
+    // Event, which must be granted.
     std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
     let path = |p: PathBuf| p.to_string_lossy().into_owned();
     let overrides = HashMap::from([
@@ -263,6 +264,12 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
         forbidden("list secrets", Api::<Secret>::namespaced(client.clone(), ns).list(&ListParams::default()).await)?;
     ensure!(message.contains("cannot list resource \"secrets\""), "{message}");
     forbidden("read a pod", Api::<Pod>::namespaced(client.clone(), ns).get("trainer").await)?;
+    // Claims are read one by one, by the name the kubelet gives: never listed or watched, here or cluster-wide.
+    let all_claims = Api::<ResourceClaim>::all(client.clone());
+    forbidden("list every ResourceClaim", all_claims.list(&ListParams::default()).await)?;
+    let own_claims = Api::<ResourceClaim>::namespaced(client.clone(), ns);
+    forbidden("list the namespace's claims", own_claims.list(&ListParams::default()).await)?;
+    watch_forbidden("watch every ResourceClaim", &all_claims).await?;
     forbidden(
         "delete a claim",
         Api::<ResourceClaim>::namespaced(client.clone(), ns).delete("pair", &DeleteParams::default()).await,
@@ -271,4 +278,19 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
     let status = agent.terminate()?;
     ensure!(status.success(), "agent exited with {status}");
     Ok(())
+}
+
+/// A watch refused with 403, whether the refusal comes as the answer to the request or as the stream's first item.
+async fn watch_forbidden(what: &str, api: &Api<ResourceClaim>) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    let stream = match api.watch(&kube::api::WatchParams::default(), "0").await {
+        Err(err) => return forbidden(what, Err::<(), _>(err)).map(drop),
+        Ok(stream) => stream,
+    };
+    let first = std::pin::pin!(stream).next().await;
+    match first {
+        Some(Err(kube::Error::Api(status))) if status.code == 403 => Ok(()),
+        Some(Ok(kube::api::WatchEvent::Error(status))) if status.code == 403 => Ok(()),
+        other => bail!("{what}: expected 403 Forbidden, got {other:?}"),
+    }
 }

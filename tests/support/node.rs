@@ -88,11 +88,22 @@ impl NodeDirs {
 
 /// Starts `gpu-dra node-agent` for `node` with its directories in `dirs`; does not wait.
 pub fn start_agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, extra: &[&str]) -> anyhow::Result<Component> {
+    start_agent_with(&ctx.cluster.kubeconfig(), &format!("{}-agent", ctx.namespace), node, dirs, extra)
+}
+
+/// [`start_agent`] with another kubeconfig (e.g. one naming an API server that does not answer) and log name.
+pub fn start_agent_with(
+    kubeconfig: &Path,
+    log_name: &str,
+    node: &str,
+    dirs: &NodeDirs,
+    extra: &[&str],
+) -> anyhow::Result<Component> {
     let dir_args = dirs.args()?;
     let mut args = vec!["node-agent", "--node-name", node, "--driver-name", DRIVER];
     args.extend(dir_args.iter().map(String::as_str));
     args.extend_from_slice(extra);
-    Component::start(&ctx.cluster.kubeconfig(), &format!("{}-agent", ctx.namespace), &args)
+    Component::start(kubeconfig, log_name, &args)
 }
 
 /// The kubelet's side of the plugin protocol.
