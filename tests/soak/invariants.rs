@@ -77,6 +77,9 @@ impl Kind {
             Kind::ExtendedNotReleased => {
                 Some("issue #11 point 2: extended-resource claims of finished pods are never released")
             }
+            Kind::ReservedForFinishedPod => {
+                Some("issue #11 point 2 when the claim is a pod's <pod>-extended-resources-* claim")
+            }
             Kind::ClaimsNotCreated => Some(
                 "issue #11 point 3 when the controller log says OBSERVE-ONLY (a tenant's forged claim stops claim \
                  creation cluster-wide)",
@@ -129,7 +132,9 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
                 generated.entry((pod.uid.clone(), pod_claim.to_string())).or_default().push(&claim.name);
             }
             if let Some(finished) = pod.finished_at {
-                if claim.first_seen > finished + limits.recreate_tolerance {
+                // A claim created for a finished pod is that violation; it is not counted again as unreleased.
+                let recreated = claim.first_seen > finished + limits.recreate_tolerance;
+                if recreated {
                     let detail = format!(
                         "pod {} finished at {}, claim created at {}",
                         pod.name,
@@ -145,7 +150,7 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
                     );
                 }
                 let age = now.saturating_sub(finished);
-                if claim.alive() && age > limits.release_deadline {
+                if claim.alive() && !recreated && age > limits.release_deadline {
                     let kind = if pod_claim == EXTENDED_KEY { Kind::ExtendedNotReleased } else { Kind::NotReleased };
                     let state = if claim.allocated { "allocated" } else { "unallocated" };
                     let detail = format!("pod {} finished {} ago, claim still exists ({state})", pod.name, secs(age));

@@ -68,6 +68,9 @@ fn claim_created_after_the_pod_finished_is_a_violation() -> anyhow::Result<()> {
     let mut checker = Checker::new(Limits::default());
     let confirmed = checker.check(&m, s(5));
     ensure!(kinds(&checker) == [Kind::RecreatedForFinishedPod], "{confirmed:?}");
+    // Still there long after: it is not counted a second time as an unreleased claim.
+    checker.check(&m, s(60));
+    ensure!(kinds(&checker) == [Kind::RecreatedForFinishedPod], "{:?}", checker.violations);
     ensure!(Kind::RecreatedForFinishedPod.known_cause().is_some_and(|c| c.contains("point 1")));
     let counts = Counts::of(&m);
     ensure!(counts.recreated_for_finished == 1 && counts.unexplained() == 0, "{counts:?}");
