@@ -3,8 +3,8 @@
 //! deleted. It prints a table and fails on any violation, naming the known controller bug a violation points to.
 //!
 //! `GPU_DRA_SOAK_DURATION` (default 2m, the short form `cargo test` runs; `make soak DURATION=30m` for the long
-//! one) bounds the workload; setting up and draining add about a minute and a half. `GPU_DRA_SOAK_SEED` repeats
-//! a run's random choices.
+//! one) bounds the workload; setting up adds about half a minute, the drain a few seconds (at most 90 s, when
+//! something is left). `GPU_DRA_SOAK_SEED` repeats a run's random choices.
 //!
 //! - `bed.rs` — the cluster, nodes, controller replicas; `workload.rs` — the actors; `faults.rs` — the faults;
 //! - `observer.rs` → `model.rs` — what was seen, when; `invariants.rs` — the checks (pure); `report.rs` — the table;
