@@ -63,10 +63,20 @@ pub struct Bed {
     pub controller_logs: Vec<std::path::PathBuf>,
 }
 
+/// Which ResourceClaim controller the soak runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClaimController {
+    /// Two `gpu-dra controller` replicas with leader election.
+    GpuDra,
+    /// kube-controller-manager's `resourceclaim-controller`, the reference: a clean run against it shows that the
+    /// invariants ask for upstream's behaviour and nothing else.
+    KubeControllerManager,
+}
+
 impl Bed {
-    pub async fn start() -> anyhow::Result<Self> {
-        let cluster =
-            Arc::new(Cluster::start_with("soak", false, &[("GPU_DRA_E2E_KCM_CONTROLLERS", KCM_CONTROLLERS)])?);
+    pub async fn start(claim_controller: ClaimController) -> anyhow::Result<Self> {
+        let kcm = claim_controller == ClaimController::KubeControllerManager;
+        let cluster = Arc::new(Cluster::start_with("soak", kcm, &[("GPU_DRA_E2E_KCM_CONTROLLERS", KCM_CONTROLLERS)])?);
         let client = cluster.client().await?;
         let ctx = TestContext { client: client.clone(), namespace: WORKLOAD_NS.to_string(), cluster: cluster.clone() };
         for ns in [WORKLOAD_NS, TENANT_NS] {
@@ -101,6 +111,9 @@ impl Bed {
             node.kubelet.wait_for("registered", "", READY_TIMEOUT).await?;
         }
         let mut bed = Self { cluster, client, ctx, nodes, replicas: Vec::new(), controller_logs: Vec::new() };
+        if kcm {
+            return Ok(bed);
+        }
         for identity in ["replica-a", "replica-b"] {
             let process = bed.start_replica(identity)?;
             bed.replicas.push(Replica { identity: identity.to_string(), process });

@@ -45,6 +45,7 @@ pub fn schedule(duration: Duration) -> Vec<(Duration, Fault)> {
 pub async fn inject(bed: &mut Bed, fault: Fault) -> anyhow::Result<String> {
     let started = Instant::now();
     match fault {
+        Fault::KillLeader if bed.replicas.is_empty() => Ok("no gpu-dra controller to kill (reference run)".to_string()),
         Fault::KillLeader => {
             let leader = bed.leader(Duration::from_secs(30)).await?;
             bed.replicas[leader].process.kill()?;

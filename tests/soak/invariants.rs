@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::time::Duration;
 
-use super::model::{EXTENDED_KEY, Model};
+use super::model::{ClaimRecord, EXTENDED_KEY, Model, PodRecord};
 
 /// How long each kind of transient state may last.
 #[derive(Debug, Clone, Copy)]
@@ -132,8 +132,11 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
                 generated.entry((pod.uid.clone(), pod_claim.to_string())).or_default().push(&claim.name);
             }
             if let Some(finished) = pod.finished_at {
-                // A claim created for a finished pod is that violation; it is not counted again as unreleased.
-                let recreated = claim.first_seen > finished + limits.recreate_tolerance;
+                // A claim created for a finished pod is that violation; it is not counted again as unreleased. One
+                // created after the pod object was gone is an informer's lag (kube-controller-manager has it too):
+                // the garbage collector deletes it, and the release deadline holds it to that.
+                let recreated =
+                    claim.first_seen > finished + limits.recreate_tolerance && !created_after_pod_gone(pod, claim);
                 if recreated {
                     let detail = format!(
                         "pod {} finished at {}, claim created at {}",
@@ -265,8 +268,11 @@ pub struct Counts {
     pub claims_needed: usize,
     /// Second claims for a pair, created while the pod still ran and deleted again (explained).
     pub duplicates_deleted: usize,
-    /// Claims first seen after their pod finished (beyond [`Limits::recreate_tolerance`] each is a violation).
+    /// Claims first seen after their pod finished, while the pod object was still there (beyond
+    /// [`Limits::recreate_tolerance`] each is a violation).
     pub recreated_for_finished: usize,
+    /// Claims first seen after their pod object was gone (a controller's informer lagging; garbage-collected).
+    pub created_for_gone_pod: usize,
     /// Claims deleted after their pod finished: time from the pod's finish to the claim's deletion.
     pub release_latencies: Vec<Duration>,
 }
@@ -288,6 +294,10 @@ impl Counts {
             if pod_claim == EXTENDED_KEY {
                 needed.insert((pod.uid.clone(), pod_claim.clone()));
             }
+            if created_after_pod_gone(pod, claim) {
+                counts.created_for_gone_pod += 1;
+                continue;
+            }
             if pod.finished_at.is_some_and(|f| claim.first_seen > f) {
                 counts.recreated_for_finished += 1;
                 continue;
@@ -305,10 +315,17 @@ impl Counts {
     }
 
     /// Claims that are neither needed nor explained: must be zero (`created ≤ needed + deleted duplicates +
-    /// created-for-finished`, the last being violations of their own).
+    /// created for a gone pod + created for a finished pod`, the last being violations of their own).
     pub fn unexplained(&self) -> usize {
-        self.claims_created.saturating_sub(self.claims_needed + self.duplicates_deleted + self.recreated_for_finished)
+        let explained =
+            self.claims_needed + self.duplicates_deleted + self.created_for_gone_pod + self.recreated_for_finished;
+        self.claims_created.saturating_sub(explained)
     }
+}
+
+/// Whether `claim` was first seen once its pod object was already deleted.
+fn created_after_pod_gone(pod: &PodRecord, claim: &ClaimRecord) -> bool {
+    pod.gone_at.is_some_and(|gone| claim.first_seen >= gone)
 }
 
 /// What is left once the workload is deleted and the soak has waited for the drain.

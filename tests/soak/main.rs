@@ -4,7 +4,9 @@
 //!
 //! `GPU_DRA_SOAK_DURATION` (default 2m, the short form `cargo test` runs; `make soak DURATION=30m` for the long
 //! one) bounds the workload; setting up adds about half a minute, the drain a few seconds (at most 90 s, when
-//! something is left). `GPU_DRA_SOAK_SEED` repeats a run's random choices.
+//! something is left). `GPU_DRA_SOAK_SEED` repeats a run's random choices. `GPU_DRA_SOAK_CLAIM_CONTROLLER=
+//! kube-controller-manager` runs the same soak against kube-controller-manager's claim controller instead of
+//! gpu-dra's: the reference, which must pass too.
 //!
 //! - `bed.rs` — the cluster, nodes, controller replicas; `workload.rs` — the actors; `faults.rs` — the faults;
 //! - `observer.rs` → `model.rs` — what was seen, when; `invariants.rs` — the checks (pure); `report.rs` — the table;
@@ -32,7 +34,7 @@ use anyhow::{Context as _, ensure};
 use kube::api::{Api, DynamicObject, ListParams};
 use libtest_mimic::{Arguments, Trial};
 
-use bed::{Bed, TENANT_NS, WORKLOAD_NS, resource};
+use bed::{Bed, ClaimController, TENANT_NS, WORKLOAD_NS, resource};
 use invariants::{Checker, Counts, EndState, Limits};
 use observer::Observed;
 
@@ -83,12 +85,19 @@ fn run_soak() -> anyhow::Result<()> {
         Ok(seed) => seed.parse().with_context(|| format!("GPU_DRA_SOAK_SEED={seed:?} is not a number"))?,
         Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_secs(),
     };
+    let claim_controller = match std::env::var("GPU_DRA_SOAK_CLAIM_CONTROLLER").as_deref() {
+        Err(_) | Ok("gpu-dra") => ClaimController::GpuDra,
+        Ok("kube-controller-manager") => ClaimController::KubeControllerManager,
+        Ok(other) => anyhow::bail!(
+            "GPU_DRA_SOAK_CLAIM_CONTROLLER={other:?}: expected gpu-dra (the default) or kube-controller-manager"
+        ),
+    };
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    runtime.block_on(soak(duration, seed))
+    runtime.block_on(soak(duration, seed, claim_controller))
 }
 
-async fn soak(duration: Duration, seed: u64) -> anyhow::Result<()> {
-    let mut bed = Bed::start().await?;
+async fn soak(duration: Duration, seed: u64, claim_controller: ClaimController) -> anyhow::Result<()> {
+    let mut bed = Bed::start(claim_controller).await?;
     let observed = Observed { model: Arc::new(Mutex::new(model::Model::default())), start: Instant::now() };
     let watches = observer::start(&bed.client, &observed);
     let deadline = tokio::time::Instant::now() + duration;
@@ -124,6 +133,7 @@ async fn soak(duration: Duration, seed: u64) -> anyhow::Result<()> {
     violations.extend(end.violations(observed.now()));
     let counts = Counts::of(&observed.snapshot());
     let notes: Vec<String> = bed.controller_log_lines("OBSERVE-ONLY").into_iter().take(2).collect();
+    eprintln!("\nsoak against the claim controller of {claim_controller:?}");
     let summary = report::Summary {
         duration,
         seed,

@@ -29,6 +29,10 @@ pub const TESTS: &[UnitTest] = &[
         foreign_owner_in_another_namespace_is_not_a_pod_claim,
     ),
     ("unit::end_state_names_every_leftover", end_state_names_every_leftover),
+    (
+        "unit::late_claim_of_a_deleted_pod_is_lag_until_the_deadline",
+        late_claim_of_a_deleted_pod_is_lag_until_the_deadline,
+    ),
 ];
 
 fn s(secs: u64) -> Duration {
@@ -188,5 +192,21 @@ fn end_state_names_every_leftover() -> anyhow::Result<()> {
         kinds == [Kind::AllocatedAtEnd, Kind::ClaimLeftAtEnd, Kind::CdiSpecLeft, Kind::CheckpointEntryLeft],
         "{kinds:?}"
     );
+    Ok(())
+}
+
+/// A claim created after its pod was deleted (the controller's pod informer lagging) is no re-creation; the
+/// garbage collector deletes it, and if nothing does, the release deadline catches it.
+fn late_claim_of_a_deleted_pod_is_lag_until_the_deadline() -> anyhow::Result<()> {
+    let mut m = Model::default();
+    m.pod_seen(&pod("p", "Pending", one_template(), json!([])), s(1));
+    m.pod_gone("p", s(2));
+    m.claim_seen(&claim("late", "late", Some("p"), false, &[]), s(6));
+    let mut checker = Checker::new(Limits::default());
+    ensure!(checker.check(&m, s(7)).is_empty(), "{:?}", checker.violations);
+    let counts = Counts::of(&m);
+    ensure!(counts.created_for_gone_pod == 1 && counts.unexplained() == 0, "{counts:?}");
+    checker.check(&m, s(30));
+    ensure!(kinds(&checker) == [Kind::NotReleased], "{:?}", checker.violations);
     Ok(())
 }
