@@ -56,10 +56,10 @@ impl Summary<'_> {
             ("release latency max", ms(l.iter().max().copied())),
             ("violations", self.violations.len().to_string()),
         ];
-        let _ = writeln!(out, "| {:<32} | {:<28} |", "", "");
-        let _ = writeln!(out, "|{:-<34}|{:-<30}|", "", "");
+        let _ = writeln!(out, "| {:<34} | {:<28} |", "", "");
+        let _ = writeln!(out, "|{:-<36}|{:-<30}|", "", "");
         for (name, value) in rows {
-            let _ = writeln!(out, "| {name:<32} | {value:<28} |");
+            let _ = writeln!(out, "| {name:<34} | {value:<28} |");
         }
         for fault in self.faults {
             let _ = writeln!(out, "fault: {fault}");
