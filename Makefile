@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test release bench lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo test soak release bench lint fmt k8s-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -12,6 +12,10 @@ demo: ## Run the demo on a local control plane (builds what is missing; leaves t
 
 test: k8s-binaries lint release ## Run every check and test CI runs (builds what is missing)
 	$(CARGO) test --locked
+
+DURATION ?= 30m
+soak: k8s-binaries ## Churn soak against the local control plane: make soak DURATION=30m (prints a table, fails on violations)
+	GPU_DRA_SOAK_DURATION=$(DURATION) $(CARGO) test --locked --test soak -- churn_soak
 
 release: ## Build target/release/gpu-dra exactly as the Dockerfile, the demo and gpu-check do
 	$(CARGO) build --release --locked

@@ -17,6 +17,12 @@
 #   GPU_DRA_E2E_API_PORT     pin the API server's port (default: a free port); a pinned port in use is an error
 #   GPU_DRA_E2E_<C>_FLAGS    extra flags for component C (ETCD, APISERVER, SCHEDULER, KCM)
 #   GPU_DRA_KCM_CLAIM_CONTROLLER=1   same as --with-kcm-claim-controller: also run KCM's resourceclaim-controller
+#   GPU_DRA_E2E_FEATURE_GATES        feature gates for kube-apiserver, kube-scheduler and kube-controller-manager,
+#                                    e.g. GenericWorkload=true,DRAWorkloadResourceClaims=true
+#   GPU_DRA_E2E_RUNTIME_CONFIG       kube-apiserver --runtime-config, e.g. scheduling.k8s.io/v1alpha2=true (to serve
+#                                    an API group version that is off by default)
+#   GPU_DRA_E2E_KCM_CONTROLLERS      more kube-controller-manager controllers, added to the default list, e.g.
+#                                    job-controller,deployment-controller,replicaset-controller
 #
 # The API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the controller tests use it
 # to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim generation.
@@ -38,6 +44,14 @@ START_TIMEOUT_S=${GPU_DRA_E2E_START_TIMEOUT_S:-90}
 
 log() { printf '[cluster] %s\n' "$*" >&2; }
 die() { printf '[cluster] error: %s\n' "$*" >&2; exit 1; }
+
+# check_list VARIABLE REGEX EXAMPLE: a malformed list would only show as a component failing to start, far from
+# its cause; name the variable, its value and the expected shape up front instead.
+check_list() {
+    local value=${!1:-}
+    [[ -z "$value" || "$value" =~ ^$2(,$2)*$ ]] ||
+        die "$1='$value' is malformed: expected a comma-separated list like $3"
+}
 
 # --- process bookkeeping -------------------------------------------------------------------------------------
 
@@ -240,7 +254,8 @@ start_apiserver() {
         --service-account-issuer "https://127.0.0.1:$API_PORT/" \
         --service-account-key-file "$STATE/pki/sa.pub" --service-account-signing-key-file "$STATE/pki/sa.key" \
         --endpoint-reconciler-type none --profiling=false \
-        --feature-gates "DRADerivedAttributes=true" ${GPU_DRA_E2E_APISERVER_FLAGS:-}
+        --feature-gates "DRADerivedAttributes=true${GPU_DRA_E2E_FEATURE_GATES:+,$GPU_DRA_E2E_FEATURE_GATES}" \
+        ${GPU_DRA_E2E_RUNTIME_CONFIG:+--runtime-config "$GPU_DRA_E2E_RUNTIME_CONFIG"} ${GPU_DRA_E2E_APISERVER_FLAGS:-}
     wait_healthy kube-apiserver https_ok "https://127.0.0.1:$API_PORT/readyz"
 }
 
@@ -250,7 +265,8 @@ start_kube_component() {
     local port; port=$(free_port)
     start "$name" "$K8S_BIN/$bin" --kubeconfig "$kubeconfig" \
         --authentication-kubeconfig "$kubeconfig" --authorization-kubeconfig "$kubeconfig" \
-        --leader-elect=false --bind-address 127.0.0.1 --secure-port "$port" "$@"
+        --leader-elect=false --bind-address 127.0.0.1 --secure-port "$port" \
+        ${GPU_DRA_E2E_FEATURE_GATES:+--feature-gates "$GPU_DRA_E2E_FEATURE_GATES"} "$@"
     # Its serving certificate is self-signed (in --cert-dir); /healthz needs no client identity.
     wait_healthy "$name" curl -fsSk --max-time 2 "https://127.0.0.1:$port/healthz"
 }
@@ -271,6 +287,9 @@ cmd_up() {
             *) die "unknown option to up: $arg (known: --with-kcm-claim-controller)" ;;
         esac
     done
+    check_list GPU_DRA_E2E_FEATURE_GATES '[A-Za-z0-9]+=(true|false)' 'GenericWorkload=true,DRAWorkloadResourceClaims=true'
+    check_list GPU_DRA_E2E_RUNTIME_CONFIG '[A-Za-z0-9./-]+(=(true|false))?' 'scheduling.k8s.io/v1alpha2=true'
+    check_list GPU_DRA_E2E_KCM_CONTROLLERS '-?[a-z][a-z0-9-]*' 'job-controller,deployment-controller'
     command -v openssl >/dev/null || die "openssl is needed to create the cluster's certificates; install it (apt-get install openssl)"
     command -v python3 >/dev/null || die "python3 is needed to find free ports; install it"
     command -v curl >/dev/null || die "curl is needed for health checks; install it (apt-get install curl)"
@@ -302,6 +321,7 @@ cmd_up() {
 
     local controllers=garbage-collector-controller,namespace-controller
     [[ "$kcm_claim_controller" == 1 ]] && controllers+=,resourceclaim-controller
+    [[ -n "${GPU_DRA_E2E_KCM_CONTROLLERS:-}" ]] && controllers+=,$GPU_DRA_E2E_KCM_CONTROLLERS
     # shellcheck disable=SC2086
     start_kube_component kube-controller-manager kube-controller-manager "$STATE/kubeconfig" \
         --cert-dir "$STATE/pki/kube-controller-manager" --controllers "$controllers" \

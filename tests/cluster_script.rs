@@ -32,6 +32,10 @@ fn main() {
             name: "stale_state_from_a_killed_run_is_cleaned",
             body: stale_state_from_a_killed_run_is_cleaned,
         },
+        StandaloneTest {
+            name: "feature_gates_runtime_config_and_controllers_reach_the_components",
+            body: feature_gates_runtime_config_and_controllers_reach_the_components,
+        },
     ])
 }
 
@@ -248,5 +252,47 @@ fn build_script_names_missing_go_and_proxy() -> anyhow::Result<()> {
     ensure!(text(&no_proxy.stderr).contains("GOPROXY is 'off'"), "{}", text(&no_proxy.stderr));
     let version = support::cluster::pinned_kubernetes_version()?;
     ensure!(!empty_cache.join(format!("k8s-{version}")).exists(), "something was built");
+    Ok(())
+}
+
+/// The command line of the recorded component `name`, arguments joined by spaces.
+fn cmdline_of(dir: &Path, name: &str) -> anyhow::Result<String> {
+    let (_, pid) = recorded(dir)?.into_iter().find(|(n, _)| n == name).with_context(|| format!("no {name}"))?;
+    Ok(text(&std::fs::read(format!("/proc/{pid}/cmdline"))?).replace('\0', " "))
+}
+
+/// `GPU_DRA_E2E_FEATURE_GATES`, `_RUNTIME_CONFIG` and `_KCM_CONTROLLERS` reach the components (an API group off by
+/// default is served, the extra controller runs); a malformed value is refused before anything starts.
+fn feature_gates_runtime_config_and_controllers_reach_the_components() -> anyhow::Result<()> {
+    let dir = state_dir("gates");
+    let bad = run(&dir, &["up"], &[("GPU_DRA_E2E_KCM_CONTROLLERS", "job-controller;rm")])?;
+    ensure!(!bad.status.success(), "up accepted a malformed controller list");
+    ensure!(
+        text(&bad.stderr).contains("GPU_DRA_E2E_KCM_CONTROLLERS='job-controller;rm' is malformed"),
+        "{}",
+        text(&bad.stderr)
+    );
+    ensure!(!dir.exists(), "a refused up left {}", dir.display());
+
+    let gates = "GenericWorkload=true,DRAWorkloadResourceClaims=true";
+    let env = [
+        ("GPU_DRA_E2E_FEATURE_GATES", gates),
+        ("GPU_DRA_E2E_RUNTIME_CONFIG", "scheduling.k8s.io/v1beta1=true"),
+        ("GPU_DRA_E2E_KCM_CONTROLLERS", "job-controller"),
+    ];
+    let (_, stderr) = run_ok(&dir, &["up"], &env)?;
+    let apiserver = cmdline_of(&dir, "kube-apiserver")?;
+    ensure!(apiserver.contains(&format!("DRADerivedAttributes=true,{gates}")), "apiserver: {apiserver}");
+    ensure!(apiserver.contains("--runtime-config scheduling.k8s.io/v1beta1=true"), "apiserver: {apiserver}");
+    for component in ["kube-scheduler", "kube-controller-manager"] {
+        let cmdline = cmdline_of(&dir, component)?;
+        ensure!(cmdline.contains(&format!("--feature-gates {gates}")), "{component}: {cmdline}");
+    }
+    let kcm = cmdline_of(&dir, "kube-controller-manager")?;
+    ensure!(kcm.contains("namespace-controller,job-controller"), "kcm: {kcm}");
+    ensure!(stderr.contains("job-controller"), "up does not name the controllers: {stderr}");
+    let versions = kubectl(&dir, &["api-versions"])?;
+    ensure!(versions.lines().any(|v| v == "scheduling.k8s.io/v1beta1"), "not served: {versions}");
+    run_ok(&dir, &["down"], &[])?;
     Ok(())
 }

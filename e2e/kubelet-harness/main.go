@@ -8,7 +8,12 @@
 //
 //   - a pod bound to the node and not finished gets PrepareResources (retried with back-off, as the pod
 //     worker retries a failed sync), then the status a running pod would have;
-//   - a pod that is deleted, finished (phase Succeeded/Failed) or terminating gets UnprepareResources.
+//   - a pod that does not restart its containers (restartPolicy Never or OnFailure, a Job's pod) and carries the
+//     annotation e2e.gpu-dra.dev/run-for (a Go duration) gets the status of a pod whose containers exited 0 that
+//     long after it started: phase Succeeded;
+//   - a pod that is deleted, finished (phase Succeeded/Failed) or terminating gets UnprepareResources;
+//   - a terminating pod is then deleted for good (grace period 0, UID precondition), as the kubelet's status
+//     manager does once its containers stopped.
 //
 // Every observable step is one JSON line on stdout; logs go to stderr or --log-file.
 package main
@@ -26,6 +31,7 @@ import (
 	"time"
 
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
 	"k8s.io/apimachinery/pkg/util/sets"
@@ -48,6 +54,9 @@ import (
 // workers is how many pods are synced in parallel. The kubelet has one worker per pod; a few are enough here,
 // and more than one keeps a slow or stuck driver call for one pod from holding up the others.
 const workers = 4
+
+// runForAnnotation makes a pod's containers "exit 0" that long after the pod started (see runFor).
+const runForAnnotation = "e2e.gpu-dra.dev/run-for"
 
 func main() {
 	kubeconfig := flag.String("kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster (default $KUBECONFIG)")
@@ -292,7 +301,12 @@ func (h *harness) sync(ctx context.Context, key string) error {
 	if finished(pod) {
 		// It may have been prepared before this harness (re)started: the manager's checkpoint knows.
 		if h.dra.PodMightNeedToUnprepareResources(pod.UID) {
-			return h.unprepare(ctx, key, &startedPod{pod: pod})
+			if err := h.unprepare(ctx, key, &startedPod{pod: pod}); err != nil {
+				return err
+			}
+		}
+		if pod.DeletionTimestamp != nil {
+			return h.finishDeletion(ctx, key, pod)
 		}
 		return nil
 	}
@@ -303,7 +317,7 @@ func (h *harness) sync(ctx context.Context, key string) error {
 		h.mu.Unlock()
 	}
 	if prev.reported {
-		return nil
+		return h.finishIfDone(ctx, key, pod)
 	}
 
 	if !prev.prepared {
@@ -329,11 +343,63 @@ func (h *harness) sync(ctx context.Context, key string) error {
 		containers[c.Name] = ids
 	}
 
-	if err := h.markRunning(ctx, pod); err != nil {
+	running, err := h.markRunning(ctx, pod)
+	if err != nil {
 		return fmt.Errorf("update pod status: %w", err)
 	}
 	prev.reported = true
 	emit(event{Event: "prepared", Pod: key, Containers: containers})
+	return h.finishIfDone(ctx, key, running)
+}
+
+// runFor is how long the containers of pod run before they exit 0, from the annotation runForAnnotation; false
+// when they run until the pod is deleted: no annotation, or containers that restart (restartPolicy Always).
+func runFor(pod *v1.Pod) (time.Duration, bool, error) {
+	value, ok := pod.Annotations[runForAnnotation]
+	if !ok || pod.Spec.RestartPolicy == v1.RestartPolicyAlways || pod.Spec.RestartPolicy == "" {
+		return 0, false, nil
+	}
+	d, err := time.ParseDuration(value)
+	if err != nil || d < 0 {
+		return 0, false, fmt.Errorf("annotation %s=%q is not a duration like 5s: %v", runForAnnotation, value, err)
+	}
+	return d, true, nil
+}
+
+// finishIfDone marks a running pod Succeeded once its run time (runFor) is over, and comes back for it later
+// when that time is still ahead.
+func (h *harness) finishIfDone(ctx context.Context, key string, pod *v1.Pod) error {
+	d, ok, err := runFor(pod)
+	if err != nil {
+		// Retrying cannot fix the annotation; say so once and let the pod run.
+		emit(event{Event: "bad-annotation", Pod: key, Error: err.Error()})
+		return nil
+	}
+	if !ok || pod.Status.StartTime == nil {
+		return nil
+	}
+	if left := time.Until(pod.Status.StartTime.Add(d)); left > 0 {
+		h.queue.AddAfter(key, left)
+		return nil
+	}
+	if err := h.markSucceeded(ctx, pod); err != nil {
+		return fmt.Errorf("mark pod succeeded: %w", err)
+	}
+	emit(event{Event: "succeeded", Pod: key})
+	return nil
+}
+
+// finishDeletion deletes a terminating pod whose resources are released, as the kubelet does once its
+// containers stopped: grace period 0, only this very pod (UID precondition).
+func (h *harness) finishDeletion(ctx context.Context, key string, pod *v1.Pod) error {
+	err := h.client.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, metav1.DeleteOptions{
+		GracePeriodSeconds: ptr.To[int64](0),
+		Preconditions:      metav1.NewUIDPreconditions(string(pod.UID)),
+	})
+	if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+		return fmt.Errorf("delete terminating pod: %w", err)
+	}
+	emit(event{Event: "deleted", Pod: key})
 	return nil
 }
 
@@ -356,7 +422,7 @@ func (h *harness) unprepare(ctx context.Context, key string, p *startedPod) erro
 
 // markRunning writes the status of a pod whose containers all started and are ready, as the kubelet's status
 // manager would (without IPs or image ids). A conflict is retried by the caller's back-off.
-func (h *harness) markRunning(ctx context.Context, pod *v1.Pod) error {
+func (h *harness) markRunning(ctx context.Context, pod *v1.Pod) (*v1.Pod, error) {
 	now := metav1.Now()
 	p := pod.DeepCopy()
 	st := &p.Status
@@ -379,6 +445,32 @@ func (h *harness) markRunning(ctx context.Context, pod *v1.Pod) error {
 	}
 	// The kubelet fills in the health of allocated DRA devices (feature ResourceHealthStatus) the same way.
 	h.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, st)
+	return h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+}
+
+// markSucceeded writes the status of a pod whose containers all exited 0 (reason Completed).
+func (h *harness) markSucceeded(ctx context.Context, pod *v1.Pod) error {
+	now := metav1.Now()
+	p := pod.DeepCopy()
+	st := &p.Status
+	st.Phase = v1.PodSucceeded
+	for i := range st.Conditions {
+		switch st.Conditions[i].Type {
+		case v1.PodReady, v1.ContainersReady, v1.PodReadyToStartContainers:
+			st.Conditions[i] = v1.PodCondition{Type: st.Conditions[i].Type, Status: v1.ConditionFalse,
+				Reason: "PodCompleted", LastTransitionTime: now}
+		}
+	}
+	for i := range st.ContainerStatuses {
+		c := &st.ContainerStatuses[i]
+		started := now
+		if c.State.Running != nil {
+			started = c.State.Running.StartedAt
+		}
+		c.Ready, c.Started = false, ptr.To(false)
+		c.State = v1.ContainerState{Terminated: &v1.ContainerStateTerminated{
+			ExitCode: 0, Reason: "Completed", StartedAt: started, FinishedAt: now}}
+	}
 	_, err := h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
 	return err
 }
