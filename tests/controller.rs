@@ -4,6 +4,9 @@
 
 mod support;
 
+#[path = "controller/workloads.rs"]
+mod workloads;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
@@ -16,6 +19,11 @@ use serde_json::json;
 use support::objects::{self, CLASS, claim_statuses, create_pod, create_template, events_about, list_claims, one_gpu};
 use support::process::Component;
 use support::{TestContext, wait};
+use workloads::{
+    extended_resource_claim_of_finished_pod_is_released, finished_pod_claim_is_deleted_once_and_never_recreated,
+    pod_status_naming_another_pods_claim_gets_no_reservation,
+    recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated,
+};
 
 const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 const SETTLE: Duration = Duration::from_secs(30);
@@ -31,10 +39,14 @@ fn main() {
             test!(long_names_are_truncated_in_proportion),
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
+            test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),
             test!(finished_pod_claims_are_deleted_and_user_claims_released),
+            test!(finished_pod_claim_is_deleted_once_and_never_recreated),
+            test!(extended_resource_claim_of_finished_pod_is_released),
             test!(reservation_of_deleted_pod_is_released_for_the_next_pod),
             test!(allocated_claim_is_reserved_for_its_scheduled_pod),
+            test!(pod_status_naming_another_pods_claim_gets_no_reservation),
             test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
             test!(deleted_claim_is_deallocated_and_released),
             test!(rejected_claim_warns_once_and_backs_off),
