@@ -411,22 +411,28 @@ async fn allocated_claim_is_reserved_for_its_scheduled_pod(ctx: TestContext) -> 
     let _controller = Component::controller(&ctx, &[]).await?;
     objects::create_claim(&ctx, "pre-allocated").await?;
     objects::allocate(&ctx, "pre-allocated", json!([]), true).await?;
-    let node = format!("{}-node", ctx.namespace);
-    ctx.cluster.add_node(&node)?;
-    // Bound directly (spec.nodeName), bypassing the scheduler that would otherwise reserve the claim itself.
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "bound"},
-        "spec": {"nodeName": node,
-                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
-                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "pre-allocated"}]}
-    }))?;
-    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    create_bound_pod(&ctx, "bound", json!([{"name": "gpu", "resourceClaimName": "pre-allocated"}])).await?;
     let claims = objects::claims(&ctx);
     wait::until("the controller to reserve the claim", SETTLE, || async {
         Ok((reserved(&claims.get("pre-allocated").await?) == ["bound"]).then_some(()))
     })
     .await?;
     Ok(())
+}
+
+/// Creates pod `name` bound directly (spec.nodeName) to a node of the test's own, bypassing the scheduler that
+/// would otherwise reserve its claims itself; its one container uses every claim in `claims`.
+async fn create_bound_pod(ctx: &TestContext, name: &str, claims: serde_json::Value) -> anyhow::Result<Pod> {
+    let node = format!("{}-node", ctx.namespace);
+    ctx.cluster.add_node(&node)?;
+    let uses: Vec<_> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeName": node,
+                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}],
+                 "resourceClaims": claims}
+    }))?;
+    Ok(objects::pods(ctx).create(&PostParams::default(), &pod).await?)
 }
 
 /// Only the stale entry goes: a gone pod's reservation is dropped, a consumer of another type is kept, and so is

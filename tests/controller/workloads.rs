@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 use super::support::objects::{self, claim_statuses, create_pod, create_template, list_claims, one_gpu};
 use super::support::process::Component;
 use super::support::{TestContext, wait};
-use super::{ANNOTATION, SETTLE, allocated, reserved, wait_recorded};
+use super::{ANNOTATION, SETTLE, allocated, create_bound_pod, reserved, wait_recorded};
 
 /// How long a test watches for a write that must not happen.
 const QUIET: Duration = Duration::from_secs(6);
@@ -185,17 +185,9 @@ pub(super) async fn pod_status_naming_another_pods_claim_gets_no_reservation(ctx
     let consumer = json!([{"resource": "pods", "name": "owner", "uid": owner.metadata.uid}]);
     objects::allocate(&ctx, &owners_claim, consumer, true).await?;
 
-    let node = format!("{}-node", ctx.namespace);
-    ctx.cluster.add_node(&node)?;
     // Bound directly (spec.nodeName): the controller, not the scheduler, reserves this pod's claims.
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "intruder"},
-        "spec": {"nodeName": node,
-                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
-                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]}
-    }))?;
+    create_bound_pod(&ctx, "intruder", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let pods = objects::pods(&ctx);
-    pods.create(&PostParams::default(), &pod).await?;
     wait_recorded(&ctx, "intruder", 1).await?;
     let forged = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": owners_claim}]}});
     pods.patch_status("intruder", &PatchParams::default(), &Patch::Merge(&forged)).await?;
