@@ -138,6 +138,7 @@ async fn recorded_claim_exists(ctx: &Context, pod: &Pod, name: &str) -> Result<b
             info!(claim = name, why, "replacing the recorded claim");
             Ok(false)
         }
+        // A server lookup never answers AskServer; were it to, keeping the claim is the answer that cannot duplicate.
         RecordedVerdict::Keep | RecordedVerdict::AskServer => Ok(true),
     }
 }
