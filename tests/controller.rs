@@ -4,6 +4,9 @@
 
 mod support;
 
+#[path = "controller/workloads.rs"]
+mod workloads;
+
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
@@ -16,6 +19,11 @@ use serde_json::json;
 use support::objects::{self, CLASS, claim_statuses, create_pod, create_template, events_about, list_claims, one_gpu};
 use support::process::Component;
 use support::{TestContext, wait};
+use workloads::{
+    extended_resource_claim_of_finished_pod_is_released, finished_pod_claim_is_deleted_once_and_never_recreated,
+    pod_status_naming_another_pods_claim_gets_no_reservation,
+    recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated,
+};
 
 const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 const SETTLE: Duration = Duration::from_secs(30);
@@ -31,10 +39,14 @@ fn main() {
             test!(long_names_are_truncated_in_proportion),
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
+            test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),
             test!(finished_pod_claims_are_deleted_and_user_claims_released),
+            test!(finished_pod_claim_is_deleted_once_and_never_recreated),
+            test!(extended_resource_claim_of_finished_pod_is_released),
             test!(reservation_of_deleted_pod_is_released_for_the_next_pod),
             test!(allocated_claim_is_reserved_for_its_scheduled_pod),
+            test!(pod_status_naming_another_pods_claim_gets_no_reservation),
             test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
             test!(deleted_claim_is_deallocated_and_released),
             test!(rejected_claim_warns_once_and_backs_off),
@@ -399,22 +411,28 @@ async fn allocated_claim_is_reserved_for_its_scheduled_pod(ctx: TestContext) -> 
     let _controller = Component::controller(&ctx, &[]).await?;
     objects::create_claim(&ctx, "pre-allocated").await?;
     objects::allocate(&ctx, "pre-allocated", json!([]), true).await?;
-    let node = format!("{}-node", ctx.namespace);
-    ctx.cluster.add_node(&node)?;
-    // Bound directly (spec.nodeName), bypassing the scheduler that would otherwise reserve the claim itself.
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": "bound"},
-        "spec": {"nodeName": node,
-                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
-                 "resourceClaims": [{"name": "gpu", "resourceClaimName": "pre-allocated"}]}
-    }))?;
-    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    create_bound_pod(&ctx, "bound", json!([{"name": "gpu", "resourceClaimName": "pre-allocated"}])).await?;
     let claims = objects::claims(&ctx);
     wait::until("the controller to reserve the claim", SETTLE, || async {
         Ok((reserved(&claims.get("pre-allocated").await?) == ["bound"]).then_some(()))
     })
     .await?;
     Ok(())
+}
+
+/// Creates pod `name` bound directly (spec.nodeName) to a node of the test's own, bypassing the scheduler that
+/// would otherwise reserve its claims itself; its one container uses every claim in `claims`.
+async fn create_bound_pod(ctx: &TestContext, name: &str, claims: serde_json::Value) -> anyhow::Result<Pod> {
+    let node = format!("{}-node", ctx.namespace);
+    ctx.cluster.add_node(&node)?;
+    let uses: Vec<_> = claims.as_array().into_iter().flatten().map(|c| json!({"name": c["name"]})).collect();
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeName": node,
+                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}],
+                 "resourceClaims": claims}
+    }))?;
+    Ok(objects::pods(ctx).create(&PostParams::default(), &pod).await?)
 }
 
 /// Only the stale entry goes: a gone pod's reservation is dropped, a consumer of another type is kept, and so is

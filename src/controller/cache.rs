@@ -352,7 +352,7 @@ fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
 /// writer of the status, which syncClaim deletes once unused.
 fn enqueue_unrecorded_claims(ctx: &Context, pod: &Pod) {
     let Some(uid) = pod.metadata.uid.as_deref() else { return };
-    let recorded = decide::known_claim_names(pod);
+    let recorded = decide::all_claim_names(pod);
     if recorded.is_empty() {
         return;
     }
@@ -363,14 +363,16 @@ fn enqueue_unrecorded_claims(ctx: &Context, pod: &Pod) {
     }
 }
 
-/// Enqueues the claims of a pod that no longer needs them, and the pod itself when it needs work.
+/// Enqueues the claims of a pod that no longer needs them, and the pod itself when it needs work. A pod with
+/// no `spec.resourceClaims` counts too when the scheduler made it an extended-resource claim: that claim is
+/// released and deleted like a generated one when the pod is done or deleted (as upstream's `enqueuePod`).
 pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
-    if decide::pod_claims(pod).is_empty() {
+    if !decide::has_claims(pod) {
         return;
     }
     let namespace = pod.namespace().unwrap_or_default();
     if deleted || decide::is_pod_done(pod) {
-        for name in decide::known_claim_names(pod) {
+        for name in decide::all_claim_names(pod) {
             ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));
         }
     }

@@ -1,5 +1,6 @@
 //! syncPod: give every template claim of a pod its ResourceClaim (found, adopted or created), record them all in
-//! ONE pod status write, and reserve allocated claims for the scheduled pod.
+//! ONE pod status write, and reserve allocated claims for the scheduled pod. A done pod gets nothing: its claims
+//! are released and deleted by syncClaim, never created again.
 
 use std::sync::Arc;
 
@@ -11,7 +12,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
-use super::decide::{self, ClaimSource, Recorded};
+use super::decide::{self, ClaimSource, Recorded, RecordedVerdict, Seen};
 use super::error::SyncError;
 use super::events::Reason;
 use super::queue::ObjectKey;
@@ -33,6 +34,11 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
     };
     if pod.metadata.deletion_timestamp.is_some() {
         debug!("pod is being deleted");
+        return Ok(());
+    }
+    if decide::is_pod_done(&pod) {
+        // Queued before it finished: a done pod needs no claims and gets no writes (see `pod_needs_work`).
+        debug!("pod is done");
         return Ok(());
     }
     let observe_only = ctx.foreign.observe_only();
@@ -88,10 +94,8 @@ async fn handle_claim(
             return Err(SyncError::UnsupportedPodClaim { pod_claim: pod_claim.name.clone() });
         }
         ClaimSource::Template { recorded: Recorded::Claim(name), template } => {
-            match ctx.caches.claim_for_pod(pod, name) {
-                Some(claim) if decide::is_owned_by(&claim, pod) => return Ok(Outcome::Unchanged),
-                Some(_) => debug!(claim = name, "recorded claim is not owned by the pod; creating another"),
-                None => debug!(claim = name, "recorded claim is missing; creating another"),
+            if recorded_claim_exists(ctx, pod, name).await? {
+                return Ok(Outcome::Unchanged);
             }
             template
         }
@@ -111,6 +115,32 @@ async fn handle_claim(
     }
     let claim = create_claim(ctx, pod, &pod_claim.name, template).await?;
     Ok(Outcome::Record(claim.name_any()))
+}
+
+/// Whether the claim the pod's status records exists and is the pod's (upstream `claimExists`): the informer
+/// first; a claim it does not show is read from the API server, because an informer can lag behind the server
+/// (a new leader, a re-list, a broken watch) and a claim created on a lagging cache would be a second one, with
+/// the pod status forced onto it. Only a NotFound (or a claim that is not the pod's) leads to a new claim.
+async fn recorded_claim_exists(ctx: &Context, pod: &Pod, name: &str) -> Result<bool, SyncError> {
+    let cached = ctx.caches.claim_for_pod(pod, name);
+    let mut verdict = decide::recorded_claim_verdict(Seen::Cache(cached.as_deref()), pod);
+    if verdict == RecordedVerdict::AskServer {
+        debug!(claim = name, "recorded claim is not in the informer; reading it from the API server");
+        let namespace = pod.namespace().unwrap_or_default();
+        let live = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+            .get_opt(name)
+            .await
+            .map_err(|source| SyncError::GetClaim { claim: ObjectKey::new(namespace.clone(), name), source })?;
+        verdict = decide::recorded_claim_verdict(Seen::Server(live.as_ref()), pod);
+    }
+    match verdict {
+        RecordedVerdict::Replace(why) => {
+            info!(claim = name, why, "replacing the recorded claim");
+            Ok(false)
+        }
+        // A server lookup never answers AskServer; were it to, keeping the claim is the answer that cannot duplicate.
+        RecordedVerdict::Keep | RecordedVerdict::AskServer => Ok(true),
+    }
 }
 
 async fn create_claim(
@@ -179,20 +209,25 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
 }
 
 /// Adds the scheduled pod to `reservedFor` of each of its allocated claims that is not reserved for it yet.
-/// (The scheduler normally reserves before binding; this covers claims allocated some other way.)
+/// (The scheduler normally reserves before binding; this covers claims allocated some other way.) A generated
+/// claim is reserved only for the pod that owns it (upstream `IsForPod`), whatever the pod status names.
 async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, String)]) -> Result<(), SyncError> {
     let namespace = pod.namespace().unwrap_or_default();
     let (Some(uid), pod_name) = (pod.metadata.uid.clone(), pod.name_any()) else {
         return Ok(());
     };
-    let names = decide::known_claim_names(pod)
+    let names = decide::spec_claims(pod)
         .into_iter()
-        .map(str::to_string)
-        .chain(just_recorded.iter().map(|(_, claim)| claim.clone()));
-    for name in names {
+        .map(|(name, must_check_owner)| (name.to_string(), must_check_owner))
+        .chain(just_recorded.iter().map(|(_, claim)| (claim.clone(), true)));
+    for (name, must_check_owner) in names {
         let Some(claim) = ctx.caches.claim(&namespace, &name) else {
             continue;
         };
+        if must_check_owner && !decide::is_owned_by(&claim, pod) {
+            info!(claim = %name, "not reserving a claim the pod status records but the pod does not own");
+            continue;
+        }
         if !decide::should_reserve(&claim, pod) {
             continue;
         }

@@ -13,7 +13,8 @@ use serde::{Deserialize, Serialize};
 use super::wire_meta::{NoAnnotations, WireMeta};
 
 /// A pod, reduced to identity metadata (name, namespace, uid, resourceVersion, creation and deletion time),
-/// `spec.nodeName`, `spec.resourceClaims`, `status.phase` and `status.resourceClaimStatuses`.
+/// `spec.nodeName`, `spec.resourceClaims`, `status.phase`, `status.resourceClaimStatuses` and the claim name of
+/// `status.extendedResourceClaimStatus`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(from = "WirePod")]
 pub struct Pod {
@@ -60,6 +61,19 @@ pub struct PodStatus {
     pub phase: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
+    /// The claim the scheduler made for the pod's extended resources backed by DRA (`DRAExtendedResource`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extended_resource_claim_status: Option<ExtendedResourceClaimStatus>,
+}
+
+/// `status.extendedResourceClaimStatus` as far as the controller reads it: the claim's name. Decoded here
+/// rather than through k8s-openapi so that it does not depend on the compiled API version, and so that the
+/// request mappings (one entry per container and resource) are never held in memory.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExtendedResourceClaimStatus {
+    #[serde(default)]
+    pub resource_claim_name: String,
 }
 
 super::slim_resource!(Pod, api_version: "v1", group: "", kind: "Pod", version: "v1", plural: "pods");
@@ -78,7 +92,9 @@ mod tests {
             "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "i"}],
                      "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
-                       "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}]}
+                       "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}],
+                       "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-y",
+                           "requestMappings": [{"containerName": "c", "resourceName": "nvidia.com/gpu", "requestName": "r"}]}}
         });
         let pod: Pod = serde_json::from_value(full)?;
         assert_eq!(
@@ -86,7 +102,8 @@ mod tests {
             serde_json::json!({
                 "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
                 "spec": {"nodeName": "n", "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
-                "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}]}
+                "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}],
+                           "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-y"}}
             })
         );
         assert!(std::mem::size_of::<Pod>() < 1024, "{} bytes", std::mem::size_of::<Pod>());

@@ -93,15 +93,45 @@ pub fn pod_claims(pod: &Pod) -> &[PodResourceClaim] {
     pod.spec.as_ref().and_then(|s| s.resource_claims.as_deref()).unwrap_or_default()
 }
 
-/// Names of the claims a pod uses that are known now (named claims and recorded template claims).
-pub fn known_claim_names(pod: &Pod) -> Vec<&str> {
+/// Names of the claims a pod uses through `spec.resourceClaims` that are known now (named claims and recorded
+/// template claims), each with whether the pod must own it before using it (upstream `resourceclaim.Name`'s
+/// `mustCheckOwner`: true for a generated claim, false for a claim the user names).
+pub fn spec_claims(pod: &Pod) -> Vec<(&str, bool)> {
     pod_claims(pod)
         .iter()
         .filter_map(|pc| match claim_source(pod, pc) {
-            ClaimSource::Named(name) | ClaimSource::Template { recorded: Recorded::Claim(name), .. } => Some(name),
+            ClaimSource::Named(name) => Some((name, false)),
+            ClaimSource::Template { recorded: Recorded::Claim(name), .. } => Some((name, true)),
             _ => None,
         })
         .collect()
+}
+
+/// Names of the claims a pod uses through `spec.resourceClaims` that are known now.
+pub fn known_claim_names(pod: &Pod) -> Vec<&str> {
+    spec_claims(pod).into_iter().map(|(name, _)| name).collect()
+}
+
+/// The claim the scheduler generated for the pod's DRA-backed extended resources
+/// (`status.extendedResourceClaimStatus`, feature `DRAExtendedResource`).
+pub fn extended_resource_claim(pod: &Pod) -> Option<&str> {
+    let status = pod.status.as_ref()?.extended_resource_claim_status.as_ref()?;
+    Some(status.resource_claim_name.as_str()).filter(|name| !name.is_empty())
+}
+
+/// Every claim the pod uses that is known now: [`known_claim_names`] and the extended-resource claim (upstream
+/// `resourceclaim.PodClaims`). These are the claims to release when the pod is done or deleted.
+pub fn all_claim_names(pod: &Pod) -> Vec<&str> {
+    let mut names = known_claim_names(pod);
+    names.extend(extended_resource_claim(pod));
+    names
+}
+
+/// Whether the controller has anything to do for the pod at all: it has `spec.resourceClaims`, or the scheduler
+/// recorded an extended-resource claim for it (which must be released when the pod is done, although the pod
+/// spec names no claim).
+pub fn has_claims(pod: &Pod) -> bool {
+    !pod_claims(pod).is_empty() || pod.status.as_ref().is_some_and(|s| s.extended_resource_claim_status.is_some())
 }
 
 /// Names of the claims a pod names directly (`resourceClaimName`): claims it shares, or that others made for it.
@@ -168,9 +198,45 @@ pub fn should_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
         && reserved_for(claim).len() < MAX_RESERVED_FOR
 }
 
+/// Where the claim recorded for a template pod claim was looked up.
+#[derive(Debug, Clone, Copy)]
+pub enum Seen<'a> {
+    /// The informer (and the claims this controller created that it does not show yet).
+    Cache(Option<&'a ResourceClaim>),
+    /// A live GET; `None` is NotFound.
+    Server(Option<&'a ResourceClaim>),
+}
+
+/// What to do about the claim a pod's status records for a template pod claim (upstream `claimExists`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordedVerdict {
+    /// It exists and the pod owns it: nothing to create.
+    Keep,
+    /// Not in the informer, which may lag behind the server (a new leader, a re-list, a watch that broke): only
+    /// the API server can say it is gone.
+    AskServer,
+    /// Gone, or not the pod's: a claim is found (adopted) or created in its place; the reason is logged.
+    Replace(&'static str),
+}
+
+pub fn recorded_claim_verdict(seen: Seen<'_>, pod: &Pod) -> RecordedVerdict {
+    match seen {
+        Seen::Cache(None) => RecordedVerdict::AskServer,
+        Seen::Server(None) => RecordedVerdict::Replace("the recorded claim does not exist"),
+        Seen::Cache(Some(claim)) | Seen::Server(Some(claim)) if is_owned_by(claim, pod) => RecordedVerdict::Keep,
+        Seen::Cache(Some(_)) | Seen::Server(Some(_)) => RecordedVerdict::Replace("the recorded claim is not the pod's"),
+    }
+}
+
 /// Whether a pod needs a sync, and why (the reason is logged). `applied` are statuses written but not yet seen
 /// in `pod`; `lookup` finds a claim of the pod's namespace by name in the informer cache or among claims created
 /// but not yet observed.
+///
+/// A done pod needs nothing: its claims are only released (their keys are queued by the pod handler), never
+/// created or reserved again, and the pod gets no more writes. Without this, the deletion of a finished pod's
+/// claim would make the claim "missing" and create it again, in a loop, until the pod object is deleted.
+/// A recorded claim that the pod does not own is left alone, as upstream does: the pod cannot use it until it
+/// is deleted.
 pub fn pod_needs_work<F>(pod: &Pod, applied: &[(String, String)], lookup: F) -> (bool, &'static str)
 where
     F: Fn(&str) -> Option<std::sync::Arc<ResourceClaim>>,
@@ -178,24 +244,27 @@ where
     if pod.metadata.deletion_timestamp.is_some() {
         return (false, "pod is being deleted");
     }
+    if is_pod_done(pod) {
+        return (false, "pod is done");
+    }
+    let mut reservable = Vec::new();
     for pc in pod_claims(pod) {
         match claim_source_with(pod, pc, applied) {
             ClaimSource::Template { recorded: Recorded::Missing, .. } => return (true, "template claim not recorded"),
-            ClaimSource::Template { recorded: Recorded::Claim(name), .. } if lookup(name).is_none() => {
-                return (true, "recorded claim is missing");
-            }
+            ClaimSource::Template { recorded: Recorded::Claim(name), .. } => match lookup(name) {
+                None => return (true, "recorded claim is missing"),
+                Some(claim) if is_owned_by(&claim, pod) => reservable.push(claim),
+                Some(_) => {}
+            },
+            ClaimSource::Named(name) => reservable.extend(lookup(name)),
             ClaimSource::Unsupported => {
                 return (true, "pod claim names neither a claim nor a template");
             }
-            _ => {}
+            ClaimSource::Template { recorded: Recorded::NoClaimNeeded, .. } => {}
         }
     }
-    if is_scheduled(pod) {
-        for name in known_claim_names(pod) {
-            if lookup(name).is_some_and(|claim| should_reserve(&claim, pod)) {
-                return (true, "allocated claim not reserved for the scheduled pod");
-            }
-        }
+    if reservable.iter().any(|claim| should_reserve(claim, pod)) {
+        return (true, "allocated claim not reserved for the scheduled pod");
     }
     (false, "nothing to do")
 }

@@ -156,6 +156,94 @@ fn needs_work() {
     assert_eq!(pod_needs_work(&pod(json!({})), &applied, found), (false, "nothing to do"));
 }
 
+#[test]
+fn a_done_pod_needs_nothing() {
+    // Its claim deleted (recorded claim missing), never recorded, or allocated and unreserved: nothing to do,
+    // else every deletion of a finished pod's claim would create the next one.
+    let recorded = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "pod-gpu-x"}]}});
+    let allocated_claim = Arc::new(claim(merge_into(json!({"metadata": {"name": "pod-gpu-x"}}), allocated())));
+    for phase in ["Succeeded", "Failed"] {
+        let done = json!({"spec": {"nodeName": "n"}, "status": {"phase": phase}});
+        for (patch, lookup) in [
+            (merge_into(recorded.clone(), done.clone()), None),
+            (done.clone(), None),
+            (merge_into(recorded.clone(), done.clone()), Some(allocated_claim.clone())),
+        ] {
+            let got = pod_needs_work(&pod(patch.clone()), &[], |_| lookup.clone());
+            assert_eq!(got, (false, "pod is done"), "{patch}");
+        }
+    }
+    // Deleted before it was scheduled: done as well.
+    let deleted_unscheduled = pod(json!({"metadata": {"deletionTimestamp": "2026-01-01T00:00:00Z"}}));
+    assert!(!pod_needs_work(&deleted_unscheduled, &[], |_| None).0);
+}
+
+#[test]
+fn a_recorded_claim_of_someone_else_is_neither_reserved_nor_waited_for() {
+    let foreign = Arc::new(claim(merge_into(
+        json!({"metadata": {"name": "foreign", "ownerReferences": [
+            {"apiVersion": "v1", "kind": "Pod", "name": "other", "uid": "other-uid", "controller": true}]}}),
+        allocated(),
+    )));
+    let unowned =
+        Arc::new(claim(merge_into(json!({"metadata": {"name": "foreign", "ownerReferences": null}}), allocated())));
+    let scheduled = pod(
+        json!({"spec": {"nodeName": "n", "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "tmpl"}]},
+        "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "foreign"}]}}),
+    );
+    for c in [foreign, unowned] {
+        assert_eq!(pod_needs_work(&scheduled, &[], |_| Some(c.clone())), (false, "nothing to do"), "{c:?}");
+    }
+    // A claim the pod names directly is the user's: no owner to check.
+    let named = pod(
+        json!({"spec": {"nodeName": "n", "resourceClaims": [{"name": "shared", "resourceClaimName": "shared-claim"}]}}),
+    );
+    let users = Arc::new(claim(merge_into(json!({"metadata": {"ownerReferences": null}}), allocated())));
+    assert_eq!(
+        pod_needs_work(&named, &[], |_| Some(users.clone())),
+        (true, "allocated claim not reserved for the scheduled pod")
+    );
+    assert_eq!(spec_claims(&scheduled), vec![("foreign", true)]);
+    assert_eq!(spec_claims(&named), vec![("shared-claim", false)]);
+}
+
+#[test]
+fn recorded_claim_verdicts() {
+    let p = pod(json!({}));
+    let owned = claim(json!({}));
+    let others = claim(json!({"metadata": {"ownerReferences": [
+        {"apiVersion": "v1", "kind": "Pod", "name": "pod", "uid": "old-uid", "controller": true}]}}));
+    let cases = [
+        (Seen::Cache(Some(&owned)), RecordedVerdict::Keep),
+        (Seen::Cache(Some(&others)), RecordedVerdict::Replace("the recorded claim is not the pod's")),
+        // Missing from the informer is no proof that it is gone: ask the API server.
+        (Seen::Cache(None), RecordedVerdict::AskServer),
+        (Seen::Server(Some(&owned)), RecordedVerdict::Keep),
+        (Seen::Server(Some(&others)), RecordedVerdict::Replace("the recorded claim is not the pod's")),
+        (Seen::Server(None), RecordedVerdict::Replace("the recorded claim does not exist")),
+    ];
+    for (seen, want) in cases {
+        assert_eq!(recorded_claim_verdict(seen, &p), want, "{seen:?}");
+    }
+}
+
+#[test]
+fn extended_resource_claims_count_as_the_pods_claims() {
+    let extended = json!({"status": {"extendedResourceClaimStatus": {"resourceClaimName": "pod-extended-resources-x",
+        "requestMappings": [{"containerName": "c", "resourceName": "nvidia.com/gpu", "requestName": "r"}]}}});
+    let no_spec_claims = json!({"spec": {"resourceClaims": null}});
+    let only_extended = pod(merge_into(extended.clone(), no_spec_claims.clone()));
+    assert!(has_claims(&only_extended));
+    assert_eq!(all_claim_names(&only_extended), vec!["pod-extended-resources-x"]);
+    assert!(known_claim_names(&only_extended).is_empty(), "never reserved nor created by this controller");
+    assert!(!has_claims(&pod(no_spec_claims)));
+
+    let both = pod(extended);
+    assert_eq!(all_claim_names(&both), vec!["shared-claim", "pod-extended-resources-x"]);
+    let empty_name = pod(json!({"status": {"extendedResourceClaimStatus": {"resourceClaimName": ""}}}));
+    assert_eq!(extended_resource_claim(&empty_name), None);
+}
+
 fn merge_into(mut base: Value, patch: Value) -> Value {
     merge(&mut base, patch);
     base

@@ -1,0 +1,203 @@
+//! The controller under workloads the parity checklist does not cover: pods that finish and stay (Jobs),
+//! extended resources allocated by the scheduler, an informer that lags behind the API server, and a pod status
+//! that names a claim made for someone else.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::ResourceExt;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use super::support::objects::{self, claim_statuses, create_pod, create_template, list_claims, one_gpu};
+use super::support::process::Component;
+use super::support::{TestContext, wait};
+use super::{ANNOTATION, SETTLE, allocated, create_bound_pod, reserved, wait_recorded};
+
+/// How long a test watches for a write that must not happen.
+const QUIET: Duration = Duration::from_secs(6);
+
+/// A Job's pod finished and is kept: its claim is deleted ONCE. No claim is created again, and the pod gets no
+/// further write, however long the pod object stays.
+pub(super) async fn finished_pod_claim_is_deleted_once_and_never_recreated(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(&ctx, "job-0", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let claim = claim_statuses(&wait_recorded(&ctx, "job-0", 1).await?)[0].1.clone().context("no claim")?;
+
+    // As the kubelet reports a completed Job pod.
+    let pods = objects::pods(&ctx);
+    let finished = pods
+        .patch_status("job-0", &PatchParams::default(), &Patch::Merge(json!({"status": {"phase": "Succeeded"}})))
+        .await?;
+    let claims = objects::claims(&ctx);
+    wait::until("the finished pod's claim to be deleted", SETTLE, || async {
+        Ok(claims.get_opt(&claim).await?.is_none().then_some(()))
+    })
+    .await?;
+
+    tokio::time::sleep(QUIET).await;
+    let left: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
+    ensure!(left.is_empty(), "claims were created again for the finished pod: {left:?}");
+    let creates =
+        controller.metric("dynamic_resource_allocation_resourceclaim_creates_total", &[("status", "success")]).await?;
+    ensure!(creates == 1.0, "{creates} claims created for one pod claim of one pod");
+    let pod = pods.get("job-0").await?;
+    ensure!(
+        pod.resource_version() == finished.resource_version(),
+        "the finished pod was written again: status now {:?}",
+        claim_statuses(&pod)
+    );
+    Ok(())
+}
+
+/// The scheduler allocates a claim for a container's extended resource (`nvidia.com/gpu`, mapped to a DeviceClass
+/// by `extendedResourceName`; the Node does not list it) and records it in `status.extendedResourceClaimStatus`.
+/// When the pod finishes, the controller unreserves, deallocates and deletes that claim, as it does a claim from a
+/// template: the GPU is free again within seconds.
+pub(super) async fn extended_resource_claim_of_finished_pod_is_released(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let node = objects::fake_gpu_node(&ctx, 1).await?;
+    let classes = Api::<k8s_openapi::api::resource::v1::DeviceClass>::all(ctx.client.clone());
+    let extended = json!({"spec": {"extendedResourceName": "nvidia.com/gpu"}});
+    classes.patch(&node.class, &PatchParams::default(), &Patch::Merge(&extended)).await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "cuda-job"},
+        "spec": {
+            "containers": [{"name": "cuda", "image": "registry.k8s.io/pause:3.10",
+                            "resources": {"limits": {"nvidia.com/gpu": 1}}}],
+            "nodeSelector": {"kubernetes.io/hostname": node.name},
+            "restartPolicy": "Never"
+        }
+    }))?;
+    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+
+    // Read untyped: `extendedResourceClaimStatus` is newer than the compiled types.
+    let raw_pods = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &ctx.namespace, &pod_resource());
+    let claim_name = wait::until("the scheduler to bind the pod with an extended-resource claim", SETTLE, || async {
+        let p = raw_pods.get("cuda-job").await?;
+        let bound = p.data["spec"]["nodeName"].as_str().is_some();
+        let name = p.data["status"]["extendedResourceClaimStatus"]["resourceClaimName"].as_str().map(str::to_string);
+        Ok(name.filter(|_| bound))
+    })
+    .await?;
+    let claims = objects::claims(&ctx);
+    let claim = claims.get(&claim_name).await?;
+    ensure!(
+        claim.annotations().get("resource.kubernetes.io/extended-resource-claim").map(String::as_str) == Some("true")
+            && claim.annotations().get(ANNOTATION).is_none(),
+        "not a scheduler-made extended-resource claim: {:?}",
+        claim.annotations()
+    );
+    ensure!(allocated(&claim) && reserved(&claim) == ["cuda-job"], "not allocated and reserved: {:?}", claim.status);
+    ensure!(
+        claim.owner_references().iter().any(|o| o.kind == "Pod" && o.name == "cuda-job" && o.controller == Some(true)),
+        "not owned by the pod: {:?}",
+        claim.owner_references()
+    );
+
+    let finished = Instant::now();
+    objects::set_phase(&ctx, "cuda-job", "Succeeded").await?;
+    wait::until("the extended-resource claim to be released and deleted", Duration::from_secs(10), || async {
+        Ok(claims.get_opt(&claim_name).await?.is_none().then_some(()))
+    })
+    .await?;
+    eprintln!("pod Succeeded → extended-resource claim deleted: {:?}", finished.elapsed());
+    Ok(())
+}
+
+fn pod_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource::erase::<Pod>(&())
+}
+
+/// The claim a pod's status records exists on the API server but not in the controller's informer: the informer
+/// lags (a new leader whose watch has not caught up, a re-list). The controller asks the API server before
+/// creating anything, and keeps the recorded claim.
+///
+/// The lag is made lasting and certain: the controller may list claims but not watch them, so its claim informer
+/// holds the state of its start-up list forever, and a claim created after that is only visible to a GET. The
+/// claim is made the way the previous leader would have made it (owned by the pod, annotated, recorded in the pod
+/// status under the controller's field manager).
+pub(super) async fn recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let token = objects::service_account_with_rules(&ctx, "no-claim-watch", rules_without_claim_watch()).await?;
+    let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{}-no-claim-watch", ctx.namespace), &token)?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(&kubeconfig, &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+
+    // The template does not exist yet: the new leader cannot create anything for the pod before the status
+    // records the old leader's claim.
+    let pod = create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "p-gpu-older", "annotations": {ANNOTATION: "gpu"},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": pod.metadata.uid, "controller": true}]},
+        "spec": one_gpu()["spec"]
+    }))?;
+    let as_controller = PostParams { field_manager: Some("gpu-dra-controller".into()), ..Default::default() };
+    objects::claims(&ctx).create(&as_controller, &claim).await?;
+    let status = json!({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "uid": pod.metadata.uid},
+        "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-older"}]}
+    });
+    let apply = PatchParams::apply("resource_claim").force();
+    objects::pods(&ctx).patch_status("p", &apply, &Patch::Apply(&status)).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+
+    tokio::time::sleep(QUIET).await;
+    let names: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
+    ensure!(names == ["p-gpu-older"], "a second claim was created: {names:?}\n{}", controller.log_tail());
+    let recorded = claim_statuses(&objects::pods(&ctx).get("p").await?);
+    ensure!(
+        recorded == [("gpu".to_string(), Some("p-gpu-older".to_string()))],
+        "the pod status was moved off the recorded claim: {recorded:?}"
+    );
+    ensure!(
+        controller.log_text().contains("recorded claim is not in the informer; reading it from the API server"),
+        "the live read was not taken (the informer saw the claim?):\n{}",
+        controller.log_tail()
+    );
+    Ok(())
+}
+
+/// The controller's grant as the chart gives it, except `watch` on claims.
+fn rules_without_claim_watch() -> Value {
+    json!([
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {"apiGroups": [""], "resources": ["pods/status"], "verbs": ["patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get", "list", "create", "delete", "patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims/status"], "verbs": ["patch"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["events.k8s.io"], "resources": ["events"], "verbs": ["create", "patch"]}
+    ])
+}
+
+/// A pod's status (writable by whoever may patch pods/status) names, for its template claim, a claim generated
+/// for another pod and allocated to it. The controller never adds the pod to that claim's `reservedFor`
+/// (upstream `IsForPod`): the other pod's GPU is not shared with it.
+pub(super) async fn pod_status_naming_another_pods_claim_gets_no_reservation(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let owner = create_pod(&ctx, "owner", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let owners_claim = claim_statuses(&wait_recorded(&ctx, "owner", 1).await?)[0].1.clone().context("no claim")?;
+    let consumer = json!([{"resource": "pods", "name": "owner", "uid": owner.metadata.uid}]);
+    objects::allocate(&ctx, &owners_claim, consumer, true).await?;
+
+    // Bound directly (spec.nodeName): the controller, not the scheduler, reserves this pod's claims.
+    create_bound_pod(&ctx, "intruder", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let pods = objects::pods(&ctx);
+    wait_recorded(&ctx, "intruder", 1).await?;
+    let forged = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": owners_claim}]}});
+    pods.patch_status("intruder", &PatchParams::default(), &Patch::Merge(&forged)).await?;
+
+    tokio::time::sleep(QUIET).await;
+    let claim = objects::claims(&ctx).get(&owners_claim).await?;
+    ensure!(
+        reserved(&claim) == ["owner"],
+        "the other pod's claim was reserved for the intruder: {:?}",
+        reserved(&claim)
+    );
+    Ok(())
+}
