@@ -123,15 +123,19 @@ async fn forge_claim(api: &Api<ResourceClaim>, name: &str, owner: &Value, manage
 
 /// A pod of the tenant with one template claim whose template does not exist.
 async fn tenant_pod(tenant: &Client, namespace: &str, name: &str) -> anyhow::Result<Pod> {
-    let pod: Pod = serde_json::from_value(json!({
+    Ok(Api::namespaced(tenant.clone(), namespace).create(&PostParams::default(), &pod(name, "not-yet")?).await?)
+}
+
+/// A pod, kept away from the scheduler, with one pod claim `gpu` from `template`.
+fn pod(name: &str, template: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {
             "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "not-yet"}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
             "nodeSelector": {"gpu-dra.dev/test-no-node": "true"}
         }
-    }))?;
-    Ok(Api::namespaced(tenant.clone(), namespace).create(&PostParams::default(), &pod).await?)
+    }))?)
 }
 
 /// A pod in the victim's namespace gets a claim created by gpu-dra's controller, recorded in its status.
@@ -151,15 +155,7 @@ async fn victim_pod_gets_its_claim(
         templates.create(&PostParams::default(), &template).await?;
     }
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
-    let pod: Pod = serde_json::from_value(json!({
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
-            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
-            "nodeSelector": {"gpu-dra.dev/test-no-node": "true"}
-        }
-    }))?;
-    pods.create(&PostParams::default(), &pod).await?;
+    pods.create(&PostParams::default(), &pod(name, "one-gpu")?).await?;
     let claim = wait::until(&format!("victim pod {name} to record its claim"), SETTLE, || async {
         Ok(claim_statuses(&pods.get(name).await?).first().and_then(|s| s.1.clone()))
     })
