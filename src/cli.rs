@@ -88,6 +88,12 @@ pub struct ControllerArgs {
     /// This replica's identity in the Lease and in Events; default: POD_NAME, else host name and process id.
     #[arg(long, env = "GPU_DRA_IDENTITY")]
     pub identity: Option<String>,
+    /// What to do once a pod's status records a claim another ResourceClaim controller (kube-controller-manager's
+    /// resourceclaim-controller) generated: `warn` (Warning event, error log, metric; keep creating claims and
+    /// remove unused duplicates) or `observe-only` (the same, then create, adopt, reserve and record nothing,
+    /// cluster-wide, until restarted).
+    #[arg(long, env = "GPU_DRA_ON_ANOTHER_CLAIM_CONTROLLER", value_enum, default_value_t = crate::controller::foreign::OnAnotherController::Warn)]
+    pub on_another_claim_controller: crate::controller::foreign::OnAnotherController,
 }
 
 /// Flags of `gpu-dra node-agent`. Every path is configurable so that several agents (one per fake node) can run

@@ -26,6 +26,7 @@ use workloads::{
 };
 
 const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+const ADMIN_LABEL: &str = "resource.kubernetes.io/admin-access";
 const SETTLE: Duration = Duration::from_secs(30);
 
 fn main() {
@@ -41,6 +42,8 @@ fn main() {
             test!(missing_recorded_claim_is_recreated),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),
+            test!(metrics_match_kube_controller_manager_after_real_work),
+            test!(each_claim_of_a_pod_gets_an_event_naming_it),
             test!(finished_pod_claims_are_deleted_and_user_claims_released),
             test!(finished_pod_claim_is_deleted_once_and_never_recreated),
             test!(extended_resource_claim_of_finished_pod_is_released),
@@ -288,7 +291,7 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
         "dynamic_resource_allocation_resourceclaim_creates_total",
         "dynamic_resource_allocation_resource_claims",
         "gpu_dra_controller_sync_duration_seconds_bucket",
-        "gpu_dra_controller_workqueue_depth",
+        "workqueue_depth",
         "gpu_dra_controller_observe_only",
         "process_resident_memory_bytes",
         "process_cpu_seconds_total",
@@ -302,6 +305,125 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
     );
     ensure!(gauge == Some(1.0), "claims gauge {gauge:?}");
     let _ = (Patch::<()>::Merge(()), PatchParams::default());
+    Ok(())
+}
+
+/// The metrics kube-controller-manager's resourceclaim controller exports, scraped from the process after it
+/// created claims (one rejected by the API server and retried): client-go's work-queue metrics named
+/// `resource_claim` with its buckets, and the create counter with upstream's labels and nothing else.
+async fn metrics_match_kube_controller_manager_after_real_work(ctx: TestContext) -> anyhow::Result<()> {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(ctx.client.clone());
+    let label = |value: serde_json::Value| json!({"metadata": {"labels": {ADMIN_LABEL: value}}});
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(json!("true")))).await?;
+    let admin = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS, "adminAccess": true}}]}}});
+    create_template(&ctx, "admin", admin).await?;
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(serde_json::Value::Null))).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+
+    let controller = Component::controller(&ctx, &[]).await?;
+    for i in 0..3 {
+        create_pod(&ctx, &format!("p{i}"), json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    }
+    create_pod(&ctx, "rejected", json!([{"name": "gpu", "resourceClaimTemplateName": "admin"}])).await?;
+    for i in 0..3 {
+        wait_recorded(&ctx, &format!("p{i}"), 1).await?;
+    }
+    wait::until("a rejected create to be retried", SETTLE, || async {
+        Ok((controller.metric("workqueue_retries_total", &[("name", "resource_claim")]).await? >= 2.0).then_some(()))
+    })
+    .await?;
+    let (_, body) = controller.get("/metrics").await?;
+    let queue = [("name", "resource_claim")];
+    let value = |metric: &str, labels: &[(&str, &str)]| support::process::sample(&body, metric, labels);
+
+    // Every key added was handed out once it was added (pods, claims, retries).
+    let adds = value("workqueue_adds_total", &queue).context("workqueue_adds_total")?;
+    ensure!(adds >= 8.0, "workqueue_adds_total {adds}: 4 pods and 3 claims at least");
+    for histogram in ["workqueue_queue_duration_seconds", "workqueue_work_duration_seconds"] {
+        let count = value(&format!("{histogram}_count"), &queue).with_context(|| format!("{histogram}_count"))?;
+        ensure!(count >= 7.0 && count <= adds, "{histogram}_count {count} for {adds} adds");
+        let bounds = bucket_bounds(&body, histogram);
+        let expected: Vec<f64> = std::iter::successors(Some(10e-9_f64), |b| Some(b * 10.0)).take(10).collect();
+        ensure!(
+            bounds.len() == 11 && bounds[..10].iter().zip(&expected).all(|(a, b)| (a / b - 1.0).abs() < 1e-9),
+            "{histogram} buckets {bounds:?}, client-go has {expected:?} and +Inf"
+        );
+    }
+    for gauge in ["workqueue_depth", "workqueue_unfinished_work_seconds", "workqueue_longest_running_processor_seconds"]
+    {
+        let sample = value(gauge, &queue).with_context(|| format!("no {gauge}{{name=\"resource_claim\"}}:\n{body}"))?;
+        ensure!(sample >= 0.0, "{gauge} {sample}");
+    }
+
+    let creates = "dynamic_resource_allocation_resourceclaim_creates_total";
+    let pod_owner = [("owner_api_group", ""), ("owner_api_kind", "Pod")];
+    let ok = value(creates, &[&[("status", "success"), ("admin_access", "false")][..], &pod_owner[..]].concat());
+    ensure!(ok == Some(3.0), "successful creates {ok:?}:\n{body}");
+    let failed = value(creates, &[&[("status", "failure"), ("admin_access", "true")][..], &pod_owner[..]].concat());
+    ensure!(failed.is_some_and(|f| f >= 1.0), "failed creates {failed:?}");
+    // Upstream's label set exactly: status, admin_access, owner_api_group, owner_api_kind.
+    for line in body.lines().filter(|l| l.starts_with(creates)) {
+        let labels = label_names(line);
+        ensure!(labels == ["admin_access", "owner_api_group", "owner_api_kind", "status"], "{line}");
+    }
+    ensure!(!body.contains("gpu_dra_controller_workqueue_depth"), "the old queue gauge is replaced by workqueue_depth");
+    Ok(())
+}
+
+/// The `le` bounds of `histogram`'s buckets in a Prometheus text body, in order.
+fn bucket_bounds(body: &str, histogram: &str) -> Vec<f64> {
+    let prefix = format!("{histogram}_bucket{{");
+    body.lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.split("le=\"").nth(1)?.split('"').next()?.parse::<f64>().ok())
+        .collect()
+}
+
+/// The sorted label names of one sample line.
+fn label_names(line: &str) -> Vec<String> {
+    let labels = line.split_once('{').and_then(|(_, rest)| rest.rsplit_once('}')).map_or("", |(l, _)| l);
+    let mut names: Vec<String> = labels.split(',').filter_map(|kv| kv.split_once('=')).map(|(k, _)| k.into()).collect();
+    names.sort();
+    names
+}
+
+/// A pod with several template claims: one `ResourceClaimCreated` event per claim, each naming its claim as the
+/// related object and in its note (not one event whose series counts them and names only the first claim).
+async fn each_claim_of_a_pod_gets_an_event_naming_it(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let uses = ["gpu-left", "gpu-right", "gpu-third"]
+        .map(|name| json!({"name": name, "resourceClaimTemplateName": "one-gpu"}));
+    create_pod(&ctx, "pair", json!(uses)).await?;
+    let pod = wait_recorded(&ctx, "pair", 3).await?;
+    let mut claims: Vec<String> = claim_statuses(&pod).into_iter().filter_map(|(_, claim)| claim).collect();
+    claims.sort();
+
+    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let created = wait::until("an event for every created claim", SETTLE, || async {
+        let events: Vec<_> = api
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("ResourceClaimCreated"))
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("pair"))
+            .collect();
+        let observed: i32 = events.iter().map(|e| e.series.as_ref().map_or(1, |s| s.count)).sum();
+        Ok((observed >= 3).then_some(events))
+    })
+    .await?;
+    let mut related: Vec<String> = Vec::new();
+    for event in &created {
+        let claim = event.related.as_ref().filter(|r| r.kind.as_deref() == Some("ResourceClaim"));
+        let name = claim.and_then(|r| r.name.clone()).with_context(|| format!("no related claim: {event:?}"))?;
+        let note = event.note.as_deref().unwrap_or_default();
+        ensure!(note.contains(&name), "the note {note:?} does not name its claim {name}");
+        ensure!(event.series.is_none(), "one event per claim, not a series: {event:?}");
+        related.push(name);
+    }
+    related.sort();
+    ensure!(related == claims, "events name {related:?}; the pod's claims are {claims:?}");
     Ok(())
 }
 

@@ -1,5 +1,7 @@
 //! `gpu-dra controller` beside kube-controller-manager's own resourceclaim-controller (on by default since 1.34):
-//! it detects the other controller, turns observe-only, says so, and no pod ends up with two claims.
+//! it detects the other controller from the claims kube-controller-manager records in pod statuses, turns
+//! observe-only when told to (`--on-another-claim-controller=observe-only`), says so, and no pod ends up with two
+//! claims.
 
 mod support;
 
@@ -13,12 +15,52 @@ use support::process::Component;
 use support::{TestContext, wait};
 
 fn main() {
-    support::run_with("controller_beside_kcm", true, &[test!(turns_observe_only_and_no_pod_gets_two_claims)])
+    support::run_with(
+        "controller_beside_kcm",
+        true,
+        &[test!(turns_observe_only_and_no_pod_gets_two_claims), test!(warns_by_default_and_pods_settle_on_one_claim)],
+    )
+}
+
+/// Settles when every pod records one existing claim and no other claim is left.
+async fn one_claim_per_pod(ctx: &TestContext, pods: usize) -> anyhow::Result<()> {
+    let pods_api = objects::pods(ctx);
+    wait::until("one claim per pod", Duration::from_secs(60), || async {
+        let listed = pods_api.list(&Default::default()).await?.items;
+        let claims = list_claims(ctx).await?;
+        let names: Vec<String> = claims.iter().map(|c| c.name_any()).collect();
+        let recorded: Vec<String> =
+            listed.iter().filter_map(|p| claim_statuses(p).first().and_then(|s| s.1.clone())).collect();
+        let settled = recorded.len() == pods && claims.len() == pods && recorded.iter().all(|r| names.contains(r));
+        Ok(settled.then_some(()))
+    })
+    .await
+}
+
+/// Without `--on-another-claim-controller`, the controller says another controller is active and keeps working:
+/// both controllers create, the unused duplicates are removed, and every pod ends with one claim.
+async fn warns_by_default_and_pods_settle_on_one_claim(ctx: TestContext) -> anyhow::Result<()> {
+    const PODS: usize = 10;
+    let controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    for i in 0..PODS {
+        create_pod(&ctx, &format!("p{i:02}"), json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    }
+    wait::until("the other controller to be detected", Duration::from_secs(30), || async {
+        let detected = controller.metric("gpu_dra_controller_another_claim_controller_detected", &[]).await?;
+        Ok((detected == 1.0).then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    one_claim_per_pod(&ctx, PODS).await.with_context(|| controller.log_tail())?;
+    ensure!(controller.metric("gpu_dra_controller_observe_only", &[]).await? == 0.0, "observe-only without the flag");
+    ensure!(controller.log_text().contains("--on-another-claim-controller=observe-only"), "the log names no choice");
+    Ok(())
 }
 
 async fn turns_observe_only_and_no_pod_gets_two_claims(ctx: TestContext) -> anyhow::Result<()> {
     const PODS: usize = 20;
-    let controller = Component::controller(&ctx, &[]).await?;
+    let controller = Component::controller(&ctx, &["--on-another-claim-controller=observe-only"]).await?;
     create_template(&ctx, "one-gpu", one_gpu()).await?;
     for i in 0..PODS {
         create_pod(&ctx, &format!("p{i:02}"), json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
@@ -30,17 +72,7 @@ async fn turns_observe_only_and_no_pod_gets_two_claims(ctx: TestContext) -> anyh
     .with_context(|| controller.log_tail())?;
 
     // Settle: every pod records one existing claim and no other claim is left.
-    let pods_api = objects::pods(&ctx);
-    wait::until("one claim per pod", Duration::from_secs(60), || async {
-        let pods = pods_api.list(&Default::default()).await?.items;
-        let claims = list_claims(&ctx).await?;
-        let names: Vec<String> = claims.iter().map(|c| c.name_any()).collect();
-        let recorded: Vec<String> =
-            pods.iter().filter_map(|p| claim_statuses(p).first().and_then(|s| s.1.clone())).collect();
-        let settled = recorded.len() == PODS && claims.len() == PODS && recorded.iter().all(|r| names.contains(r));
-        Ok(settled.then_some(()))
-    })
-    .await?;
+    one_claim_per_pod(&ctx, PODS).await?;
     // Stays settled: nothing creates more claims later.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let claims = list_claims(&ctx).await?;

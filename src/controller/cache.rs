@@ -334,6 +334,7 @@ fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
     ctx.caches.pods_by_template.apply(event);
     match event {
         watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
+            ctx.foreign.inspect_pod(ctx, pod);
             ctx.caches.observed_pod(pod);
             enqueue_unrecorded_claims(ctx, pod);
             enqueue_pod(ctx, pod, false);

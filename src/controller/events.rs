@@ -1,6 +1,10 @@
-//! Kubernetes Events (events.k8s.io/v1) for operators. Repeats of the same event (same object, type and reason)
-//! within [`SERIES_WINDOW`] update one Event's `series` (count, last observed time) instead of creating another,
-//! as client-go's recorder does, so a retried failure never makes a storm.
+//! Kubernetes Events (events.k8s.io/v1) for operators. Repeats of the same event (same object, related object,
+//! type and reason) within [`SERIES_WINDOW`] update one Event's `series` (count, last observed time) instead of
+//! creating another, as client-go's recorder does, so a retried failure never makes a storm.
+//!
+//! An event on a pod about one of its claims names the claim as `related`: the claim is part of the series key
+//! (as in client-go), so a pod with several claims gets one event per claim, and
+//! `kubectl get events --field-selector related.name=<claim>` finds it.
 //!
 //! Events never slow the controller down: they queue for one background sender (one at a time, so repeats
 //! aggregate), which uses a client with its own rate limit (`--events-qps`). At most [`MAX_QUEUED`] wait; beyond
@@ -36,7 +40,16 @@ pub const MAX_SERIES: usize = 4096;
 /// Events waiting to be sent; more are dropped.
 pub const MAX_QUEUED: usize = 1000;
 
-type Queued = (ObjectReference, EventType, Reason, String);
+/// One event waiting for the sender.
+#[derive(Debug)]
+struct Queued {
+    regarding: ObjectReference,
+    /// The second object the event is about (a pod's claim).
+    related: Option<ObjectReference>,
+    type_: EventType,
+    reason: Reason,
+    note: String,
+}
 
 /// An Event's type.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,8 +122,8 @@ impl Events {
         let (queue, mut queued) = mpsc::channel::<Queued>(MAX_QUEUED);
         let mut sender = Sender { client, instance, recent: RecentEvents::default() };
         tokio::spawn(async move {
-            while let Some((regarding, type_, reason, note)) = queued.recv().await {
-                sender.send(regarding, type_, reason, note).await;
+            while let Some(event) = queued.recv().await {
+                sender.send(event).await;
             }
         });
         Self { queue, dropped: Arc::default() }
@@ -122,23 +135,36 @@ impl Events {
     }
 
     pub fn pod_warning(&self, pod: &Pod, reason: Reason, note: String) {
-        self.publish(pod.object_ref(&()), EventType::Warning, reason, note);
+        self.publish(pod.object_ref(&()), None, EventType::Warning, reason, note);
     }
 
     pub fn pod_normal(&self, pod: &Pod, reason: Reason, note: String) {
-        self.publish(pod.object_ref(&()), EventType::Normal, reason, note);
+        self.publish(pod.object_ref(&()), None, EventType::Normal, reason, note);
+    }
+
+    /// A Normal event on `pod` about its claim `claim` (created, adopted): the claim is the event's `related`
+    /// object, so each claim of the pod has its own series.
+    pub fn pod_claim_normal(&self, pod: &Pod, claim: &ResourceClaim, reason: Reason, note: String) {
+        self.publish(pod.object_ref(&()), Some(claim.object_ref(&())), EventType::Normal, reason, note);
     }
 
     pub fn claim_normal(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Normal, reason, note);
+        self.publish(claim.object_ref(&()), None, EventType::Normal, reason, note);
     }
 
     pub fn claim_warning(&self, claim: &ResourceClaim, reason: Reason, note: String) {
-        self.publish(claim.object_ref(&()), EventType::Warning, reason, note);
+        self.publish(claim.object_ref(&()), None, EventType::Warning, reason, note);
     }
 
-    fn publish(&self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
-        if self.queue.try_send((regarding, type_, reason, note)).is_err() {
+    fn publish(
+        &self,
+        regarding: ObjectReference,
+        related: Option<ObjectReference>,
+        type_: EventType,
+        reason: Reason,
+        note: String,
+    ) {
+        if self.queue.try_send(Queued { regarding, related, type_, reason, note }).is_err() {
             self.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -147,18 +173,20 @@ impl Events {
 /// What makes two events "the same" for aggregation (client-go's key, less the reporter, which is this process).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct SeriesKey {
-    /// Kind, namespace, name and UID of the object the event is about.
-    regarding: String,
+    /// Kind, namespace, name and UID of the object the event is about, then those of the related object.
+    objects: String,
     type_: EventType,
     reason: Reason,
 }
 
 impl SeriesKey {
-    fn new(regarding: &ObjectReference, type_: EventType, reason: Reason) -> Self {
+    fn new(regarding: &ObjectReference, related: Option<&ObjectReference>, type_: EventType, reason: Reason) -> Self {
         let part = |p: &Option<String>| p.clone().unwrap_or_default();
-        let regarding =
-            [part(&regarding.kind), part(&regarding.namespace), part(&regarding.name), part(&regarding.uid)];
-        Self { regarding: regarding.join("/"), type_, reason }
+        let mut objects = Vec::with_capacity(8);
+        for object in std::iter::once(regarding).chain(related) {
+            objects.extend([part(&object.kind), part(&object.namespace), part(&object.name), part(&object.uid)]);
+        }
+        Self { objects: objects.join("/"), type_, reason }
     }
 }
 
@@ -219,10 +247,10 @@ struct Sender {
 }
 
 impl Sender {
-    async fn send(&mut self, regarding: ObjectReference, type_: EventType, reason: Reason, note: String) {
+    async fn send(&mut self, queued: Queued) {
         let now = Timestamp::now();
         self.recent.expire(now);
-        let key = SeriesKey::new(&regarding, type_, reason);
+        let key = SeriesKey::new(&queued.regarding, queued.related.as_ref(), queued.type_, queued.reason);
         if let Some(sent) = self.recent.repeat(&key, now) {
             let patch = json!({"series": {"count": sent.count, "lastObservedTime": MicroTime(now)}});
             let events = Api::<Event>::namespaced(self.client.clone(), &sent.namespace);
@@ -230,26 +258,20 @@ impl Sender {
                 Ok(_) => return,
                 // Deleted meanwhile (events expire on the server too): start a new one.
                 Err(kube::Error::Api(status)) if status.code == 404 => self.recent.forget(&key),
-                Err(err) => return log_failure(reason, &regarding, &err),
+                Err(err) => return log_failure(&queued, &err),
             }
         }
-        let event = self.event(&regarding, type_, reason, note, now);
+        let event = self.event(&queued, now);
         let namespace = event.metadata.namespace.clone().unwrap_or_default();
         let name = event.metadata.name.clone().unwrap_or_default();
         match Api::<Event>::namespaced(self.client.clone(), &namespace).create(&PostParams::default(), &event).await {
             Ok(_) => self.recent.insert(key, Sent { namespace, name, count: 1, last: now }),
-            Err(err) => log_failure(reason, &regarding, &err),
+            Err(err) => log_failure(&queued, &err),
         }
     }
 
-    fn event(
-        &self,
-        regarding: &ObjectReference,
-        type_: EventType,
-        reason: Reason,
-        note: String,
-        now: Timestamp,
-    ) -> Event {
+    fn event(&self, queued: &Queued, now: Timestamp) -> Event {
+        let Queued { regarding, related, type_, reason, note } = queued;
         let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
         let object = regarding.name.as_deref().unwrap_or(super::CLAIM_FIELD_MANAGER);
         Event {
@@ -262,8 +284,9 @@ impl Sender {
             type_: Some(type_.as_str().into()),
             reason: Some(reason.as_str().into()),
             action: Some(reason.action().into()),
-            note: Some(truncate_note(note)),
+            note: Some(truncate_note(note.clone())),
             regarding: Some(regarding.clone()),
+            related: related.clone(),
             reporting_controller: Some(super::CLAIM_FIELD_MANAGER.into()),
             reporting_instance: Some(self.instance.clone()),
             ..Default::default()
@@ -284,10 +307,11 @@ fn truncate_note(mut note: String) -> String {
     note
 }
 
-fn log_failure(reason: Reason, regarding: &ObjectReference, err: &kube::Error) {
+fn log_failure(queued: &Queued, err: &kube::Error) {
     warn!(
-        reason = reason.as_str(),
-        object = ?regarding.name,
+        reason = queued.reason.as_str(),
+        object = ?queued.regarding.name,
+        related = ?queued.related.as_ref().and_then(|r| r.name.as_deref()),
         error = %err,
         "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
     );
@@ -315,7 +339,7 @@ mod tests {
     fn repeats_within_the_window_count_on_one_event() {
         let t0 = Timestamp::UNIX_EPOCH;
         let mut recent = RecentEvents::default();
-        let key = SeriesKey::new(&pod("p"), EventType::Warning, Reason::FailedResourceClaimCreation);
+        let key = SeriesKey::new(&pod("p"), None, EventType::Warning, Reason::FailedResourceClaimCreation);
         assert_eq!(recent.repeat(&key, t0), None, "nothing sent yet");
         recent.insert(key.clone(), sent("p.1", t0));
 
@@ -336,20 +360,44 @@ mod tests {
 
     #[test]
     fn different_objects_types_and_reasons_are_different_events() {
-        let a = SeriesKey::new(&pod("a"), EventType::Warning, Reason::FailedResourceClaimCreation);
-        assert_ne!(a, SeriesKey::new(&pod("b"), EventType::Warning, Reason::FailedResourceClaimCreation));
-        assert_ne!(a, SeriesKey::new(&pod("a"), EventType::Normal, Reason::FailedResourceClaimCreation));
-        assert_ne!(a, SeriesKey::new(&pod("a"), EventType::Warning, Reason::ResourceClaimCreated));
+        let a = SeriesKey::new(&pod("a"), None, EventType::Warning, Reason::FailedResourceClaimCreation);
+        assert_ne!(a, SeriesKey::new(&pod("b"), None, EventType::Warning, Reason::FailedResourceClaimCreation));
+        assert_ne!(a, SeriesKey::new(&pod("a"), None, EventType::Normal, Reason::FailedResourceClaimCreation));
+        assert_ne!(a, SeriesKey::new(&pod("a"), None, EventType::Warning, Reason::ResourceClaimCreated));
         let mut recreated = pod("a");
         recreated.uid = Some("another-uid".into());
-        assert_ne!(a, SeriesKey::new(&recreated, EventType::Warning, Reason::FailedResourceClaimCreation));
+        assert_ne!(a, SeriesKey::new(&recreated, None, EventType::Warning, Reason::FailedResourceClaimCreation));
+    }
+
+    #[test]
+    fn each_related_claim_is_its_own_series() {
+        let claim = |name: &str| ObjectReference {
+            kind: Some("ResourceClaim".into()),
+            namespace: Some("ns".into()),
+            name: Some(name.into()),
+            uid: Some(format!("uid-{name}")),
+            ..Default::default()
+        };
+        let created = |related: Option<&ObjectReference>| {
+            SeriesKey::new(&pod("p"), related, EventType::Normal, Reason::ResourceClaimCreated)
+        };
+        let (left, right) = (claim("p-left-abcde"), claim("p-right-fghij"));
+        assert_ne!(created(Some(&left)), created(Some(&right)), "two claims of one pod");
+        assert_ne!(created(Some(&left)), created(None));
+        assert_eq!(created(Some(&left)), created(Some(&left.clone())), "a repeat about the same claim");
+        // A related object never collides with a regarding object of the same parts.
+        assert_ne!(
+            SeriesKey::new(&left, None, EventType::Normal, Reason::ResourceClaimCreated),
+            SeriesKey::new(&pod("p"), Some(&left), EventType::Normal, Reason::ResourceClaimCreated)
+        );
     }
 
     #[test]
     fn remembers_at_most_max_series() {
         let now = Timestamp::UNIX_EPOCH;
         let mut recent = RecentEvents::default();
-        let key = |i: usize| SeriesKey::new(&pod(&format!("p{i}")), EventType::Normal, Reason::ResourceClaimCreated);
+        let key =
+            |i: usize| SeriesKey::new(&pod(&format!("p{i}")), None, EventType::Normal, Reason::ResourceClaimCreated);
         for i in 0..MAX_SERIES + 10 {
             recent.expire(now);
             recent.insert(key(i), sent(&format!("p{i}.1"), now));

@@ -1,21 +1,40 @@
-//! Detecting another active ResourceClaim controller.
+//! Detecting another active ResourceClaim controller, on evidence a tenant cannot forge.
 //!
 //! kube-controller-manager runs its own `resourceclaim-controller` by default since 1.34. Two controllers that
-//! both create claims race: a pod gets two claims. The evidence is unambiguous: a claim generated for a pod
-//! (pod-claim-name annotation, a Pod as controlling owner), created after this controller started, by a field
-//! manager other than ours. On the first such claim this controller turns observe-only for the rest of its
-//! life: it creates, adopts, reserves and records nothing, and only removes unused duplicate claims. It says so
-//! in a Warning event, an error log line and the `gpu_dra_controller_observe_only` metric, with the fix.
+//! both create claims race: a pod gets two claims. Anyone who may create ResourceClaims can make a claim that
+//! *looks* generated (the pod-claim-name annotation, a Pod as controlling owner, any field manager name), so
+//! neither the claim nor its managed fields prove anything. What a tenant cannot write is a pod's
+//! **status**: `pods/status` is granted to the kubelet, the scheduler and controllers, never by the `edit` or
+//! `admin` roles, and a pod's status is reset when the pod is created. The evidence is therefore the pair:
+//!
+//! - a pod's `status.resourceClaimStatuses` records claim C for its pod claim N, and
+//! - C is owned by that pod (its UID), annotated with N, created by a field manager other than this controller's,
+//!   after this replica began to lead, and not adopted by this replica (adoption is the one way this controller
+//!   records a claim it did not create, and a tenant can make it adopt a forged claim).
+//!
+//! Only another writer of pod status that generates claims, i.e. another claim controller, produces that.
+//! "After this replica began to lead" keeps out claims that a previous leader adopted: with leader election
+//! the window opens [`CLOCK_SKEW`] after leadership began (a previous leader stopped writing before that);
+//! without it, [`CLOCK_SKEW`] before the process started, as claims of that age cannot be a predecessor's.
+//!
+//! On the first evidence the controller says so (a Warning event on the claim, an error log line with the fix,
+//! `gpu_dra_controller_another_claim_controller_detected` = 1). What it does then is the operator's explicit
+//! choice, `--on-another-claim-controller`: `warn` (default) keeps creating claims, pod by pod, and removes the
+//! unused duplicates either controller made; `observe-only` stops this controller from creating, adopting,
+//! reserving and recording anything cluster-wide for the rest of its life
+//! (`gpu_dra_controller_observe_only` = 1).
 
-use std::sync::OnceLock;
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock, PoisonError};
 
-use super::slim_claim::ResourceClaim;
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::ResourceExt;
 use tracing::error;
 
 use super::decide;
 use super::events::Reason;
+use super::slim_claim::ResourceClaim;
+use super::slim_pod::Pod;
 use super::{CLAIM_FIELD_MANAGER, Context};
 
 /// Clock skew tolerated between this process and the API server when comparing creation times.
@@ -24,91 +43,197 @@ const CLOCK_SKEW: SignedDuration = SignedDuration::from_secs(5);
 /// What the operator should do, repeated in the event, the log and the docs.
 pub const REMEDY: &str = "Run only one ResourceClaim controller: start kube-controller-manager with \
 --controllers=*,-resourceclaim-controller, or uninstall gpu-dra's controller (Helm value controller.enabled=false); \
-then restart gpu-dra's controller to leave observe-only mode";
+then restart gpu-dra's controller";
 
-/// The first claim found that another controller generated.
-#[derive(Debug, Clone)]
-pub struct Detection {
-    pub field_manager: String,
-    pub claim: String,
+/// What this controller does once it has evidence of another active claim controller
+/// (`--on-another-claim-controller`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnAnotherController {
+    /// Say so (event, log, metric) and keep creating claims; unused duplicate claims are removed.
+    #[default]
+    Warn,
+    /// Say so and stop creating, adopting, reserving and recording claims cluster-wide until restarted.
+    ObserveOnly,
 }
 
-/// Watches claims for evidence of another active claim controller.
+/// The first evidence found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Detection {
+    /// The manager that created the claim (for the log and the event; never a metric label).
+    pub field_manager: String,
+    /// `namespace/name` of the claim and of the pod whose status records it.
+    pub claim: String,
+    pub pod: String,
+}
+
+/// Watches pods and claims for evidence of another active claim controller.
 #[derive(Debug)]
 pub struct ForeignControllerDetector {
-    started: Timestamp,
+    mode: OnAnotherController,
+    /// Claims created from then on count; unset (nothing counts) until this replica leads.
+    since: OnceLock<Timestamp>,
     detection: OnceLock<Detection>,
+    /// UIDs of claims another manager created that this replica adopted: their record in the pod status is ours.
+    adopted: Mutex<Adopted>,
+}
+
+#[derive(Debug, Default)]
+struct Adopted {
+    uids: HashSet<String>,
+    /// Size after the last pruning; the set is pruned again when it has doubled.
+    pruned_at: usize,
 }
 
 impl ForeignControllerDetector {
-    pub fn new(started: Timestamp) -> Self {
-        Self { started, detection: OnceLock::new() }
+    pub fn new(mode: OnAnotherController) -> Self {
+        Self { mode, since: OnceLock::new(), detection: OnceLock::new(), adopted: Mutex::default() }
     }
 
+    /// Opens the evidence window when this replica starts to lead (`now`). `elected`: leadership came from an
+    /// election, so a previous leader may have written until shortly before.
+    pub fn start_leading(&self, now: Timestamp, elected: bool) {
+        let since = if elected { now + CLOCK_SKEW } else { now - CLOCK_SKEW };
+        let _ = self.since.set(since);
+    }
+
+    /// Whether this controller must leave claims alone: observe-only was chosen and another controller is active.
     pub fn observe_only(&self) -> bool {
-        self.detection.get().is_some()
+        self.mode == OnAnotherController::ObserveOnly && self.detection.get().is_some()
     }
 
     pub fn detection(&self) -> Option<&Detection> {
         self.detection.get()
     }
 
-    /// Checks one claim; on the first evidence switches to observe-only and tells the operator.
-    pub fn inspect(&self, ctx: &Context, claim: &ResourceClaim) {
-        let Some(field_manager) = foreign_creator(claim, self.started) else {
-            return;
-        };
-        ctx.metrics.foreign_claim_seen(&field_manager);
-        let detection = Detection {
-            field_manager,
-            claim: format!("{}/{}", claim.namespace().unwrap_or_default(), claim.name_any()),
-        };
-        if self.detection.set(detection.clone()).is_err() {
+    /// Records that this replica is about to record `claim`, which it did not create, in its pod's status.
+    /// Claims in `caches` no longer are forgotten from time to time, so the set holds at most the live claims.
+    pub fn adopting(&self, caches: &super::cache::Caches, claim: &ResourceClaim) {
+        if claim.writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
             return;
         }
-        ctx.metrics.set_observe_only(true);
-        error!(
-            claim = %detection.claim,
-            field_manager = %detection.field_manager,
-            "another ResourceClaim controller is active; gpu-dra controller is now OBSERVE-ONLY and creates no claims. {REMEDY}"
-        );
+        let Some(uid) = claim.metadata.uid.clone() else { return };
+        let mut adopted = self.adopted.lock().unwrap_or_else(PoisonError::into_inner);
+        adopted.uids.insert(uid);
+        if adopted.uids.len() >= (2 * adopted.pruned_at).max(64) {
+            let live: HashSet<String> = caches.claims.state().iter().filter_map(|c| c.metadata.uid.clone()).collect();
+            adopted.uids.retain(|uid| live.contains(uid));
+            adopted.pruned_at = adopted.uids.len();
+        }
+    }
+
+    /// Checks a claim from the claim watch against the pod it names as owner (from the cache).
+    pub fn inspect(&self, ctx: &Context, claim: &ResourceClaim) {
+        if self.detection.get().is_some() {
+            return;
+        }
+        let Some((pod_name, _)) = decide::owning_pod(claim) else { return };
+        let key = super::queue::ObjectKey::new(claim.namespace().unwrap_or_default(), pod_name);
+        if let Some(pod) = ctx.caches.pod(&key) {
+            self.check(ctx, &pod, claim);
+        }
+    }
+
+    /// Checks the claims a pod's status records (from the cache) against the pod from the pod watch.
+    pub fn inspect_pod(&self, ctx: &Context, pod: &Pod) {
+        if self.detection.get().is_some() || self.since.get().is_none() {
+            return;
+        }
+        let namespace = pod.namespace().unwrap_or_default();
+        let statuses = pod.status.as_ref().and_then(|s| s.resource_claim_statuses.as_deref()).unwrap_or_default();
+        for name in statuses.iter().filter_map(|s| s.resource_claim_name.as_deref()) {
+            if let Some(claim) = ctx.caches.claim(&namespace, name) {
+                self.check(ctx, pod, &claim);
+            }
+        }
+    }
+
+    fn check(&self, ctx: &Context, pod: &Pod, claim: &ResourceClaim) {
+        let Some(since) = self.since.get() else { return };
+        let Some(detection) = evidence(pod, claim, *since) else { return };
+        let adopted = claim
+            .metadata
+            .uid
+            .as_ref()
+            .is_some_and(|uid| self.adopted.lock().unwrap_or_else(PoisonError::into_inner).uids.contains(uid));
+        if adopted || self.detection.set(detection.clone()).is_err() {
+            return;
+        }
+        ctx.metrics.set_another_controller_detected(true);
+        let consequence = match self.mode {
+            OnAnotherController::ObserveOnly => {
+                ctx.metrics.set_observe_only(true);
+                error!(
+                    claim = %detection.claim, pod = %detection.pod, field_manager = %detection.field_manager,
+                    "another ResourceClaim controller is active; gpu-dra controller is now OBSERVE-ONLY and creates \
+                     no claims. {REMEDY}"
+                );
+                "gpu-dra controller now only observes (--on-another-claim-controller=observe-only)"
+            }
+            OnAnotherController::Warn => {
+                error!(
+                    claim = %detection.claim, pod = %detection.pod, field_manager = %detection.field_manager,
+                    "another ResourceClaim controller is active; both create claims and pods can get duplicates \
+                     (removed once unused). {REMEDY}, or start gpu-dra with --on-another-claim-controller=observe-only"
+                );
+                "gpu-dra controller keeps creating claims and removes unused duplicates \
+                 (--on-another-claim-controller=warn)"
+            }
+        };
         let note = format!(
-            "ResourceClaim {} was generated by field manager {:?}, another active ResourceClaim controller. \
-             gpu-dra controller now only observes. {REMEDY}.",
-            detection.claim, detection.field_manager
+            "Pod {} records ResourceClaim {}, which field manager {:?} created: another ResourceClaim controller is \
+             active. {consequence}. {REMEDY}.",
+            detection.pod, detection.claim, detection.field_manager
         );
         ctx.events.claim_warning(claim, Reason::AnotherClaimControllerActive, note);
     }
 }
 
-/// The field manager that created `claim`, when it is a pod's generated claim created after `since` by someone
-/// other than this controller.
-pub fn foreign_creator(claim: &ResourceClaim, since: Timestamp) -> Option<String> {
-    decide::owning_pod(claim)?;
-    decide::pod_claim_name_annotation(claim)?;
-    let created = claim.metadata.creation_timestamp.as_ref()?.0;
-    if created < since - CLOCK_SKEW {
+/// The evidence `pod` and `claim` give of another claim controller (see the module docs), adoption aside: the
+/// pod's status records the claim for the pod claim it is annotated with, the claim is the pod's (UID), and it
+/// was created at or after `since` by a manager other than this controller.
+pub fn evidence(pod: &Pod, claim: &ResourceClaim, since: Timestamp) -> Option<Detection> {
+    if !decide::is_owned_by(claim, pod) {
         return None;
     }
-    // The writers of the object itself (not its status); the creator is among them.
-    let writers = &claim.writers;
-    if writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
+    let pod_claim = decide::pod_claim_name_annotation(claim)?;
+    let name = claim.name_any();
+    if decide::recorded_claim(pod, pod_claim) != Some(name.as_str()) {
         return None;
     }
-    writers.first().cloned()
+    if claim.metadata.creation_timestamp.as_ref()?.0 < since {
+        return None;
+    }
+    if claim.writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
+        return None;
+    }
+    let namespace = claim.namespace().unwrap_or_default();
+    Some(Detection {
+        field_manager: claim.writers.first().cloned().unwrap_or_default(),
+        claim: format!("{namespace}/{name}"),
+        pod: format!("{namespace}/{}", pod.name_any()),
+    })
+}
+
+/// A bounded label for a field manager: kube-controller-manager's name or `other`. Any manager name can be
+/// chosen by whoever writes, so the name itself never becomes a label value.
+pub fn manager_label(field_manager: &str) -> &'static str {
+    if field_manager == "kube-controller-manager" { "kube-controller-manager" } else { "other" }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
-    fn claim(manager: &str, created: &str, annotated: bool) -> ResourceClaim {
-        let annotations = if annotated { json!({decide::POD_CLAIM_NAME_ANNOTATION: "gpu"}) } else { json!({}) };
+    const SINCE: &str = "2026-12-01T10:00:00Z";
+    const FRESH: &str = "2026-12-01T10:00:01Z";
+
+    fn claim(manager: &str, created: &str, owner_uid: &str) -> ResourceClaim {
         serde_json::from_value(json!({
             "metadata": {
-                "name": "c", "namespace": "ns", "creationTimestamp": created, "annotations": annotations,
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u", "controller": true}],
+                "name": "p-gpu-abcde", "namespace": "ns", "uid": "claim-uid", "creationTimestamp": created,
+                "annotations": {decide::POD_CLAIM_NAME_ANNOTATION: "gpu"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": owner_uid, "controller": true}],
                 "managedFields": [
                     {"manager": manager, "operation": "Update", "apiVersion": "resource.k8s.io/v1"},
                     {"manager": "kube-scheduler", "operation": "Update", "apiVersion": "resource.k8s.io/v1", "subresource": "status"}
@@ -119,24 +244,52 @@ mod tests {
         .expect("claim")
     }
 
+    fn pod(recorded: Value) -> Pod {
+        serde_json::from_value(json!({
+            "metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"},
+            "spec": {"containers": [], "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+            "status": {"resourceClaimStatuses": recorded}
+        }))
+        .expect("pod")
+    }
+
     #[test]
-    fn only_fresh_generated_claims_of_other_managers_count() {
-        let since: Timestamp = "2026-12-01T10:00:00Z".parse().expect("ts");
-        let fresh = "2026-12-01T10:00:01Z";
-        assert_eq!(
-            foreign_creator(&claim("kube-controller-manager", fresh, true), since).as_deref(),
-            Some("kube-controller-manager")
-        );
-        assert_eq!(foreign_creator(&claim(CLAIM_FIELD_MANAGER, fresh, true), since), None, "our own claims");
-        assert_eq!(
-            foreign_creator(&claim("kube-controller-manager", "2026-12-01T09:00:00Z", true), since),
-            None,
-            "claims from before we started"
-        );
-        assert_eq!(
-            foreign_creator(&claim("kubectl-create", fresh, false), since),
-            None,
-            "user claims without the annotation"
-        );
+    fn only_a_recorded_fresh_claim_of_the_pod_by_another_manager_is_evidence() {
+        let since: Timestamp = SINCE.parse().expect("ts");
+        let recorded = pod(json!([{"name": "gpu", "resourceClaimName": "p-gpu-abcde"}]));
+        let kcm = claim("kube-controller-manager", FRESH, "pod-uid");
+        let found = evidence(&recorded, &kcm, since).expect("evidence");
+        assert_eq!((found.field_manager.as_str(), found.claim.as_str()), ("kube-controller-manager", "ns/p-gpu-abcde"));
+
+        let cases = [
+            (pod(json!([])), kcm.clone(), "not recorded: anyone can create such a claim"),
+            (pod(json!([{"name": "gpu", "resourceClaimName": "other"}])), kcm.clone(), "the status records another"),
+            (recorded.clone(), claim("kube-controller-manager", FRESH, "forged-uid"), "owner UID of no such pod"),
+            (recorded.clone(), claim(CLAIM_FIELD_MANAGER, FRESH, "pod-uid"), "our own claim"),
+            (recorded.clone(), claim("kube-controller-manager", "2026-12-01T09:59:59Z", "pod-uid"), "before since"),
+        ];
+        for (pod, claim, why) in cases {
+            assert_eq!(evidence(&pod, &claim, since), None, "{why}");
+        }
+    }
+
+    #[test]
+    fn the_window_opens_after_an_elected_leadership_began() {
+        let now: Timestamp = SINCE.parse().expect("ts");
+        let elected = ForeignControllerDetector::new(OnAnotherController::Warn);
+        elected.start_leading(now, true);
+        assert_eq!(elected.since.get().copied(), Some(now + CLOCK_SKEW));
+        let single = ForeignControllerDetector::new(OnAnotherController::Warn);
+        single.start_leading(now, false);
+        assert_eq!(single.since.get().copied(), Some(now - CLOCK_SKEW));
+        assert!(!single.observe_only(), "nothing detected yet");
+    }
+
+    #[test]
+    fn manager_labels_are_bounded() {
+        assert_eq!(manager_label("kube-controller-manager"), "kube-controller-manager");
+        for forged in ["tenant-1", "", "kube-controller-manager ", "x".repeat(300).as_str()] {
+            assert_eq!(manager_label(forged), "other");
+        }
     }
 }

@@ -15,7 +15,8 @@
 //! - one claim per pod claim: claims it created are remembered until the watch shows them ([`cache`]), orphans
 //!   of a crashed instance are adopted, and duplicates another controller made are removed once unused;
 //! - only the leader writes; a replica that loses the Lease exits ([`crate::leader`]);
-//! - beside another active claim controller it turns observe-only ([`foreign`]).
+//! - beside another active claim controller (evidence a tenant cannot forge) it warns, and turns observe-only
+//!   when started with `--on-another-claim-controller=observe-only` ([`foreign`]).
 
 /// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API, watcher
 /// and reflector, exactly like the full k8s-openapi type it reduces.
@@ -146,7 +147,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         queue: queue.clone(),
         metrics: ControllerMetrics::register(&mut registry, caches.clone(), queue.clone(), events.clone()),
         events,
-        foreign: ForeignControllerDetector::new(Timestamp::now()),
+        foreign: ForeignControllerDetector::new(args.on_another_claim_controller),
     });
 
     let readiness = Readiness::not_ready("informer caches have not synced");
@@ -203,6 +204,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
                 readiness.set(Ok(()));
                 if workers.is_empty() {
                     ctx.metrics.set_leader(true);
+                    ctx.foreign.start_leading(Timestamp::now(), args.leader_elect);
                     info!(workers = args.workers, "leading: starting workers");
                     workers = (0..args.workers).map(|_| tokio::spawn(worker(ctx.clone()))).collect();
                 }

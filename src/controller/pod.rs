@@ -108,9 +108,10 @@ async fn handle_claim(
     }
     if let Some(orphan) = ctx.caches.orphan_for(pod, &pod_claim.name) {
         let name = orphan.name_any();
+        ctx.foreign.adopting(&ctx.caches, &orphan);
         info!(claim = %name, pod_claim = %pod_claim.name, "adopting claim generated earlier for this pod");
         let note = format!("Adopted ResourceClaim {name} (from template {template}) for pod claim {}", pod_claim.name);
-        ctx.events.pod_normal(pod, Reason::ResourceClaimAdopted, note);
+        ctx.events.pod_claim_normal(pod, &orphan, Reason::ResourceClaimAdopted, note);
         return Ok(Outcome::Record(name));
     }
     let claim = create_claim(ctx, pod, &pod_claim.name, template).await?;
@@ -176,7 +177,7 @@ async fn create_claim(
     info!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
     let note =
         format!("Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}", created.name_any());
-    ctx.events.pod_normal(pod, Reason::ResourceClaimCreated, note);
+    ctx.events.pod_claim_normal(pod, &created, Reason::ResourceClaimCreated, note);
     Ok(created)
 }
 

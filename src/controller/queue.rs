@@ -5,12 +5,18 @@
 //! - a key queued twice is processed once;
 //! - a key added while it is being processed is processed again afterwards, never concurrently;
 //! - `retry` re-adds a key after 5 ms × 2^(failures−1), capped at 1,000 s; `forget` resets its failure count.
+//!
+//! It measures itself as client-go's queue does for kube-controller-manager's `workqueue_*` metrics
+//! ([`QueueMetrics`]): adds of keys not already waiting, retries (every delayed add), the time from the first add
+//! to the hand-out, the time from hand-out to `done`, and what is being processed right now.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::Notify;
 
 /// First retry delay: small, so a conflict right after a write is retried at once.
@@ -53,12 +59,53 @@ impl fmt::Display for WorkKey {
     }
 }
 
+/// The queue's counters and histograms, shared with the metrics registry (clones count on the same values).
+#[derive(Clone, Debug)]
+pub struct QueueMetrics {
+    /// Adds of keys that were not waiting already.
+    pub adds: Counter,
+    /// Delayed adds: retries after a failure and planned second looks (client-go counts every `AddAfter`).
+    pub retries: Counter,
+    /// Seconds from a key's first add to its hand-out to a worker.
+    pub queue_duration: Histogram,
+    /// Seconds from hand-out to `done`.
+    pub work_duration: Histogram,
+}
+
+impl Default for QueueMetrics {
+    fn default() -> Self {
+        Self {
+            adds: Counter::default(),
+            retries: Counter::default(),
+            queue_duration: Histogram::new(duration_buckets()),
+            work_duration: Histogram::new(duration_buckets()),
+        }
+    }
+}
+
+/// client-go's work-queue buckets, `ExponentialBuckets(10e-9, 10, 10)`: 10 ns to 10 s, computed the same way
+/// (each bucket the previous one times 10), so the bounds are the same floating-point numbers.
+pub fn duration_buckets() -> impl Iterator<Item = f64> {
+    std::iter::successors(Some(10e-9_f64), |bound| Some(bound * 10.0)).take(10)
+}
+
+/// What is being processed right now, for the `unfinished_work` and `longest_running_processor` gauges.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct InProgress {
+    /// Seconds all keys being processed have been processed so far, summed.
+    pub total_seconds: f64,
+    /// Seconds the longest-running key has been processed.
+    pub longest_seconds: f64,
+}
+
 #[derive(Default)]
 struct State {
     queue: VecDeque<WorkKey>,
-    /// Keys waiting to be processed (in `queue`, or to be re-queued when their processing ends).
-    dirty: HashSet<WorkKey>,
-    processing: HashSet<WorkKey>,
+    /// Keys waiting to be processed (in `queue`, or to be re-queued when their processing ends), with the time
+    /// of their first add.
+    dirty: HashMap<WorkKey, Instant>,
+    /// Keys being processed, with the time they were handed out.
+    processing: HashMap<WorkKey, Instant>,
     failures: HashMap<WorkKey, u32>,
     shut_down: bool,
 }
@@ -68,6 +115,7 @@ struct State {
 pub struct WorkQueue {
     state: Arc<Mutex<State>>,
     ready: Arc<Notify>,
+    metrics: QueueMetrics,
 }
 
 impl fmt::Debug for WorkQueue {
@@ -86,13 +134,20 @@ impl WorkQueue {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// The queue's counters and histograms.
+    pub fn metrics(&self) -> &QueueMetrics {
+        &self.metrics
+    }
+
     /// Queues `key` unless it is already waiting.
     pub fn add(&self, key: WorkKey) {
         let mut state = self.lock();
-        if state.shut_down || !state.dirty.insert(key.clone()) {
+        if state.shut_down || state.dirty.contains_key(&key) {
             return;
         }
-        if !state.processing.contains(&key) {
+        state.dirty.insert(key.clone(), Instant::now());
+        self.metrics.adds.inc();
+        if !state.processing.contains_key(&key) {
             state.queue.push_back(key);
             drop(state);
             self.ready.notify_one();
@@ -109,8 +164,11 @@ impl WorkQueue {
                     return None;
                 }
                 if let Some(key) = state.queue.pop_front() {
-                    state.dirty.remove(&key);
-                    state.processing.insert(key.clone());
+                    let now = Instant::now();
+                    if let Some(added) = state.dirty.remove(&key) {
+                        self.metrics.queue_duration.observe(now.duration_since(added).as_secs_f64());
+                    }
+                    state.processing.insert(key.clone(), now);
                     if !state.queue.is_empty() {
                         self.ready.notify_one();
                     }
@@ -124,8 +182,10 @@ impl WorkQueue {
     /// Marks the processing of `key` finished; a key added meanwhile is queued again.
     pub fn done(&self, key: &WorkKey) {
         let mut state = self.lock();
-        state.processing.remove(key);
-        if state.dirty.contains(key) {
+        if let Some(started) = state.processing.remove(key) {
+            self.metrics.work_duration.observe(started.elapsed().as_secs_f64());
+        }
+        if state.dirty.contains_key(key) {
             state.queue.push_back(key.clone());
             drop(state);
             self.ready.notify_one();
@@ -151,6 +211,10 @@ impl WorkQueue {
 
     /// Adds `key` after `delay` (a planned second look, not a failure: the back-off is untouched).
     pub fn add_after(&self, key: WorkKey, delay: Duration) {
+        if self.lock().shut_down {
+            return;
+        }
+        self.metrics.retries.inc();
         let queue = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(delay).await;
@@ -161,6 +225,21 @@ impl WorkQueue {
     /// Keys waiting to be processed.
     pub fn depth(&self) -> usize {
         self.lock().queue.len()
+    }
+
+    /// Keys added and not handed out yet, those waiting for their current processing to end included: client-go's
+    /// `workqueue_depth` (adds minus hand-outs).
+    pub fn waiting(&self) -> usize {
+        self.lock().dirty.len()
+    }
+
+    /// How long the keys being processed have been processed, now.
+    pub fn in_progress(&self) -> InProgress {
+        let now = Instant::now();
+        self.lock().processing.values().fold(InProgress::default(), |acc, started| {
+            let seconds = now.duration_since(*started).as_secs_f64();
+            InProgress { total_seconds: acc.total_seconds + seconds, longest_seconds: acc.longest_seconds.max(seconds) }
+        })
     }
 
     /// Stops handing out keys; waiting workers get `None`.
@@ -215,6 +294,35 @@ mod tests {
         queue.done(&pod("a"));
         assert_eq!(queue.depth(), 1);
         assert_eq!(queue.next().await, key);
+    }
+
+    #[tokio::test]
+    async fn counts_what_client_go_counts() {
+        let queue = WorkQueue::new();
+        queue.add(pod("a"));
+        queue.add(pod("a"));
+        assert_eq!((queue.metrics().adds.get(), queue.waiting()), (1, 1), "a waiting key is not added twice");
+        let key = queue.next().await.expect("key");
+        assert_eq!(queue.waiting(), 0);
+        queue.add(pod("a"));
+        assert_eq!((queue.metrics().adds.get(), queue.waiting()), (2, 1), "added again while processing");
+        std::thread::sleep(Duration::from_millis(5));
+        let in_progress = queue.in_progress();
+        assert!(in_progress.longest_seconds >= 0.005, "{in_progress:?}");
+        assert!(in_progress.total_seconds >= in_progress.longest_seconds, "{in_progress:?}");
+        queue.done(&key);
+        assert_eq!(queue.in_progress(), InProgress::default(), "nothing in progress after done");
+        queue.retry(pod("b"));
+        assert_eq!(queue.metrics().retries.get(), 1);
+    }
+
+    #[test]
+    fn buckets_are_client_go_s() {
+        let buckets: Vec<f64> = duration_buckets().collect();
+        assert_eq!(buckets.len(), 10);
+        assert_eq!(buckets[0], 1e-8);
+        // Go: next *= 10, starting at 10e-9; the last bound is 10 s (to the last bit, as computed there).
+        assert!((buckets[9] - 10.0).abs() < 1e-12, "{buckets:?}");
     }
 
     #[tokio::test]

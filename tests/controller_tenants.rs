@@ -1,0 +1,183 @@
+//! `gpu-dra controller` watching the whole cluster, with a hostile tenant beside a victim namespace. The tenant has
+//! what the `edit` role grants (pods, claims and templates of its own namespace; no `pods/status`) and forges
+//! every kind of "another claim controller is here" claim it can. None of it may stop claims being created for
+//! pods in another namespace, and none of the names it chose may reach a metric label.
+//!
+//! One test in this binary: its controller acts on every namespace, so it must not share the cluster with
+//! tests that run controllers of their own.
+
+mod support;
+
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Client, ResourceExt};
+use serde_json::{Value, json};
+use support::objects::{claim_statuses, one_gpu, template_resource};
+use support::process::{Component, sample};
+use support::{TestContext, wait};
+
+const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
+const SETTLE: Duration = Duration::from_secs(30);
+
+fn main() {
+    support::run("controller_tenants", &[test!(a_tenants_forged_claims_stop_no_claim_elsewhere)])
+}
+
+async fn a_tenants_forged_claims_stop_no_claim_elsewhere(ctx: TestContext) -> anyhow::Result<()> {
+    let tenant_ns = ctx.namespace.clone();
+    let victim_ns = support::unique_name("victim");
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    namespaces
+        .create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": victim_ns}}))?)
+        .await?;
+    let result = run_tenant_scenario(&ctx, &tenant_ns, &victim_ns).await;
+    let _ = namespaces.delete(&victim_ns, &DeleteParams::default()).await;
+    result
+}
+
+async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str) -> anyhow::Result<()> {
+    // The strictest setting an operator can choose: even with the cluster-wide switch allowed, only evidence a
+    // tenant cannot forge may turn it on.
+    let args = ["controller", "--leader-elect=false", "--on-another-claim-controller=observe-only"];
+    let controller = Component::start(&ctx.cluster.kubeconfig(), tenant_ns, &args)?;
+    controller.wait_ready().await?;
+
+    let tenant = tenant_client(ctx).await?;
+    let tenant_claims: Api<ResourceClaim> = Api::namespaced(tenant.clone(), tenant_ns);
+
+    // 1. The forgery of the report: annotated claims whose controlling owner is a Pod that does not exist, one
+    //    written as kube-controller-manager and ten under invented field-manager names.
+    for i in 0..11 {
+        let manager = if i == 0 { "kube-controller-manager".to_string() } else { format!("tenant-manager-{i}") };
+        let owner = json!({"name": format!("ghost-{i}"), "uid": format!("00000000-0000-0000-0000-{i:012}")});
+        forge_claim(&tenant_claims, &format!("ghost-{i}-gpu"), &owner, &manager).await?;
+    }
+    victim_pod_gets_its_claim(ctx, &controller, victim_ns, "after-ghosts").await?;
+
+    // 2. Forged evidence through the controller itself: a real pod of the tenant whose template does not exist
+    //    (so no claim is created for it), and a claim the tenant made for it, which the controller adopts and
+    //    records in the pod's status: a pod status naming a claim another manager created, written by gpu-dra.
+    let pod = tenant_pod(&tenant, tenant_ns, "bait").await?;
+    let owner = json!({"name": "bait", "uid": pod.uid().context("pod without uid")?});
+    forge_claim(&tenant_claims, "bait-gpu-forged", &owner, "kube-controller-manager").await?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), tenant_ns);
+    wait::until("the forged claim of the tenant's pod to be adopted", SETTLE, || async {
+        let recorded = claim_statuses(&pods.get("bait").await?);
+        Ok((recorded.first().and_then(|r| r.1.as_deref()) == Some("bait-gpu-forged")).then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    // The premise: the tenant cannot write a pod status itself.
+    let tenant_pods: Api<Pod> = Api::namespaced(tenant.clone(), tenant_ns);
+    let status = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "ghost-1-gpu"}]}});
+    match tenant_pods.patch_status("bait", &PatchParams::default(), &Patch::Merge(&status)).await {
+        Err(kube::Error::Api(err)) if err.code == 403 => {}
+        other => anyhow::bail!("the tenant could write pods/status: {other:?}"),
+    }
+    victim_pod_gets_its_claim(ctx, &controller, victim_ns, "after-adoption").await?;
+
+    let (_, body) = controller.get("/metrics").await?;
+    for (metric, value) in
+        [("gpu_dra_controller_observe_only", 0.0), ("gpu_dra_controller_another_claim_controller_detected", 0.0)]
+    {
+        ensure!(sample(&body, metric, &[]) == Some(value), "{metric} is not {value}:\n{}", controller.log_tail());
+    }
+    ensure!(!body.contains("tenant-manager"), "a field-manager name the tenant chose is a label value:\n{body}");
+    // Bounded: kube-controller-manager or other, whatever the tenant wrote (the garbage collector removes the
+    // claims of pods that never existed meanwhile, so only the adopted one is sure to be counted).
+    let foreign_lines: Vec<&str> =
+        body.lines().filter(|l| l.starts_with("gpu_dra_controller_foreign_claims{")).collect();
+    ensure!(
+        foreign_lines
+            .iter()
+            .all(|l| l.contains("field_manager=\"kube-controller-manager\"") || l.contains("field_manager=\"other\"")),
+        "{foreign_lines:?}"
+    );
+    let adopted = sample(&body, "gpu_dra_controller_foreign_claims", &[("field_manager", "kube-controller-manager")]);
+    ensure!(adopted.is_some_and(|n| n >= 1.0), "the adopted forged claim is not counted: {foreign_lines:?}");
+    let log = controller.log_text();
+    ensure!(!log.contains("OBSERVE-ONLY"), "turned observe-only:\n{}", controller.log_tail());
+    Ok(())
+}
+
+/// A claim that looks generated for a pod: the pod-claim-name annotation and a Pod as controlling owner, created
+/// under `manager`'s name.
+async fn forge_claim(api: &Api<ResourceClaim>, name: &str, owner: &Value, manager: &str) -> anyhow::Result<()> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {
+            "name": name,
+            "annotations": {ANNOTATION: "gpu"},
+            "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": owner["name"], "uid": owner["uid"], "controller": true}]
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": support::objects::CLASS}}]}}
+    }))?;
+    let params = PostParams { field_manager: Some(manager.to_string()), ..Default::default() };
+    api.create(&params, &claim).await.with_context(|| format!("the tenant creates claim {name}"))?;
+    Ok(())
+}
+
+/// A pod of the tenant with one template claim whose template does not exist.
+async fn tenant_pod(tenant: &Client, namespace: &str, name: &str) -> anyhow::Result<Pod> {
+    Ok(Api::namespaced(tenant.clone(), namespace).create(&PostParams::default(), &pod(name, "not-yet")?).await?)
+}
+
+/// A pod, kept away from the scheduler, with one pod claim `gpu` from `template`.
+fn pod(name: &str, template: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10", "resources": {"claims": [{"name": "gpu"}]}}],
+            "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": template}],
+            "nodeSelector": {"gpu-dra.dev/test-no-node": "true"}
+        }
+    }))?)
+}
+
+/// A pod in the victim's namespace gets a claim created by gpu-dra's controller, recorded in its status.
+async fn victim_pod_gets_its_claim(
+    ctx: &TestContext,
+    controller: &Component,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<()> {
+    let templates =
+        Api::<kube::api::DynamicObject>::namespaced_with(ctx.client.clone(), namespace, &template_resource());
+    if templates.get_opt("one-gpu").await?.is_none() {
+        let template: kube::api::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "one-gpu"}, "spec": one_gpu()
+        }))?;
+        templates.create(&PostParams::default(), &template).await?;
+    }
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), namespace);
+    pods.create(&PostParams::default(), &pod(name, "one-gpu")?).await?;
+    let claim = wait::until(&format!("victim pod {name} to record its claim"), SETTLE, || async {
+        Ok(claim_statuses(&pods.get(name).await?).first().and_then(|s| s.1.clone()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(&claim).await?;
+    let managers: Vec<String> = claim.managed_fields().iter().filter_map(|m| m.manager.clone()).collect();
+    ensure!(managers.iter().any(|m| m == "gpu-dra-controller"), "claim {} written by {managers:?}", claim.name_any());
+    Ok(())
+}
+
+/// A client with the rights of a tenant in the test namespace: the parts of the `edit` role this test uses
+/// (pods, claims and templates), and, like `edit`, no `pods/status`.
+async fn tenant_client(ctx: &TestContext) -> anyhow::Result<Client> {
+    let rules = json!([
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["create", "delete", "get", "list", "watch", "patch", "update"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims", "resourceclaimtemplates"],
+         "verbs": ["create", "delete", "get", "list", "watch", "patch", "update"]}
+    ]);
+    let token = support::objects::service_account_with_rules(ctx, "tenant", rules).await?;
+    let path = ctx.cluster.kubeconfig_for_token(&format!("{}-tenant", ctx.namespace), &token)?;
+    let config =
+        kube::Config::from_custom_kubeconfig(Kubeconfig::read_from(path)?, &KubeConfigOptions::default()).await?;
+    Ok(Client::try_from(config)?)
+}
