@@ -56,19 +56,7 @@ const CLIENTS: [Client; 6] = [
 /// The interpreter of the grpc-python environment `e2e/build-grpc-python.sh` keeps in the cache.
 fn python() -> anyhow::Result<PathBuf> {
     static PYTHON: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    PYTHON
-        .get_or_init(|| {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/build-grpc-python.sh");
-            let output =
-                std::process::Command::new(script).stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
-            let stdout = String::from_utf8_lossy(&output.stdout);
-            match stdout.lines().last() {
-                Some(path) if output.status.success() => Ok(PathBuf::from(path.trim())),
-                _ => Err(format!("{script} failed ({})", output.status)),
-            }
-        })
-        .clone()
-        .map_err(anyhow::Error::msg)
+    support::harness::build_once(&PYTHON, "build-grpc-python.sh")
 }
 
 impl Client {
