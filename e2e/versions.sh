@@ -16,3 +16,5 @@ staging_replaces() {
 }
 HADOLINT_VERSION=${HADOLINT_VERSION:-2.15.1}
 HADOLINT_DIR="$GPU_DRA_CACHE/hadolint-$HADOLINT_VERSION"
+# grpc-python, one of the gRPC clients the plugin's sockets are tested against (e2e/build-grpc-python.sh).
+GRPCIO_VERSION=${GRPCIO_VERSION:-1.85.1}

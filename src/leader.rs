@@ -6,23 +6,31 @@
 //! - Every write carries the Lease's resourceVersion, so two candidates can never both win: the loser gets a
 //!   conflict.
 //! - A leader that cannot renew within `renew_deadline` stops leading and [`LeaderElector::run`] returns an error:
-//!   the component exits instead of writing without the Lease (its replacement takes over).
+//!   the component exits instead of writing without the Lease (its replacement takes over). The deadline counts
+//!   from the start of the last successful renewal and bounds every attempt, so a request that hangs (an API
+//!   server that stops answering) cannot keep a replica leading past it: with `renew_deadline < lease_duration`
+//!   the leader has stopped before any other candidate can see the Lease expire. Like client-go's `renew`, whose
+//!   attempts share one context that times out at the renew deadline; we count from the start of the last
+//!   renewal rather than one retry period after it, which only ever stops earlier.
+//! - A candidate's attempt is bounded by `renew_deadline` too (kube-controller-manager gives its election client
+//!   that timeout), so a hung request never delays the next try by the client's five-minute read timeout.
 //! - On shutdown a leader releases the Lease, so a successor takes over at once instead of after a lease duration.
 //!
 //! ```text
 //!   Unknown ──first attempt──▶ Leader ◀──acquire── Follower
-//!                                 │ renew fails past renew_deadline
+//!                                 │ no renewal within renew_deadline (failed, refused or unanswered)
 //!                                 ▼
 //!                           run() returns Err(LostLease)
 //! ```
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
 use k8s_openapi::jiff::Timestamp;
 use kube::api::{Api, ObjectMeta, PostParams};
 use tokio::sync::watch;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -42,6 +50,20 @@ pub enum LeaderError {
         "lost the lease {lease}: could not renew it within {deadline:?}; stopping so that no write happens without it"
     )]
     LostLease { lease: String, deadline: Duration },
+    #[error(
+        "leader election timing: {0}; choose --leader-elect-lease-duration > --leader-elect-renew-deadline > \
+         1.2 × --leader-elect-retry-period > 0 (defaults 15s, 10s, 2s)"
+    )]
+    Timing(&'static str),
+}
+
+/// Why one attempt did not end with an answer.
+#[derive(Debug, thiserror::Error)]
+enum AttemptError {
+    #[error(transparent)]
+    Api(#[from] kube::Error),
+    #[error("no answer from the API server before the attempt's deadline ({0:?} after it started)")]
+    TimedOut(Duration),
 }
 
 /// Timing of the election, as client-go's defaults unless configured.
@@ -53,6 +75,24 @@ pub struct Timing {
     pub renew_deadline: Duration,
     /// Pause between attempts.
     pub retry_period: Duration,
+}
+
+impl Timing {
+    /// client-go's rules: a leader must have given up before its Lease can expire for others
+    /// (`renew_deadline < lease_duration`: the safety of the whole scheme), and have time for more than one
+    /// attempt before it gives up.
+    pub fn validate(&self) -> Result<(), LeaderError> {
+        if self.retry_period.is_zero() {
+            return Err(LeaderError::Timing("the retry period must be positive"));
+        }
+        if self.lease_duration <= self.renew_deadline {
+            return Err(LeaderError::Timing("the lease duration must be longer than the renew deadline"));
+        }
+        if self.renew_deadline <= self.retry_period.mul_f64(1.2) {
+            return Err(LeaderError::Timing("the renew deadline must be longer than 1.2 retry periods"));
+        }
+        Ok(())
+    }
 }
 
 impl Default for Timing {
@@ -83,12 +123,21 @@ impl LeaderElector {
 
     /// Contends until `stop` is cancelled, publishing the role to `role`. Returns an error when leadership is lost.
     pub async fn run(mut self, role: watch::Sender<Role>, stop: CancellationToken) -> Result<(), LeaderError> {
-        let mut last_renewed: Option<Instant> = None;
+        // While leading: the start of the last successful renewal. The renew deadline counts from there.
+        let mut renewed_at: Option<Instant> = None;
         loop {
             let leading = *role.borrow() == Role::Leader;
-            match self.try_acquire_or_renew().await {
+            let started = Instant::now();
+            let deadline = match renewed_at {
+                Some(renewed) if leading => renewed + self.timing.renew_deadline,
+                _ => started + self.timing.renew_deadline,
+            };
+            let outcome = tokio::time::timeout_at(deadline, self.try_acquire_or_renew())
+                .await
+                .unwrap_or_else(|_| Err(AttemptError::TimedOut(started.elapsed())));
+            match outcome {
                 Ok(true) => {
-                    last_renewed = Some(Instant::now());
+                    renewed_at = Some(started);
                     if !leading {
                         info!(lease = %self.lease, identity = %self.identity, "became leader");
                     }
@@ -104,7 +153,7 @@ impl LeaderElector {
                 }
                 Err(err) => {
                     warn!(lease = %self.lease, error = %err, "lease attempt failed");
-                    if leading && last_renewed.is_some_and(|t| t.elapsed() > self.timing.renew_deadline) {
+                    if leading && Instant::now() >= deadline {
                         role.send_replace(Role::Follower);
                         return Err(self.lost());
                     }
@@ -113,9 +162,16 @@ impl LeaderElector {
                     }
                 }
             }
+            // A leader never sleeps past its deadline: its last attempt starts there and gives up at once.
+            let mut next = Instant::now() + self.timing.retry_period;
+            if *role.borrow() == Role::Leader
+                && let Some(renewed) = renewed_at
+            {
+                next = next.min(renewed + self.timing.renew_deadline);
+            }
             tokio::select! {
                 () = stop.cancelled() => break,
-                () = tokio::time::sleep(self.timing.retry_period) => {}
+                () = tokio::time::sleep_until(next) => {}
             }
         }
         if *role.borrow() == Role::Leader {
@@ -130,7 +186,7 @@ impl LeaderElector {
     }
 
     /// One attempt: `Ok(true)` when this replica holds the Lease afterwards.
-    async fn try_acquire_or_renew(&mut self) -> Result<bool, kube::Error> {
+    async fn try_acquire_or_renew(&mut self) -> Result<bool, AttemptError> {
         let now = MicroTime(Timestamp::now());
         let Some(mut lease) = self.api.get_opt(&self.lease).await? else {
             let lease = Lease {
@@ -140,7 +196,7 @@ impl LeaderElector {
             return match self.api.create(&PostParams::default(), &lease).await {
                 Ok(_) => Ok(true),
                 Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
-                Err(err) => Err(err),
+                Err(err) => Err(err.into()),
             };
         };
         let spec = lease.spec.clone().unwrap_or_default();
@@ -169,7 +225,7 @@ impl LeaderElector {
         match self.api.replace(&self.lease, &PostParams::default(), &lease).await {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(status)) if status.code == 409 => Ok(false),
-            Err(err) => Err(err),
+            Err(err) => Err(err.into()),
         }
     }
 
@@ -184,9 +240,10 @@ impl LeaderElector {
         }
     }
 
-    /// Gives the Lease up so that a successor need not wait for it to expire.
+    /// Gives the Lease up so that a successor need not wait for it to expire; bounded like an attempt, so a hung
+    /// API server cannot hold up shutdown.
     async fn release(&self) {
-        let result = async {
+        let release = async {
             let mut lease = self.api.get(&self.lease).await?;
             let Some(spec) = lease.spec.as_mut() else {
                 return Ok(());
@@ -197,14 +254,39 @@ impl LeaderElector {
             spec.holder_identity = None;
             spec.lease_duration_seconds = Some(1);
             spec.renew_time = Some(MicroTime(Timestamp::now()));
-            self.api.replace(&self.lease, &PostParams::default(), &lease).await.map(drop)
-        }
-        .await;
+            self.api.replace(&self.lease, &PostParams::default(), &lease).await.map(drop).map_err(AttemptError::from)
+        };
+        let result = tokio::time::timeout(self.timing.renew_deadline, release)
+            .await
+            .unwrap_or(Err(AttemptError::TimedOut(self.timing.renew_deadline)));
         match result {
             Ok(()) => info!(lease = %self.lease, "released the lease"),
             Err(err) => {
                 warn!(lease = %self.lease, error = %err, "could not release the lease; it expires by itself")
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_is_validated_like_client_go() {
+        let s = Duration::from_secs;
+        let ms = Duration::from_millis;
+        for (lease_duration, renew_deadline, retry_period, valid) in [
+            (s(15), s(10), s(2), true),
+            (s(4), s(3), ms(500), true),
+            (s(10), s(10), s(2), false),
+            (s(5), s(10), s(2), false),
+            (s(15), ms(2400), s(2), false),
+            (s(15), s(10), s(0), false),
+        ] {
+            let timing = Timing { lease_duration, renew_deadline, retry_period };
+            assert_eq!(timing.validate().is_ok(), valid, "{timing:?}");
+        }
+        assert!(Timing::default().validate().is_ok());
     }
 }

@@ -59,6 +59,13 @@ const workers = 4
 const runForAnnotation = "e2e.gpu-dra.dev/run-for"
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "grpc-call" {
+		if err := grpcCall(os.Args[2:]); err != nil {
+			fmt.Fprintf(os.Stderr, "gpu-dra-kubelet-harness: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	kubeconfig := flag.String("kubeconfig", os.Getenv("KUBECONFIG"), "kubeconfig of the cluster (default $KUBECONFIG)")
 	nodeName := flag.String("node-name", "", "the node this harness plays the kubelet for (required)")
 	registryDir := flag.String("registry-dir", "", "plugin registration directory to watch, the kubelet's plugins_registry (required)")

@@ -127,6 +127,14 @@ impl std::fmt::Debug for Context {
 
 /// Runs the controller until SIGTERM/SIGINT (or until it loses the leader lease, which is an error).
 pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
+    let timing = Timing {
+        lease_duration: args.leader_elect_lease_duration,
+        renew_deadline: args.leader_elect_renew_deadline,
+        retry_period: args.leader_elect_retry_period,
+    };
+    if args.leader_elect {
+        timing.validate()?;
+    }
     let client = crate::kube_client::client(&args.client).await.map_err(ControllerError::Client)?;
     let events_limit =
         crate::kube_client::ClientArgs { kube_api_qps: args.events_qps, kube_api_burst: args.events_burst };
@@ -169,11 +177,6 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
             .or_else(|| args.namespace.clone())
             .unwrap_or_else(|| client.default_namespace().to_string());
         info!(lease = %args.leader_elect_lease_name, %namespace, %identity, "contending for leadership");
-        let timing = Timing {
-            lease_duration: args.leader_elect_lease_duration,
-            renew_deadline: args.leader_elect_renew_deadline,
-            retry_period: args.leader_elect_retry_period,
-        };
         let elector = LeaderElector::new(
             kube::Api::<Lease>::namespaced(client.clone(), &namespace),
             args.leader_elect_lease_name.clone(),

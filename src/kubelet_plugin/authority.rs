@@ -1,19 +1,30 @@
-//! Lets the kubelet's plugin watcher talk to our registration socket.
+//! Makes the plugin's sockets answer every conforming gRPC client, whatever `:authority` it sends.
 //!
-//! The kubelet dials the registration socket with grpc-go's default `:authority`: the socket path, percent-escaped
-//! (`%2Fvar%2Flib%2Fkubelet%2Fplugins_registry%2F…`). That is not a valid URI authority, and the HTTP/2 server under
-//! tonic (h2) answers it with a stream reset, so a real kubelet could never register us (kubernetes#109081,
-//! hyperium/h2#487). The DRA socket is unaffected: the kubelet dials it as `unix:<path>`, which sends `localhost`.
+//! A unix socket has no host, so each gRPC implementation makes up an authority of its own, and the HTTP/2 server
+//! under tonic (h2) answers every request whose `:authority` is not a valid RFC 3986 authority with a stream reset
+//! (`RST_STREAM`, `PROTOCOL_ERROR`): it parses the value as an `http::uri::Authority`, which refuses
 //!
-//! Every registration connection therefore passes through [`filtered`]: each header block the client sends is
-//! decoded (HPACK, with the client's dynamic table) and re-encoded with `:authority: localhost` for h2; every other
-//! frame, and everything h2 sends back, passes through byte for byte.
+//! - the percent-encoded socket path (`%2Fvar%2Flib%2F…`): grpc core ≥ 1.57 (grpc-python, C++, Ruby…) for
+//!   `unix:` targets, and grpc-go dialing through a custom dialer (passthrough), as the kubelet's plugin watcher
+//!   dials the registration socket;
+//! - the raw path (`/var/lib/…`): grpc-java, older grpc-go, other clients with a custom dialer;
+//! - an empty value: clients that know no name for the target.
+//!
+//! (`%` is allowed only in the user-info or an IPv6 zone, `/`, `?` and `#` end an authority; kubernetes#109081,
+//! hyperium/h2#487, grpc/grpc#38142.) Only grpc-go's `unix:` resolver sends a valid one (`localhost`), which is why
+//! the kubelet's DRA manager, dialing `unix:<path>`, never saw the problem while grpc-python did.
+//!
+//! The authority means nothing on a unix socket, so every connection on either socket passes through [`incoming`]:
+//! each header block the client sends is decoded (HPACK, with the client's dynamic table) and re-encoded with
+//! `:authority: localhost` for h2; every other frame, and everything h2 sends back, passes through byte for byte.
 
 use std::io;
 
 use loona_hpack::{Decoder, Encoder};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, DuplexStream};
-use tokio::net::UnixStream;
+use tokio::net::{UnixListener, UnixStream};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::{Stream, StreamExt as _};
 use tracing::debug;
 
 /// The client connection preface (RFC 9113 §3.4).
@@ -27,21 +38,26 @@ const PRIORITY: u8 = 0x20;
 /// The largest frame payload every HTTP/2 peer accepts (SETTINGS_MAX_FRAME_SIZE's initial value): re-encoded
 /// blocks are cut to it.
 const MAX_FRAME: usize = 16_384;
-/// A header block larger than this is not a registration call: refuse rather than buffer without end.
+/// A header block larger than this is not a plugin call: refuse rather than buffer without end.
 const MAX_BLOCK: usize = 1 << 20;
 /// What h2 accepts as the authority of a call over a unix socket.
 const AUTHORITY: &[u8] = b"localhost";
 
+/// The connections accepted on `listener`, each one as [`filtered`] hands it to tonic.
+pub(super) fn incoming(listener: UnixListener) -> impl Stream<Item = io::Result<DuplexStream>> {
+    UnixListenerStream::new(listener).map(|connection| connection.map(filtered))
+}
+
 /// Hands tonic a connection whose client header blocks carry a valid `:authority`; the copying runs in the
 /// background until either side closes.
-pub(super) fn filtered(client: UnixStream) -> DuplexStream {
+fn filtered(client: UnixStream) -> DuplexStream {
     let (ours, theirs) = tokio::io::duplex(64 * 1024);
     tokio::spawn(async move {
         let (mut client_read, mut client_write) = client.into_split();
         let (mut server_read, mut server_write) = tokio::io::split(theirs);
         let upstream = tokio::spawn(async move {
             if let Err(e) = rewrite(&mut client_read, &mut server_write).await {
-                debug!(error = %e, "registration connection ended");
+                debug!(error = %e, "plugin connection ended");
             }
             let _ = server_write.shutdown().await;
         });
@@ -209,6 +225,26 @@ mod tests {
             rest = &rest[9 + length..];
         }
         frames
+    }
+
+    /// The rule h2 applies to a request's `:authority` (it parses an `http::uri::Authority` and resets the stream
+    /// on failure), for what each client sends on a unix socket: the values the filter must replace.
+    #[test]
+    fn what_clients_send_and_what_h2_accepts() {
+        for (sender, authority, accepted) in [
+            ("grpc-go unix: resolver (the kubelet's DRA manager)", &b"localhost"[..], true),
+            (
+                "grpc core unix: target (grpc-python), grpc-go custom dialer",
+                b"%2Ftmp%2Fp%2Fgpu.gpu-dra.dev%2Fdra.sock",
+                false,
+            ),
+            ("grpc-java, clients with a custom dialer", b"/tmp/p/gpu.gpu-dra.dev/dra.sock", false),
+            ("a client that knows no name", b"", false),
+            ("what the filter sends instead", AUTHORITY, true),
+        ] {
+            let parsed = http::uri::Authority::try_from(authority);
+            assert_eq!(parsed.is_ok(), accepted, "{sender}: {:?}", String::from_utf8_lossy(authority));
+        }
     }
 
     #[tokio::test]

@@ -27,8 +27,6 @@ pub mod state;
 use std::sync::Arc;
 
 use tokio::task::JoinHandle;
-use tokio_stream::StreamExt as _;
-use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::transport::Server;
 use tracing::{info, warn};
@@ -41,7 +39,8 @@ use service::DraService;
 pub use socket::{SocketError, SocketPaths};
 use state::DriverState;
 
-/// Serves the plugin until `stop`; the returned task removes both sockets before it ends.
+/// Serves the plugin until `stop`; the returned task removes both sockets before it ends. Every connection on
+/// either socket goes through [`authority::incoming`], so that any gRPC client is answered (not only grpc-go).
 pub fn serve(
     paths: SocketPaths,
     driver: String,
@@ -53,7 +52,7 @@ pub fn serve(
     let dra = Server::builder()
         .add_service(DraV1Server::new(service.clone()))
         .add_service(DraV1beta1Server::new(service))
-        .serve_with_incoming_shutdown(UnixListenerStream::new(dra_listener), stop.clone().cancelled_owned());
+        .serve_with_incoming_shutdown(authority::incoming(dra_listener), stop.clone().cancelled_owned());
     let dra = tokio::spawn(dra);
     info!(socket = %paths.dra.display(), "serving the DRA service");
 
@@ -68,11 +67,9 @@ pub fn serve(
     };
     let registration =
         RegistrationService { driver, dra_socket: paths.dra.clone(), registered: state.metrics().registered.clone() };
-    // Each connection through the authority filter: a real kubelet's calls are otherwise refused by h2.
-    let connections = UnixListenerStream::new(registration_listener).map(|c| c.map(authority::filtered));
     let registration = Server::builder()
         .add_service(RegistrationServer::new(registration))
-        .serve_with_incoming_shutdown(connections, stop.cancelled_owned());
+        .serve_with_incoming_shutdown(authority::incoming(registration_listener), stop.cancelled_owned());
     info!(socket = %paths.registration.display(), "registration socket ready for the kubelet");
     Ok(tokio::spawn(async move {
         let (dra, registration) = tokio::join!(dra, tokio::spawn(registration));

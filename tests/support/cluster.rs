@@ -34,6 +34,12 @@ impl Cluster {
             eprintln!("reusing the test cluster in {}", state_dir.display());
             return Ok(Self { state_dir, owned: false });
         }
+        Self::start_own(binary, kcm_claim_controller, env)
+    }
+
+    /// Starts a cluster of this process's own, never reusing a running one: for tests that disturb the control
+    /// plane (stop the API server).
+    pub fn start_own(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)]) -> anyhow::Result<Self> {
         let state_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("cluster-{binary}"));
         let mut up = script();
         up.arg("up");
@@ -67,6 +73,14 @@ impl Cluster {
 
     pub fn state_dir(&self) -> &Path {
         &self.state_dir
+    }
+
+    /// The pid `e2e/cluster.sh` recorded for `component` (`kube-apiserver`, `etcd`, …).
+    pub fn pid(&self, component: &str) -> anyhow::Result<u32> {
+        let pids = std::fs::read_to_string(self.state_dir.join("pids")).context("read the cluster's pids file")?;
+        pids.lines()
+            .find_map(|line| line.strip_prefix(component)?.strip_prefix(' ')?.trim().parse().ok())
+            .with_context(|| format!("no pid recorded for {component}"))
     }
 
     /// The API server's URL, as the kubeconfig names it.

@@ -17,18 +17,23 @@ use super::{TestContext, wait};
 /// Builds the harness once per test process (cached outside the repository, keyed by its sources).
 pub fn binary() -> anyhow::Result<PathBuf> {
     static BINARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let script = concat!(env!("CARGO_MANIFEST_DIR"), "/e2e/build-kubelet-harness.sh");
-            let output = Command::new(script).stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
-            let stdout = String::from_utf8_lossy(&output.stdout);
-            match stdout.lines().last() {
-                Some(path) if output.status.success() => Ok(PathBuf::from(path.trim())),
-                _ => Err(format!("{script} failed ({})", output.status)),
-            }
-        })
-        .clone()
-        .map_err(anyhow::Error::msg)
+    build_once(&BINARY, "build-kubelet-harness.sh")
+}
+
+/// Runs `e2e/<script>` once per test process (`once` remembers the outcome) and returns the path it prints on
+/// its last line: what it built, or found in its cache.
+pub fn build_once(once: &OnceLock<Result<PathBuf, String>>, script: &str) -> anyhow::Result<PathBuf> {
+    once.get_or_init(|| {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e").join(script);
+        let output = Command::new(&script).stderr(Stdio::inherit()).output().map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        match stdout.lines().last() {
+            Some(path) if output.status.success() => Ok(PathBuf::from(path.trim())),
+            _ => Err(format!("{} failed ({})", script.display(), output.status)),
+        }
+    })
+    .clone()
+    .map_err(anyhow::Error::msg)
 }
 
 /// A running harness for one node.

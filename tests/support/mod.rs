@@ -74,12 +74,22 @@ pub fn run_with(binary: &str, kcm_claim_controller: bool, tests: &[Test]) -> ! {
 
 /// Like [`run_with`], passing `env` to `e2e/cluster.sh up` (e.g. more kube-controller-manager controllers).
 pub fn run_with_env(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)], tests: &[Test]) -> ! {
+    run_on(binary, tests, || Cluster::start_with(binary, kcm_claim_controller, env))
+}
+
+/// Like [`run`], on a cluster of the binary's own even when `KUBECONFIG` names a running one: for tests that
+/// disturb the control plane, e.g. stop the API server.
+pub fn run_on_own_cluster(binary: &str, tests: &[Test]) -> ! {
+    run_on(binary, tests, || Cluster::start_own(binary, false, &[]))
+}
+
+fn run_on(binary: &str, tests: &[Test], start: impl FnOnce() -> anyhow::Result<Cluster>) -> ! {
     let args = Arguments::from_args();
     if args.list {
         let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(()))).collect();
         libtest_mimic::run(&args, trials).exit();
     }
-    let cluster = match Cluster::start_with(binary, kcm_claim_controller, env) {
+    let cluster = match start() {
         Ok(cluster) => Arc::new(cluster),
         Err(err) if std::env::var_os("CI").is_some() => {
             eprintln!("error: CI is set and the test cluster could not be started: {err:#}");
