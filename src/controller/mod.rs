@@ -169,7 +169,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     if let Some(namespace) = &args.namespace {
         info!(%namespace, "watching one namespace only");
     }
-    let groups_served = podgroup::served(&client).await;
+    let groups_served = podgroup::served(&client, args.namespace.as_deref()).await;
     info!(groups_served, "PodGroup claims (scheduling.k8s.io/v1beta1 podgroups) handled: {groups_served}");
     caches.set_groups_served(groups_served);
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));

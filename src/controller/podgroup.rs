@@ -28,15 +28,31 @@ use super::slim_claim::ResourceClaim;
 use super::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
 use super::{Context, POD_STATUS_FIELD_MANAGER};
 
-/// Whether the API server serves PodGroups. A cluster without `GenericWorkload` (the default in 1.37) answers
-/// NotFound for the group version; any other failure is logged and counts as "not served", so the controller
-/// still runs for pods (restart it to pick PodGroups up).
-pub async fn served(client: &Client) -> bool {
-    match client.list_api_group_resources(&format!("{GROUP}/{VERSION}")).await {
+/// Whether the API server serves PodGroups and this controller may list them. A cluster without
+/// `GenericWorkload` (the default in 1.37) answers NotFound for the group version. Served but forbidden (an
+/// older chart's RBAC) is logged and counts as "not served": an informer that can never list would keep the
+/// controller from ever becoming ready. Any other failure counts the same; restart to pick PodGroups up.
+pub async fn served(client: &Client, namespace: Option<&str>) -> bool {
+    let served = match client.list_api_group_resources(&format!("{GROUP}/{VERSION}")).await {
         Ok(list) => list.resources.iter().any(|r| r.name == RESOURCE),
         Err(kube::Error::Api(status)) if status.code == 404 => false,
         Err(err) => {
             warn!(error = %err, "discovery of {GROUP}/{VERSION} failed: PodGroup claims stay unhandled");
+            false
+        }
+    };
+    if !served {
+        return false;
+    }
+    let api = match namespace {
+        Some(ns) => Api::<PodGroup>::namespaced(client.clone(), ns),
+        None => Api::<PodGroup>::all(client.clone()),
+    };
+    match api.list_metadata(&kube::api::ListParams::default().limit(1)).await {
+        Ok(_) => true,
+        Err(err) => {
+            warn!(error = %err, "PodGroups are served but cannot be listed (grant list and watch on \
+                  scheduling.k8s.io podgroups, patch on podgroups/status): PodGroup claims stay unhandled");
             false
         }
     }
