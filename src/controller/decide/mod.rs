@@ -189,19 +189,23 @@ pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
 /// Whether the controller should add `pod` to the claim's `reservedFor`: the claim is allocated, not reserved for
 /// it yet, has room, and the pod is scheduled and still going to run (a terminal pod is never re-reserved).
 ///
-/// A claim of the pod's PodGroup is reserved for the PodGroup instead ([`podgroup::should_reserve_for_group`]).
+/// A claim of the pod's PodGroup is reserved for the PodGroup instead (upstream `BindTo`), once.
 pub fn should_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
     if podgroup::is_group_claim_of(claim, pod) {
-        return podgroup::should_reserve_for_group(claim, pod);
+        return may_reserve(claim, pod) && !podgroup::is_reserved_for_group_of(claim, pod);
     }
     let Some(uid) = pod.metadata.uid.as_deref() else {
         return false;
     };
+    may_reserve(claim, pod) && !is_reserved_for(claim, uid)
+}
+
+/// The claim is allocated and has room left in `reservedFor`, and the pod is scheduled and still going to run.
+fn may_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
     is_scheduled(pod)
         && !is_pod_done(pod)
         && pod.metadata.deletion_timestamp.is_none()
         && is_allocated(claim)
-        && !is_reserved_for(claim, uid)
         && reserved_for(claim).len() < MAX_RESERVED_FOR
 }
 

@@ -12,8 +12,7 @@ use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
-use super::{MAX_RESERVED_FOR, Recorded, TemplateError, claim_from_template, is_allocated, is_owned_by};
-use super::{is_pod_done, is_scheduled, reserved_for};
+use super::{Recorded, TemplateError, claim_from_template, is_owned_by, reserved_for};
 use crate::controller::slim_claim::ResourceClaim;
 use crate::controller::slim_pod::Pod;
 use crate::controller::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
@@ -96,17 +95,6 @@ pub fn is_group_consumer(consumer: &ResourceClaimConsumerReference) -> bool {
 /// Whether the claim is reserved for the pod's PodGroup (by name, as upstream `IsReservedForPod`).
 pub fn is_reserved_for_group_of(claim: &ResourceClaim, pod: &Pod) -> bool {
     pod_group_name(pod).is_some_and(|g| reserved_for(claim).iter().any(|r| is_group_consumer(r) && r.name == g))
-}
-
-/// Whether the controller should reserve a group claim for the PodGroup of a scheduled member pod (the scheduler
-/// normally does; this covers claims allocated some other way), as [`super::should_reserve`] does for pods.
-pub fn should_reserve_for_group(claim: &ResourceClaim, pod: &Pod) -> bool {
-    is_scheduled(pod)
-        && !is_pod_done(pod)
-        && pod.metadata.deletion_timestamp.is_none()
-        && is_allocated(claim)
-        && !is_reserved_for_group_of(claim, pod)
-        && reserved_for(claim).len() < MAX_RESERVED_FOR
 }
 
 /// Where the PodGroup a `reservedFor` entry names was looked up; the value is the UID of the PodGroup of that

@@ -135,7 +135,7 @@ fn a_scheduled_member_reserves_the_group_claim_for_its_group_once() {
         (claim(owner, json!([]), true), pod(Some("g"), None), false),
     ];
     for (i, (c, p, want)) in cases.iter().enumerate() {
-        assert_eq!(should_reserve_for_group(c, p), *want, "case {i}");
+        assert_eq!(crate::controller::decide::should_reserve(c, p), *want, "case {i}");
     }
     let consumer = group_consumer(&group(json!([]), json!([])));
     assert!(is_group_consumer(&consumer));
