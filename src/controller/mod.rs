@@ -8,8 +8,12 @@
 //!                             keys only) back-off)                           deallocate, delete finished pods' claims
 //! ```
 //!
-//! Reads: pods, resourceclaims, resourceclaimtemplates (watched). Writes: resourceclaims (create, delete,
-//! status), pods/status (server-side apply), events, and one Lease for leader election.
+//! Where the API server serves `scheduling.k8s.io/v1beta1` PodGroups (KEP-5729) they are watched too, and
+//! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods.
+//!
+//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched). Writes: resourceclaims
+//! (create, delete, status), pods/status and podgroups/status (server-side apply), events, and one Lease for
+//! leader election.
 //!
 //! Guarantees:
 //! - one claim per pod claim: claims it created are remembered until the watch shows them ([`cache`]), orphans
