@@ -9,11 +9,13 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
+use super::slim_pod_group::PodGroup;
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
+use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::{debug, warn};
 
 use super::Context;
@@ -36,8 +38,14 @@ pub struct Caches {
     pub pods: Store<Pod>,
     pub claims: Store<ResourceClaim>,
     pub templates: Store<DynamicObject>,
-    /// Claims by the UID of their controlling pod (orphan adoption).
-    claims_by_owner: Index<ResourceClaim>,
+    /// PodGroups (`scheduling.k8s.io/v1beta1`); stays empty when the API server does not serve them.
+    pub pod_groups: Store<PodGroup>,
+    /// Whether the API server serves PodGroups (discovery at start); without them pods are handled as before.
+    groups_served: AtomicBool,
+    /// Claims by the UID of their controlling pod or PodGroup (orphan adoption, a group's claim).
+    pub(super) claims_by_owner: Index<ResourceClaim>,
+    /// Pods by `namespace/podgroup` of the PodGroup they belong to.
+    pub(super) pods_by_group: Index<Pod>,
     /// Pods by `namespace/claim-name` of every claim they name directly (`resourceClaimName`). A claim generated
     /// from a template leads to its pod through its owner reference instead, so the common case costs no entry.
     pods_by_named_claim: Index<Pod>,
@@ -61,6 +69,7 @@ pub struct Writers {
     pods: reflector::store::Writer<Pod>,
     claims: reflector::store::Writer<ResourceClaim>,
     templates: reflector::store::Writer<DynamicObject>,
+    pod_groups: reflector::store::Writer<PodGroup>,
 }
 
 impl Caches {
@@ -68,12 +77,19 @@ impl Caches {
         let (pods, pods_writer) = reflector::store();
         let (claims, claims_writer) = reflector::store();
         let templates_writer = reflector::store::Writer::new(template_resource());
+        let (pod_groups, pod_groups_writer) = reflector::store();
         let caches = Self {
             pods,
             claims,
             templates: templates_writer.as_reader(),
+            pod_groups,
+            groups_served: AtomicBool::new(false),
             claims_by_owner: Index::new(|claim: &ResourceClaim| {
-                decide::owning_pod(claim).map(|(_, uid)| uid.to_string()).into_iter().collect()
+                owner_uid(claim).map(str::to_string).into_iter().collect()
+            }),
+            pods_by_group: Index::new(|pod: &Pod| {
+                let ns = pod.namespace().unwrap_or_default();
+                decide::podgroup::pod_group_name(pod).map(|g| format!("{ns}/{g}")).into_iter().collect()
             }),
             pods_by_named_claim: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
@@ -91,15 +107,45 @@ impl Caches {
             created: Mutex::default(),
             applied: Mutex::default(),
         };
-        let writers = Writers { pods: pods_writer, claims: claims_writer, templates: templates_writer };
+        let writers = Writers {
+            pods: pods_writer,
+            claims: claims_writer,
+            templates: templates_writer,
+            pod_groups: pod_groups_writer,
+        };
         (caches, writers)
     }
 
-    /// Waits until all three informers have listed once.
+    /// Waits until all informers have listed once.
     pub async fn wait_synced(&self) -> Result<(), reflector::store::WriterDropped> {
         self.pods.wait_until_ready().await?;
         self.claims.wait_until_ready().await?;
+        if self.groups_served() {
+            self.pod_groups.wait_until_ready().await?;
+        }
         self.templates.wait_until_ready().await
+    }
+
+    /// Records what discovery found, before the informers start.
+    pub fn set_groups_served(&self, served: bool) {
+        self.groups_served.store(served, Ordering::Relaxed);
+    }
+
+    pub fn groups_served(&self) -> bool {
+        self.groups_served.load(Ordering::Relaxed)
+    }
+
+    pub fn pod_group(&self, namespace: &str, name: &str) -> Option<Arc<PodGroup>> {
+        self.pod_groups.get(&ObjectRef::new(name).within(namespace))
+    }
+
+    /// The claim generated for `group`'s claim `group_claim` (upstream `findPodGroupResourceClaim`): owned by the
+    /// PodGroup, annotated with the claim's name; from the informer or created and not observed yet.
+    pub fn group_claim(&self, group: &PodGroup, group_claim: &str) -> Option<Arc<ResourceClaim>> {
+        let uid = group.metadata.uid.as_deref()?;
+        self.oldest_owned(uid, group.metadata.namespace.as_deref().unwrap_or_default(), group_claim, |c| {
+            decide::podgroup::is_for_pod_group(c, group)
+        })
     }
 
     pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
@@ -128,15 +174,26 @@ impl Caches {
     /// claim's name. The oldest wins, so every replica and every restart picks the same one.
     pub fn orphan_for(&self, pod: &Pod, pod_claim: &str) -> Option<Arc<ResourceClaim>> {
         let uid = pod.metadata.uid.as_deref()?;
-        let namespace = pod.namespace().unwrap_or_default();
+        self.oldest_owned(uid, &pod.namespace().unwrap_or_default(), pod_claim, |c| is_owned_by(c, pod))
+    }
+
+    /// The oldest claim of `namespace` whose controlling owner has UID `owner_uid`, annotated with `claim_name`
+    /// and passing `owned` (informer and created-but-not-observed claims).
+    fn oldest_owned(
+        &self,
+        owner_uid: &str,
+        namespace: &str,
+        claim_name: &str,
+        owned: impl Fn(&ResourceClaim) -> bool,
+    ) -> Option<Arc<ResourceClaim>> {
         let mut candidates: Vec<Arc<ResourceClaim>> = self
             .claims_by_owner
-            .get(uid)
+            .get(owner_uid)
             .iter()
             .filter_map(|key| self.claim(&key.namespace, &key.name))
-            .chain(lock(&self.created).by_pod.get(uid).cloned().unwrap_or_default())
-            .filter(|c| c.namespace().as_deref() == Some(namespace.as_str()))
-            .filter(|c| is_owned_by(c, pod) && pod_claim_name_annotation(c) == Some(pod_claim))
+            .chain(lock(&self.created).by_pod.get(owner_uid).cloned().unwrap_or_default())
+            .filter(|c| c.namespace().as_deref() == Some(namespace))
+            .filter(|c| owned(c) && pod_claim_name_annotation(c) == Some(claim_name))
             .collect();
         candidates.sort_by(|a, b| {
             (&a.metadata.creation_timestamp, a.name_any()).cmp(&(&b.metadata.creation_timestamp, b.name_any()))
@@ -218,7 +275,7 @@ impl Caches {
     }
 
     fn observed_claim(&self, claim: &ResourceClaim) {
-        let (Some((_, owner)), Some(uid)) = (decide::owning_pod(claim), claim.metadata.uid.as_deref()) else {
+        let (Some(owner), Some(uid)) = (owner_uid(claim), claim.metadata.uid.as_deref()) else {
             return;
         };
         let mut created = lock(&self.created);
@@ -230,11 +287,22 @@ impl Caches {
         }
     }
 
+    /// A PodGroup was deleted: its reservations can go without an API call (upstream `deletedObjects`).
+    pub(super) fn group_gone(&self, group_uid: &str) {
+        lock(&self.deleted_pods).insert(group_uid);
+        lock(&self.created).by_pod.remove(group_uid);
+    }
+
     fn pod_gone(&self, pod_uid: &str) {
         lock(&self.deleted_pods).insert(pod_uid);
         lock(&self.created).by_pod.remove(pod_uid);
         lock(&self.applied).remove(pod_uid);
     }
+}
+
+/// The UID of a claim's controlling Pod or PodGroup.
+fn owner_uid(claim: &ResourceClaim) -> Option<&str> {
+    decide::owning_pod(claim).or_else(|| decide::podgroup::owning_pod_group(claim)).map(|(_, uid)| uid)
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -303,6 +371,7 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
             on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
             futures::future::ready(())
         });
+    let client_for_groups = client.clone();
     let templates_api = match namespace {
         Some(ns) => Api::<DynamicObject>::namespaced_with(client, ns, &template_resource()),
         None => Api::<DynamicObject>::all_with(client, &template_resource()),
@@ -314,10 +383,15 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
             on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
             futures::future::ready(())
         });
-    tokio::join!(pods, claims, templates);
+    let pod_groups = async {
+        if ctx.caches.groups_served() {
+            super::podgroup::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx).await;
+        }
+    };
+    tokio::join!(pods, claims, templates, pod_groups);
 }
 
-fn on_event<K>(
+pub(super) fn on_event<K>(
     resource: &str,
     event: Result<watcher::Event<K>, watcher::Error>,
     handle: impl FnOnce(&watcher::Event<K>),
@@ -331,6 +405,7 @@ fn on_event<K>(
 
 fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
     ctx.caches.pods_by_named_claim.apply(event);
+    ctx.caches.pods_by_group.apply(event);
     ctx.caches.pods_by_template.apply(event);
     match event {
         watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
@@ -407,7 +482,12 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
     // The pods that use it: those naming it, and the pod it was generated for.
     let mut pods = ctx.caches.pods_naming_claim(&namespace, &claim.name_any());
     if let Some((owner, _)) = decide::owning_pod(claim) {
-        pods.push(ObjectKey::new(namespace, owner));
+        pods.push(ObjectKey::new(namespace.clone(), owner));
+    }
+    if let Some((group, _)) = decide::podgroup::owning_pod_group(claim) {
+        // The group's claim changed: the group may have to record it, its pods to record or reserve it.
+        super::podgroup::enqueue_group(ctx, &ObjectKey::new(namespace.clone(), group));
+        pods.extend(ctx.caches.pods_by_group.get(&format!("{namespace}/{group}")));
     }
     for key in pods {
         if let Some(pod) = ctx.caches.pod(&key) {
@@ -419,6 +499,7 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
 fn on_template_event(ctx: &Context, event: &watcher::Event<DynamicObject>) {
     if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = event {
         let namespace = template.namespace().unwrap_or_default();
+        super::podgroup::enqueue_groups_using(ctx, &namespace, &template.name_any());
         for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {
             if let Some(pod) = ctx.caches.pod(&key) {
                 enqueue_pod(ctx, &pod, false);

@@ -45,6 +45,12 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
     let mut valid: Vec<ResourceClaimConsumerReference> = Vec::with_capacity(reserved.len());
     for consumer in reserved {
         let is_pod = consumer.resource == "pods" && consumer.api_group.as_deref().unwrap_or_default().is_empty();
+        if decide::podgroup::is_group_consumer(consumer) {
+            if super::podgroup::keep_group_reservation(ctx, &key.namespace, consumer).await? {
+                valid.push(consumer.clone());
+            }
+            continue;
+        }
         if !is_pod {
             valid.push(consumer.clone());
             continue;

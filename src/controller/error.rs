@@ -66,6 +66,20 @@ pub enum SyncError {
         #[source]
         source: kube::Error,
     },
+    #[error("apply the resourceClaimStatuses of PodGroup {group}: {source}")]
+    ApplyPodGroupStatus {
+        group: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("get PodGroup {group}: {source}")]
+    GetPodGroup {
+        group: ObjectKey,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the pod belongs to PodGroup {group}, which does not exist (yet): create the PodGroup")]
+    PodGroupNotFound { group: ObjectKey },
     #[error("decode the ResourceClaim the API server returned: {0}")]
     DecodeClaim(#[source] serde_json::Error),
     #[error("sync did not finish within {0:?}")]
@@ -89,6 +103,9 @@ impl SyncError {
             SyncError::DeleteClaim { .. } => "delete_claim",
             SyncError::GetPod { .. } => "get_pod",
             SyncError::GetClaim { .. } => "get_claim",
+            SyncError::ApplyPodGroupStatus { .. } => "apply_podgroup_status",
+            SyncError::GetPodGroup { .. } => "get_podgroup",
+            SyncError::PodGroupNotFound { .. } => "podgroup_not_found",
             SyncError::DecodeClaim(_) => "decode_claim",
             SyncError::Timeout(_) => "timeout",
             SyncError::Several { first, .. } => first.metric_label(),
@@ -106,7 +123,9 @@ impl SyncError {
             | SyncError::RemoveFinalizer { source, .. }
             | SyncError::DeleteClaim { source, .. }
             | SyncError::GetPod { source, .. }
-            | SyncError::GetClaim { source, .. } => source,
+            | SyncError::GetClaim { source, .. }
+            | SyncError::ApplyPodGroupStatus { source, .. }
+            | SyncError::GetPodGroup { source, .. } => source,
             SyncError::Several { first, .. } => return first.api_status(),
             _ => return None,
         };

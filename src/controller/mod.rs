@@ -8,8 +8,12 @@
 //!                             keys only) back-off)                           deallocate, delete finished pods' claims
 //! ```
 //!
-//! Reads: pods, resourceclaims, resourceclaimtemplates (watched). Writes: resourceclaims (create, delete,
-//! status), pods/status (server-side apply), events, and one Lease for leader election.
+//! Where the API server serves `scheduling.k8s.io/v1beta1` PodGroups (KEP-5729) they are watched too, and
+//! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods.
+//!
+//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched). Writes: resourceclaims
+//! (create, delete, status), pods/status and podgroups/status (server-side apply), events, and one Lease for
+//! leader election.
 //!
 //! Guarantees:
 //! - one claim per pod claim: claims it created are remembered until the watch shows them ([`cache`]), orphans
@@ -57,9 +61,11 @@ pub mod index;
 pub mod metrics;
 pub mod naming;
 pub mod pod;
+pub mod podgroup;
 pub mod queue;
 pub mod slim_claim;
 pub mod slim_pod;
+pub mod slim_pod_group;
 pub mod wire_meta;
 
 use std::sync::Arc;
@@ -167,6 +173,9 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     if let Some(namespace) = &args.namespace {
         info!(%namespace, "watching one namespace only");
     }
+    let groups_served = podgroup::served(&client, args.namespace.as_deref()).await;
+    info!(groups_served, "PodGroup claims (scheduling.k8s.io/v1beta1 podgroups) handled: {groups_served}");
+    caches.set_groups_served(groups_served);
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
 
     let (role_tx, mut role) = watch::channel(if args.leader_elect { Role::Unknown } else { Role::Leader });
@@ -260,6 +269,7 @@ async fn worker(ctx: Arc<Context>) {
         let kind = match key {
             WorkKey::Pod(_) => "pod",
             WorkKey::Claim(_) => "claim",
+            WorkKey::PodGroup(_) => "podgroup",
         };
         let label = result.as_ref().map_or_else(SyncError::metric_label, |()| "success");
         ctx.metrics.sync_finished(kind, label, started.elapsed().as_secs_f64());
@@ -279,6 +289,7 @@ async fn sync(ctx: &Context, key: &WorkKey) -> Result<(), SyncError> {
     match key {
         WorkKey::Pod(key) => pod::sync_pod(ctx, key).await,
         WorkKey::Claim(key) => claim::sync_claim(ctx, key).await,
+        WorkKey::PodGroup(key) => podgroup::sync_pod_group(ctx, key).await,
     }
 }
 

@@ -15,6 +15,7 @@ use tracing::{debug, info, instrument, warn};
 use super::decide::{self, ClaimSource, Recorded, RecordedVerdict, Seen};
 use super::error::SyncError;
 use super::events::Reason;
+use super::podgroup::Membership;
 use super::queue::ObjectKey;
 use super::{CLAIM_FIELD_MANAGER, Context, POD_STATUS_FIELD_MANAGER};
 
@@ -102,6 +103,14 @@ async fn handle_claim(
         ClaimSource::Template { recorded: Recorded::Missing, template } => template,
     };
 
+    match super::podgroup::member_claim(ctx, pod, pod_claim) {
+        Membership::Own => {}
+        // The PodGroup's claim: created by the PodGroup's sync, only recorded here (never one of the pod's own).
+        Membership::Group(Some(claim)) if !observe_only => return Ok(Outcome::Record(claim.name_any())),
+        Membership::Group(_) => return Ok(Outcome::Unchanged),
+        // Upstream `getPodGroup` fails the same way; the PodGroup's creation brings the pod back.
+        Membership::MissingGroup(group) => return Err(SyncError::PodGroupNotFound { group }),
+    }
     if observe_only {
         debug!(pod_claim = %pod_claim.name, "observe-only: leaving the claim to the other claim controller");
         return Ok(Outcome::Unchanged);
@@ -151,26 +160,11 @@ async fn create_claim(
     template_name: &str,
 ) -> Result<Arc<ResourceClaim>, SyncError> {
     let namespace = pod.namespace().unwrap_or_default();
-    let template = ctx.caches.template(&namespace, template_name).ok_or_else(|| SyncError::TemplateNotFound {
-        namespace: namespace.clone(),
-        template: template_name.to_string(),
-    })?;
+    let template =
+        cached_template(ctx, &namespace, template_name).ok_or_else(|| template_not_found(&namespace, template_name))?;
     let desired = decide::desired_claim(pod, pod_claim, &template)
         .map_err(|source| SyncError::Template { template: template_name.to_string(), source })?;
-    let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
-    let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
-    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &namespace, &claim_resource());
-    let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
-    let created = api.create(&params, &desired).await;
-    ctx.metrics.claim_created(created.is_ok(), admin_access);
-    let created = created.map_err(|source| SyncError::CreateClaim {
-        pod_claim: pod_claim.to_string(),
-        template: template_name.to_string(),
-        source,
-    })?;
-    let created: ResourceClaim =
-        serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
-    let created = Arc::new(created);
+    let created = post_claim(ctx, &namespace, desired, pod_claim, template_name, ("", "Pod")).await?;
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());
     }
@@ -179,6 +173,41 @@ async fn create_claim(
         format!("Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}", created.name_any());
     ctx.events.pod_claim_normal(pod, &created, Reason::ResourceClaimCreated, note);
     Ok(created)
+}
+
+/// A template from the informer cache, or the error naming the missing one.
+pub(super) fn cached_template(ctx: &Context, namespace: &str, template_name: &str) -> Option<Arc<DynamicObject>> {
+    ctx.caches.template(namespace, template_name)
+}
+
+pub(super) fn template_not_found(namespace: &str, template_name: &str) -> SyncError {
+    SyncError::TemplateNotFound { namespace: namespace.to_string(), template: template_name.to_string() }
+}
+
+/// Creates the claim `desired` (for claim `claim_name` from `template_name`, owned by an object of API group and
+/// kind `owner`) and counts the request in `dynamic_resource_allocation_resourceclaim_creates_total`.
+pub(super) async fn post_claim(
+    ctx: &Context,
+    namespace: &str,
+    desired: serde_json::Value,
+    claim_name: &str,
+    template_name: &str,
+    owner: (&'static str, &'static str),
+) -> Result<Arc<ResourceClaim>, SyncError> {
+    let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
+    let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
+    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), namespace, &claim_resource());
+    let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
+    let created = api.create(&params, &desired).await;
+    ctx.metrics.claim_created_for_owner(created.is_ok(), admin_access, owner.0, owner.1);
+    let created = created.map_err(|source| SyncError::CreateClaim {
+        pod_claim: claim_name.to_string(),
+        template: template_name.to_string(),
+        source,
+    })?;
+    let created: ResourceClaim =
+        serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
+    Ok(Arc::new(created))
 }
 
 /// The ResourceClaim API resource, for untyped creates.
@@ -225,20 +254,28 @@ async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, Stri
         let Some(claim) = ctx.caches.claim(&namespace, &name) else {
             continue;
         };
-        if must_check_owner && !decide::is_owned_by(&claim, pod) {
+        if must_check_owner && !decide::podgroup::is_for_pod(&claim, pod) {
             info!(claim = %name, "not reserving a claim the pod status records but the pod does not own");
             continue;
         }
         if !decide::should_reserve(&claim, pod) {
             continue;
         }
+        let consumer = if decide::podgroup::is_group_claim_of(&claim, pod) {
+            // Upstream `BindTo`: the group's claim is reserved for the PodGroup, which must be known by UID.
+            let group = decide::podgroup::pod_group_name(pod).and_then(|g| ctx.caches.pod_group(&namespace, g));
+            let Some(group) = group else { continue };
+            decide::podgroup::group_consumer(&group)
+        } else {
+            k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
+                api_group: None,
+                resource: "pods".into(),
+                name: pod_name.clone(),
+                uid: uid.clone(),
+            }
+        };
         let mut reserved = decide::reserved_for(&claim).to_vec();
-        reserved.push(k8s_openapi::api::resource::v1::ResourceClaimConsumerReference {
-            api_group: None,
-            resource: "pods".into(),
-            name: pod_name.clone(),
-            uid: uid.clone(),
-        });
+        reserved.push(consumer);
         // The resourceVersion makes this fail on any concurrent change instead of overwriting it.
         let patch = json!({
             "metadata": {"resourceVersion": claim.resource_version()},

@@ -48,6 +48,8 @@ impl fmt::Display for ObjectKey {
 pub enum WorkKey {
     Pod(ObjectKey),
     Claim(ObjectKey),
+    /// A `scheduling.k8s.io` PodGroup with claims of its own (only when that API is served).
+    PodGroup(ObjectKey),
 }
 
 impl fmt::Display for WorkKey {
@@ -55,6 +57,7 @@ impl fmt::Display for WorkKey {
         match self {
             WorkKey::Pod(key) => write!(f, "pod:{key}"),
             WorkKey::Claim(key) => write!(f, "claim:{key}"),
+            WorkKey::PodGroup(key) => write!(f, "podgroup:{key}"),
         }
     }
 }

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::wire_meta::{NoAnnotations, WireMeta};
 
 /// A pod, reduced to identity metadata (name, namespace, uid, resourceVersion, creation and deletion time),
-/// `spec.nodeName`, `spec.resourceClaims`, `status.phase`, `status.resourceClaimStatuses` and the claim name of
+/// `spec.nodeName`, `spec.resourceClaims`, `spec.schedulingGroup.podGroupName`, `status.phase`, `status.resourceClaimStatuses` and the claim name of
 /// `status.extendedResourceClaimStatus`.
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(from = "WirePod")]
@@ -52,6 +52,17 @@ pub struct PodSpec {
     pub node_name: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource_claims: Option<Vec<PodResourceClaim>>,
+    /// The PodGroup the pod belongs to (`GenericWorkload`): its claims may be the group's shared ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scheduling_group: Option<SchedulingGroup>,
+}
+
+/// `spec.schedulingGroup`, as far as the controller reads it.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SchedulingGroup {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_group_name: Option<String>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
@@ -90,7 +101,8 @@ mod tests {
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "r", "uid": "r"}],
                          "managedFields": [{"manager": "m", "operation": "Update", "fieldsV1": {"f:spec": {}}}]},
             "spec": {"nodeName": "n", "containers": [{"name": "c", "image": "i"}],
-                     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+                     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}],
+                     "schedulingGroup": {"podGroupName": "g"}},
             "status": {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}],
                        "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}],
                        "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-y",
@@ -101,7 +113,8 @@ mod tests {
             serde_json::to_value(&pod)?,
             serde_json::json!({
                 "metadata": {"name": "p", "namespace": "ns", "uid": "u"},
-                "spec": {"nodeName": "n", "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+                "spec": {"nodeName": "n", "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}],
+                         "schedulingGroup": {"podGroupName": "g"}},
                 "status": {"phase": "Running", "resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "p-gpu-x"}],
                            "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-y"}}
             })

@@ -25,6 +25,8 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
         ("resource.k8s.io", "resourceclaims", "create,delete,get,list,patch,watch"),
         ("resource.k8s.io", "resourceclaims/status", "patch"),
         ("resource.k8s.io", "resourceclaimtemplates", "list,watch"),
+        ("scheduling.k8s.io", "podgroups", "get,list,watch"),
+        ("scheduling.k8s.io", "podgroups/status", "patch"),
         ("events.k8s.io", "events", "create,patch"),
     ]);
     ensure!(granted == expected, "controller ClusterRole {granted:?}");

@@ -11,6 +11,8 @@ use serde_json::{Value, json};
 
 use super::naming::claim_generate_name;
 
+pub mod podgroup;
+
 /// Annotation on a generated claim naming the pod claim (`spec.resourceClaims[].name`) it was made for.
 pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 /// Finalizer the scheduler puts on claims it allocates; the controller removes it after deallocating.
@@ -186,15 +188,24 @@ pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
 
 /// Whether the controller should add `pod` to the claim's `reservedFor`: the claim is allocated, not reserved for
 /// it yet, has room, and the pod is scheduled and still going to run (a terminal pod is never re-reserved).
+///
+/// A claim of the pod's PodGroup is reserved for the PodGroup instead (upstream `BindTo`), once.
 pub fn should_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
+    if podgroup::is_group_claim_of(claim, pod) {
+        return may_reserve(claim, pod) && !podgroup::is_reserved_for_group_of(claim, pod);
+    }
     let Some(uid) = pod.metadata.uid.as_deref() else {
         return false;
     };
+    may_reserve(claim, pod) && !is_reserved_for(claim, uid)
+}
+
+/// The claim is allocated and has room left in `reservedFor`, and the pod is scheduled and still going to run.
+fn may_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
     is_scheduled(pod)
         && !is_pod_done(pod)
         && pod.metadata.deletion_timestamp.is_none()
         && is_allocated(claim)
-        && !is_reserved_for(claim, uid)
         && reserved_for(claim).len() < MAX_RESERVED_FOR
 }
 
@@ -223,7 +234,9 @@ pub fn recorded_claim_verdict(seen: Seen<'_>, pod: &Pod) -> RecordedVerdict {
     match seen {
         Seen::Cache(None) => RecordedVerdict::AskServer,
         Seen::Server(None) => RecordedVerdict::Replace("the recorded claim does not exist"),
-        Seen::Cache(Some(claim)) | Seen::Server(Some(claim)) if is_owned_by(claim, pod) => RecordedVerdict::Keep,
+        Seen::Cache(Some(claim)) | Seen::Server(Some(claim)) if podgroup::is_for_pod(claim, pod) => {
+            RecordedVerdict::Keep
+        }
         Seen::Cache(Some(_)) | Seen::Server(Some(_)) => RecordedVerdict::Replace("the recorded claim is not the pod's"),
     }
 }
@@ -253,7 +266,7 @@ where
             ClaimSource::Template { recorded: Recorded::Missing, .. } => return (true, "template claim not recorded"),
             ClaimSource::Template { recorded: Recorded::Claim(name), .. } => match lookup(name) {
                 None => return (true, "recorded claim is missing"),
-                Some(claim) if is_owned_by(&claim, pod) => reservable.push(claim),
+                Some(claim) if podgroup::is_for_pod(&claim, pod) => reservable.push(claim),
                 Some(_) => {}
             },
             ClaimSource::Named(name) => reservable.extend(lookup(name)),
@@ -273,16 +286,15 @@ where
 /// list goes into one status write, so entries never flap between writers. `new` must include statuses applied
 /// earlier that the pod does not show yet: an apply drops what the same field manager applied before and omits.
 pub fn merged_claim_statuses(pod: &Pod, new: &[(String, String)]) -> Vec<PodResourceClaimStatus> {
-    let mut merged: BTreeMap<String, Option<String>> = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.resource_claim_statuses.as_ref())
-        .into_iter()
-        .flatten()
-        .map(|s| (s.name.clone(), s.resource_claim_name.clone()))
-        .collect();
-    for (pod_claim, claim) in new {
-        merged.insert(pod_claim.clone(), Some(claim.clone()));
+    merge_statuses(pod.status.as_ref().and_then(|s| s.resource_claim_statuses.as_deref()).unwrap_or_default(), new)
+}
+
+/// `existing` statuses with `new` merged in (later entries win), sorted by claim name.
+fn merge_statuses(existing: &[PodResourceClaimStatus], new: &[(String, String)]) -> Vec<PodResourceClaimStatus> {
+    let mut merged: BTreeMap<String, Option<String>> =
+        existing.iter().map(|s| (s.name.clone(), s.resource_claim_name.clone())).collect();
+    for (name, claim) in new {
+        merged.insert(name.clone(), Some(claim.clone()));
     }
     merged.into_iter().map(|(name, resource_claim_name)| PodResourceClaimStatus { name, resource_claim_name }).collect()
 }
@@ -300,29 +312,37 @@ pub enum TemplateError {
 /// included; labels and annotations are copied from the template's `spec.metadata` (the cached template itself is
 /// never touched), plus the pod-claim-name annotation; the pod is the controlling owner.
 pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Result<Value, TemplateError> {
+    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
+    let owner =
+        json!({"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod.metadata.uid, "controller": true});
+    claim_from_template(pod_name, pod.metadata.namespace.as_deref(), owner, pod_claim, template)
+}
+
+/// The claim `owner_name`'s claim `claim_name` gets from `template` (see [`desired_claim`]); `owner` is the
+/// controlling owner reference.
+fn claim_from_template(
+    owner_name: &str,
+    namespace: Option<&str>,
+    owner: Value,
+    claim_name: &str,
+    template: &DynamicObject,
+) -> Result<Value, TemplateError> {
     let template_spec = template.data.get("spec").ok_or(TemplateError::NoSpec)?;
     let spec = template_spec.get("spec").ok_or(TemplateError::NoSpec)?.clone();
     let template_meta = template_spec.get("metadata");
     let mut annotations =
         template_meta.and_then(|m| m.get("annotations")).and_then(Value::as_object).cloned().unwrap_or_default();
-    annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), Value::String(pod_claim.into()));
+    annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), Value::String(claim_name.into()));
     let labels = template_meta.and_then(|m| m.get("labels")).cloned().unwrap_or_else(|| json!({}));
-    let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
     Ok(json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {
-            "generateName": claim_generate_name(pod_name, pod_claim),
-            "namespace": pod.metadata.namespace,
+            "generateName": claim_generate_name(owner_name, claim_name),
+            "namespace": namespace,
             "annotations": annotations,
             "labels": labels,
-            "ownerReferences": [{
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": pod_name,
-                "uid": pod.metadata.uid,
-                "controller": true,
-            }],
+            "ownerReferences": [owner],
         },
         "spec": spec,
     }))

@@ -1,0 +1,299 @@
+//! PodGroup claims (KEP-5729: `GenericWorkload` + `DRAWorkloadResourceClaims`), as kube-controller-manager
+//! handles them: a `scheduling.k8s.io` PodGroup's template claim becomes ONE ResourceClaim, owned by the PodGroup
+//! (so the garbage collector deletes it with the group), recorded in `PodGroup.status.resourceClaimStatuses`,
+//! shared by the member pods (each records it in its own status, see [`super::pod`]) and reserved for the
+//! PodGroup; syncClaim drops the PodGroup from `reservedFor` once the group is gone ([`super::claim`]).
+//!
+//! All of it only when the API server serves `scheduling.k8s.io/v1beta1` podgroups (discovery at start): on a
+//! cluster without them the controller watches no PodGroups and treats every pod as before.
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use kube::api::{Api, Patch, PatchParams};
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::{WatchStreamExt, watcher};
+use kube::{Client, ResourceExt};
+use serde_json::json;
+use tracing::{debug, info, instrument, warn};
+
+use super::decide::Recorded;
+use super::decide::podgroup::{self as decide_group, GroupReservation, GroupSeen};
+use super::error::SyncError;
+use super::events::Reason;
+use super::index::object_key;
+use super::pod::{cached_template, post_claim, template_not_found};
+use super::queue::{ObjectKey, WorkKey};
+use super::slim_claim::ResourceClaim;
+use super::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
+use super::{Context, POD_STATUS_FIELD_MANAGER};
+
+/// Whether the API server serves PodGroups and this controller may list them. A cluster without
+/// `GenericWorkload` (the default in 1.37) answers NotFound for the group version. Served but forbidden (an
+/// older chart's RBAC) is logged and counts as "not served": an informer that can never list would keep the
+/// controller from ever becoming ready. Any other failure counts the same; restart to pick PodGroups up.
+pub async fn served(client: &Client, namespace: Option<&str>) -> bool {
+    let served = match client.list_api_group_resources(&format!("{GROUP}/{VERSION}")).await {
+        Ok(list) => list.resources.iter().any(|r| r.name == RESOURCE),
+        Err(kube::Error::Api(status)) if status.code == 404 => false,
+        Err(err) => {
+            warn!(error = %err, "discovery of {GROUP}/{VERSION} failed: PodGroup claims stay unhandled");
+            false
+        }
+    };
+    if !served {
+        return false;
+    }
+    let api = match namespace {
+        Some(ns) => Api::<PodGroup>::namespaced(client.clone(), ns),
+        None => Api::<PodGroup>::all(client.clone()),
+    };
+    match api.list_metadata(&kube::api::ListParams::default().limit(1)).await {
+        Ok(_) => true,
+        Err(err) => {
+            warn!(error = %err, "PodGroups are served but cannot be listed (grant list and watch on \
+                  scheduling.k8s.io podgroups, patch on podgroups/status): PodGroup claims stay unhandled");
+            false
+        }
+    }
+}
+
+/// Watches PodGroups into the cache; events enqueue the group and its member pods.
+pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Writer<PodGroup>, ctx: &Context) {
+    let api = match namespace {
+        Some(ns) => Api::<PodGroup>::namespaced(client, ns),
+        None => Api::<PodGroup>::all(client),
+    };
+    watcher(api, watcher::Config::default())
+        .default_backoff()
+        .reflect(writer)
+        .for_each(|event| {
+            super::cache::on_event("podgroups", event, |e| on_event(ctx, e));
+            futures::future::ready(())
+        })
+        .await;
+}
+
+fn on_event(ctx: &Context, event: &watcher::Event<PodGroup>) {
+    match event {
+        watcher::Event::Apply(group) | watcher::Event::InitApply(group) => {
+            let (needed, reason) = decide_group::pod_group_needs_work(group, |name| {
+                ctx.caches.claim(&group.namespace().unwrap_or_default(), name).is_some()
+            });
+            if needed {
+                debug!(podgroup = %object_key(group), reason, "PodGroup needs work");
+                ctx.queue.add(WorkKey::PodGroup(object_key(group)));
+            }
+            enqueue_members(ctx, group);
+        }
+        watcher::Event::Delete(group) => {
+            // Its reservations go now (upstream: the deleted PodGroup's claims are queued); its claims follow by
+            // the garbage collector, through their owner reference.
+            let namespace = group.namespace().unwrap_or_default();
+            if let Some(uid) = group.metadata.uid.as_deref() {
+                ctx.caches.group_gone(uid);
+                for key in ctx.caches.claims_by_owner.get(uid) {
+                    ctx.queue.add(WorkKey::Claim(key));
+                }
+            }
+            for name in recorded_claims(group) {
+                ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));
+            }
+            enqueue_members(ctx, group);
+        }
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+}
+
+fn recorded_claims(group: &PodGroup) -> Vec<String> {
+    let statuses = group.status.as_ref().and_then(|s| s.resource_claim_statuses.as_deref()).unwrap_or_default();
+    statuses.iter().filter_map(|s| s.resource_claim_name.clone()).collect()
+}
+
+/// Member pods may have a group claim to record or reserve now.
+fn enqueue_members(ctx: &Context, group: &PodGroup) {
+    let namespace = group.namespace().unwrap_or_default();
+    for key in ctx.caches.pods_by_group.get(&format!("{namespace}/{}", group.name_any())) {
+        if let Some(pod) = ctx.caches.pod(&key) {
+            super::cache::enqueue_pod(ctx, &pod, false);
+        }
+    }
+}
+
+/// Enqueues the PodGroup `key` when it is cached and needs work (a claim event for one of its claims).
+pub fn enqueue_group(ctx: &Context, key: &ObjectKey) {
+    if let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name) {
+        on_event(ctx, &watcher::Event::Apply((*group).clone()));
+    }
+}
+
+/// Enqueues the PodGroups of `namespace` that use template `template` (it may have been created late).
+pub fn enqueue_groups_using(ctx: &Context, namespace: &str, template: &str) {
+    for group in ctx.caches.pod_groups.state() {
+        let uses = decide_group::group_claims(&group)
+            .iter()
+            .any(|gc| gc.resource_claim_template_name.as_deref() == Some(template));
+        if uses && group.namespace().as_deref() == Some(namespace) {
+            ctx.queue.add(WorkKey::PodGroup(object_key(&*group)));
+        }
+    }
+}
+
+/// syncPodGroup: give every template claim of the PodGroup its one claim (found or created) and record them
+/// all in ONE status apply.
+#[instrument(skip(ctx, key), fields(podgroup = %key))]
+pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
+    let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name) else {
+        debug!("PodGroup is gone");
+        return Ok(());
+    };
+    if group.metadata.deletion_timestamp.is_some() || ctx.foreign.observe_only() {
+        return Ok(());
+    }
+    let mut to_record = Vec::new();
+    for gc in decide_group::group_claims(&group) {
+        let Some(template) = gc.resource_claim_template_name.as_deref() else { continue };
+        match decide_group::group_recorded(&group, &gc.name) {
+            Recorded::NoClaimNeeded => continue,
+            Recorded::Claim(name) if recorded_claim_exists(ctx, &group, name).await? => continue,
+            Recorded::Claim(_) | Recorded::Missing => {}
+        }
+        let claim = match ctx.caches.group_claim(&group, &gc.name) {
+            Some(found) => found,
+            None => create_claim(ctx, &group, &gc.name, template).await?,
+        };
+        to_record.push((gc.name.clone(), claim.name_any()));
+    }
+    if !to_record.is_empty() {
+        apply_statuses(ctx, &group, &to_record).await?;
+    }
+    Ok(())
+}
+
+/// Upstream `claimExists` for a PodGroup: the informer first, then a live GET; a claim that is gone or not the
+/// group's is replaced.
+async fn recorded_claim_exists(ctx: &Context, group: &PodGroup, name: &str) -> Result<bool, SyncError> {
+    let namespace = group.namespace().unwrap_or_default();
+    let claim = match ctx.caches.claim(&namespace, name) {
+        Some(claim) => Some(claim),
+        None => Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+            .get_opt(name)
+            .await
+            .map_err(|source| SyncError::GetClaim { claim: ObjectKey::new(namespace.clone(), name), source })?
+            .map(Arc::new),
+    };
+    let exists = claim.is_some_and(|c| decide_group::is_for_pod_group(&c, group));
+    if !exists {
+        info!(claim = name, "the recorded claim is gone or not the PodGroup's: replacing it");
+    }
+    Ok(exists)
+}
+
+async fn create_claim(
+    ctx: &Context,
+    group: &PodGroup,
+    group_claim: &str,
+    template_name: &str,
+) -> Result<Arc<ResourceClaim>, SyncError> {
+    let namespace = group.namespace().unwrap_or_default();
+    let template =
+        cached_template(ctx, &namespace, template_name).ok_or_else(|| template_not_found(&namespace, template_name))?;
+    let desired = decide_group::desired_group_claim(group, group_claim, &template)
+        .map_err(|source| SyncError::Template { template: template_name.to_string(), source })?;
+    let created = post_claim(ctx, &namespace, desired, group_claim, template_name, (GROUP, "PodGroup")).await?;
+    if let Some(uid) = group.metadata.uid.as_deref() {
+        ctx.caches.remember_created(uid, created.clone());
+    }
+    info!(claim = %created.name_any(), group_claim, template = template_name, "created ResourceClaim for PodGroup");
+    let note = format!(
+        "Created ResourceClaim {} from template {template_name} for claim {group_claim} of PodGroup {}",
+        created.name_any(),
+        group.name_any()
+    );
+    ctx.events.claim_normal(&created, Reason::ResourceClaimCreated, note);
+    Ok(created)
+}
+
+/// ONE server-side apply of the PodGroup's complete, sorted `resourceClaimStatuses`, under the field manager
+/// kube-controller-manager uses, with the PodGroup's UID as precondition.
+async fn apply_statuses(ctx: &Context, group: &PodGroup, new: &[(String, String)]) -> Result<(), SyncError> {
+    let key = object_key(group);
+    let patch = json!({
+        "apiVersion": format!("{GROUP}/{VERSION}"),
+        "kind": "PodGroup",
+        "metadata": {"name": key.name, "namespace": key.namespace, "uid": group.metadata.uid},
+        "status": {"resourceClaimStatuses": decide_group::merged_group_statuses(group, new)},
+    });
+    let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
+    Api::<PodGroup>::namespaced(ctx.client.clone(), &key.namespace)
+        .patch_status(&key.name, &params, &Patch::Apply(&patch))
+        .await
+        .map_err(|source| SyncError::ApplyPodGroupStatus { group: key.clone(), source })?;
+    info!(entries = new.len(), "recorded claims in the PodGroup status");
+    Ok(())
+}
+
+/// Whose claim a pod claim is (upstream `BindTo`).
+#[derive(Debug)]
+pub enum Membership {
+    /// The pod's own (not in a PodGroup, no PodGroup API, or no matching group claim).
+    Own,
+    /// The PodGroup's; `None` while the group's claim does not exist yet (the PodGroup's sync creates it, and its
+    /// watch event brings the pod back).
+    Group(Option<Arc<ResourceClaim>>),
+    /// The pod names a PodGroup that is not in the cache.
+    MissingGroup(ObjectKey),
+}
+
+/// Upstream `BindTo` + the PodGroup branch of `handleClaim`: whose claim `pod_claim` is, and the group's claim.
+pub fn member_claim(
+    ctx: &Context,
+    pod: &super::slim_pod::Pod,
+    pod_claim: &k8s_openapi::api::core::v1::PodResourceClaim,
+) -> Membership {
+    let Some(group_name) = decide_group::pod_group_name(pod).filter(|_| ctx.caches.groups_served()) else {
+        return Membership::Own;
+    };
+    let namespace = pod.namespace().unwrap_or_default();
+    let Some(group) = ctx.caches.pod_group(&namespace, group_name) else {
+        return Membership::MissingGroup(ObjectKey::new(namespace, group_name));
+    };
+    if !decide_group::binds_to_group(pod, pod_claim, &group) {
+        return Membership::Own;
+    }
+    Membership::Group(ctx.caches.group_claim(&group, &pod_claim.name))
+}
+
+/// syncClaim's rule for a PodGroup in `reservedFor`: whether to keep it (upstream: known deleted → drop; in the
+/// cache → keep unless replaced; not in the cache → ask the API server, as the scheduler may be placing the
+/// group's pods right now). Without the PodGroup API the entry is kept, as any consumer this controller does not
+/// know.
+pub async fn keep_group_reservation(
+    ctx: &Context,
+    namespace: &str,
+    consumer: &k8s_openapi::api::resource::v1::ResourceClaimConsumerReference,
+) -> Result<bool, SyncError> {
+    if !ctx.caches.groups_served() {
+        return Ok(true);
+    }
+    let deleted = ctx.caches.was_deleted(&consumer.uid);
+    let cached = ctx.caches.pod_group(namespace, &consumer.name);
+    let cached_uid = cached.as_ref().and_then(|g| g.metadata.uid.clone());
+    let mut verdict = decide_group::group_reservation(&consumer.uid, deleted, GroupSeen::Cache(cached_uid.as_deref()));
+    if verdict == GroupReservation::AskServer {
+        let key = ObjectKey::new(namespace, consumer.name.clone());
+        let live = Api::<PodGroup>::namespaced(ctx.client.clone(), namespace)
+            .get_opt(&consumer.name)
+            .await
+            .map_err(|source| SyncError::GetPodGroup { group: key, source })?;
+        let live_uid = live.and_then(|g| g.metadata.uid);
+        verdict = decide_group::group_reservation(&consumer.uid, false, GroupSeen::Server(live_uid.as_deref()));
+    }
+    match verdict {
+        GroupReservation::Drop(why) => {
+            info!(podgroup = %consumer.name, why, "dropping reservation");
+            Ok(false)
+        }
+        GroupReservation::Keep | GroupReservation::AskServer => Ok(true),
+    }
+}
