@@ -18,7 +18,8 @@ use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
 use super::decide::Recorded;
-use super::decide::podgroup::{self as decide_group, GroupReservation, GroupSeen};
+use super::decide::Seen;
+use super::decide::podgroup::{self as decide_group, GroupReservation};
 use super::error::SyncError;
 use super::events::Reason;
 use super::index::object_key;
@@ -279,7 +280,7 @@ pub async fn keep_group_reservation(
     let deleted = ctx.caches.was_deleted(&consumer.uid);
     let cached = ctx.caches.pod_group(namespace, &consumer.name);
     let cached_uid = cached.as_ref().and_then(|g| g.metadata.uid.clone());
-    let mut verdict = decide_group::group_reservation(&consumer.uid, deleted, GroupSeen::Cache(cached_uid.as_deref()));
+    let mut verdict = decide_group::group_reservation(&consumer.uid, deleted, Seen::Cache(cached_uid.as_deref()));
     if verdict == GroupReservation::AskServer {
         let key = ObjectKey::new(namespace, consumer.name.clone());
         let live = Api::<PodGroup>::namespaced(ctx.client.clone(), namespace)
@@ -287,7 +288,7 @@ pub async fn keep_group_reservation(
             .await
             .map_err(|source| SyncError::GetPodGroup { group: key, source })?;
         let live_uid = live.and_then(|g| g.metadata.uid);
-        verdict = decide_group::group_reservation(&consumer.uid, false, GroupSeen::Server(live_uid.as_deref()));
+        verdict = decide_group::group_reservation(&consumer.uid, false, Seen::Server(live_uid.as_deref()));
     }
     match verdict {
         GroupReservation::Drop(why) => {

@@ -209,13 +209,13 @@ fn may_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
         && reserved_for(claim).len() < MAX_RESERVED_FOR
 }
 
-/// Where the claim recorded for a template pod claim was looked up.
+/// Where an object was looked up (a recorded claim, a PodGroup named in `reservedFor`), and what was found.
 #[derive(Debug, Clone, Copy)]
-pub enum Seen<'a> {
-    /// The informer (and the claims this controller created that it does not show yet).
-    Cache(Option<&'a ResourceClaim>),
+pub enum Seen<T> {
+    /// The informer (for claims, also those this controller created that it does not show yet).
+    Cache(Option<T>),
     /// A live GET; `None` is NotFound.
-    Server(Option<&'a ResourceClaim>),
+    Server(Option<T>),
 }
 
 /// What to do about the claim a pod's status records for a template pod claim (upstream `claimExists`).
@@ -230,7 +230,7 @@ pub enum RecordedVerdict {
     Replace(&'static str),
 }
 
-pub fn recorded_claim_verdict(seen: Seen<'_>, pod: &Pod) -> RecordedVerdict {
+pub fn recorded_claim_verdict(seen: Seen<&ResourceClaim>, pod: &Pod) -> RecordedVerdict {
     match seen {
         Seen::Cache(None) => RecordedVerdict::AskServer,
         Seen::Server(None) => RecordedVerdict::Replace("the recorded claim does not exist"),

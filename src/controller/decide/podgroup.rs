@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
 use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
-use super::{Recorded, TemplateError, claim_from_template, is_owned_by, reserved_for};
+use super::{Recorded, Seen, TemplateError, claim_from_template, is_owned_by, reserved_for};
 use crate::controller::slim_claim::ResourceClaim;
 use crate::controller::slim_pod::Pod;
 use crate::controller::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
@@ -97,14 +97,6 @@ pub fn is_reserved_for_group_of(claim: &ResourceClaim, pod: &Pod) -> bool {
     pod_group_name(pod).is_some_and(|g| reserved_for(claim).iter().any(|r| is_group_consumer(r) && r.name == g))
 }
 
-/// Where the PodGroup a `reservedFor` entry names was looked up; the value is the UID of the PodGroup of that
-/// name, `None` when there is none.
-#[derive(Debug, Clone, Copy)]
-pub enum GroupSeen<'a> {
-    Cache(Option<&'a str>),
-    Server(Option<&'a str>),
-}
-
 /// What to do with a PodGroup's `reservedFor` entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupReservation {
@@ -117,15 +109,15 @@ pub enum GroupReservation {
 
 /// Upstream's rule for a PodGroup in `reservedFor`: dropped once the PodGroup is known deleted, gone, or replaced
 /// by one with another UID; kept while it exists.
-pub fn group_reservation(consumer_uid: &str, known_deleted: bool, seen: GroupSeen<'_>) -> GroupReservation {
+pub fn group_reservation(consumer_uid: &str, known_deleted: bool, seen: Seen<&str>) -> GroupReservation {
     if known_deleted {
         return GroupReservation::Drop("PodGroup was deleted");
     }
     match seen {
-        GroupSeen::Cache(None) => GroupReservation::AskServer,
-        GroupSeen::Server(None) => GroupReservation::Drop("PodGroup not found"),
-        GroupSeen::Cache(Some(uid)) | GroupSeen::Server(Some(uid)) if uid == consumer_uid => GroupReservation::Keep,
-        GroupSeen::Cache(Some(_)) | GroupSeen::Server(Some(_)) => {
+        Seen::Cache(None) => GroupReservation::AskServer,
+        Seen::Server(None) => GroupReservation::Drop("PodGroup not found"),
+        Seen::Cache(Some(uid)) | Seen::Server(Some(uid)) if uid == consumer_uid => GroupReservation::Keep,
+        Seen::Cache(Some(_)) | Seen::Server(Some(_)) => {
             GroupReservation::Drop("PodGroup was replaced by one with another UID")
         }
     }

@@ -111,13 +111,13 @@ fn a_group_needs_work_until_each_template_claim_is_recorded_and_exists() {
 fn a_group_reservation_is_dropped_only_when_the_group_is_surely_gone() {
     use GroupReservation::*;
     let cases = [
-        (true, GroupSeen::Cache(Some("u")), Drop("PodGroup was deleted")),
-        (false, GroupSeen::Cache(Some("u")), Keep),
-        (false, GroupSeen::Cache(None), AskServer),
-        (false, GroupSeen::Server(None), Drop("PodGroup not found")),
-        (false, GroupSeen::Server(Some("u")), Keep),
-        (false, GroupSeen::Cache(Some("v")), Drop("PodGroup was replaced by one with another UID")),
-        (false, GroupSeen::Server(Some("v")), Drop("PodGroup was replaced by one with another UID")),
+        (true, Seen::Cache(Some("u")), Drop("PodGroup was deleted")),
+        (false, Seen::Cache(Some("u")), Keep),
+        (false, Seen::Cache(None), AskServer),
+        (false, Seen::Server(None), Drop("PodGroup not found")),
+        (false, Seen::Server(Some("u")), Keep),
+        (false, Seen::Cache(Some("v")), Drop("PodGroup was replaced by one with another UID")),
+        (false, Seen::Server(Some("v")), Drop("PodGroup was replaced by one with another UID")),
     ];
     for (i, (deleted, seen, want)) in cases.iter().enumerate() {
         assert_eq!(group_reservation("u", *deleted, *seen), *want, "case {i}");
