@@ -179,6 +179,17 @@ fn delete(ctx: &TestContext, documents: &[(String, String)]) {
 }
 
 /// The one applied object of `kind` (and `component`, when given).
+/// A node name unique to the test: `prefix` and the random suffix of the test's namespace.
+fn test_node_name(ctx: &TestContext, prefix: &str) -> String {
+    let ns = ctx.namespace.as_str();
+    format!("{prefix}-{}", &ns[ns.len() - 6..])
+}
+
+/// The pod spec of the node agent's DaemonSet among the applied objects.
+fn node_agent_pod_spec(applied: &[Value]) -> anyhow::Result<&Value> {
+    Ok(&object(applied, "DaemonSet", Some("node-agent"))?["spec"]["template"]["spec"])
+}
+
 fn object<'a>(objects: &'a [Value], kind: &str, component: Option<&str>) -> anyhow::Result<&'a Value> {
     let mut found = objects.iter().filter(|o| {
         o["kind"] == kind

@@ -173,11 +173,9 @@ pub(super) async fn policy_in_force(ctx: &TestContext, client: &kube::Client, ot
 
 async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], class: &str) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
-    let suffix = &ns[ns.len() - 6..];
-    let node = format!("gpu-node-{suffix}");
+    let node = test_node_name(ctx, "gpu-node");
     ctx.cluster.add_node(&node)?;
-    let daemonset = object(applied, "DaemonSet", Some("node-agent"))?;
-    let pod_spec = &daemonset["spec"]["template"]["spec"];
+    let pod_spec = node_agent_pod_spec(applied)?;
     let account = pod_spec["serviceAccountName"].as_str().context("no serviceAccountName")?;
 
     let granted = rules(object(applied, "ClusterRole", Some("node-agent"))?);
@@ -193,7 +191,7 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
     let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{ns}-node-agent"), &token)?;
     let client = client_for(&kubeconfig).await?;
     // The agent runs under the policy, not before it is in force.
-    policy_in_force(ctx, &client, &format!("other-{suffix}")).await?;
+    policy_in_force(ctx, &client, &test_node_name(ctx, "other")).await?;
 
     let dirs = NodeDirs::new()?;
     std::fs::write(dirs.boot_id_file(), "boot-1\n")?;

@@ -22,11 +22,9 @@ const HOST_PATH_VARS: [&str; 4] =
 
 async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
-    let suffix = &ns[ns.len() - 6..];
-    let node = format!("mounts-{suffix}");
+    let node = test_node_name(ctx, "mounts");
     ctx.cluster.add_node(&node)?;
-    let daemonset = object(applied, "DaemonSet", Some("node-agent"))?;
-    let pod_spec = &daemonset["spec"]["template"]["spec"];
+    let pod_spec = node_agent_pod_spec(applied)?;
     let container = &pod_spec["containers"][0];
     check_node_agent_mounts(pod_spec, DRIVER, false)?;
 
@@ -55,7 +53,7 @@ async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -
     let account = pod_spec["serviceAccountName"].as_str().context("no serviceAccountName")?;
     let token = node_bound_token(ctx, account, &node).await?;
     let kubeconfig = ctx.cluster.kubeconfig_for_token(&format!("{ns}-mounts"), &token)?;
-    policy_in_force(ctx, &client_for(&kubeconfig).await?, &format!("other-{suffix}")).await?;
+    policy_in_force(ctx, &client_for(&kubeconfig).await?, &test_node_name(ctx, "other")).await?;
     let fields = HashMap::from([("spec.nodeName", node.clone())]);
     let args = command_line(container, "node-agent", &fields, &overrides)?;
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

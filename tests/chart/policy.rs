@@ -10,11 +10,9 @@ pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: T
 
 async fn policy_refusals(ctx: &TestContext, applied: &[Value]) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
-    let suffix = &ns[ns.len() - 6..];
-    let (own, other) = (format!("own-{suffix}"), format!("other-{suffix}"));
+    let (own, other) = (test_node_name(ctx, "own"), test_node_name(ctx, "other"));
     ctx.cluster.add_node(&own)?;
-    let daemonset = object(applied, "DaemonSet", Some("node-agent"))?;
-    let account = daemonset["spec"]["template"]["spec"]["serviceAccountName"].as_str().context("no account")?;
+    let account = node_agent_pod_spec(applied)?["serviceAccountName"].as_str().context("no account")?;
     let bound = node_bound_token(ctx, account, &own).await?;
     let agent = client_for(&ctx.cluster.kubeconfig_for_token(&format!("{ns}-bound"), &bound)?).await?;
     let unbound = token(ctx, account, None).await?;
