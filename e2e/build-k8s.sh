@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the real Kubernetes components the tests run against, from their published Go modules:
-# etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl and helm.
+# etcd, kube-apiserver, kube-scheduler, kube-controller-manager, kubectl, kubelet, kube-proxy and helm.
 #
 # Binaries land in a version-keyed cache outside the repository and are built only when missing:
 #   ${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra/k8s-<version>/bin/
@@ -55,7 +55,7 @@ go_in() {
 }
 
 build_kubernetes() {
-    local want=(kube-apiserver kube-scheduler kube-controller-manager kubectl)
+    local want=(kube-apiserver kube-scheduler kube-controller-manager kubectl kubelet kube-proxy)
     local missing=()
     for b in "${want[@]}"; do [[ -x "$K8S_BIN/$b" ]] || missing+=("$b"); done
     if [[ ${#missing[@]} -eq 0 ]]; then

@@ -18,3 +18,14 @@ HADOLINT_VERSION=${HADOLINT_VERSION:-2.15.1}
 HADOLINT_DIR="$GPU_DRA_CACHE/hadolint-$HADOLINT_VERSION"
 # grpc-python, one of the gRPC clients the plugin's sockets are tested against (e2e/build-grpc-python.sh).
 GRPCIO_VERSION=${GRPCIO_VERSION:-1.85.1}
+# The real node (e2e/build-node.sh, e2e/node.sh): the container runtime and network plugins a kubelet runs pods with.
+CONTAINERD_VERSION=${CONTAINERD_VERSION:-v2.4.2}
+RUNC_VERSION=${RUNC_VERSION:-v1.3.3}
+CNI_PLUGINS_VERSION=${CNI_PLUGINS_VERSION:-v1.10.0}
+CRICTL_VERSION=${CRICTL_VERSION:-v1.37.0}
+NODE_BIN="$GPU_DRA_CACHE/node-containerd-$CONTAINERD_VERSION-runc-$RUNC_VERSION/bin"
+CNI_BIN="$GPU_DRA_CACHE/cni-plugins-$CNI_PLUGINS_VERSION/bin"
+CRICTL_BIN="$GPU_DRA_CACHE/crictl-$CRICTL_VERSION/bin"
+# Debian packages the real node needs: runc's seccomp support, iptables/nft for kube-proxy and the CNI bridge's
+# masquerading, busybox for the pause and workload images.
+NODE_DEBIAN_PACKAGES=(libseccomp-dev pkg-config iptables nftables busybox-static)
