@@ -4,7 +4,9 @@
 # creates Ready Node objects that the scheduler places pods on.
 #
 # Usage:
-#   e2e/cluster.sh up [--with-kcm-claim-controller]   start (or find running) and print `export KUBECONFIG=...`
+#   e2e/cluster.sh up [--with-kcm-claim-controller] [--for-real-node]
+#                                                      start (or find running) and print `export KUBECONFIG=...`;
+#                                                      --for-real-node: ready for e2e/node.sh (see below)
 #   e2e/cluster.sh env                                 print the KUBECONFIG and PATH exports of the running cluster
 #   e2e/cluster.sh add-node NAME [KEY=VALUE ...]      create a Ready Node (extra labels optional)
 #   e2e/cluster.sh run NAME CMD [ARG ...]              start CMD detached with the cluster's KUBECONFIG, logging to
@@ -23,6 +25,15 @@
 #                                    an API group version that is off by default)
 #   GPU_DRA_E2E_KCM_CONTROLLERS      more kube-controller-manager controllers, added to the default list, e.g.
 #                                    job-controller,deployment-controller,replicaset-controller
+#   GPU_DRA_E2E_REAL_NODE=1          same as --for-real-node
+#   GPU_DRA_E2E_NODE_IP              with --for-real-node: the node's address (default: this machine's address
+#                                    on its default route)
+#
+# --for-real-node makes the control plane one a kubelet and pods can use, as on any cluster: the API server listens
+# on every address and advertises the node's, so the `kubernetes` Service (10.0.0.1) has an endpoint pods reach
+# through kube-proxy; Node,RBAC authorization with NodeRestriction; ServiceAccount admission (pods get tokens);
+# kube-controller-manager also runs the serviceaccount, root-ca-certificate-publisher, deployment, replicaset,
+# daemonset and job controllers. `down` first takes down every real node e2e/node.sh started.
 #
 # The API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the controller tests use it
 # to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim generation.
@@ -34,12 +45,16 @@ set -euo pipefail
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=e2e/versions.sh
 source "$E2E_DIR/versions.sh"
+# shellcheck source=e2e/pki.sh
+source "$E2E_DIR/pki.sh"
 
 STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
 STATE="${STATE%/}"
+# Set by `up --for-real-node`: the node's address; the `kubernetes` Service's address in --service-cluster-ip-range.
+NODE_IP=""
+SERVICE_IP=10.0.0.1
 PIDS="$STATE/pids"
 LOGS="$STATE/logs"
-CLUSTER_NAME=gpu-dra-e2e
 START_TIMEOUT_S=${GPU_DRA_E2E_START_TIMEOUT_S:-90}
 
 log() { printf '[cluster] %s\n' "$*" >&2; }
@@ -111,6 +126,15 @@ clean_stale_state() {
 
 kubectl_admin() { "$K8S_BIN/kubectl" --kubeconfig "$STATE/kubeconfig" "$@"; }
 
+# The source address of this machine's default route (where a real node's pods and kubelet reach the API server).
+default_route_address() {
+    local a
+    # A route lookup only: nothing is sent.
+    a=$(ip -4 route get 1.1.1.1 2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p' | head -n 1)
+    [[ -n "$a" ]] || a=$(ip -4 -o addr show scope global 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -n 1)
+    echo "$a"
+}
+
 # --- ports -----------------------------------------------------------------------------------------------------
 
 free_port() {
@@ -132,56 +156,26 @@ PY
 # --- certificates ----------------------------------------------------------------------------------------------
 
 make_certs() {
-    local d="$STATE/pki"
+    local d="$STATE/pki" san="IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc"
+    # Pods of a real node reach the API server through the `kubernetes` Service's first address, and the kubelet
+    # through the node's address.
+    [[ -n "$NODE_IP" ]] && san+=",IP:$NODE_IP,IP:$SERVICE_IP,DNS:kubernetes.default,DNS:kubernetes"
     mkdir -p "$d"
-    (
-        cd "$d"
-        openssl ecparam -name prime256v1 -genkey -noout -out ca.key 2>/dev/null
-        openssl req -x509 -new -key ca.key -subj "/CN=gpu-dra-e2e-ca" -days 365 -out ca.crt 2>/dev/null
-        issue() { # name subject [san]
-            openssl ecparam -name prime256v1 -genkey -noout -out "$1.key" 2>/dev/null
-            openssl req -new -key "$1.key" -subj "$2" -out "$1.csr" 2>/dev/null
-            local ext="$1.ext"
-            if [[ -n "${3:-}" ]]; then
-                printf 'subjectAltName=%s\nextendedKeyUsage=serverAuth\n' "$3" >"$ext"
-            else
-                printf 'extendedKeyUsage=clientAuth\n' >"$ext"
-            fi
-            openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
-                -extfile "$ext" -out "$1.crt" 2>/dev/null
-            rm -f "$1.csr" "$ext"
-        }
-        issue apiserver "/CN=kube-apiserver" "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc"
-        issue admin "/O=system:masters/CN=gpu-dra-e2e-admin"
-        issue scheduler "/CN=system:kube-scheduler"
-        issue kcm "/CN=system:kube-controller-manager"
-        openssl genrsa -out sa.key 2048 2>/dev/null
-        openssl rsa -in sa.key -pubout -out sa.pub 2>/dev/null
-    ) || die "creating certificates with openssl failed in $d"
+    {
+        openssl ecparam -name prime256v1 -genkey -noout -out "$d/ca.key" 2>/dev/null &&
+            openssl req -x509 -new -key "$d/ca.key" -subj "/CN=gpu-dra-e2e-ca" -days 365 -out "$d/ca.crt" 2>/dev/null &&
+            pki_issue "$d" apiserver "/CN=kube-apiserver" "$san" &&
+            pki_issue "$d" admin "/O=system:masters/CN=gpu-dra-e2e-admin" &&
+            pki_issue "$d" scheduler "/CN=system:kube-scheduler" &&
+            pki_issue "$d" kcm "/CN=system:kube-controller-manager" &&
+            openssl genrsa -out "$d/sa.key" 2048 2>/dev/null &&
+            openssl rsa -in "$d/sa.key" -pubout -out "$d/sa.pub" 2>/dev/null
+    } || die "creating certificates with openssl failed in $d"
 }
 
 # kubeconfig FILE USER CERT-NAME
 write_kubeconfig() {
-    local b64='base64 -w0'
-    cat >"$1" <<KC
-apiVersion: v1
-kind: Config
-clusters:
-- name: $CLUSTER_NAME
-  cluster:
-    server: https://127.0.0.1:$API_PORT
-    certificate-authority-data: $($b64 <"$STATE/pki/ca.crt")
-users:
-- name: $2
-  user:
-    client-certificate-data: $($b64 <"$STATE/pki/$3.crt")
-    client-key-data: $($b64 <"$STATE/pki/$3.key")
-contexts:
-- name: $CLUSTER_NAME
-  context: {cluster: $CLUSTER_NAME, user: $2}
-current-context: $CLUSTER_NAME
-KC
-    chmod 600 "$1"
+    pki_kubeconfig "$1" "https://127.0.0.1:$API_PORT" "$STATE/pki/ca.crt" "$2" "$STATE/pki/$3.crt" "$STATE/pki/$3.key"
 }
 
 # --- components ------------------------------------------------------------------------------------------------
@@ -244,16 +238,24 @@ start_apiserver() {
     else
         API_PORT=$(free_port)
     fi
+    # The default: reachable only from this machine, no kubelet, no tokens in pods. A real node needs more (header).
+    local listen=(--bind-address 127.0.0.1 --advertise-address 127.0.0.1 --endpoint-reconciler-type none
+        --authorization-mode RBAC --disable-admission-plugins ServiceAccount)
+    if [[ -n "$NODE_IP" ]]; then
+        listen=(--bind-address 0.0.0.0 --advertise-address "$NODE_IP" --endpoint-reconciler-type lease
+            --authorization-mode Node,RBAC --enable-admission-plugins NodeRestriction
+            --kubelet-client-certificate "$STATE/pki/admin.crt" --kubelet-client-key "$STATE/pki/admin.key"
+            --kubelet-preferred-address-types InternalIP,Hostname)
+    fi
     # shellcheck disable=SC2086
     start kube-apiserver "$K8S_BIN/kube-apiserver" \
         --etcd-servers "http://127.0.0.1:$ETCD_PORT" --cert-dir "$STATE/pki" \
         --tls-cert-file "$STATE/pki/apiserver.crt" --tls-private-key-file "$STATE/pki/apiserver.key" \
-        --client-ca-file "$STATE/pki/ca.crt" --secure-port "$API_PORT" --bind-address 127.0.0.1 \
-        --advertise-address 127.0.0.1 --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true \
-        --authorization-mode RBAC --disable-admission-plugins ServiceAccount \
+        --client-ca-file "$STATE/pki/ca.crt" --secure-port "$API_PORT" "${listen[@]}" \
+        --service-cluster-ip-range 10.0.0.0/24 --allow-privileged=true \
         --service-account-issuer "https://127.0.0.1:$API_PORT/" \
         --service-account-key-file "$STATE/pki/sa.pub" --service-account-signing-key-file "$STATE/pki/sa.key" \
-        --endpoint-reconciler-type none --profiling=false \
+        --profiling=false \
         --feature-gates "DRADerivedAttributes=true${GPU_DRA_E2E_FEATURE_GATES:+,$GPU_DRA_E2E_FEATURE_GATES}" \
         ${GPU_DRA_E2E_RUNTIME_CONFIG:+--runtime-config "$GPU_DRA_E2E_RUNTIME_CONFIG"} ${GPU_DRA_E2E_APISERVER_FLAGS:-}
     wait_healthy kube-apiserver https_ok "https://127.0.0.1:$API_PORT/readyz"
@@ -280,13 +282,19 @@ print_env() {
 # --- commands --------------------------------------------------------------------------------------------------
 
 cmd_up() {
-    local kcm_claim_controller=${GPU_DRA_KCM_CLAIM_CONTROLLER:-0}
+    local kcm_claim_controller=${GPU_DRA_KCM_CLAIM_CONTROLLER:-0} real_node=${GPU_DRA_E2E_REAL_NODE:-0}
     for arg in "$@"; do
         case "$arg" in
             --with-kcm-claim-controller) kcm_claim_controller=1 ;;
-            *) die "unknown option to up: $arg (known: --with-kcm-claim-controller)" ;;
+            --for-real-node) real_node=1 ;;
+            *) die "unknown option to up: $arg (known: --with-kcm-claim-controller, --for-real-node)" ;;
         esac
     done
+    if [[ "$real_node" == 1 ]]; then
+        NODE_IP=${GPU_DRA_E2E_NODE_IP:-$(default_route_address)}
+        [[ "$NODE_IP" =~ ^[0-9]+\.[0-9]+\.[0-9]+\.[0-9]+$ && "$NODE_IP" != 127.* ]] ||
+            die "--for-real-node needs a non-loopback IPv4 address for the node; found '${NODE_IP}'. Set GPU_DRA_E2E_NODE_IP to one of this machine's addresses"
+    fi
     check_list GPU_DRA_E2E_FEATURE_GATES '[A-Za-z0-9]+=(true|false)' 'GenericWorkload=true,DRAWorkloadResourceClaims=true'
     check_list GPU_DRA_E2E_RUNTIME_CONFIG '[A-Za-z0-9./-]+(=(true|false))?' 'scheduling.k8s.io/v1alpha2=true'
     check_list GPU_DRA_E2E_KCM_CONTROLLERS '-?[a-z][a-z0-9-]*' 'job-controller,deployment-controller'
@@ -307,6 +315,7 @@ cmd_up() {
     local t0=$SECONDS
     mkdir -p "$STATE" "$LOGS"
     : >"$PIDS"
+    [[ -n "$NODE_IP" ]] && echo "$NODE_IP" >"$STATE/node-ip"
     # Whatever fails from here on (a component, openssl, a write) leaves nothing running.
     trap 'rc=$?; [[ $rc -eq 0 ]] || stop_recorded' EXIT
     make_certs
@@ -319,13 +328,18 @@ cmd_up() {
     start_kube_component kube-scheduler kube-scheduler "$STATE/scheduler.kubeconfig" \
         --cert-dir "$STATE/pki/kube-scheduler" ${GPU_DRA_E2E_SCHEDULER_FLAGS:-}
 
-    local controllers=garbage-collector-controller,namespace-controller
+    local controllers=garbage-collector-controller,namespace-controller kcm_real_node_flags=()
     [[ "$kcm_claim_controller" == 1 ]] && controllers+=,resourceclaim-controller
+    if [[ -n "$NODE_IP" ]]; then
+        controllers+=,serviceaccount-controller,root-ca-certificate-publisher-controller,deployment-controller
+        controllers+=,replicaset-controller,daemonset-controller,job-controller
+        kcm_real_node_flags=(--root-ca-file "$STATE/pki/ca.crt")
+    fi
     [[ -n "${GPU_DRA_E2E_KCM_CONTROLLERS:-}" ]] && controllers+=,$GPU_DRA_E2E_KCM_CONTROLLERS
     # shellcheck disable=SC2086
     start_kube_component kube-controller-manager kube-controller-manager "$STATE/kubeconfig" \
         --cert-dir "$STATE/pki/kube-controller-manager" --controllers "$controllers" \
-        --use-service-account-credentials=false ${GPU_DRA_E2E_KCM_FLAGS:-}
+        --use-service-account-credentials=false "${kcm_real_node_flags[@]}" ${GPU_DRA_E2E_KCM_FLAGS:-}
 
     if [[ -n "${GPU_DRA_E2E_OWNER_PID:-}" ]]; then
         echo "$GPU_DRA_E2E_OWNER_PID" >"$STATE/owner-pid"
@@ -341,6 +355,11 @@ cmd_down() {
     if [[ ! -e "$STATE" ]]; then
         log "nothing to stop: $STATE does not exist"
         return 0
+    fi
+    # Real nodes first: their pods must be unprepared and their mounts, networks and rules removed while the API
+    # server still answers.
+    if [[ -d "$STATE/nodes" ]]; then
+        GPU_DRA_E2E_DIR="$STATE" "$E2E_DIR/node.sh" down --all || log "taking down the real node(s) failed; continuing"
     fi
     stop_recorded
     rm -rf "$STATE"
