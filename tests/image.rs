@@ -4,6 +4,8 @@
 //! without one, from the Dockerfile's runtime stage, and the pause and workload images a real node runs; the tests
 //! below check those archives as containerd would import them and run their content with `chroot`.
 
+#[path = "image/containerd.rs"]
+mod containerd;
 #[path = "image/layout.rs"]
 mod layout;
 
