@@ -20,6 +20,7 @@ import hashlib
 import io
 import json
 import os
+import pathlib
 import re
 import shlex
 import struct
@@ -290,7 +291,7 @@ def runtime_stage(dockerfile: str, context: str, build_args: dict[str, str], bin
     """Reads the last stage of the Dockerfile. `binary`, when given, replaces the file the COPY takes from the build
     stage (the build stage's `install` names its path in the build context, e.g. target/release/gpu-dra)."""
     try:
-        text = open(dockerfile, encoding="utf-8").read()
+        text = pathlib.Path(dockerfile).read_text(encoding="utf-8")
     except OSError as e:
         raise BuildError(f"cannot read the Dockerfile: {e}") from e
     stages: list[tuple[str, list[Instruction]]] = []
@@ -378,11 +379,11 @@ def gpu_dra_image(name: str, dockerfile: str, context: str, build_args: dict[str
     for dest, host, mode, _ in stage.copies:
         if not os.path.isfile(host):
             raise BuildError(f"{host} does not exist: build it first with `make release` (cargo build --release)")
-        copied.append(file(dest, open(host, "rb").read(), mode))
+        copied.append(file(dest, pathlib.Path(host).read_bytes(), mode))
         libraries.update(linked_libraries(host))
     # At the path the loader and ldd name, with the content of the file behind any symlink (Debian's /lib64 and
     # /lib are links into /usr; here they are plain directories).
-    base += [file(path, open(path, "rb").read(), 0o755) for path in sorted(libraries)]
+    base += [file(path, pathlib.Path(path).read_bytes(), 0o755) for path in sorted(libraries)]
     config = {"User": stage.user, "Entrypoint": stage.entrypoint, "Env": [DEFAULT_PATH], "Labels": stage.labels}
     history = [f"stand-in for {stage.base}: {' '.join(sorted(libraries))}, /etc/passwd, /etc/group (e2e/oci_image.py)"]
     history += [c[3] for c in stage.copies]
@@ -403,7 +404,7 @@ def busybox_layer(busybox: str) -> list[Entry]:
         applets = subprocess.run([busybox, "--list-full"], check=True, capture_output=True, text=True).stdout.split()
     except (OSError, subprocess.CalledProcessError) as e:
         raise BuildError(f"{busybox} --list-full failed ({e}): is it busybox?") from e
-    entries = [file("bin/busybox", open(busybox, "rb").read(), 0o755)]
+    entries = [file("bin/busybox", pathlib.Path(busybox).read_bytes(), 0o755)]
     entries += [symlink(a, "/bin/busybox") for a in applets if a.strip("/") != "bin/busybox"]
     entries += [file("etc/passwd", BUSYBOX_PASSWD.encode()), file("etc/group", BUSYBOX_GROUP.encode())]
     entries += [directory(d) for d in ("proc", "sys", "dev", "etc")]

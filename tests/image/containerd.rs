@@ -13,8 +13,11 @@ use super::{KillOnDrop, PAUSE, WORKLOAD, built, gpu_dra_name, repo, scratch};
 
 const NAMESPACE: &str = "gpu-dra-image-test";
 
-/// The directory `e2e/build-node.sh` puts containerd, its runc shim, ctr and runc in.
+/// The directory `e2e/build-node.sh` puts containerd, its runc shim, ctr and runc in, after running it (it builds
+/// what its cache lacks, in minutes, and returns at once when everything is cached).
 fn node_bin() -> PathBuf {
+    let status = Command::new(repo().join("e2e/build-node.sh")).stdout(Stdio::null()).status();
+    assert!(status.is_ok_and(|s| s.success()), "e2e/build-node.sh failed; its output above says why");
     let versions = repo().join("e2e/versions.sh");
     let dir = run(Command::new("bash").args(["-c", "source \"$0\" && printf %s \"$NODE_BIN\""]).arg(versions));
     let dir = PathBuf::from(dir);
