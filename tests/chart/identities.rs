@@ -24,6 +24,7 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
         ("", "pods/status", "patch"),
         ("resource.k8s.io", "resourceclaims", "create,delete,get,list,patch,watch"),
         ("resource.k8s.io", "resourceclaims/status", "patch"),
+        ("resource.k8s.io", "resourceclaims/binding", "patch"),
         ("resource.k8s.io", "resourceclaimtemplates", "list,watch"),
         ("scheduling.k8s.io", "podgroups", "get,list,watch"),
         ("scheduling.k8s.io", "podgroups/status", "patch"),
@@ -87,6 +88,24 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
     forbidden("list secrets", Api::<Secret>::namespaced(client.clone(), ns).list(&ListParams::default()).await)?;
     forbidden("list ResourceSlices", Api::<ResourceSlice>::all(client.clone()).list(&ListParams::default()).await)?;
     forbidden("read another Lease", Api::<Lease>::namespaced(client.clone(), ns).get("kube-controller-manager").await)?;
+    // The claim allocated, reserved and protected as the scheduler does it, then the pod deleted: the controller drops the
+    // reservation (1.36+ authorizes that change twice: resourceclaims/status and the synthetic
+    // resourceclaims/binding) and the claim goes.
+    let trainer_uid = pods.get("trainer").await?.metadata.uid.context("pod without uid")?;
+    let status = json!({"status": {
+        "allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": "gpu.gpu-dra.dev", "pool": "some-node", "device": "gpu-0"}]}},
+        "reservedFor": [{"resource": "pods", "name": "trainer", "uid": trainer_uid}]
+    }});
+    let protect = json!({"metadata": {"finalizers": ["resource.kubernetes.io/delete-protection"]}});
+    objects::claims(ctx).patch(&recorded, &PatchParams::default(), &Patch::Merge(&protect)).await?;
+    objects::claims(ctx).patch_status(&recorded, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    pods.delete("trainer", &Default::default()).await?;
+    wait::until("the deleted pod's claim to be released and deleted", SETTLE, || async {
+        Ok(objects::claims(ctx).get_opt(&recorded).await?.is_none().then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
     ensure!(
         !controller.log_text().contains("forbidden"),
         "the controller was refused something:\n{}",

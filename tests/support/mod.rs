@@ -14,6 +14,7 @@ pub mod harness;
 pub mod node;
 pub mod objects;
 pub mod process;
+pub mod real_node;
 pub mod wait;
 
 use std::future::Future;
@@ -74,17 +75,44 @@ pub fn run_with(binary: &str, kcm_claim_controller: bool, tests: &[Test]) -> ! {
 
 /// Like [`run_with`], passing `env` to `e2e/cluster.sh up` (e.g. more kube-controller-manager controllers).
 pub fn run_with_env(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)], tests: &[Test]) -> ! {
-    run_on(binary, tests, || Cluster::start_with(binary, kcm_claim_controller, env))
+    run_on(binary, tests, Pace::default(), || Cluster::start_with(binary, kcm_claim_controller, env))
+}
+
+/// Runs `tests` one at a time, each up to `timeout`, on a control plane of the binary's own that a real node can
+/// join (`e2e/cluster.sh up --for-real-node`). A machine that cannot run a real node (not root, node binaries
+/// missing) is handled like a missing cluster: the tests are ignored, or fail under CI.
+pub fn run_on_real_node_cluster(binary: &str, timeout: Duration, tests: &[Test]) -> ! {
+    let pace = Pace { serial: true, timeout };
+    run_on(binary, tests, pace, || {
+        real_node::can_run()?;
+        Cluster::start_own(binary, false, real_node::CLUSTER_ENV)
+    })
+}
+
+/// How a binary's tests run: in parallel or one at a time, and how long each may take.
+#[derive(Clone, Copy)]
+struct Pace {
+    serial: bool,
+    timeout: Duration,
+}
+
+impl Default for Pace {
+    fn default() -> Self {
+        Self { serial: false, timeout: TEST_TIMEOUT }
+    }
 }
 
 /// Like [`run`], on a cluster of the binary's own even when `KUBECONFIG` names a running one: for tests that
 /// disturb the control plane, e.g. stop the API server.
 pub fn run_on_own_cluster(binary: &str, tests: &[Test]) -> ! {
-    run_on(binary, tests, || Cluster::start_own(binary, false, &[]))
+    run_on(binary, tests, Pace::default(), || Cluster::start_own(binary, false, &[]))
 }
 
-fn run_on(binary: &str, tests: &[Test], start: impl FnOnce() -> anyhow::Result<Cluster>) -> ! {
-    let args = Arguments::from_args();
+fn run_on(binary: &str, tests: &[Test], pace: Pace, start: impl FnOnce() -> anyhow::Result<Cluster>) -> ! {
+    let mut args = Arguments::from_args();
+    if pace.serial {
+        args.test_threads = Some(1);
+    }
     if args.list {
         let trials = tests.iter().map(|t| Trial::test(t.name, || Ok(()))).collect();
         libtest_mimic::run(&args, trials).exit();
@@ -109,7 +137,7 @@ fn run_on(binary: &str, tests: &[Test], start: impl FnOnce() -> anyhow::Result<C
         .iter()
         .map(|t| {
             let (test, cluster) = (*t, cluster.clone());
-            Trial::test(t.name, move || run_one(test, cluster))
+            Trial::test(t.name, move || run_one(test, cluster, pace.timeout))
         })
         .collect();
     let conclusion = libtest_mimic::run(&args, trials);
@@ -119,7 +147,7 @@ fn run_on(binary: &str, tests: &[Test], start: impl FnOnce() -> anyhow::Result<C
     conclusion.exit()
 }
 
-fn run_one(test: Test, cluster: Arc<Cluster>) -> Result<(), Failed> {
+fn run_one(test: Test, cluster: Arc<Cluster>, timeout: Duration) -> Result<(), Failed> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -129,13 +157,13 @@ fn run_one(test: Test, cluster: Arc<Cluster>) -> Result<(), Failed> {
         let client = cluster.client().await.map_err(|e| format!("{e:#}"))?;
         let namespace = create_namespace(&client, test.name).await.map_err(|e| format!("{e:#}"))?;
         let ctx = TestContext { client: client.clone(), namespace: namespace.clone(), cluster };
-        let result = tokio::time::timeout(TEST_TIMEOUT, (test.body)(ctx)).await;
+        let result = tokio::time::timeout(timeout, (test.body)(ctx)).await;
         // Deleting the namespace is best effort: the cluster goes away at the end anyway.
         let _ = Api::<Namespace>::all(client).delete(&namespace, &DeleteParams::default()).await;
         match result {
             Ok(Ok(())) => Ok(()),
             Ok(Err(err)) => Err(format!("{err:#}").into()),
-            Err(_) => Err(format!("timed out after {TEST_TIMEOUT:?}").into()),
+            Err(_) => Err(format!("timed out after {timeout:?}").into()),
         }
     })
 }

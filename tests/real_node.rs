@@ -1,0 +1,462 @@
+//! gpu-dra installed the way operators install it, on a real node: `helm install charts/gpu-dra` with the image
+//! built from the Dockerfile's runtime stage, onto a kubelet v1.37.2 + containerd 2.4 node (e2e/node.sh) joined to
+//! the local control plane. The controller replicas and the node agent run as containers; workload containers get
+//! their GPUs (simulated: device nodes with NVIDIA's major number) from the agent's CDI specs through containerd.
+//!
+//! Needs root and the node binaries (`e2e/build-node.sh`); without them the tests are ignored, and fail under CI.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use anyhow::{Context as _, bail, ensure};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
+use serde_json::{Value, json};
+
+use support::real_node::RealNode;
+use support::{TestContext, objects, wait};
+
+#[path = "real_node/host.rs"]
+mod host;
+
+fn main() {
+    support::run_on_real_node_cluster(
+        "real_node",
+        Duration::from_secs(480),
+        &[
+            test!(helm_install_gives_real_containers_their_gpus_and_uninstall_leaves_nothing),
+            test!(taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet),
+        ],
+    )
+}
+
+const GPUS: usize = 4;
+/// The label Node Feature Discovery puts on a node with an NVIDIA PCI device; the chart's DaemonSet selects it.
+const NVIDIA_PCI_LABEL: &str = "feature.node.kubernetes.io/pci-10de.present";
+const WAIT: Duration = Duration::from_secs(90);
+
+// --- images and tools ----------------------------------------------------------------------------------------------
+
+/// The three images `e2e/build-images.sh` builds from target/release/gpu-dra (built once per test binary).
+fn images() -> anyhow::Result<Vec<PathBuf>> {
+    static BUILT: OnceLock<Result<Vec<PathBuf>, String>> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("real-node-images");
+            let output = Command::new(repo().join("e2e/build-images.sh"))
+                .arg(&out)
+                .output()
+                .map_err(|e| format!("run e2e/build-images.sh: {e}"))?;
+            if !output.status.success() {
+                return Err(format!("e2e/build-images.sh failed: {}", String::from_utf8_lossy(&output.stderr)));
+            }
+            Ok(["pause.tar", "workload.tar", "gpu-dra.tar"].iter().map(|f| out.join(f)).collect())
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// `<bin dir>/NAME` from the cache `e2e/build-k8s.sh` fills (kubectl: first line, helm: third).
+fn tool(name: &str) -> anyhow::Result<PathBuf> {
+    let out = Command::new(repo().join("e2e/build-k8s.sh")).arg("--print-bin-dirs").output()?;
+    let dirs = String::from_utf8(out.stdout)?;
+    let line = if name == "helm" { 2 } else { 0 };
+    Ok(Path::new(dirs.lines().nth(line).context("build-k8s.sh printed too few lines")?).join(name))
+}
+
+/// `helm ARGS…` against the test cluster; fails with helm's error output.
+fn helm(ctx: &TestContext, args: &[&str]) -> anyhow::Result<Output> {
+    let output = Command::new(tool("helm")?)
+        .args(args)
+        .env("KUBECONFIG", ctx.cluster.kubeconfig())
+        .output()
+        .context("run helm")?;
+    ensure!(output.status.success(), "helm {}: {}", args.join(" "), String::from_utf8_lossy(&output.stderr));
+    Ok(output)
+}
+
+// --- the node and the release --------------------------------------------------------------------------------------
+
+/// A real node with the images imported and NFD's NVIDIA label, as on a GPU machine.
+async fn gpu_node(ctx: &TestContext, name: &str) -> anyhow::Result<RealNode> {
+    let images = images()?;
+    let node = RealNode::up(&ctx.cluster, name)?;
+    node.import(&images)?;
+    let label = json!({"metadata": {"labels": {NVIDIA_PCI_LABEL: "true"}}});
+    Api::<Node>::all(ctx.client.clone()).patch(name, &PatchParams::default(), &Patch::Merge(&label)).await?;
+    Ok(node)
+}
+
+/// The values a real node needs beyond the chart's defaults: its kubelet directory and CDI directory, and the
+/// simulated backend (no NVIDIA driver here), unprivileged as it needs no device access.
+fn node_values(node: &RealNode) -> anyhow::Result<Vec<String>> {
+    Ok(vec![
+        format!("nodeAgent.kubeletDir={}", node.kubelet_dir()?.display()),
+        format!("nodeAgent.cdiDir={}", node.cdi_dir()?.display()),
+        format!("nodeAgent.stateDir={}", node.agent_state_dir()?.display()),
+        "nodeAgent.gpuBackend=simulated".into(),
+        format!("nodeAgent.simulatedGpus={GPUS}xH100-80GB"),
+        "nodeAgent.privileged=false".into(),
+        "deviceClasses.gpu.extendedResourceName=nvidia.com/gpu".into(),
+    ])
+}
+
+fn install(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
+    let chart = repo().join("charts/gpu-dra");
+    let mut args =
+        vec!["install".to_string(), "gpu-dra".into(), chart.display().to_string(), "-n".into(), ctx.namespace.clone()];
+    for value in node_values(node)? {
+        args.extend(["--set".into(), value]);
+    }
+    args.extend(["--wait".into(), "--timeout".into(), "120s".into()]);
+    helm(ctx, &args.iter().map(String::as_str).collect::<Vec<_>>()).map(drop)
+}
+
+// --- workloads -----------------------------------------------------------------------------------------------------
+
+/// The command every workload container runs: lists its NVIDIA device nodes and the UUIDs it was given, then waits.
+const SHOW_GPUS: &str = "ls -l /dev/ | grep ' nvidia[0-9]*$'; echo GPU_DRA_GPU_UUIDS=$GPU_DRA_GPU_UUIDS; \
+                         echo listed; exec sleep 3600";
+
+async fn create_template(ctx: &TestContext) -> anyhow::Result<()> {
+    objects::create_template(
+        ctx,
+        "one-gpu",
+        json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.gpu-dra.dev"}}]}}}),
+    )
+    .await
+    .map(drop)
+}
+
+/// A busybox pod on `node` running [`SHOW_GPUS`], with a template claim or an extended-resource limit.
+async fn workload(ctx: &TestContext, name: &str, node: &str, extended: bool) -> anyhow::Result<()> {
+    let mut container = json!({
+        "name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
+        "command": ["sh", "-c", SHOW_GPUS]
+    });
+    let mut spec = json!({"nodeName": Value::Null, "nodeSelector": {"kubernetes.io/hostname": node},
+                          "terminationGracePeriodSeconds": 1});
+    if extended {
+        container["resources"] = json!({"limits": {"nvidia.com/gpu": 1}});
+    } else {
+        container["resources"] = json!({"claims": [{"name": "gpu"}]});
+        spec["resourceClaims"] = json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]);
+    }
+    spec["containers"] = json!([container]);
+    let pod: Pod = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec}))?;
+    objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    Ok(())
+}
+
+/// What a container printed about its GPUs: the minors of its `/dev/nvidia<N>` nodes (each a character device
+/// with major 195) and its `GPU_DRA_GPU_UUIDS`.
+#[derive(Debug, PartialEq, Eq)]
+struct Seen {
+    minors: BTreeSet<i64>,
+    uuids: BTreeSet<String>,
+}
+
+/// Waits until `pod` runs and its log is complete (`kubectl logs`: API server → kubelet → containerd).
+async fn seen_by(ctx: &TestContext, pod: &str) -> anyhow::Result<Seen> {
+    let pods = objects::pods(ctx);
+    let log = wait::until(&format!("pod {pod} to run and list its GPUs"), WAIT, || async {
+        let phase = pods.get(pod).await?.status.and_then(|s| s.phase).unwrap_or_default();
+        if phase != "Running" {
+            return Ok(None);
+        }
+        let log = pods.logs(pod, &LogParams::default()).await?;
+        Ok(log.contains("listed").then_some(log))
+    })
+    .await?;
+    let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
+    for line in log.lines() {
+        if let Some(uuids) = line.strip_prefix("GPU_DRA_GPU_UUIDS=") {
+            seen.uuids = uuids.split(',').filter(|u| !u.is_empty()).map(String::from).collect();
+        } else if let Some(device) = line.split_whitespace().last().and_then(|d| d.strip_prefix("nvidia")) {
+            ensure!(line.starts_with('c'), "{pod}: /dev/nvidia{device} is not a character device: {line}");
+            ensure!(line.contains(" 195,"), "{pod}: /dev/nvidia{device} has not NVIDIA's major 195: {line}");
+            seen.minors.insert(device.parse().with_context(|| format!("{pod}: odd device line {line}"))?);
+        }
+    }
+    Ok(seen)
+}
+
+/// What the scheduler allocated to `claim`: the minors and UUIDs the node agent published for those devices.
+async fn allocated(ctx: &TestContext, node: &str, claim: &str) -> anyhow::Result<Seen> {
+    let claim = objects::claims(ctx).get(claim).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
+    for result in results.unwrap_or_default() {
+        let device = slices
+            .items
+            .iter()
+            .flat_map(|s| s.spec.devices.iter().flatten())
+            .find(|d| d.name == result.device)
+            .with_context(|| format!("device {} not published for {node}", result.device))?;
+        let attributes = device.attributes.as_ref().context("device without attributes")?;
+        seen.minors.insert(attributes.get("minor").and_then(|a| a.int).context("no minor attribute")?);
+        seen.uuids.insert(attributes.get("uuid").and_then(|a| a.string.clone()).context("no uuid attribute")?);
+    }
+    Ok(seen)
+}
+
+/// The claim recorded for `pod`: its template claim, or the one the scheduler made for its extended resource.
+async fn claim_of(ctx: &TestContext, pod: &str) -> anyhow::Result<String> {
+    let pods = objects::pods(ctx);
+    wait::until(&format!("a claim recorded for pod {pod}"), WAIT, || async {
+        let pod = pods.get(pod).await?;
+        let template = objects::claim_statuses(&pod).into_iter().find_map(|(_, claim)| claim);
+        let extended = pod.status.and_then(|s| s.extended_resource_claim_status).map(|s| s.resource_claim_name);
+        Ok(template.or(extended))
+    })
+    .await
+}
+
+/// The CDI spec files in the node's CDI directory that name `claim_uid`.
+fn specs_of(node: &RealNode, claim_uid: &str) -> anyhow::Result<Vec<String>> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(node.cdi_dir()?)? {
+        let name = entry?.file_name().to_string_lossy().into_owned();
+        if name.contains(claim_uid) {
+            names.push(name);
+        }
+    }
+    Ok(names)
+}
+
+async fn claim_uid(ctx: &TestContext, claim: &str) -> anyhow::Result<String> {
+    objects::claims(ctx).get(claim).await?.metadata.uid.context("claim without uid")
+}
+
+async fn delete_and_wait(ctx: &TestContext, pod: &str) -> anyhow::Result<()> {
+    let pods = objects::pods(ctx);
+    pods.delete(pod, &DeleteParams::default()).await?;
+    wait::until(&format!("pod {pod} to be gone"), WAIT, || async { Ok(pods.get_opt(pod).await?.is_none().then_some(())) })
+        .await
+}
+
+/// The node-agent pod on `node` (uid, name) once it is ready.
+async fn agent_pod(ctx: &TestContext, node: &str) -> anyhow::Result<(String, String)> {
+    let pods = objects::pods(ctx);
+    let selector = "app.kubernetes.io/component=node-agent";
+    let params = ListParams::default().labels(selector).fields(&format!("spec.nodeName={node}"));
+    wait::until("a ready node-agent pod", WAIT, || async {
+        let ready = pods.list(&params).await?.items.into_iter().find(|p| {
+            p.metadata.deletion_timestamp.is_none()
+                && p.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|c| {
+                    c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                })
+        });
+        Ok(ready.and_then(|p| Some((p.metadata.uid?, p.metadata.name?))))
+    })
+    .await
+}
+
+// --- the tests -----------------------------------------------------------------------------------------------------
+
+async fn helm_install_gives_real_containers_their_gpus_and_uninstall_leaves_nothing(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = gpu_node(&ctx, "gpu-node").await?;
+    let result = install_use_upgrade_uninstall(&ctx, &node).await;
+    let down = node.down();
+    result?;
+    down
+}
+
+async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
+    let n = node.name.as_str();
+    install(ctx, node)?;
+
+    // The controller: two replicas in containers, talking to the API server through the `kubernetes` Service
+    // (kube-proxy), one of them holding the Lease.
+    let pods = objects::pods(ctx);
+    let controllers: BTreeSet<String> = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=controller"))
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    ensure!(controllers.len() == 2, "expected two controller replicas, found {controllers:?}");
+    let leases = Api::<Lease>::namespaced(ctx.client.clone(), &ctx.namespace);
+    let holder = wait::until("a controller replica to hold the Lease", WAIT, || async {
+        let held = leases.list(&ListParams::default()).await?.items.into_iter().find_map(|l| {
+            l.spec?.holder_identity.filter(|h| controllers.contains(h))
+        });
+        Ok(held)
+    })
+    .await?;
+    eprintln!("controller replicas {controllers:?}; {holder} holds the Lease");
+
+    // The node agent: its DaemonSet pod runs on the node, registered with the kubelet, and published the GPUs.
+    let (agent_uid, agent) = agent_pod(ctx, n).await?;
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone());
+    let published = wait::until("the node's ResourceSlice", WAIT, || async {
+        let list = slices.list(&ListParams::default().fields(&format!("spec.nodeName={n}"))).await?;
+        let count: usize = list.items.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+        Ok((count == GPUS).then_some(count))
+    })
+    .await?;
+    eprintln!("agent {agent} published {published} GPUs");
+
+    // A workload with a template claim sees exactly its allocated GPU, from inside the container.
+    create_template(ctx).await?;
+    workload(ctx, "first", n, false).await?;
+    let first_claim = claim_of(ctx, "first").await?;
+    let first = seen_by(ctx, "first").await?;
+    let want = allocated(ctx, n, &first_claim).await?;
+    ensure!(first == want, "pod first sees {first:?}; its claim {first_claim} was allocated {want:?}");
+    ensure!(first.minors.len() == 1, "one GPU requested, the container sees {first:?}");
+
+    // A second pod gets a different GPU.
+    workload(ctx, "second", n, false).await?;
+    let second_claim = claim_of(ctx, "second").await?;
+    let second = seen_by(ctx, "second").await?;
+    ensure!(second == allocated(ctx, n, &second_claim).await?, "pod second sees {second:?}, not its allocation");
+    ensure!(first.uuids.is_disjoint(&second.uuids), "pods first and second share a GPU: {first:?} {second:?}");
+
+    // Deleting a pod unprepares its claim: its CDI spec goes, and so does the claim.
+    let first_uid = claim_uid(ctx, &first_claim).await?;
+    ensure!(!specs_of(node, &first_uid)?.is_empty(), "no CDI spec for {first_claim} while its pod runs");
+    delete_and_wait(ctx, "first").await?;
+    let released = wait::until("the first pod's CDI spec and claim to be gone", WAIT, || async {
+        let gone = specs_of(node, &first_uid)?.is_empty() && objects::claims(ctx).get_opt(&first_claim).await?.is_none();
+        Ok(gone.then_some(()))
+    })
+    .await;
+    if let Err(err) = released {
+        let claim = objects::claims(ctx).get_opt(&first_claim).await?;
+        bail!("{err}: CDI specs {:?}, claim {:?}", specs_of(node, &first_uid)?, claim.map(|c| (c.metadata, c.status)));
+    }
+
+    // The extended-resource path: `nvidia.com/gpu: 1` through the DeviceClass's extendedResourceName.
+    workload(ctx, "extended", n, true).await?;
+    let extended_claim = claim_of(ctx, "extended").await?;
+    let extended = seen_by(ctx, "extended").await?;
+    ensure!(extended.minors.len() == 1, "nvidia.com/gpu: 1 should give one GPU, the container sees {extended:?}");
+    ensure!(extended == allocated(ctx, n, &extended_claim).await?, "pod extended sees {extended:?}, not its claim's");
+
+    // helm upgrade with a changed value rolls the agent; a running pod keeps its GPU and its spec, and a pod
+    // created after the roll is prepared by the new agent.
+    let second_uid = claim_uid(ctx, &second_claim).await?;
+    helm(
+        ctx,
+        &["upgrade", "gpu-dra", &repo().join("charts/gpu-dra").display().to_string(), "-n", &ctx.namespace,
+          "--reuse-values", "--set", "logging.filter=info,gpu_dra=debug", "--wait", "--timeout", "120s"],
+    )?;
+    let daemonsets = Api::<DaemonSet>::namespaced(ctx.client.clone(), &ctx.namespace);
+    wait::until("the DaemonSet roll to finish", WAIT, || async {
+        let ds = daemonsets.list(&ListParams::default().labels("app.kubernetes.io/component=node-agent")).await?;
+        let done = ds.items.iter().all(|d| {
+            let s = d.status.as_ref();
+            s.and_then(|s| s.updated_number_scheduled) == s.map(|s| s.desired_number_scheduled)
+                && s.and_then(|s| s.number_available) == s.map(|s| s.desired_number_scheduled)
+        });
+        Ok(done.then_some(()))
+    })
+    .await?;
+    let (new_agent_uid, new_agent) = agent_pod(ctx, n).await?;
+    ensure!(new_agent_uid != agent_uid, "helm upgrade did not roll the node agent ({agent} is still there)");
+    let still = pods.get("second").await?;
+    let restarts = still.status.as_ref().and_then(|s| s.container_statuses.as_ref()).map(|c| c[0].restart_count);
+    ensure!(
+        still.status.and_then(|s| s.phase).as_deref() == Some("Running") && restarts == Some(0),
+        "pod second did not keep running through the agent's roll (restarts {restarts:?})"
+    );
+    ensure!(!specs_of(node, &second_uid)?.is_empty(), "the roll lost pod second's CDI spec");
+    workload(ctx, "third", n, false).await?;
+    let third_claim = claim_of(ctx, "third").await?;
+    let third = seen_by(ctx, "third").await?;
+    ensure!(third == allocated(ctx, n, &third_claim).await?, "pod third sees {third:?} after the roll");
+    eprintln!("after the roll to {new_agent}: second kept {:?}, third got {:?}", second.uuids, third.uuids);
+    // The new agent unprepares what the old one prepared.
+    delete_and_wait(ctx, "second").await?;
+    wait::until("the second pod's CDI spec to be removed by the new agent", WAIT, || async {
+        Ok(specs_of(node, &second_uid)?.is_empty().then_some(()))
+    })
+    .await?;
+
+    // helm uninstall, after the workloads: no slice, claim, CDI spec or plugin socket is left behind.
+    delete_and_wait(ctx, "third").await?;
+    delete_and_wait(ctx, "extended").await?;
+    helm(ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"])?;
+    let kubelet_dir = node.kubelet_dir()?;
+    let leftovers = wait::until("nothing of gpu-dra left after helm uninstall", WAIT, || async {
+        let mut left = Vec::new();
+        let list = slices.list(&ListParams::default().fields(&format!("spec.nodeName={n}"))).await?;
+        left.extend(list.items.into_iter().filter_map(|s| s.metadata.name).map(|s| format!("slice {s}")));
+        let claims = objects::list_claims(ctx).await?;
+        left.extend(claims.into_iter().filter_map(|c| c.metadata.name).map(|c| format!("claim {c}")));
+        left.extend(files(&node.cdi_dir()?)?.into_iter().map(|f| format!("CDI spec {f}")));
+        for dir in ["plugins_registry", "plugins/gpu.gpu-dra.dev"] {
+            let sockets = files(&kubelet_dir.join(dir))?.into_iter().filter(|f| f.ends_with(".sock"));
+            left.extend(sockets.map(|f| format!("socket {dir}/{f}")));
+        }
+        Ok(left.is_empty().then_some(()).or_else(|| {
+            eprintln!("still left: {left:?}");
+            None
+        }))
+    })
+    .await;
+    leftovers.context("helm uninstall left gpu-dra's objects or files behind (last seen above)")
+}
+
+/// File names in `dir` (none when it does not exist).
+fn files(dir: &Path) -> anyhow::Result<Vec<String>> {
+    match std::fs::read_dir(dir) {
+        Ok(entries) => entries.map(|e| Ok(e?.file_name().to_string_lossy().into_owned())).collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e).with_context(|| format!("read {}", dir.display())),
+    }
+}
+
+async fn taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let before = host::snapshot()?;
+    let node = gpu_node(&ctx, "down-node").await?;
+    // A pod gives the node everything a pod leaves on a machine: a network namespace, a veth on the bridge,
+    // cgroups, mounts, iptables rules of kube-proxy's.
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "plain"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": "down-node"}, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
+                                 "command": ["sh", "-c", "echo listed; exec sleep 3600"]}]}
+    }))?;
+    objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    seen_by(&ctx, "plain").await?;
+    let during = host::snapshot()?;
+    ensure!(during != before, "the node changed nothing on the machine; the snapshot would not see a leftover");
+
+    // The kubelet dies (SIGKILL) with the pod running: `down` must clean up without it.
+    host::kill_process_naming(&format!("--hostname-override {}", node.name))?;
+    node.down()?;
+    let after = host::snapshot()?;
+    let diff = before.diff(&after);
+    ensure!(diff.is_empty(), "e2e/node.sh down left the machine changed:\n{}", diff.join("\n"));
+    let nodes = Api::<Node>::all(ctx.client.clone());
+    wait::until("the Node object to be deleted", WAIT, || async {
+        Ok(nodes.get_opt("down-node").await?.is_none().then_some(()))
+    })
+    .await?;
+    if during.processes.is_empty() {
+        bail!("no node process was seen while the node ran; the snapshot is blind to processes");
+    }
+    Ok(())
+}
