@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test soak release bench lint fmt k8s-binaries cluster-up cluster-down
+.PHONY: help demo test test-prerequisites soak release bench lint fmt k8s-binaries node-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -10,8 +10,12 @@ help: ## List the targets
 demo: ## Run the demo on a local control plane (builds what is missing; leaves the cluster up)
 	e2e/demo.sh
 
-test: k8s-binaries lint release ## Run every check and test CI runs (builds what is missing)
+test: ## Run every check and test CI runs (builds what is missing)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-prerequisites
 	$(CARGO) test --locked
+
+# Two at a time: the Go builds and cargo's serial stretches (linking, the last crate) overlap on two cores.
+test-prerequisites: k8s-binaries node-binaries lint release
 
 DURATION ?= 30m
 soak: k8s-binaries ## Churn soak against the local control plane: make soak DURATION=30m (prints a table, fails on violations)
@@ -34,6 +38,9 @@ fmt: ## Format the code
 
 k8s-binaries: ## Build etcd, Kubernetes and helm from their Go modules into the cache (skips what is cached)
 	e2e/build-k8s.sh
+
+node-binaries: ## Build containerd, runc, the CNI plugins and crictl for a real node (skips what is cached)
+	e2e/build-node.sh
 
 cluster-up: ## Start the local control plane and print the KUBECONFIG export
 	e2e/cluster.sh up

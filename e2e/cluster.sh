@@ -304,6 +304,8 @@ cmd_up() {
 
     if [[ -e "$STATE" ]]; then
         if state_is_live; then
+            [[ "$real_node" == 1 && ! -f "$STATE/node-ip" ]] &&
+                die "the cluster running in $STATE was started without --for-real-node; stop it with e2e/cluster.sh down, then start it again"
             log "cluster in $STATE is already up"
             print_env
             return 0

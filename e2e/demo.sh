@@ -5,13 +5,34 @@
 # kubelet DRA code (plugin watcher + DRA manager) in e2e/kubelet-harness. Then the manifests in e2e/examples, and a
 # plain-words account from pod to CDI devices. Leaves everything running; `e2e/cluster.sh down` stops it all.
 #
+# Where the machine can run containers (root, overlayfs, iproute2), the demo runs on a REAL node instead: kubelet +
+# containerd, `helm install`, and the workload containers' own logs (e2e/demo-real-node.sh). GPU_DRA_DEMO=harness
+# forces the harness; GPU_DRA_DEMO=real-node forces the real node.
+#
 # Usage: e2e/demo.sh [--measure N]   --measure: afterwards, N more runs of the trainer pod; prints the median time
-#                                    from `kubectl apply` to its CDI devices being prepared.
+#                                    from `kubectl apply` to its CDI devices being prepared (harness only).
 set -euo pipefail
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$E2E_DIR")"
 RUNS=0
 [[ "${1:-}" == "--measure" ]] && RUNS=${2:?--measure needs a number of runs}
+
+# Why this machine cannot run the real-node demo (empty when it can).
+real_node_unavailable() {
+    [[ "$(id -u)" == 0 ]] || { echo "not root (a node needs mounts, network namespaces and cgroups)"; return; }
+    grep -qw overlay /proc/filesystems || { echo "the kernel has no overlayfs (containerd's snapshotter)"; return; }
+    command -v ip >/dev/null || { echo "no 'ip' command (iproute2)"; return; }
+    [[ "$RUNS" -eq 0 ]] || echo "--measure times the harness"
+}
+case "${GPU_DRA_DEMO:-auto}" in
+    real-node) exec "$E2E_DIR/demo-real-node.sh" ;;
+    harness) echo "Demo on the kubelet harness (GPU_DRA_DEMO=harness)" ;;
+    auto)
+        why=$(real_node_unavailable)
+        [[ -z "$why" ]] && exec "$E2E_DIR/demo-real-node.sh"
+        echo "Demo on the kubelet harness, not a real node: $why" ;;
+    *) echo "GPU_DRA_DEMO must be auto, real-node or harness, not '$GPU_DRA_DEMO'" >&2; exit 2 ;;
+esac
 NODES=(gpu-node-1 gpu-node-2)
 GPUS=(2xA100-80GB,2xH100-80GB 4xH100-80GB)
 DRIVER=gpu.gpu-dra.dev

@@ -246,8 +246,10 @@ async fn claim_uid(ctx: &TestContext, claim: &str) -> anyhow::Result<String> {
 async fn delete_and_wait(ctx: &TestContext, pod: &str) -> anyhow::Result<()> {
     let pods = objects::pods(ctx);
     pods.delete(pod, &DeleteParams::default()).await?;
-    wait::until(&format!("pod {pod} to be gone"), WAIT, || async { Ok(pods.get_opt(pod).await?.is_none().then_some(())) })
-        .await
+    wait::until(&format!("pod {pod} to be gone"), WAIT, || async {
+        Ok(pods.get_opt(pod).await?.is_none().then_some(()))
+    })
+    .await
 }
 
 /// The node-agent pod on `node` (uid, name) once it is ready.
@@ -258,9 +260,10 @@ async fn agent_pod(ctx: &TestContext, node: &str) -> anyhow::Result<(String, Str
     wait::until("a ready node-agent pod", WAIT, || async {
         let ready = pods.list(&params).await?.items.into_iter().find(|p| {
             p.metadata.deletion_timestamp.is_none()
-                && p.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|c| {
-                    c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
-                })
+                && p.status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
         });
         Ok(ready.and_then(|p| Some((p.metadata.uid?, p.metadata.name?))))
     })
@@ -296,9 +299,12 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     ensure!(controllers.len() == 2, "expected two controller replicas, found {controllers:?}");
     let leases = Api::<Lease>::namespaced(ctx.client.clone(), &ctx.namespace);
     let holder = wait::until("a controller replica to hold the Lease", WAIT, || async {
-        let held = leases.list(&ListParams::default()).await?.items.into_iter().find_map(|l| {
-            l.spec?.holder_identity.filter(|h| controllers.contains(h))
-        });
+        let held = leases
+            .list(&ListParams::default())
+            .await?
+            .items
+            .into_iter()
+            .find_map(|l| l.spec?.holder_identity.filter(|h| controllers.contains(h)));
         Ok(held)
     })
     .await?;
@@ -336,7 +342,8 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     ensure!(!specs_of(node, &first_uid)?.is_empty(), "no CDI spec for {first_claim} while its pod runs");
     delete_and_wait(ctx, "first").await?;
     let released = wait::until("the first pod's CDI spec and claim to be gone", WAIT, || async {
-        let gone = specs_of(node, &first_uid)?.is_empty() && objects::claims(ctx).get_opt(&first_claim).await?.is_none();
+        let gone =
+            specs_of(node, &first_uid)?.is_empty() && objects::claims(ctx).get_opt(&first_claim).await?.is_none();
         Ok(gone.then_some(()))
     })
     .await;
@@ -357,8 +364,19 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     let second_uid = claim_uid(ctx, &second_claim).await?;
     helm(
         ctx,
-        &["upgrade", "gpu-dra", &repo().join("charts/gpu-dra").display().to_string(), "-n", &ctx.namespace,
-          "--reuse-values", "--set", "logging.filter=info,gpu_dra=debug", "--wait", "--timeout", "120s"],
+        &[
+            "upgrade",
+            "gpu-dra",
+            &repo().join("charts/gpu-dra").display().to_string(),
+            "-n",
+            &ctx.namespace,
+            "--reuse-values",
+            "--set",
+            "logging.filter=debug",
+            "--wait",
+            "--timeout",
+            "120s",
+        ],
     )?;
     let daemonsets = Api::<DaemonSet>::namespaced(ctx.client.clone(), &ctx.namespace);
     wait::until("the DaemonSet roll to finish", WAIT, || async {
@@ -392,12 +410,15 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     })
     .await?;
 
-    // helm uninstall, after the workloads: no slice, claim, CDI spec or plugin socket is left behind.
+    // helm uninstall, after the workloads: no slice, claim, CDI spec or plugin socket is left behind. The slice
+    // goes last: the kubelet wipes a driver's slices 30 s after its plugin unregisters (defaultWipingDelay in
+    // pkg/kubelet/cm/dra), a grace that keeps them through an agent restart or roll.
     delete_and_wait(ctx, "third").await?;
     delete_and_wait(ctx, "extended").await?;
     helm(ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"])?;
     let kubelet_dir = node.kubelet_dir()?;
-    let leftovers = wait::until("nothing of gpu-dra left after helm uninstall", WAIT, || async {
+    let last_seen = std::sync::Mutex::new(Vec::new());
+    let clean = wait::until("nothing of gpu-dra left after helm uninstall", WAIT, || async {
         let mut left = Vec::new();
         let list = slices.list(&ListParams::default().fields(&format!("spec.nodeName={n}"))).await?;
         left.extend(list.items.into_iter().filter_map(|s| s.metadata.name).map(|s| format!("slice {s}")));
@@ -408,13 +429,12 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
             let sockets = files(&kubelet_dir.join(dir))?.into_iter().filter(|f| f.ends_with(".sock"));
             left.extend(sockets.map(|f| format!("socket {dir}/{f}")));
         }
-        Ok(left.is_empty().then_some(()).or_else(|| {
-            eprintln!("still left: {left:?}");
-            None
-        }))
+        let done = left.is_empty();
+        *last_seen.lock().map_err(|_| anyhow::anyhow!("poisoned"))? = left;
+        Ok(done.then_some(()))
     })
     .await;
-    leftovers.context("helm uninstall left gpu-dra's objects or files behind (last seen above)")
+    clean.with_context(|| format!("helm uninstall left behind: {:?}", last_seen.lock().map(|l| l.clone())))
 }
 
 /// File names in `dir` (none when it does not exist).
