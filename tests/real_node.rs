@@ -309,6 +309,11 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     })
     .await?;
     eprintln!("controller replicas {controllers:?}; {holder} holds the Lease");
+    let log = pods.logs(&holder, &LogParams::default()).await?;
+    ensure!(
+        log.lines().any(|l| l.contains("API server configuration") && l.contains("server=https://10.0.0.1/")),
+        "the controller did not reach the API server through the kubernetes Service (in-cluster config):\n{log}"
+    );
 
     // The node agent: its DaemonSet pod runs on the node, registered with the kubelet, and published the GPUs.
     let (agent_uid, agent) = agent_pod(ctx, n).await?;
