@@ -9,6 +9,7 @@ mod support;
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
+use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
@@ -20,14 +21,12 @@ const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 const SETTLE: Duration = Duration::from_secs(60);
 
 fn main() {
-    let env = [
-        ("GPU_DRA_E2E_FEATURE_GATES", "GenericWorkload=true,DRAWorkloadResourceClaims=true"),
-        ("GPU_DRA_E2E_RUNTIME_CONFIG", "scheduling.k8s.io/v1beta1=true"),
-        // The API server puts `scheduling.k8s.io/podgroup-protection` on every PodGroup; this controller of
-        // kube-controller-manager removes it once no pod uses the group, as in any cluster with the gate on.
-        ("GPU_DRA_E2E_KCM_CONTROLLERS", "podgroup-protection-controller"),
-    ];
-    support::run_with_env("controller_podgroup", false, &env, &[test!(a_pod_groups_pods_share_one_claim)])
+    support::run_with_env(
+        "controller_podgroup",
+        false,
+        &support::cluster::PODGROUP_CLUSTER_ENV,
+        &[test!(a_pod_groups_pods_share_one_claim), test!(a_pod_group_whose_claim_cannot_be_created_says_why)],
+    )
 }
 
 fn pod_groups(client: &Client, namespace: &str) -> Api<DynamicObject> {
@@ -137,5 +136,51 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
     })
     .await
     .with_context(|| controller.log_tail())?;
+    Ok(())
+}
+
+/// A job applied in one go (`kubectl apply -f dir/`) whose PodGroup arrives before its ResourceClaimTemplate: the
+/// group's claim cannot be created yet, and the operator must see why on the PodGroup, as kube-controller-manager
+/// shows it (`Warning FailedResourceClaimCreation`, "PodGroupResourceClaim <name>: <error>", regarding the
+/// PodGroup). Once the template exists the claim is created without any other change.
+async fn a_pod_group_whose_claim_cannot_be_created_says_why(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    let groups = pod_groups(&ctx.client, &ctx.namespace);
+    let group: DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
+        "metadata": {"name": "trainers"},
+        "spec": {"schedulingPolicy": {"basic": {}},
+                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "late-gpu"}]}
+    }))?;
+    groups.create(&PostParams::default(), &group).await.context("create the PodGroup")?;
+
+    let events: Api<Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let event = wait::until("a FailedResourceClaimCreation event on the PodGroup", SETTLE, || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        Ok(list.into_iter().find(|e| e.reason.as_deref() == Some("FailedResourceClaimCreation")))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let regarding = event.regarding.clone().unwrap_or_default();
+    ensure!(
+        (regarding.api_version.as_deref(), regarding.kind.as_deref(), regarding.name.as_deref())
+            == (Some("scheduling.k8s.io/v1beta1"), Some("PodGroup"), Some("trainers")),
+        "the event is not about the PodGroup: {regarding:?}"
+    );
+    ensure!(event.type_.as_deref() == Some("Warning"), "{event:?}");
+    let note = event.note.clone().unwrap_or_default();
+    ensure!(
+        note.starts_with("PodGroupResourceClaim gpu: ") && note.contains("\"late-gpu\"") && note.contains("not found"),
+        "the note must name the group claim and the missing template: {note:?}"
+    );
+    ensure!(recorded(&groups.get("trainers").await?).is_none(), "a claim was recorded without its template");
+
+    create_template(&ctx, "late-gpu", objects::one_gpu()).await?;
+    let claim = wait::until("the PodGroup to record its claim", SETTLE, || async {
+        Ok(recorded(&groups.get("trainers").await?))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    objects::claims(&ctx).get(&claim).await.with_context(|| format!("the recorded claim {claim}"))?;
     Ok(())
 }
