@@ -10,12 +10,12 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams};
-use kube::{Client, ResourceExt};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 use support::objects::{self, create_template};
 use support::process::Component;
-use support::{TestContext, wait};
+use support::{TestContext, podgroup, wait};
 
 const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 const SETTLE: Duration = Duration::from_secs(60);
@@ -29,23 +29,6 @@ fn main() {
     )
 }
 
-fn pod_groups(client: &Client, namespace: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("scheduling.k8s.io", "v1beta1", "PodGroup"));
-    Api::namespaced_with(client.clone(), namespace, &resource)
-}
-
-/// Pods read untyped: `spec.schedulingGroup` is newer than the compiled types.
-fn raw_pods(client: &Client, namespace: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("", "v1", "Pod"));
-    Api::namespaced_with(client.clone(), namespace, &resource)
-}
-
-fn recorded(object: &DynamicObject) -> Option<String> {
-    let statuses = object.data["status"]["resourceClaimStatuses"].as_array()?;
-    let entry = statuses.iter().find(|s| s["name"] == "gpu")?;
-    entry["resourceClaimName"].as_str().map(str::to_string)
-}
-
 /// Two workers of a training job in one PodGroup that declares a shared GPU claim, on a node with ONE GPU: the
 /// group gets exactly one claim (owned by the PodGroup, recorded in its status and in both pods' statuses),
 /// the scheduler allocates it and reserves it for the PodGroup, and both pods run on the one GPU. Per-pod
@@ -56,45 +39,10 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
     let node = objects::fake_gpu_node(&ctx, 1).await?;
     let request = json!({"name": "gpu", "exactly": {"deviceClassName": node.class}});
     create_template(&ctx, "shared-gpu", json!({"spec": {"devices": {"requests": [request]}}})).await?;
-    let claim_ref = json!([{"name": "gpu", "resourceClaimTemplateName": "shared-gpu"}]);
-
-    let groups = pod_groups(&ctx.client, &ctx.namespace);
-    let group: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
-        "metadata": {"name": "trainers"},
-        "spec": {"schedulingPolicy": {"basic": {}}, "resourceClaims": claim_ref}
-    }))?;
-    let group = groups.create(&PostParams::default(), &group).await.context("create the PodGroup")?;
+    let workers = ["worker-0", "worker-1"];
+    let group = podgroup::create_job(&ctx, "trainers", &workers, "shared-gpu", &node.name).await?;
     let group_uid = group.uid().context("PodGroup without uid")?;
-    let pods = raw_pods(&ctx.client, &ctx.namespace);
-    for name in ["worker-0", "worker-1"] {
-        let pod: DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {
-                "containers": [{"name": "train", "image": "registry.k8s.io/pause:3.10",
-                                "resources": {"claims": [{"name": "gpu"}]}}],
-                "resourceClaims": claim_ref,
-                "schedulingGroup": {"podGroupName": "trainers"},
-                "nodeSelector": {"kubernetes.io/hostname": node.name}
-            }
-        }))?;
-        pods.create(&PostParams::default(), &pod).await.with_context(|| format!("create {name}"))?;
-    }
-
-    let claim_name = wait::until("the PodGroup to record its claim", SETTLE, || async {
-        Ok(recorded(&groups.get("trainers").await?))
-    })
-    .await
-    .with_context(|| controller.log_tail())?;
-    for name in ["worker-0", "worker-1"] {
-        wait::until(&format!("{name} to record the group's claim and be scheduled"), SETTLE, || async {
-            let pod = pods.get(name).await?;
-            let bound = pod.data["spec"]["nodeName"].as_str().is_some();
-            Ok((recorded(&pod).as_deref() == Some(claim_name.as_str()) && bound).then_some(()))
-        })
-        .await
-        .with_context(|| controller.log_tail())?;
-    }
+    let claim_name = podgroup::wait_shared_and_scheduled(&ctx, "trainers", &workers, &controller, SETTLE).await?;
 
     let claims = objects::claims(&ctx);
     let all = claims.list(&ListParams::default()).await?.items;
@@ -127,10 +75,7 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
 
     // The job is done: its pods go, then the PodGroup. The reservation must go with the group (the claim's
     // delete-protection finalizer holds it until the device is released), and the claim with it.
-    for name in ["worker-0", "worker-1"] {
-        pods.delete(name, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
-    }
-    groups.delete("trainers", &DeleteParams::background()).await?;
+    podgroup::delete_job(&ctx, "trainers", &workers).await?;
     wait::until("the group's claim to be released and deleted", SETTLE, || async {
         Ok(claims.get_opt(&claim_name).await?.is_none().then_some(()))
     })
@@ -145,13 +90,8 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
 /// PodGroup). Once the template exists the claim is created without any other change.
 async fn a_pod_group_whose_claim_cannot_be_created_says_why(ctx: TestContext) -> anyhow::Result<()> {
     let controller = Component::controller(&ctx, &[]).await?;
-    let groups = pod_groups(&ctx.client, &ctx.namespace);
-    let group: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
-        "metadata": {"name": "trainers"},
-        "spec": {"schedulingPolicy": {"basic": {}},
-                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "late-gpu"}]}
-    }))?;
+    let groups = podgroup::pod_groups(&ctx);
+    let group = podgroup::group_object("trainers", "late-gpu")?;
     groups.create(&PostParams::default(), &group).await.context("create the PodGroup")?;
 
     let events: Api<Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
@@ -173,11 +113,11 @@ async fn a_pod_group_whose_claim_cannot_be_created_says_why(ctx: TestContext) ->
         note.starts_with("PodGroupResourceClaim gpu: ") && note.contains("\"late-gpu\"") && note.contains("not found"),
         "the note must name the group claim and the missing template: {note:?}"
     );
-    ensure!(recorded(&groups.get("trainers").await?).is_none(), "a claim was recorded without its template");
+    ensure!(podgroup::recorded(&groups.get("trainers").await?).is_none(), "a claim was recorded without its template");
 
     create_template(&ctx, "late-gpu", objects::one_gpu()).await?;
     let claim = wait::until("the PodGroup to record its claim", SETTLE, || async {
-        Ok(recorded(&groups.get("trainers").await?))
+        Ok(podgroup::recorded(&groups.get("trainers").await?))
     })
     .await
     .with_context(|| controller.log_tail())?;

@@ -8,12 +8,11 @@ mod support;
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
-use kube::{Client, ResourceExt};
-use serde_json::json;
+use kube::ResourceExt;
+use kube::api::{Api, DynamicObject, ListParams, PostParams};
 use support::objects::{self, create_template};
 use support::process::Component;
-use support::{TestContext, wait};
+use support::{TestContext, podgroup, wait};
 
 /// Discovery is re-run every 30 s while PodGroups are not handled; the restart and the informer's list come on top.
 const NOTICED: Duration = Duration::from_secs(75);
@@ -25,24 +24,9 @@ fn main() {
     )
 }
 
-fn api(client: &Client, namespace: &str, group: &str, version: &str, kind: &str) -> Api<DynamicObject> {
-    Api::namespaced_with(
-        client.clone(),
-        namespace,
-        &ApiResource::from_gvk(&GroupVersionKind::gvk(group, version, kind)),
-    )
-}
-
-fn recorded(object: &DynamicObject) -> Option<String> {
-    let statuses = object.data["status"]["resourceClaimStatuses"].as_array()?;
-    let entry = statuses.iter().find(|s| s["name"] == "gpu")?;
-    entry["resourceClaimName"].as_str().map(str::to_string)
-}
-
 /// Creates `object`, retrying while the restarted API server is not serving it yet (a connection of the old
 /// process in the client's pool, the new group version still being registered).
-async fn create_when_served(api: &Api<DynamicObject>, object: serde_json::Value) -> anyhow::Result<()> {
-    let object: DynamicObject = serde_json::from_value(object)?;
+async fn create_when_served(api: &Api<DynamicObject>, object: DynamicObject) -> anyhow::Result<()> {
     let name = object.name_any();
     let mut last = None;
     for _ in 0..100 {
@@ -79,29 +63,22 @@ async fn pod_groups_served_after_start_are_handled_without_a_restart(ctx: TestCo
     })
     .await??;
 
-    let claim_ref = json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]);
-    let groups = api(&ctx.client, &ctx.namespace, "scheduling.k8s.io", "v1beta1", "PodGroup");
-    let group = json!({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "metadata": {"name": "trainers"},
-        "spec": {"schedulingPolicy": {"basic": {}}, "resourceClaims": claim_ref}});
-    create_when_served(&groups, group).await?;
-    let pods = api(&ctx.client, &ctx.namespace, "", "v1", "Pod");
-    let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "worker-0"},
-        "spec": {"containers": [{"name": "train", "image": "registry.k8s.io/pause:3.10",
-                                 "resources": {"claims": [{"name": "gpu"}]}}],
-                 "resourceClaims": claim_ref, "schedulingGroup": {"podGroupName": "trainers"}}});
-    create_when_served(&pods, pod).await?;
+    let groups = podgroup::pod_groups(&ctx);
+    create_when_served(&groups, podgroup::group_object("trainers", "one-gpu")?).await?;
+    let pods = podgroup::raw_pods(&ctx);
+    create_when_served(&pods, podgroup::member_object("worker-0", "trainers", "one-gpu", None)?).await?;
     ensure!(
         pods.get("worker-0").await?.data["spec"]["schedulingGroup"]["podGroupName"] == "trainers",
         "the restarted API server dropped spec.schedulingGroup: GenericWorkload is not on"
     );
 
     let claim = wait::until("the PodGroup to record its claim", NOTICED, || async {
-        Ok(recorded(&groups.get("trainers").await?))
+        Ok(podgroup::recorded(&groups.get("trainers").await?))
     })
     .await
     .with_context(|| controller.log_tail())?;
     wait::until("the worker to record the group's claim", NOTICED, || async {
-        Ok((recorded(&pods.get("worker-0").await?).as_deref() == Some(claim.as_str())).then_some(()))
+        Ok((podgroup::recorded(&pods.get("worker-0").await?).as_deref() == Some(claim.as_str())).then_some(()))
     })
     .await
     .with_context(|| controller.log_tail())?;
