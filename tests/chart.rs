@@ -14,6 +14,8 @@ mod support;
 mod identities;
 #[path = "chart/mounts.rs"]
 mod mounts;
+#[path = "chart/podgroup.rs"]
+mod podgroup;
 #[path = "chart/policy.rs"]
 mod policy;
 #[path = "chart/render.rs"]
@@ -52,8 +54,12 @@ use render::{
 };
 
 fn main() {
-    support::run(
+    // A control plane that serves PodGroups, so that the controller under the chart's account needs (and is
+    // tested with) the PodGroup grants too.
+    support::run_with_env(
         "chart",
+        false,
+        &support::cluster::PODGROUP_CLUSTER_ENV,
         &[
             test!(lints_and_renders_with_default_and_all_on_values),
             test!(schema_refuses_wrong_values_naming_them),

@@ -9,42 +9,24 @@ mod support;
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, PostParams};
-use kube::{Client, ResourceExt};
+use k8s_openapi::api::events::v1::Event;
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 use support::objects::{self, create_template};
 use support::process::Component;
-use support::{TestContext, wait};
+use support::{TestContext, podgroup, wait};
 
 const ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
 const SETTLE: Duration = Duration::from_secs(60);
 
 fn main() {
-    let env = [
-        ("GPU_DRA_E2E_FEATURE_GATES", "GenericWorkload=true,DRAWorkloadResourceClaims=true"),
-        ("GPU_DRA_E2E_RUNTIME_CONFIG", "scheduling.k8s.io/v1beta1=true"),
-        // The API server puts `scheduling.k8s.io/podgroup-protection` on every PodGroup; this controller of
-        // kube-controller-manager removes it once no pod uses the group, as in any cluster with the gate on.
-        ("GPU_DRA_E2E_KCM_CONTROLLERS", "podgroup-protection-controller"),
-    ];
-    support::run_with_env("controller_podgroup", false, &env, &[test!(a_pod_groups_pods_share_one_claim)])
-}
-
-fn pod_groups(client: &Client, namespace: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("scheduling.k8s.io", "v1beta1", "PodGroup"));
-    Api::namespaced_with(client.clone(), namespace, &resource)
-}
-
-/// Pods read untyped: `spec.schedulingGroup` is newer than the compiled types.
-fn raw_pods(client: &Client, namespace: &str) -> Api<DynamicObject> {
-    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("", "v1", "Pod"));
-    Api::namespaced_with(client.clone(), namespace, &resource)
-}
-
-fn recorded(object: &DynamicObject) -> Option<String> {
-    let statuses = object.data["status"]["resourceClaimStatuses"].as_array()?;
-    let entry = statuses.iter().find(|s| s["name"] == "gpu")?;
-    entry["resourceClaimName"].as_str().map(str::to_string)
+    support::run_with_env(
+        "controller_podgroup",
+        false,
+        &support::cluster::PODGROUP_CLUSTER_ENV,
+        &[test!(a_pod_groups_pods_share_one_claim), test!(a_pod_group_whose_claim_cannot_be_created_says_why)],
+    )
 }
 
 /// Two workers of a training job in one PodGroup that declares a shared GPU claim, on a node with ONE GPU: the
@@ -57,45 +39,10 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
     let node = objects::fake_gpu_node(&ctx, 1).await?;
     let request = json!({"name": "gpu", "exactly": {"deviceClassName": node.class}});
     create_template(&ctx, "shared-gpu", json!({"spec": {"devices": {"requests": [request]}}})).await?;
-    let claim_ref = json!([{"name": "gpu", "resourceClaimTemplateName": "shared-gpu"}]);
-
-    let groups = pod_groups(&ctx.client, &ctx.namespace);
-    let group: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
-        "metadata": {"name": "trainers"},
-        "spec": {"schedulingPolicy": {"basic": {}}, "resourceClaims": claim_ref}
-    }))?;
-    let group = groups.create(&PostParams::default(), &group).await.context("create the PodGroup")?;
+    let workers = ["worker-0", "worker-1"];
+    let group = podgroup::create_job(&ctx, "trainers", &workers, "shared-gpu", &node.name).await?;
     let group_uid = group.uid().context("PodGroup without uid")?;
-    let pods = raw_pods(&ctx.client, &ctx.namespace);
-    for name in ["worker-0", "worker-1"] {
-        let pod: DynamicObject = serde_json::from_value(json!({
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-            "spec": {
-                "containers": [{"name": "train", "image": "registry.k8s.io/pause:3.10",
-                                "resources": {"claims": [{"name": "gpu"}]}}],
-                "resourceClaims": claim_ref,
-                "schedulingGroup": {"podGroupName": "trainers"},
-                "nodeSelector": {"kubernetes.io/hostname": node.name}
-            }
-        }))?;
-        pods.create(&PostParams::default(), &pod).await.with_context(|| format!("create {name}"))?;
-    }
-
-    let claim_name = wait::until("the PodGroup to record its claim", SETTLE, || async {
-        Ok(recorded(&groups.get("trainers").await?))
-    })
-    .await
-    .with_context(|| controller.log_tail())?;
-    for name in ["worker-0", "worker-1"] {
-        wait::until(&format!("{name} to record the group's claim and be scheduled"), SETTLE, || async {
-            let pod = pods.get(name).await?;
-            let bound = pod.data["spec"]["nodeName"].as_str().is_some();
-            Ok((recorded(&pod).as_deref() == Some(claim_name.as_str()) && bound).then_some(()))
-        })
-        .await
-        .with_context(|| controller.log_tail())?;
-    }
+    let claim_name = podgroup::wait_shared_and_scheduled(&ctx, "trainers", &workers, &controller, SETTLE).await?;
 
     let claims = objects::claims(&ctx);
     let all = claims.list(&ListParams::default()).await?.items;
@@ -128,14 +75,52 @@ async fn a_pod_groups_pods_share_one_claim(ctx: TestContext) -> anyhow::Result<(
 
     // The job is done: its pods go, then the PodGroup. The reservation must go with the group (the claim's
     // delete-protection finalizer holds it until the device is released), and the claim with it.
-    for name in ["worker-0", "worker-1"] {
-        pods.delete(name, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
-    }
-    groups.delete("trainers", &DeleteParams::background()).await?;
+    podgroup::delete_job(&ctx, "trainers", &workers).await?;
     wait::until("the group's claim to be released and deleted", SETTLE, || async {
         Ok(claims.get_opt(&claim_name).await?.is_none().then_some(()))
     })
     .await
     .with_context(|| controller.log_tail())?;
+    Ok(())
+}
+
+/// A job applied in one go (`kubectl apply -f dir/`) whose PodGroup arrives before its ResourceClaimTemplate: the
+/// group's claim cannot be created yet, and the operator must see why on the PodGroup, as kube-controller-manager
+/// shows it (`Warning FailedResourceClaimCreation`, "PodGroupResourceClaim <name>: <error>", regarding the
+/// PodGroup). Once the template exists the claim is created without any other change.
+async fn a_pod_group_whose_claim_cannot_be_created_says_why(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    let groups = podgroup::pod_groups(&ctx);
+    let group = podgroup::group_object("trainers", "late-gpu")?;
+    groups.create(&PostParams::default(), &group).await.context("create the PodGroup")?;
+
+    let events: Api<Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let event = wait::until("a FailedResourceClaimCreation event on the PodGroup", SETTLE, || async {
+        let list = events.list(&ListParams::default()).await?.items;
+        Ok(list.into_iter().find(|e| e.reason.as_deref() == Some("FailedResourceClaimCreation")))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let regarding = event.regarding.clone().unwrap_or_default();
+    ensure!(
+        (regarding.api_version.as_deref(), regarding.kind.as_deref(), regarding.name.as_deref())
+            == (Some("scheduling.k8s.io/v1beta1"), Some("PodGroup"), Some("trainers")),
+        "the event is not about the PodGroup: {regarding:?}"
+    );
+    ensure!(event.type_.as_deref() == Some("Warning"), "{event:?}");
+    let note = event.note.clone().unwrap_or_default();
+    ensure!(
+        note.starts_with("PodGroupResourceClaim gpu: ") && note.contains("\"late-gpu\"") && note.contains("not found"),
+        "the note must name the group claim and the missing template: {note:?}"
+    );
+    ensure!(podgroup::recorded(&groups.get("trainers").await?).is_none(), "a claim was recorded without its template");
+
+    create_template(&ctx, "late-gpu", objects::one_gpu()).await?;
+    let claim = wait::until("the PodGroup to record its claim", SETTLE, || async {
+        Ok(podgroup::recorded(&groups.get("trainers").await?))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    objects::claims(&ctx).get(&claim).await.with_context(|| format!("the recorded claim {claim}"))?;
     Ok(())
 }

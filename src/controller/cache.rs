@@ -40,7 +40,8 @@ pub struct Caches {
     pub templates: Store<DynamicObject>,
     /// PodGroups (`scheduling.k8s.io/v1beta1`); stays empty when the API server does not serve them.
     pub pod_groups: Store<PodGroup>,
-    /// Whether the API server serves PodGroups (discovery at start); without them pods are handled as before.
+    /// Whether PodGroups are handled: served, listable and listed ([`super::group_api`]); until then pods that
+    /// name none are handled as before.
     groups_served: AtomicBool,
     /// Claims by the UID of their controlling pod or PodGroup (orphan adoption, a group's claim).
     pub(super) claims_by_owner: Index<ResourceClaim>,
@@ -126,7 +127,8 @@ impl Caches {
         self.templates.wait_until_ready().await
     }
 
-    /// Records what discovery found, before the informers start.
+    /// Records what discovery found at start (before the informers start), or that PodGroups served since were
+    /// listed.
     pub fn set_groups_served(&self, served: bool) {
         self.groups_served.store(served, Ordering::Relaxed);
     }
@@ -383,11 +385,7 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
             on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
             futures::future::ready(())
         });
-    let pod_groups = async {
-        if ctx.caches.groups_served() {
-            super::podgroup::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx).await;
-        }
-    };
+    let pod_groups = super::group_api::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx);
     tokio::join!(pods, claims, templates, pod_groups);
 }
 

@@ -80,6 +80,12 @@ pub enum SyncError {
     },
     #[error("the pod belongs to PodGroup {group}, which does not exist (yet): create the PodGroup")]
     PodGroupNotFound { group: ObjectKey },
+    #[error(
+        "the pod belongs to PodGroup {group}, but PodGroups are not handled yet (the API server does not serve \
+         scheduling.k8s.io/v1beta1 podgroups, or the controller may not list them; see its log): the pod gets no \
+         claim of its own"
+    )]
+    PodGroupsNotHandled { group: ObjectKey },
     #[error("decode the ResourceClaim the API server returned: {0}")]
     DecodeClaim(#[source] serde_json::Error),
     #[error("sync did not finish within {0:?}")]
@@ -106,6 +112,7 @@ impl SyncError {
             SyncError::ApplyPodGroupStatus { .. } => "apply_podgroup_status",
             SyncError::GetPodGroup { .. } => "get_podgroup",
             SyncError::PodGroupNotFound { .. } => "podgroup_not_found",
+            SyncError::PodGroupsNotHandled { .. } => "podgroups_not_handled",
             SyncError::DecodeClaim(_) => "decode_claim",
             SyncError::Timeout(_) => "timeout",
             SyncError::Several { first, .. } => first.metric_label(),

@@ -1,4 +1,4 @@
-//! Kubernetes Events (events.k8s.io/v1) for operators. Repeats of the same event (same object, related object,
+//! Kubernetes Events (events.k8s.io/v1) for operators, on pods, PodGroups and claims. Repeats of the same event (same object, related object,
 //! type and reason) within [`SERIES_WINDOW`] update one Event's `series` (count, last observed time) instead of
 //! creating another, as client-go's recorder does, so a retried failure never makes a storm.
 //!
@@ -31,6 +31,7 @@ use tracing::warn;
 
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
+use super::slim_pod_group::PodGroup;
 
 /// How long a sent event takes repeats into its series (client-go and kube-runtime: 6 minutes).
 pub const SERIES_WINDOW: SignedDuration = SignedDuration::from_secs(6 * 60);
@@ -70,7 +71,8 @@ impl EventType {
 /// Event reasons, as operators filter them (`kubectl get events --field-selector reason=…`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
-    /// Warning on a pod: a claim could not be created (same reason as kube-controller-manager).
+    /// Warning on a pod or a PodGroup: a claim could not be created (same reason, and the same objects, as
+    /// kube-controller-manager).
     FailedResourceClaimCreation,
     ResourceClaimCreated,
     ResourceClaimAdopted,
@@ -146,6 +148,11 @@ impl Events {
     /// object, so each claim of the pod has its own series.
     pub fn pod_claim_normal(&self, pod: &Pod, claim: &ResourceClaim, reason: Reason, note: String) {
         self.publish(pod.object_ref(&()), Some(claim.object_ref(&())), EventType::Normal, reason, note);
+    }
+
+    /// A Warning on a PodGroup (upstream: a group claim that could not be found or created).
+    pub fn pod_group_warning(&self, group: &PodGroup, reason: Reason, note: String) {
+        self.publish(group.object_ref(&()), None, EventType::Warning, reason, note);
     }
 
     pub fn claim_normal(&self, claim: &ResourceClaim, reason: Reason, note: String) {

@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Where the API server serves `scheduling.k8s.io/v1beta1` PodGroups (KEP-5729) they are watched too, and
-//! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods.
+//! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods; PodGroups
+//! served only later are noticed without a restart ([`group_api`]).
 //!
 //! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched). Writes: resourceclaims
 //! (create, delete, status), pods/status and podgroups/status (server-side apply), events, and one Lease for
@@ -57,6 +58,7 @@ pub mod decide;
 pub mod error;
 pub mod events;
 pub mod foreign;
+pub mod group_api;
 pub mod index;
 pub mod metrics;
 pub mod naming;
@@ -123,6 +125,8 @@ pub struct Context {
     pub events: Events,
     pub metrics: ControllerMetrics,
     pub foreign: ForeignControllerDetector,
+    /// Wakes the PodGroup discovery while PodGroups are not handled.
+    pub group_api: group_api::GroupApi,
 }
 
 impl std::fmt::Debug for Context {
@@ -162,6 +166,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         metrics: ControllerMetrics::register(&mut registry, caches.clone(), queue.clone(), events.clone()),
         events,
         foreign: ForeignControllerDetector::new(args.on_another_claim_controller),
+        group_api: group_api::GroupApi::default(),
     });
 
     let readiness = Readiness::not_ready("informer caches have not synced");
@@ -173,9 +178,12 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     if let Some(namespace) = &args.namespace {
         info!(%namespace, "watching one namespace only");
     }
-    let groups_served = podgroup::served(&client, args.namespace.as_deref()).await;
-    info!(groups_served, "PodGroup claims (scheduling.k8s.io/v1beta1 podgroups) handled: {groups_served}");
-    caches.set_groups_served(groups_served);
+    let groups = group_api::probe(&client, args.namespace.as_deref()).await;
+    match &groups {
+        group_api::Availability::Served | group_api::Availability::NotServed => info!("{}", groups.explain()),
+        _ => warn!("{}", groups.explain()),
+    }
+    caches.set_groups_served(groups == group_api::Availability::Served);
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
 
     let (role_tx, mut role) = watch::channel(if args.leader_elect { Role::Unknown } else { Role::Leader });

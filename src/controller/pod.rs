@@ -110,6 +110,8 @@ async fn handle_claim(
         Membership::Group(_) => return Ok(Outcome::Unchanged),
         // Upstream `getPodGroup` fails the same way; the PodGroup's creation brings the pod back.
         Membership::MissingGroup(group) => return Err(SyncError::PodGroupNotFound { group }),
+        // Upstream refuses such a pod while its PodGroup support is off; the PodGroup informer's start brings it back.
+        Membership::GroupsNotHandled(group) => return Err(SyncError::PodGroupsNotHandled { group }),
     }
     if observe_only {
         debug!(pod_claim = %pod_claim.name, "observe-only: leaving the claim to the other claim controller");

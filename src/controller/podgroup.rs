@@ -4,8 +4,9 @@
 //! shared by the member pods (each records it in its own status, see [`super::pod`]) and reserved for the
 //! PodGroup; syncClaim drops the PodGroup from `reservedFor` once the group is gone ([`super::claim`]).
 //!
-//! All of it only when the API server serves `scheduling.k8s.io/v1beta1` podgroups (discovery at start): on a
-//! cluster without them the controller watches no PodGroups and treats every pod as before.
+//! All of it only when the API server serves `scheduling.k8s.io/v1beta1` podgroups and the controller may list
+//! them ([`super::group_api`]: discovery at start, and again while they are not handled): on a cluster without
+//! them the controller watches no PodGroups and treats every pod that names none as before.
 
 use std::sync::Arc;
 
@@ -26,38 +27,8 @@ use super::index::object_key;
 use super::pod::{cached_template, post_claim, template_not_found};
 use super::queue::{ObjectKey, WorkKey};
 use super::slim_claim::ResourceClaim;
-use super::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
+use super::slim_pod_group::{GROUP, PodGroup, VERSION};
 use super::{Context, POD_STATUS_FIELD_MANAGER};
-
-/// Whether the API server serves PodGroups and this controller may list them. A cluster without
-/// `GenericWorkload` (the default in 1.37) answers NotFound for the group version. Served but forbidden (an
-/// older chart's RBAC) is logged and counts as "not served": an informer that can never list would keep the
-/// controller from ever becoming ready. Any other failure counts the same; restart to pick PodGroups up.
-pub async fn served(client: &Client, namespace: Option<&str>) -> bool {
-    let served = match client.list_api_group_resources(&format!("{GROUP}/{VERSION}")).await {
-        Ok(list) => list.resources.iter().any(|r| r.name == RESOURCE),
-        Err(kube::Error::Api(status)) if status.code == 404 => false,
-        Err(err) => {
-            warn!(error = %err, "discovery of {GROUP}/{VERSION} failed: PodGroup claims stay unhandled");
-            false
-        }
-    };
-    if !served {
-        return false;
-    }
-    let api = match namespace {
-        Some(ns) => Api::<PodGroup>::namespaced(client.clone(), ns),
-        None => Api::<PodGroup>::all(client.clone()),
-    };
-    match api.list_metadata(&kube::api::ListParams::default().limit(1)).await {
-        Ok(_) => true,
-        Err(err) => {
-            warn!(error = %err, "PodGroups are served but cannot be listed (grant list and watch on \
-                  scheduling.k8s.io podgroups, patch on podgroups/status): PodGroup claims stay unhandled");
-            false
-        }
-    }
-}
 
 /// Watches PodGroups into the cache; events enqueue the group and its member pods.
 pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Writer<PodGroup>, ctx: &Context) {
@@ -76,6 +47,11 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Write
 }
 
 fn on_event(ctx: &Context, event: &watcher::Event<PodGroup>) {
+    if !ctx.caches.groups_served() {
+        // PodGroups served since start: nothing is handled until the informer has listed them all, then
+        // everything is queued at once (`group_api::run_informer`).
+        return;
+    }
     match event {
         watcher::Event::Apply(group) | watcher::Event::InitApply(group) => {
             let (needed, reason) = decide_group::pod_group_needs_work(group, |name| {
@@ -153,22 +129,45 @@ pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncEr
     }
     let mut to_record = Vec::new();
     for gc in decide_group::group_claims(&group) {
-        let Some(template) = gc.resource_claim_template_name.as_deref() else { continue };
-        match decide_group::group_recorded(&group, &gc.name) {
-            Recorded::NoClaimNeeded => continue,
-            Recorded::Claim(name) if recorded_claim_exists(ctx, &group, name).await? => continue,
-            Recorded::Claim(_) | Recorded::Missing => {}
+        match handle_group_claim(ctx, &group, gc).await {
+            Ok(Some(claim)) => to_record.push((gc.name.clone(), claim)),
+            Ok(None) => {}
+            Err(err) => {
+                // As upstream: a Warning on the PodGroup (`kubectl describe podgroup` shows why its pods wait),
+                // and the sync ends at the first failed claim.
+                let note = format!("PodGroupResourceClaim {}: {err}", gc.name);
+                ctx.events.pod_group_warning(&group, Reason::FailedResourceClaimCreation, note);
+                if let Some((403, message)) = err.api_status() {
+                    warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
+                }
+                return Err(err);
+            }
         }
-        let claim = match ctx.caches.group_claim(&group, &gc.name) {
-            Some(found) => found,
-            None => create_claim(ctx, &group, &gc.name, template).await?,
-        };
-        to_record.push((gc.name.clone(), claim.name_any()));
     }
     if !to_record.is_empty() {
         apply_statuses(ctx, &group, &to_record).await?;
     }
     Ok(())
+}
+
+/// One claim of the PodGroup (upstream `handlePodGroupClaim`): the name of the claim to record, found or created,
+/// or `None` when nothing is to be recorded.
+async fn handle_group_claim(
+    ctx: &Context,
+    group: &PodGroup,
+    gc: &k8s_openapi::api::core::v1::PodResourceClaim,
+) -> Result<Option<String>, SyncError> {
+    let Some(template) = gc.resource_claim_template_name.as_deref() else { return Ok(None) };
+    match decide_group::group_recorded(group, &gc.name) {
+        Recorded::NoClaimNeeded => return Ok(None),
+        Recorded::Claim(name) if recorded_claim_exists(ctx, group, name).await? => return Ok(None),
+        Recorded::Claim(_) | Recorded::Missing => {}
+    }
+    let claim = match ctx.caches.group_claim(group, &gc.name) {
+        Some(found) => found,
+        None => create_claim(ctx, group, &gc.name, template).await?,
+    };
+    Ok(Some(claim.name_any()))
 }
 
 /// Upstream `claimExists` for a PodGroup: the informer first, then a live GET; a claim that is gone or not the
@@ -237,13 +236,16 @@ async fn apply_statuses(ctx: &Context, group: &PodGroup, new: &[(String, String)
 /// Whose claim a pod claim is (upstream `BindTo`).
 #[derive(Debug)]
 pub enum Membership {
-    /// The pod's own (not in a PodGroup, no PodGroup API, or no matching group claim).
+    /// The pod's own (not in a PodGroup, or no matching group claim).
     Own,
     /// The PodGroup's; `None` while the group's claim does not exist yet (the PodGroup's sync creates it, and its
     /// watch event brings the pod back).
     Group(Option<Arc<ResourceClaim>>),
     /// The pod names a PodGroup that is not in the cache.
     MissingGroup(ObjectKey),
+    /// The pod names a PodGroup, and PodGroups are not handled (not served, not listable, or not listed yet):
+    /// the claim is probably the group's, so none is made for the pod.
+    GroupsNotHandled(ObjectKey),
 }
 
 /// Upstream `BindTo` + the PodGroup branch of `handleClaim`: whose claim `pod_claim` is, and the group's claim.
@@ -252,10 +254,14 @@ pub fn member_claim(
     pod: &super::slim_pod::Pod,
     pod_claim: &k8s_openapi::api::core::v1::PodResourceClaim,
 ) -> Membership {
-    let Some(group_name) = decide_group::pod_group_name(pod).filter(|_| ctx.caches.groups_served()) else {
+    let Some(group_name) = decide_group::pod_group_name(pod) else {
         return Membership::Own;
     };
     let namespace = pod.namespace().unwrap_or_default();
+    if !ctx.caches.groups_served() {
+        ctx.group_api.nudge();
+        return Membership::GroupsNotHandled(ObjectKey::new(namespace, group_name));
+    }
     let Some(group) = ctx.caches.pod_group(&namespace, group_name) else {
         return Membership::MissingGroup(ObjectKey::new(namespace, group_name));
     };

@@ -77,6 +77,7 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
     let lease = Api::<Lease>::namespaced(ctx.client.clone(), ns).get(lease_name).await?;
     let holder = lease.spec.and_then(|s| s.holder_identity);
     ensure!(holder.as_deref() == Some(identity.as_str()), "Lease {lease_name} held by {holder:?}");
+    super::podgroup::pod_group_claim_end_to_end(ctx, &controller).await?;
 
     // Outside the grant.
     let client = client_for(&kubeconfig).await?;

@@ -11,6 +11,7 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams};
 use serde_json::json;
 
+use crate::support::cluster::PODGROUP_CLUSTER_ENV;
 use crate::support::harness::KubeletHarness;
 use crate::support::node::{DRIVER, NodeDirs, start_agent};
 use crate::support::process::Component;
@@ -24,7 +25,10 @@ pub const EXTENDED_RESOURCE: &str = "nvidia.com/gpu";
 pub const TEMPLATE: &str = "one-gpu";
 /// Simulated GPUs per node.
 const NODE_GPUS: [&str; 2] = ["6xH100-80GB", "6xH100-80GB"];
-const KCM_CONTROLLERS: &str = "job-controller,deployment-controller,replicaset-controller";
+const KCM_CONTROLLERS: &str =
+    "job-controller,deployment-controller,replicaset-controller,podgroup-protection-controller";
+/// The kubelet accepts a claim reserved for the pod's PodGroup only with these gates, as the control plane has.
+const KUBELET_FLAGS: [&str; 2] = ["--feature-gates", "GenericWorkload=true,DRAWorkloadResourceClaims=true"];
 /// Short leases so that a killed leader is replaced within seconds.
 const ELECTION: [&str; 4] = [
     "--leader-elect=true",
@@ -76,7 +80,10 @@ pub enum ClaimController {
 impl Bed {
     pub async fn start(claim_controller: ClaimController) -> anyhow::Result<Self> {
         let kcm = claim_controller == ClaimController::KubeControllerManager;
-        let cluster = Arc::new(Cluster::start_with("soak", kcm, &[("GPU_DRA_E2E_KCM_CONTROLLERS", KCM_CONTROLLERS)])?);
+        // PodGroups served (KEP-5729), so that the workload has training jobs as PodGroups sharing a claim.
+        let env = PODGROUP_CLUSTER_ENV
+            .map(|(k, v)| if k == "GPU_DRA_E2E_KCM_CONTROLLERS" { (k, KCM_CONTROLLERS) } else { (k, v) });
+        let cluster = Arc::new(Cluster::start_with("soak", kcm, &env)?);
         let client = cluster.client().await?;
         let ctx = TestContext { client: client.clone(), namespace: WORKLOAD_NS.to_string(), cluster: cluster.clone() };
         for ns in [WORKLOAD_NS, TENANT_NS] {
@@ -103,7 +110,7 @@ impl Bed {
             cluster.add_node(&name)?;
             let dirs = NodeDirs::new()?;
             let agent = start_agent(&ctx, &name, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
-            let kubelet = KubeletHarness::start(&ctx, &name, &dirs)?;
+            let kubelet = start_kubelet(&ctx, &name, &dirs)?;
             nodes.push(Node { name, gpus, dirs, agent, kubelet });
         }
         for node in &nodes {
@@ -181,7 +188,7 @@ impl Bed {
     pub async fn restart_kubelet(&mut self, i: usize) -> anyhow::Result<()> {
         let node = &mut self.nodes[i];
         node.kubelet.kill()?;
-        node.kubelet = KubeletHarness::start(&self.ctx, &node.name, &node.dirs)?;
+        node.kubelet = start_kubelet(&self.ctx, &node.name, &node.dirs)?;
         node.kubelet.wait_for("registered", "", READY_TIMEOUT).await?;
         Ok(())
     }
@@ -211,6 +218,10 @@ impl Bed {
         }
         lines
     }
+}
+
+fn start_kubelet(ctx: &TestContext, node: &str, dirs: &NodeDirs) -> anyhow::Result<KubeletHarness> {
+    KubeletHarness::start_with(ctx, node, &dirs.registry(), &dirs.kubelet_state(), &KUBELET_FLAGS)
 }
 
 /// The `resource.k8s.io/v1` kind `kind`, untyped (fields newer than the compiled types survive).

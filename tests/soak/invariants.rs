@@ -45,6 +45,9 @@ pub enum Kind {
     LiveClaimNotReserved,
     ClaimsNotCreated,
     DuplicateClaims,
+    MemberOwnClaim,
+    GroupClaimNotReleased,
+    ReservedForGoneGroup,
     AllocatedAtEnd,
     ClaimLeftAtEnd,
     CdiSpecLeft,
@@ -63,6 +66,9 @@ impl Kind {
             Kind::LiveClaimNotReserved => "running pod's claim not reserved for it",
             Kind::ClaimsNotCreated => "pending pod's claims never created",
             Kind::DuplicateClaims => "two live claims for one pod claim",
+            Kind::MemberOwnClaim => "PodGroup member got a claim of its own for a group claim",
+            Kind::GroupClaimNotReleased => "deleted PodGroup's claim not released",
+            Kind::ReservedForGoneGroup => "claim reserved for a deleted PodGroup",
             Kind::AllocatedAtEnd => "GPU still allocated at the end",
             Kind::ClaimLeftAtEnd => "claim left at the end",
             Kind::CdiSpecLeft => "CDI spec left at the end",
@@ -125,8 +131,55 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
         out.push(Failing { key, kind, subject, detail, grace });
     };
     let mut generated: BTreeMap<(String, String), Vec<&str>> = BTreeMap::new();
+    let mut group_generated: BTreeMap<(String, String), Vec<&str>> = BTreeMap::new();
     for claim in model.claims.values() {
         let subject = format!("claim {}/{}", claim.namespace, claim.name);
+        if let Some((pod, pod_claim)) = model.generated_for(claim)
+            && model.is_group_claim_of(pod, pod_claim)
+        {
+            let group = pod.group.as_deref().unwrap_or_default();
+            let detail = format!("pod {} of PodGroup {group}, pod claim {pod_claim}", pod.name);
+            push(format!("member-own:{}", claim.uid), Kind::MemberOwnClaim, subject.clone(), detail, Duration::ZERO);
+        }
+        if let (Some(group_uid), Some(pod_claim)) = (&claim.owner_group, &claim.pod_claim) {
+            if claim.alive() {
+                group_generated.entry((group_uid.clone(), pod_claim.clone())).or_default().push(&claim.name);
+            }
+            let gone = model.groups.get(group_uid).and_then(|g| g.gone_at);
+            if let Some(gone) = gone
+                && claim.alive()
+                && now.saturating_sub(gone) > limits.release_deadline
+            {
+                let detail = format!("PodGroup gone {} ago, claim still exists", secs(now.saturating_sub(gone)));
+                push(
+                    format!("group-release:{}", claim.uid),
+                    Kind::GroupClaimNotReleased,
+                    subject.clone(),
+                    detail,
+                    Duration::ZERO,
+                );
+            }
+        }
+        if claim.alive() {
+            for (uid, (name, since)) in &claim.reserved_groups {
+                let from = match model.groups.get(uid) {
+                    Some(group) => group.gone_at.map(|g| g.max(*since)),
+                    None => Some(*since),
+                };
+                if let Some(from) = from
+                    && now.saturating_sub(from) > limits.grace
+                {
+                    let detail = format!("PodGroup {name} gone since {}", secs(from));
+                    push(
+                        format!("reserved-group:{}:{uid}", claim.uid),
+                        Kind::ReservedForGoneGroup,
+                        subject.clone(),
+                        detail,
+                        Duration::ZERO,
+                    );
+                }
+            }
+        }
         if let Some((pod, pod_claim)) = model.generated_for(claim) {
             if claim.alive() {
                 generated.entry((pod.uid.clone(), pod_claim.to_string())).or_default().push(&claim.name);
@@ -183,6 +236,18 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
             }
         }
     }
+    for ((group_uid, group_claim), names) in group_generated {
+        if names.len() > 1 {
+            let group = model.groups.get(&group_uid).map(|g| g.name.as_str()).unwrap_or_default();
+            push(
+                format!("dup-group:{group_uid}:{group_claim}"),
+                Kind::DuplicateClaims,
+                format!("PodGroup {group} claim {group_claim}"),
+                format!("live claims {names:?}"),
+                limits.grace,
+            );
+        }
+    }
     for ((pod_uid, pod_claim), names) in generated {
         if names.len() > 1 {
             let pod = model.pods.get(&pod_uid).map(|p| p.name.as_str()).unwrap_or_default();
@@ -208,7 +273,7 @@ pub fn failing(model: &Model, now: Duration, limits: &Limits) -> Vec<Failing> {
                 let (kind, detail) = match model.live_claim(&pod.namespace, &name) {
                     None => (Kind::LiveClaimMissing, format!("claim {name} does not exist")),
                     Some(c) if !c.allocated => (Kind::LiveClaimNotAllocated, format!("claim {name}")),
-                    Some(c) if !c.reserved.contains_key(&pod.uid) => {
+                    Some(c) if !c.reserved.contains_key(&pod.uid) && !reserved_for_group_of(c, pod) => {
                         (Kind::LiveClaimNotReserved, format!("claim {name} reserved for {:?}", c.reserved.keys()))
                     }
                     Some(_) => continue,
@@ -273,6 +338,8 @@ pub struct Counts {
     pub recreated_for_finished: usize,
     /// Claims first seen after their pod object was gone (a controller's informer lagging; garbage-collected).
     pub created_for_gone_pod: usize,
+    /// Claims owned by a PodGroup (one per group claim; not counted in `claims_created`).
+    pub group_claims: usize,
     /// Claims deleted after their pod finished: time from the pod's finish to the claim's deletion.
     pub release_latencies: Vec<Duration>,
 }
@@ -283,8 +350,11 @@ impl Counts {
         counts.pods_finished = model.pods.values().filter(|p| p.finished()).count();
         let mut needed: BTreeSet<(String, String)> = BTreeSet::new();
         for pod in model.pods.values() {
-            needed.extend(pod.template_claims.iter().map(|c| (pod.uid.clone(), c.clone())));
+            // A PodGroup member's group claim is the group's: it needs no claim of its own.
+            let own = pod.template_claims.iter().filter(|c| !model.is_group_claim_of(pod, c));
+            needed.extend(own.map(|c| (pod.uid.clone(), c.clone())));
         }
+        counts.group_claims = model.claims.values().filter(|c| c.owner_group.is_some()).count();
         // Per pair: (claims, of which deleted).
         let mut per_pair: BTreeMap<(String, String), (usize, usize)> = BTreeMap::new();
         for claim in model.claims.values() {
@@ -321,6 +391,12 @@ impl Counts {
             self.claims_needed + self.duplicates_deleted + self.created_for_gone_pod + self.recreated_for_finished;
         self.claims_created.saturating_sub(explained)
     }
+}
+
+/// Whether `claim` is reserved for the PodGroup of member `pod` (the scheduler reserves a group's claim for the
+/// group, as upstream `IsReservedForPod` accepts).
+fn reserved_for_group_of(claim: &ClaimRecord, pod: &PodRecord) -> bool {
+    pod.group.as_deref().is_some_and(|group| claim.reserved_groups.values().any(|(name, _)| name == group))
 }
 
 /// Whether `claim` was first seen once its pod object was already deleted.

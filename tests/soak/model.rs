@@ -34,6 +34,8 @@ pub struct PodRecord {
     pub statuses: BTreeMap<String, Option<String>>,
     /// `status.extendedResourceClaimStatus.resourceClaimName`.
     pub extended_claim: Option<String>,
+    /// `spec.schedulingGroup.podGroupName`: the PodGroup the pod belongs to.
+    pub group: Option<String>,
 }
 
 impl PodRecord {
@@ -64,6 +66,21 @@ pub struct ClaimRecord {
     pub allocated: bool,
     /// Pod UIDs in `status.reservedFor`, with when each was first seen there.
     pub reserved: BTreeMap<String, Duration>,
+    /// UID of the PodGroup that is its controlling owner (a PodGroup's claim, KEP-5729).
+    pub owner_group: Option<String>,
+    /// PodGroups in `status.reservedFor`: UID → (name, when first seen there).
+    pub reserved_groups: BTreeMap<String, (String, Duration)>,
+}
+
+/// One PodGroup as last seen.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GroupRecord {
+    pub uid: String,
+    pub namespace: String,
+    pub name: String,
+    pub gone_at: Option<Duration>,
+    /// Its claims that come from a ResourceClaimTemplate.
+    pub template_claims: Vec<String>,
 }
 
 impl ClaimRecord {
@@ -77,6 +94,7 @@ impl ClaimRecord {
 pub struct Model {
     pub pods: BTreeMap<String, PodRecord>,
     pub claims: BTreeMap<String, ClaimRecord>,
+    pub groups: BTreeMap<String, GroupRecord>,
 }
 
 fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
@@ -122,6 +140,39 @@ impl Model {
             .collect();
         record.extended_claim =
             str_at(pod, &["status", "extendedResourceClaimStatus", "resourceClaimName"]).map(str::to_string);
+        record.group = str_at(pod, &["spec", "schedulingGroup", "podGroupName"]).map(str::to_string);
+    }
+
+    /// A PodGroup added or changed.
+    pub fn group_seen(&mut self, group: &Value) {
+        let Some(uid) = str_at(group, &["metadata", "uid"]) else { return };
+        let record = self.groups.entry(uid.to_string()).or_insert_with(|| GroupRecord {
+            uid: uid.to_string(),
+            namespace: str_at(group, &["metadata", "namespace"]).unwrap_or_default().to_string(),
+            name: str_at(group, &["metadata", "name"]).unwrap_or_default().to_string(),
+            ..Default::default()
+        });
+        record.template_claims = array_at(group, &["spec", "resourceClaims"])
+            .filter(|c| c.get("resourceClaimTemplateName").and_then(Value::as_str).is_some())
+            .filter_map(|c| c["name"].as_str().map(str::to_string))
+            .collect();
+    }
+
+    /// Whether `pod_claim` of `pod` is its PodGroup's claim (the group, by name, has a template claim of that
+    /// name: upstream `BindTo`).
+    pub fn is_group_claim_of(&self, pod: &PodRecord, pod_claim: &str) -> bool {
+        pod.group.as_deref().is_some_and(|group| {
+            self.groups.values().any(|g| {
+                g.namespace == pod.namespace && g.name == group && g.template_claims.iter().any(|c| c == pod_claim)
+            })
+        })
+    }
+
+    /// A PodGroup deleted (or found missing after a re-list) at `now`.
+    pub fn group_gone(&mut self, uid: &str, now: Duration) {
+        if let Some(record) = self.groups.get_mut(uid) {
+            record.gone_at.get_or_insert(now);
+        }
     }
 
     /// A pod deleted (or found missing after a re-list) at `now`.
@@ -154,6 +205,18 @@ impl Model {
             ..Default::default()
         });
         record.owner_pod = owner_pod;
+        record.owner_group = array_at(claim, &["metadata", "ownerReferences"])
+            .find(|o| o["kind"] == "PodGroup" && o["controller"] == true)
+            .and_then(|o| o["uid"].as_str())
+            .map(str::to_string);
+        let groups: Vec<(String, String)> = array_at(claim, &["status", "reservedFor"])
+            .filter(|r| r["resource"] == "podgroups")
+            .filter_map(|r| Some((r["uid"].as_str()?.to_string(), r["name"].as_str()?.to_string())))
+            .collect();
+        record.reserved_groups.retain(|uid, _| groups.iter().any(|(u, _)| u == uid));
+        for (uid, name) in groups {
+            record.reserved_groups.entry(uid).or_insert((name, now));
+        }
         record.pod_claim = pod_claim;
         record.allocated = claim["status"].get("allocation").is_some_and(|a| !a.is_null());
         let reserved: Vec<String> = array_at(claim, &["status", "reservedFor"])
@@ -201,6 +264,36 @@ pub mod fixtures {
     pub fn pod(uid: &str, phase: &str, claims: Value, statuses: Value) -> Value {
         json!({"metadata": {"uid": uid, "namespace": "ns", "name": format!("pod-{uid}")},
                "spec": {"resourceClaims": claims}, "status": {"phase": phase, "resourceClaimStatuses": statuses}})
+    }
+
+    /// PodGroup `g-<uid>` with the template claim `gpu`.
+    pub fn group(uid: &str) -> Value {
+        json!({"metadata": {"uid": uid, "namespace": "ns", "name": format!("g-{uid}")},
+               "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]}})
+    }
+
+    /// A running member pod of PodGroup `g-<group>` that records `claim` for its claim `gpu`.
+    pub fn member(uid: &str, group: &str, claim: &str) -> Value {
+        let mut pod = pod(
+            uid,
+            "Running",
+            json!([{"name": "gpu", "resourceClaimTemplateName": "t"}]),
+            json!([{"name": "gpu", "resourceClaimName": claim}]),
+        );
+        pod["spec"]["schedulingGroup"] = json!({"podGroupName": format!("g-{group}")});
+        pod
+    }
+
+    /// The claim of PodGroup `g-<group>`, allocated and reserved for it when `reserved`.
+    pub fn group_claim(uid: &str, name: &str, group: &str, reserved: bool) -> Value {
+        let mut claim = claim(uid, name, None, true, &[]);
+        claim["metadata"]["ownerReferences"] = json!([{"kind": "PodGroup", "name": format!("g-{group}"), "uid": group,
+                                                       "controller": true}]);
+        if reserved {
+            claim["status"]["reservedFor"] = json!([{"apiGroup": "scheduling.k8s.io", "resource": "podgroups",
+                                                     "name": format!("g-{group}"), "uid": group}]);
+        }
+        claim
     }
 
     pub fn claim(uid: &str, name: &str, owner: Option<&str>, allocated: bool, reserved: &[&str]) -> Value {

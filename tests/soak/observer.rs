@@ -1,4 +1,4 @@
-//! Feeds the [`Model`] from two watches (pods, claims; all namespaces), stamping every event with the time since
+//! Feeds the [`Model`] from three watches (pods, claims, PodGroups; all namespaces), stamping every event with the time since
 //! the soak started. A re-list marks what it no longer contains as gone, so a deletion missed during a watch gap
 //! is still seen.
 
@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, ApiResource, DynamicObject};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use tokio::task::JoinHandle;
@@ -38,12 +38,14 @@ impl Observed {
 enum Kind {
     Pod,
     Claim,
+    Group,
 }
 
-/// Starts both watches; they run until the returned tasks are aborted.
+/// Starts the watches; they run until the returned tasks are aborted.
 pub fn start(client: &kube::Client, observed: &Observed) -> Vec<JoinHandle<()>> {
     let pods = ApiResource::erase::<Pod>(&());
-    [(pods, Kind::Pod), (resource("ResourceClaim"), Kind::Claim)]
+    let groups = ApiResource::from_gvk(&GroupVersionKind::gvk("scheduling.k8s.io", "v1beta1", "PodGroup"));
+    [(pods, Kind::Pod), (resource("ResourceClaim"), Kind::Claim), (groups, Kind::Group)]
         .into_iter()
         .map(|(ar, kind)| {
             let api = Api::<DynamicObject>::all_with(client.clone(), &ar);
@@ -79,6 +81,9 @@ async fn watch(api: Api<DynamicObject>, kind: Kind, observed: Observed) {
                 let known: Vec<String> = match kind {
                     Kind::Pod => model.pods.values().filter(|p| p.gone_at.is_none()).map(|p| p.uid.clone()).collect(),
                     Kind::Claim => model.claims.values().filter(|c| c.alive()).map(|c| c.uid.clone()).collect(),
+                    Kind::Group => {
+                        model.groups.values().filter(|g| g.gone_at.is_none()).map(|g| g.uid.clone()).collect()
+                    }
                 };
                 for uid in known.into_iter().filter(|uid| !seen.contains(uid)) {
                     gone(&mut model, kind, &uid, now);
@@ -98,6 +103,7 @@ fn apply(model: &mut Model, kind: Kind, obj: &DynamicObject, now: Duration) {
     match kind {
         Kind::Pod => model.pod_seen(&value, now),
         Kind::Claim => model.claim_seen(&value, now),
+        Kind::Group => model.group_seen(&value),
     }
 }
 
@@ -105,5 +111,6 @@ fn gone(model: &mut Model, kind: Kind, uid: &str, now: Duration) {
     match kind {
         Kind::Pod => model.pod_gone(uid, now),
         Kind::Claim => model.claim_gone(uid, now),
+        Kind::Group => model.group_gone(uid, now),
     }
 }

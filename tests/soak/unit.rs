@@ -8,7 +8,7 @@ use serde_json::json;
 
 use super::invariants::{Checker, Counts, EndState, Kind, Limits};
 use super::model::Model;
-use super::model::fixtures::{claim, pod};
+use super::model::fixtures::{claim, group, group_claim, member, pod};
 
 /// A unit table: its name and body.
 pub type UnitTest = (&'static str, fn() -> anyhow::Result<()>);
@@ -33,6 +33,9 @@ pub const TESTS: &[UnitTest] = &[
         "unit::late_claim_of_a_deleted_pod_is_lag_until_the_deadline",
         late_claim_of_a_deleted_pod_is_lag_until_the_deadline,
     ),
+    ("unit::pod_group_sharing_one_claim_is_clean", pod_group_sharing_one_claim_is_clean),
+    ("unit::pod_group_members_own_claim_is_a_violation", pod_group_members_own_claim_is_a_violation),
+    ("unit::deleted_pod_groups_claim_must_be_released", deleted_pod_groups_claim_must_be_released),
 ];
 
 fn s(secs: u64) -> Duration {
@@ -208,5 +211,62 @@ fn late_claim_of_a_deleted_pod_is_lag_until_the_deadline() -> anyhow::Result<()>
     ensure!(counts.created_for_gone_pod == 1 && counts.unexplained() == 0, "{counts:?}");
     checker.check(&m, s(30));
     ensure!(kinds(&checker) == [Kind::NotReleased], "{:?}", checker.violations);
+    Ok(())
+}
+
+/// Two running members record the group's claim, allocated and reserved for the group; the job ends, the
+/// reservation and the claim go in time: no violation, and no claim counted as a pod's.
+fn pod_group_sharing_one_claim_is_clean() -> anyhow::Result<()> {
+    let mut m = Model::default();
+    m.group_seen(&group("g"));
+    m.pod_seen(&member("p1", "g", "gc"), s(1));
+    m.pod_seen(&member("p2", "g", "gc"), s(1));
+    m.claim_seen(&group_claim("c1", "gc", "g", true), s(1));
+    let mut checker = Checker::new(Limits::default());
+    checker.check(&m, s(30));
+    m.pod_gone("p1", s(40));
+    m.pod_gone("p2", s(40));
+    m.group_gone("g", s(41));
+    m.claim_seen(&group_claim("c1", "gc", "g", false), s(42));
+    m.claim_gone("c1", s(43));
+    checker.check(&m, s(100));
+    ensure!(checker.violations.is_empty(), "{:?}", checker.violations);
+    let counts = Counts::of(&m);
+    let own = (counts.claims_created, counts.claims_needed, counts.group_claims);
+    ensure!(own == (0, 0, 1) && counts.unexplained() == 0, "members need no claim of their own: {counts:?}");
+    Ok(())
+}
+
+/// A member pod that gets its own claim for the group's claim (a controller that ignores PodGroups), and a
+/// second live claim for the group: both are violations.
+fn pod_group_members_own_claim_is_a_violation() -> anyhow::Result<()> {
+    let mut m = Model::default();
+    m.group_seen(&group("g"));
+    m.pod_seen(&member("p1", "g", "own"), s(1));
+    m.claim_seen(&claim("c1", "own", Some("p1"), true, &["p1"]), s(1));
+    m.claim_seen(&group_claim("c2", "gc-a", "g", false), s(1));
+    m.claim_seen(&group_claim("c3", "gc-b", "g", false), s(1));
+    let mut checker = Checker::new(Limits::default());
+    checker.check(&m, s(2));
+    checker.check(&m, s(30));
+    let found = kinds(&checker);
+    ensure!(found == [Kind::MemberOwnClaim, Kind::DuplicateClaims], "{found:?}");
+    Ok(())
+}
+
+/// The PodGroup is deleted and its claim stays reserved for it: the reservation after the grace, the claim after
+/// the release deadline.
+fn deleted_pod_groups_claim_must_be_released() -> anyhow::Result<()> {
+    let mut m = Model::default();
+    m.group_seen(&group("g"));
+    m.claim_seen(&group_claim("c1", "gc", "g", true), s(1));
+    m.group_gone("g", s(10));
+    let mut checker = Checker::new(Limits::default());
+    checker.check(&m, s(20));
+    ensure!(checker.violations.is_empty(), "within the deadlines: {:?}", checker.violations);
+    checker.check(&m, s(30));
+    let mut found = kinds(&checker);
+    found.sort();
+    ensure!(found == [Kind::GroupClaimNotReleased, Kind::ReservedForGoneGroup], "{found:?}");
     Ok(())
 }

@@ -5,6 +5,7 @@
 //! - a Deployment scaled up and down (graceful deletions, finished by the kubelet harness);
 //! - bare pods deleted while their claims are created, allocated or prepared;
 //! - a claim shared by the pods of a Deployment;
+//! - training jobs as PodGroups (KEP-5729): a group claim shared by the group's worker pods;
 //! - a second tenant with a pod of its own and odd claims: forged owner references, the controller's annotations.
 
 use std::time::Duration;
@@ -13,7 +14,9 @@ use anyhow::Context as _;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams,
+};
 use serde_json::{Value, json};
 use tokio::time::Instant;
 
@@ -48,6 +51,7 @@ pub struct Activity {
     pub scalings: usize,
     pub churn_pods: usize,
     pub forged_claims: usize,
+    pub pod_groups: usize,
 }
 
 /// A pod spec with one container; `claims` are its `resourceClaims`, all used by the container; `extended`
@@ -222,6 +226,47 @@ async fn tenant_actor(client: kube::Client, deadline: Instant, mut rng: Rng) -> 
     Ok(made)
 }
 
+fn pod_groups(client: &kube::Client) -> Api<DynamicObject> {
+    let resource = ApiResource::from_gvk(&GroupVersionKind::gvk("scheduling.k8s.io", "v1beta1", "PodGroup"));
+    Api::namespaced_with(client.clone(), WORKLOAD_NS, &resource)
+}
+
+/// Training jobs as PodGroups: a PodGroup with a template claim and two workers that join it (one claim for
+/// the group, reserved for it); after a while the workers are deleted, then the group (its claim must go).
+async fn group_actor(client: kube::Client, deadline: Instant, mut rng: Rng) -> anyhow::Result<usize> {
+    let groups = pod_groups(&client);
+    // Untyped: `spec.schedulingGroup` is newer than the compiled Pod type.
+    let pods = Api::<DynamicObject>::namespaced_with(client.clone(), WORKLOAD_NS, &ApiResource::erase::<Pod>(&()));
+    let mut count = 0;
+    while Instant::now() < deadline {
+        count += 1;
+        let name = format!("trainers-{count}");
+        let group = json!({"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup", "metadata": {"name": name},
+            "spec": {"schedulingPolicy": {"basic": {}}, "resourceClaims": template_claim()}});
+        let created = groups.create(&PostParams::default(), &serde_json::from_value(group)?).await;
+        created.with_context(|| format!("create PodGroup {name}"))?;
+        let workers: Vec<String> = (0..2).map(|i| format!("{name}-worker-{i}")).collect();
+        for worker in &workers {
+            let mut spec = pod_spec(template_claim(), false, "Never");
+            spec["schedulingGroup"] = json!({"podGroupName": name});
+            let pod = json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": worker}, "spec": spec});
+            let created = pods.create(&PostParams::default(), &serde_json::from_value(pod)?).await;
+            created.with_context(|| format!("create pod {worker}"))?;
+        }
+        if !pause(deadline, Duration::from_secs(5 + rng.below(10))).await {
+            break;
+        }
+        for worker in &workers {
+            pods.delete(worker, &DeleteParams::default()).await.with_context(|| format!("delete pod {worker}"))?;
+        }
+        groups.delete(&name, &DeleteParams::background()).await.with_context(|| format!("delete PodGroup {name}"))?;
+        if !pause(deadline, Duration::from_secs(2)).await {
+            break;
+        }
+    }
+    Ok(count)
+}
+
 /// Runs every actor until `deadline`; the first error ends the soak.
 pub async fn run(client: kube::Client, deadline: Instant, seed: u64) -> anyhow::Result<Activity> {
     let shared = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": SHARED_CLAIM},
@@ -232,15 +277,23 @@ pub async fn run(client: kube::Client, deadline: Instant, seed: u64) -> anyhow::
         .context("create the shared claim")?;
     let shared_users = json!([{"name": "gpu", "resourceClaimName": SHARED_CLAIM}]);
     let c = || client.clone();
-    let (train, ext, serve, users, churn, tenant) = tokio::try_join!(
+    let (train, ext, serve, users, churn, tenant, groups) = tokio::try_join!(
         job_actor(c(), deadline, Rng::new(seed), false),
         job_actor(c(), deadline, Rng::new(seed ^ 1), true),
         deployment_actor(c(), deadline, "serve", template_claim(), &[2, 0, 3, 1], Duration::from_secs(12)),
         deployment_actor(c(), deadline, "shared-users", shared_users, &[3, 1, 2, 0], Duration::from_secs(20)),
         churn_actor(c(), deadline, Rng::new(seed ^ 2)),
         tenant_actor(c(), deadline, Rng::new(seed ^ 3)),
+        group_actor(c(), deadline, Rng::new(seed ^ 4)),
     )?;
-    Ok(Activity { jobs: train, extended_jobs: ext, scalings: serve + users, churn_pods: churn, forged_claims: tenant })
+    Ok(Activity {
+        jobs: train,
+        extended_jobs: ext,
+        scalings: serve + users,
+        churn_pods: churn,
+        forged_claims: tenant,
+        pod_groups: groups,
+    })
 }
 
 /// Deletes everything the workload made, as a user would: Jobs and Deployments with their pods, bare pods, and
@@ -254,6 +307,8 @@ pub async fn delete_all(client: &kube::Client) -> anyhow::Result<()> {
     }
     // The ReplicaSets go with their Deployments (garbage collector); their pods with them, gracefully.
     Api::<Pod>::namespaced(client.clone(), WORKLOAD_NS).delete_collection(&DeleteParams::default(), &all).await?;
+    // PodGroups once their pods are going; their claims go with them (reservation dropped, garbage collector).
+    pod_groups(client).delete_collection(&background, &all).await?;
     // Claims generated for pods are the controller's (or garbage collector's) to delete: leaving them is what the
     // end check looks for.
     for ns in [WORKLOAD_NS, TENANT_NS] {

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use anyhow::{Context as _, bail};
+use anyhow::{Context as _, bail, ensure};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
 /// The kubeconfig context `e2e/cluster.sh` writes; only a cluster with this context is ever reused.
@@ -194,5 +194,102 @@ impl Cluster {
         // JSON is YAML: every kubeconfig reader takes it.
         std::fs::write(&path, serde_json::to_string(&kubeconfig)?)?;
         Ok(path)
+    }
+}
+
+/// `e2e/cluster.sh up`'s environment for a control plane that serves PodGroups with claims (KEP-5729):
+/// `GenericWorkload` + `DRAWorkloadResourceClaims`, `scheduling.k8s.io/v1beta1`, and kube-controller-manager's
+/// `podgroup-protection-controller`, which removes the `scheduling.k8s.io/podgroup-protection` finalizer the API
+/// server puts on every PodGroup once no pod uses it, as in any cluster with the gate on.
+pub const PODGROUP_CLUSTER_ENV: [(&str, &str); 3] = [
+    ("GPU_DRA_E2E_FEATURE_GATES", "GenericWorkload=true,DRAWorkloadResourceClaims=true"),
+    ("GPU_DRA_E2E_RUNTIME_CONFIG", "scheduling.k8s.io/v1beta1=true"),
+    ("GPU_DRA_E2E_KCM_CONTROLLERS", "podgroup-protection-controller"),
+];
+
+impl Cluster {
+    /// Restarts kube-apiserver with `flags` added to its command line, as an operator enabling an API or a
+    /// feature gate does: a flag it has already gets the value appended (`,`-separated, as for `--feature-gates`
+    /// and `--runtime-config`), any other is added. Same etcd, port and certificates; the new process is
+    /// recorded in the cluster's pids file in place of the old one, so `down` (and the watchdog) stop it. Waits
+    /// until it is ready. Blocking: call it from `spawn_blocking`.
+    pub fn restart_api_server_with(&self, flags: &[(&str, &str)]) -> anyhow::Result<()> {
+        use std::time::{Duration, Instant};
+        let old = self.pid("kube-apiserver")?;
+        let cmdline = std::fs::read(format!("/proc/{old}/cmdline")).context("read kube-apiserver's command line")?;
+        let mut args: Vec<String> = (cmdline.split(|b| *b == 0))
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        for (flag, value) in flags {
+            match args.iter().position(|a| a == flag) {
+                Some(at) if at + 1 < args.len() => args[at + 1] = format!("{},{value}", args[at + 1]),
+                _ => args.extend([flag.to_string(), value.to_string()]),
+            }
+        }
+        // As `cluster.sh down` stops it: SIGTERM, and SIGKILL after 5 s (its graceful shutdown can hang on open
+        // watches). Gone, or a zombie, counts as stopped (whoever reaps orphans here may never do it).
+        let stopped = || std::fs::read_to_string(format!("/proc/{old}/stat")).map_or(true, |s| s.contains(") Z "));
+        for (signal, wait) in [("-TERM", Duration::from_secs(5)), ("-KILL", Duration::from_secs(10))] {
+            let status = Command::new("kill").args([signal, &old.to_string()]).status().context("run kill")?;
+            ensure!(status.success() || stopped(), "kill {signal} {old}: {status}");
+            let until = Instant::now() + wait;
+            while !stopped() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            if stopped() {
+                break;
+            }
+        }
+        ensure!(stopped(), "kube-apiserver (pid {old}) did not stop on SIGTERM nor SIGKILL");
+        // Detached as `cluster.sh` starts it (its parent exits at once, so init reaps it), logging to the same file.
+        let log_path = self.state_dir.join("logs/kube-apiserver.log");
+        let started = Command::new("bash")
+            .args(["-c", r#"log=$1; shift; setsid "$@" >>"$log" 2>&1 </dev/null & echo $!"#, "bash"])
+            .arg(&log_path)
+            .args(&args)
+            .output()
+            .context("start kube-apiserver again")?;
+        ensure!(
+            started.status.success(),
+            "starting kube-apiserver again: {}",
+            String::from_utf8_lossy(&started.stderr)
+        );
+        let new: u32 =
+            String::from_utf8_lossy(&started.stdout).trim().parse().context("the new kube-apiserver's pid")?;
+        let pids_path = self.state_dir.join("pids");
+        let pids = std::fs::read_to_string(&pids_path)?;
+        let replaced: Vec<String> = pids
+            .lines()
+            .map(|l| if l == format!("kube-apiserver {old}") { format!("kube-apiserver {new}") } else { l.to_string() })
+            .collect();
+        std::fs::write(&pids_path, replaced.join("\n") + "\n")?;
+
+        let ready = format!("{}/readyz", self.server()?.trim_end_matches('/'));
+        let pki = self.state_dir.join("pki");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let ok = Command::new("curl")
+                .args(["-fsS", "--max-time", "2", "--cacert"])
+                .arg(pki.join("ca.crt"))
+                .arg("--cert")
+                .arg(pki.join("admin.crt"))
+                .arg("--key")
+                .arg(pki.join("admin.key"))
+                .arg(&ready)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(20).collect();
+                bail!("kube-apiserver was not ready again within 60s; its log ends:\n{}", tail.join("\n"));
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
 }

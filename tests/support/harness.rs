@@ -53,8 +53,20 @@ impl KubeletHarness {
     /// Starts the kubelet side of `node`, watching `registry` (the kubelet's plugins_registry) and keeping its own
     /// state in `state` (its log beside it).
     pub fn start_watching(ctx: &TestContext, node: &str, registry: &Path, state: &Path) -> anyhow::Result<Self> {
+        Self::start_with(ctx, node, registry, state, &[])
+    }
+
+    /// Like [`KubeletHarness::start_watching`], with more harness flags (e.g. `--feature-gates`).
+    pub fn start_with(
+        ctx: &TestContext,
+        node: &str,
+        registry: &Path,
+        state: &Path,
+        flags: &[&str],
+    ) -> anyhow::Result<Self> {
         let log = state.with_extension("log");
         let mut child = Command::new(binary()?)
+            .args(flags)
             .arg("--kubeconfig")
             .arg(ctx.cluster.kubeconfig())
             .args(["--node-name", node])

@@ -13,6 +13,7 @@ pub mod cluster;
 pub mod harness;
 pub mod node;
 pub mod objects;
+pub mod podgroup;
 pub mod process;
 pub mod real_node;
 pub mod wait;
