@@ -8,6 +8,9 @@
 # The compiler rust-toolchain.toml pins (1.95.0), so rustup has nothing to download. The .proto files compile with
 # protox (pure Rust): no protoc needed.
 FROM rust:1.95.0-bookworm AS build
+# The context leaves .git out: the commit `gpu-dra --version` and gpu_dra_build_info report comes from here.
+ARG REVISION=unknown
+ENV GPU_DRA_BUILD_COMMIT=$REVISION
 WORKDIR /src
 COPY . .
 # The same command CI's toolchain runs, with the lock file as is. The caches speed up rebuilds; the binary is copied

@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test test-prerequisites soak release bench lint fmt k8s-binaries node-binaries cluster-up cluster-down
+.PHONY: help demo test test-prerequisites soak release dist bench lint fmt k8s-binaries node-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -24,14 +24,18 @@ soak: k8s-binaries ## Churn soak against the local control plane: make soak DURA
 release: ## Build target/release/gpu-dra exactly as the Dockerfile, the demo and gpu-check do
 	$(CARGO) build --release --locked
 
+dist: release k8s-binaries ## Release artifacts in dist/: the binary, the packaged chart, the image archive, SHA256SUMS
+	e2e/dist.sh
+
 bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager, and the kubelet plugin (prints tables)
 	$(CARGO) bench --locked --bench claim_controller
 	$(CARGO) bench --locked --bench kubelet_plugin
 
-lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile
+lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile, cargo-deny (offline)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
 	e2e/hadolint.sh
+	e2e/cargo-deny.sh
 
 fmt: ## Format the code
 	$(CARGO) fmt --all

@@ -29,3 +29,6 @@ CRICTL_BIN="$GPU_DRA_CACHE/crictl-$CRICTL_VERSION/bin"
 # Debian packages the real node needs: runc's seccomp support, iptables/nft for kube-proxy and the CNI bridge's
 # masquerading, busybox for the pause and workload images.
 NODE_DEBIAN_PACKAGES=(libseccomp-dev pkg-config iptables nftables busybox-static)
+# cargo-deny (e2e/cargo-deny.sh): dependency licenses, bans and sources, from crates.io into the cache on first use.
+CARGO_DENY_VERSION=${CARGO_DENY_VERSION:-0.20.2}
+CARGO_DENY_DIR="$GPU_DRA_CACHE/cargo-deny-$CARGO_DENY_VERSION"

@@ -10,7 +10,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 /// Kubernetes Dynamic Resource Allocation for NVIDIA GPUs.
 #[derive(Debug, Parser)]
-#[command(name = "gpu-dra", version, about, propagate_version = true)]
+#[command(name = "gpu-dra", version = crate::telemetry::build::LONG_VERSION, about, propagate_version = true)]
 pub struct Cli {
     #[command(flatten)]
     pub log: LogArgs,

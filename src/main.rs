@@ -8,8 +8,14 @@ async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     gpu_dra::telemetry::init_logging(&cli.log)?;
     match cli.command {
-        Command::Controller(args) => gpu_dra::controller::run(*args).await?,
-        Command::NodeAgent(args) => gpu_dra::node_agent::run(*args).await?,
+        Command::Controller(args) => {
+            gpu_dra::telemetry::build::log_start("controller");
+            gpu_dra::controller::run(*args).await?
+        }
+        Command::NodeAgent(args) => {
+            gpu_dra::telemetry::build::log_start("node-agent");
+            gpu_dra::node_agent::run(*args).await?
+        }
         Command::GpuCheck(args) => gpu_dra::node_agent::gpu_check::run(&args)?,
     }
     Ok(())

@@ -10,6 +10,8 @@
 
 mod support;
 
+#[path = "chart/artifacts.rs"]
+mod artifacts;
 #[path = "chart/identities.rs"]
 mod identities;
 #[path = "chart/mounts.rs"]
@@ -34,7 +36,7 @@ use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
-use support::node::{DRIVER, Kubelet, NodeDirs};
+use support::node::{DRIVER, Kubelet, NodeAgent, NodeDirs};
 use support::objects::{self, claim_statuses, create_pod, create_template, events_about, one_gpu};
 use support::process::{Component, InClusterAccount};
 use support::{TestContext, wait};
@@ -42,6 +44,10 @@ use support::{TestContext, wait};
 const FIELD_MANAGER: &str = "gpu-dra-chart-test";
 const SETTLE: Duration = Duration::from_secs(30);
 
+use artifacts::{
+    release_components_report_their_build, release_has_one_version_everywhere,
+    release_packaged_chart_installs_on_the_cluster, release_version_names_the_commit_and_whether_the_tree_was_dirty,
+};
 use identities::{
     controller_works_under_its_service_account_and_is_refused_the_rest,
     node_agent_works_under_its_service_account_and_is_refused_the_rest,
@@ -68,6 +74,10 @@ fn main() {
             test!(node_agent_works_under_its_service_account_and_is_refused_the_rest),
             test!(admission_policy_keeps_the_node_agent_to_its_own_node),
             test!(node_agent_works_with_only_its_mounts_beside_the_real_kubelet),
+            test!(release_has_one_version_everywhere),
+            test!(release_version_names_the_commit_and_whether_the_tree_was_dirty),
+            test!(release_components_report_their_build),
+            test!(release_packaged_chart_installs_on_the_cluster),
         ],
     )
 }

@@ -159,6 +159,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     let events = Events::new(events_client, identity.clone());
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ProcessCollector));
+    crate::telemetry::build::register(&mut registry);
     let ctx = Arc::new(Context {
         client: client.clone(),
         caches: caches.clone(),

@@ -107,6 +107,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
 
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ProcessCollector));
+    crate::telemetry::build::register(&mut registry);
     let devices_gauge = Gauge::<i64>::default();
     let publishes = Family::<ResultLabels, Counter>::default();
     registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());

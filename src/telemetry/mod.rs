@@ -1,5 +1,7 @@
-//! Observability shared by every component: logging set-up, the metrics/health HTTP server, process metrics.
+//! Observability shared by every component: logging set-up, the metrics/health HTTP server, process metrics, the
+//! build's identity.
 
+pub mod build;
 pub mod process;
 pub mod server;
 
