@@ -48,8 +48,7 @@ source "$E2E_DIR/versions.sh"
 # shellcheck source=e2e/pki.sh
 source "$E2E_DIR/pki.sh"
 
-STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
-STATE="${STATE%/}"
+STATE="$E2E_STATE"
 # Set by `up --for-real-node`: the node's address; the `kubernetes` Service's address in --service-cluster-ip-range.
 NODE_IP=""
 SERVICE_IP=10.0.0.1

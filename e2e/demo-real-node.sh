@@ -15,8 +15,9 @@ say "Building what is missing (Kubernetes, containerd, runc, CNI from Go modules
 "$E2E_DIR/build-k8s.sh"
 "$E2E_DIR/build-node.sh"
 (cd "$REPO" && cargo build --release --locked)
-STATE=${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}
-IMAGES="$STATE-images"
+# shellcheck source=e2e/versions.sh
+source "$E2E_DIR/versions.sh"
+IMAGES="$E2E_STATE-images"
 "$E2E_DIR/build-images.sh" "$IMAGES" | sed 's/^/  built /'
 
 say "Starting the local control plane and a real node: kubelet + containerd (CDI on) + runc + CNI bridge + kube-proxy"

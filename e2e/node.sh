@@ -26,8 +26,7 @@ source "$E2E_DIR/versions.sh"
 # shellcheck source=e2e/pki.sh
 source "$E2E_DIR/pki.sh"
 
-STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
-STATE="${STATE%/}"
+STATE="$E2E_STATE"
 NODE_ROOT="${GPU_DRA_NODE_ROOT:-/var/lib/gpu-dra-e2e-node}"
 BRIDGE=gpudra0
 POD_SUBNET=10.244.0.0/24

@@ -32,3 +32,6 @@ NODE_DEBIAN_PACKAGES=(libseccomp-dev pkg-config iptables nftables busybox-static
 # cargo-deny (e2e/cargo-deny.sh): dependency licenses, bans and sources, from crates.io into the cache on first use.
 CARGO_DENY_VERSION=${CARGO_DENY_VERSION:-0.20.2}
 CARGO_DENY_DIR="$GPU_DRA_CACHE/cargo-deny-$CARGO_DENY_VERSION"
+# The local cluster's state directory (cluster.sh, node.sh): certificates, kubeconfig, logs, pids, real nodes' records.
+E2E_STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
+E2E_STATE="${E2E_STATE%/}"
