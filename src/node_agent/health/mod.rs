@@ -1,0 +1,327 @@
+//! GPU health: faults reported by NVML (or injected into simulated GPUs) become device taints in the node's
+//! ResourceSlices, Warning Events on the Node and metrics, and clear themselves when the GPU recovers.
+//!
+//! ```text
+//!  NVML event thread ──┐                       ┌─▶ store (health.json: survives restarts)
+//!  inject-faults file ─┴─▶ Monitor ─▶ state ───┼─▶ changed ─▶ node agent republishes with taints (≤ 1 s)
+//!                          (reports)  machine  └─▶ Events on the Node, metrics
+//! ```
+//!
+//! `classify` (the XID table), `state` (the per-GPU state machine), `taints` and `inject` (the file format) are
+//! pure and unit-tested; this module is the glue.
+
+pub mod classify;
+pub mod inject;
+pub mod nvml_events;
+pub mod state;
+pub mod store;
+pub mod taints;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use kube::api::Api;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Client, Resource as _};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::gpu::Gpu;
+use crate::kubelet_plugin::allocation::Inventory;
+use inject::{Action, Injection};
+use state::{HealthBook, Policy, Transition};
+use taints::Effects;
+
+/// How often the simulated backend looks for `<state-dir>/inject-faults`.
+const INJECT_POLL: Duration = Duration::from_millis(100);
+/// The longest the monitor sleeps without checking the healthy window.
+const EXPIRY_CHECK: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    device: String,
+    uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    class: &'static str,
+    fault: String,
+}
+
+/// The health metrics.
+#[derive(Clone, Debug, Default)]
+struct HealthMetrics {
+    healthy: Family<GpuLabels, Gauge>,
+    faults: Family<FaultLabels, Counter>,
+}
+
+/// The health monitor of one node.
+#[derive(Debug)]
+pub struct Monitor {
+    driver: String,
+    node: String,
+    state_dir: PathBuf,
+    policy: Policy,
+    effects: Effects,
+    book: Mutex<HealthBook>,
+    /// Notified whenever a GPU's taints change: the node agent republishes at once.
+    pub changed: Notify,
+    metrics: HealthMetrics,
+}
+
+impl Monitor {
+    /// The monitor with the state saved in `state_dir` (a missing or unreadable file: every GPU healthy, said in the
+    /// log), its metrics registered in `registry`.
+    pub fn new(
+        driver: &str,
+        node: &str,
+        state_dir: PathBuf,
+        policy: Policy,
+        effects: Effects,
+        registry: &mut Registry,
+    ) -> Self {
+        let book = store::load(&state_dir).unwrap_or_else(|error| {
+            warn!(%error, "GPU health state unreadable; starting with every GPU healthy");
+            HealthBook::default()
+        });
+        if !book.faulted.is_empty() {
+            info!(faulted = ?book.faulted.keys().collect::<Vec<_>>(), "GPU faults restored from the state directory");
+        }
+        let metrics = HealthMetrics::default();
+        registry.register(
+            "gpu_dra_node_agent_gpu_healthy",
+            "1 when the GPU is healthy, 0 while it is tainted for a fault",
+            metrics.healthy.clone(),
+        );
+        registry.register(
+            "gpu_dra_node_agent_gpu_faults",
+            "GPU faults reported, by class (application, needs-reset, lost) and fault (XID or kind)",
+            metrics.faults.clone(),
+        );
+        Self {
+            driver: driver.into(),
+            node: node.into(),
+            state_dir,
+            policy,
+            effects,
+            book: Mutex::new(book),
+            changed: Notify::new(),
+            metrics,
+        }
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, HealthBook> {
+        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The `taints` of `gpu`'s device; also sets its health gauge.
+    pub fn taints(&self, gpu: &Gpu) -> Vec<Value> {
+        let book = self.book();
+        let state = book.get(&gpu.uuid);
+        let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
+        self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
+        taints::taints(&self.driver, state, self.effects)
+    }
+
+    /// Applies reports until `stop`; GPUs are named by device name or UUID and looked up in `inventory`.
+    pub async fn run(
+        self: Arc<Self>,
+        client: Client,
+        mut reports: mpsc::UnboundedReceiver<Injection>,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        stop: CancellationToken,
+    ) {
+        let events = NodeEvents::new(client, &self.node);
+        loop {
+            let wait = self.until_next_expiry();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                report = reports.recv() => match report {
+                    Some(report) => {
+                        let inventory = inventory.borrow().clone();
+                        self.apply(&report, &inventory, &events);
+                    }
+                    None => return,
+                },
+                () = tokio::time::sleep(wait) => self.expire(&events),
+            }
+        }
+    }
+
+    fn until_next_expiry(&self) -> Duration {
+        let next = self.book().next_expiry(&self.policy);
+        next.map_or(EXPIRY_CHECK, |at| {
+            Duration::from_secs(u64::try_from(at.saturating_sub(now())).unwrap_or(0)).min(EXPIRY_CHECK)
+        })
+    }
+
+    fn apply(&self, report: &Injection, inventory: &Inventory, events: &NodeEvents) {
+        let Some(gpu) = inventory.values().find(|g| g.device_name() == report.gpu || g.uuid == report.gpu) else {
+            warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
+            return;
+        };
+        let transition = {
+            let mut book = self.book();
+            let transition = match report.action {
+                Action::Fault(fault) => book.record(&gpu.uuid, fault, now(), &self.policy),
+                Action::Reset => book.reset(&gpu.uuid),
+            };
+            if transition.changes_taints() {
+                self.save(&book);
+            }
+            transition
+        };
+        if let Action::Fault(fault) = report.action {
+            let class = classify::classify(fault, &self.policy.ignore_xids).0;
+            let labels = FaultLabels { class: class.as_str(), fault: taints::value(fault) };
+            self.metrics.faults.get_or_create(&labels).inc();
+        }
+        self.announce(gpu, report.action, &transition, events);
+        if transition.changes_taints() {
+            self.changed.notify_one();
+        }
+    }
+
+    fn expire(&self, events: &NodeEvents) {
+        let healed = {
+            let mut book = self.book();
+            let healed = book.expire(now(), &self.policy);
+            if !healed.is_empty() {
+                self.save(&book);
+            }
+            healed
+        };
+        for (uuid, was) in healed {
+            info!(gpu = %uuid, class = was.class.as_str(), fault = %was.fault, "GPU healthy again: no fault for the healthy window");
+            let note = format!("GPU {uuid} had no fault for the healthy window after {}; taint removed", was.fault);
+            events.send(EventType::Normal, "GpuRecovered", note);
+            self.changed.notify_one();
+        }
+    }
+
+    fn save(&self, book: &HealthBook) {
+        if let Err(error) = store::save(&self.state_dir, book) {
+            warn!(%error, "GPU health state not saved; a restart now would forget this change");
+        }
+    }
+
+    fn announce(&self, gpu: &Gpu, action: Action, transition: &Transition, events: &NodeEvents) {
+        let (device, uuid) = (gpu.device_name(), &gpu.uuid);
+        match (action, transition) {
+            (Action::Fault(fault), Transition::Faulted { state, meaning }) => {
+                let taint = taints::taints(&self.driver, Some(state), self.effects);
+                let taint = taint.first().map_or_else(String::new, |t| {
+                    format!(
+                        "; tainted {}={}:{}",
+                        t["key"].as_str().unwrap_or_default(),
+                        t["value"].as_str().unwrap_or_default(),
+                        t["effect"].as_str().unwrap_or_default()
+                    )
+                });
+                warn!(%device, gpu = %uuid, %fault, class = state.class.as_str(), meaning, "GPU fault");
+                let note =
+                    format!("{device} ({uuid}) reported {fault}: {meaning}; class {}{taint}", state.class.as_str());
+                events.send(EventType::Warning, "GpuFault", note);
+            }
+            (Action::Fault(fault), Transition::Ignored { meaning }) => {
+                info!(%device, gpu = %uuid, %fault, meaning, "GPU fault ignored (application error)");
+            }
+            (Action::Fault(fault), Transition::Repeated { meaning }) => {
+                info!(%device, gpu = %uuid, %fault, meaning, "GPU fault on a GPU already tainted");
+            }
+            (_, Transition::Recovered { was }) => {
+                info!(%device, gpu = %uuid, was = %was.fault, "GPU reset: healthy again");
+                let note = format!("{device} ({uuid}) was reset after {}; taint removed", was.fault);
+                events.send(EventType::Normal, "GpuRecovered", note);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Events about this node, sent in the background so that a slow API server never delays a taint.
+#[derive(Clone)]
+struct NodeEvents {
+    recorder: Recorder,
+    client: Client,
+    node: String,
+}
+
+impl NodeEvents {
+    fn new(client: Client, node: &str) -> Self {
+        let recorder =
+            Recorder::new(client.clone(), Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
+        Self { recorder, client, node: node.into() }
+    }
+
+    fn send(&self, type_: EventType, reason: &str, note: String) {
+        let this = self.clone();
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(note),
+            action: "MonitorGpuHealth".into(),
+            secondary: None,
+        };
+        tokio::spawn(async move {
+            let reference = match Api::<Node>::all(this.client.clone()).get(&this.node).await {
+                Ok(node) => node.object_ref(&()),
+                Err(_) => {
+                    ObjectReference { kind: Some("Node".into()), name: Some(this.node.clone()), ..Default::default() }
+                }
+            };
+            if let Err(error) = this.recorder.publish(&event, &reference).await {
+                warn!(%error, reason = %event.reason, "publishing a GPU health event failed");
+            }
+        });
+    }
+}
+
+/// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only).
+pub async fn watch_injections(state_dir: PathBuf, reports: mpsc::UnboundedSender<Injection>, stop: CancellationToken) {
+    info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(INJECT_POLL) => {}
+        }
+        let dir = state_dir.clone();
+        let taken = tokio::task::spawn_blocking(move || inject::take(&dir)).await;
+        let content = match taken {
+            Ok(Ok(Some(content))) => content,
+            Ok(Ok(None)) => continue,
+            Ok(Err(error)) => {
+                warn!(%error, "reading the fault injection file failed");
+                continue;
+            }
+            Err(error) => {
+                warn!(%error, "fault injection task failed");
+                continue;
+            }
+        };
+        for line in inject::parse(&content) {
+            match line {
+                Ok(injection) => {
+                    if reports.send(injection).is_err() {
+                        return;
+                    }
+                }
+                Err(error) => warn!(%error, "fault injection line ignored"),
+            }
+        }
+    }
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
