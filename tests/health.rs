@@ -13,6 +13,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
+use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeAgent, start_agent};
 use support::objects::{self, create_pod_on};
 use support::{TestContext, wait};
@@ -26,6 +27,7 @@ fn main() {
             test!(a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset),
             test!(the_pod_of_a_lost_gpu_is_evicted_by_kubernetes),
             test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
+            test!(the_kubelet_writes_device_health_into_the_pod_status),
         ],
     )
 }
@@ -224,6 +226,49 @@ async fn a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it(ctx: Test
     let healed_after = tainted_at.elapsed();
     ensure!(healed_after >= Duration::from_secs(6), "untainted after {healed_after:?}, before the 8 s window");
     eprintln!("gpu-0 untainted {healed_after:?} after the fault (healthy window 8 s)");
+    Ok(())
+}
+
+/// The health stream (DRAResourceHealth) as the real kubelet DRA code consumes it: with taints that do not keep
+/// pods away (effect None), a pod given a faulted GPU shows it Unhealthy in its container status, the other Healthy.
+async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    device_class(&ctx).await?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--health-needs-reset-effect", "None"];
+    let agent = NodeAgent::start(&ctx, &node, &args)?;
+    let kubelet = KubeletHarness::start(&ctx, &node, &agent.dirs)?;
+    kubelet.wait_for("registered", "", Duration::from_secs(60)).await.with_context(|| kubelet.log_tail())?;
+    inject(&agent.dirs.state(), "gpu-0 ecc-dbe")?;
+    let key = format!("{DRIVER}/needs-reset");
+    let (found, _) = wait_taints(&ctx, &node, "gpu-0", &[&key], Duration::from_secs(5)).await?;
+    ensure!(found[0]["effect"] == "None", "{found:?}");
+
+    claim_for(&ctx, "both", 2).await?;
+    create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "both"}])).await?;
+    let pods = objects::pods(&ctx);
+    let health = wait::until("the device health in the pod status", Duration::from_secs(60), || async {
+        let pod = serde_json::to_value(pods.get("worker").await?)?;
+        let resources = &pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"][0]["resources"];
+        let mut health: Vec<(String, String)> = resources
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (r["resourceID"].as_str().unwrap_or_default().into(), r["health"].as_str().unwrap_or_default().into())
+            })
+            .collect();
+        health.sort();
+        Ok((!health.is_empty()).then_some(health))
+    })
+    .await
+    .with_context(|| kubelet.log_tail())?;
+    // Resources are named by their CDI device ids, `<driver>/gpu=<claim UID>-gpu-<minor>`.
+    let prefix = format!("{DRIVER}/gpu=");
+    ensure!(health.iter().all(|(id, _)| id.starts_with(&prefix)), "{health:?}");
+    let states: Vec<(&str, &str)> =
+        health.iter().map(|(id, state)| (&id[id.len().saturating_sub(5)..], state.as_str())).collect();
+    ensure!(states == [("gpu-0", "Unhealthy"), ("gpu-1", "Healthy")], "{health:?}");
     Ok(())
 }
 

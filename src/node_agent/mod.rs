@@ -157,6 +157,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     plugin_client.clone(),
                     inventory_rx.clone(),
                     metrics,
+                    monitor.health_updates(),
                     &liveness,
                     stop.clone(),
                 )
@@ -225,6 +226,7 @@ async fn publish(gpus: &[Gpu], publisher: &Publisher, monitor: &health::Monitor)
             device
         })
         .collect();
+    monitor.update_health(gpus);
     let max = slices::max_devices_per_slice(&devices);
     let split = slices::split_into_slices(devices, max);
     publisher.publish(&split).await.map_err(|e| e.to_string())

@@ -22,6 +22,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::jiff::Timestamp;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource as _};
@@ -37,6 +38,7 @@ use tracing::{info, warn};
 
 use super::gpu::Gpu;
 use crate::kubelet_plugin::allocation::Inventory;
+use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
 use inject::{Action, Injection};
 use state::{HealthBook, Policy, Transition};
 use taints::Effects;
@@ -77,6 +79,8 @@ pub struct Monitor {
     /// Notified whenever a GPU's taints change: the node agent republishes at once.
     pub changed: Notify,
     metrics: HealthMetrics,
+    /// What the kubelet's health stream sends (see [`crate::kubelet_plugin::health`]).
+    health: watch::Sender<HealthReport>,
 }
 
 impl Monitor {
@@ -117,6 +121,7 @@ impl Monitor {
             book: Mutex::new(book),
             changed: Notify::new(),
             metrics,
+            health: watch::Sender::new(HealthReport::default()),
         }
     }
 
@@ -131,6 +136,36 @@ impl Monitor {
         let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
         self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
         taints::taints(&self.driver, state, self.effects)
+    }
+
+    /// The device health the kubelet's stream sends, updated by [`Monitor::update_health`].
+    pub fn health_updates(&self) -> watch::Receiver<HealthReport> {
+        self.health.subscribe()
+    }
+
+    /// Sets the health of `gpus`' devices for the kubelet's stream (wakes it only when something changed).
+    pub fn update_health(&self, gpus: &[Gpu]) {
+        let report: Vec<DeviceHealth> = {
+            let book = self.book();
+            gpus.iter()
+                .map(|gpu| {
+                    let state = book.get(&gpu.uuid);
+                    let message = state.map_or_else(String::new, |s| {
+                        let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
+                        let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
+                        format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str())
+                    });
+                    DeviceHealth { device: gpu.device_name(), healthy: state.is_none(), message }
+                })
+                .collect()
+        };
+        self.health.send_if_modified(|current| {
+            let changed = **current != report;
+            if changed {
+                *current = Arc::new(report);
+            }
+            changed
+        });
     }
 
     /// Applies reports until `stop`; GPUs are named by device name or UUID and looked up in `inventory`.
