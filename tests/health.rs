@@ -272,18 +272,10 @@ async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) 
     Ok(())
 }
 
-/// Events about the Node `node`, as (type, reason, note).
+/// Events about the Node `node` (in `default`), as (type, reason, note), once there is one.
 async fn node_events(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String, String, String)>> {
     wait::until("an Event about the node", Duration::from_secs(10), || async {
-        let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
-        let events: Vec<_> = api
-            .list(&ListParams::default())
-            .await?
-            .items
-            .into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node))
-            .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
-            .collect();
+        let events = objects::events_in(ctx, "default", node).await?;
         Ok((!events.is_empty()).then_some(events))
     })
     .await

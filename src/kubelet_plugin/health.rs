@@ -11,7 +11,7 @@ use futures::Stream;
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
-use super::proto::{health_v1 as v1, health_v1alpha1 as v1alpha1};
+use super::proto::{v1, v1alpha1};
 
 /// How often the full state is sent without a change.
 pub const RESEND: Duration = Duration::from_secs(10);
@@ -45,19 +45,14 @@ impl HealthService {
         Self { pool, updates }
     }
 
-    /// The report now, then one per change or [`RESEND`], each converted by `convert`, until the kubelet hangs up.
-    fn stream<T: Send + 'static>(
-        &self,
-        convert: fn(&str, &DeviceHealth, i64) -> T,
-    ) -> Pin<Box<dyn Stream<Item = Result<Vec<T>, Status>> + Send>> {
+    /// The report now, then one per change or [`RESEND`], until the kubelet hangs up.
+    fn stream(&self) -> ResponseStream {
         let pool = self.pool.clone();
         let mut updates = self.updates.clone();
         Box::pin(async_stream(move |sender| async move {
             loop {
                 let report = updates.borrow_and_update().clone();
-                let now = unix_now();
-                let devices = report.iter().map(|d| convert(&pool, d, now)).collect();
-                if sender.send(Ok(devices)).await.is_err() {
+                if sender.send(Ok(response(&pool, &report, unix_now()))).await.is_err() {
                     return;
                 }
                 tokio::select! {
@@ -94,42 +89,47 @@ fn message(device: &DeviceHealth) -> String {
     cut
 }
 
-macro_rules! health_service {
-    ($version:ident) => {
-        #[tonic::async_trait]
-        impl $version::dra_resource_health_server::DraResourceHealth for HealthService {
-            type NodeWatchResourcesStream =
-                Pin<Box<dyn Stream<Item = Result<$version::NodeWatchResourcesResponse, Status>> + Send>>;
-
-            async fn node_watch_resources(
-                &self,
-                _request: Request<$version::NodeWatchResourcesRequest>,
-            ) -> Result<Response<Self::NodeWatchResourcesStream>, Status> {
-                use futures::StreamExt as _;
-                let stream = self.stream(|pool, device, now| $version::DeviceHealth {
-                    device: Some($version::DeviceIdentifier {
-                        pool_name: pool.to_string(),
-                        device_name: device.device.clone(),
-                    }),
-                    health: if device.healthy {
-                        $version::HealthStatus::Healthy
-                    } else {
-                        $version::HealthStatus::Unhealthy
-                    } as i32,
-                    last_updated_time: now,
-                    health_check_timeout_seconds: TIMEOUT_SECONDS,
-                    message: message(device),
-                });
-                let stream =
-                    stream.map(|devices| devices.map(|devices| $version::NodeWatchResourcesResponse { devices }));
-                Ok(Response::new(Box::pin(stream)))
-            }
-        }
-    };
+/// The v1 response for `report`'s devices in `pool`, determined at `now` (Unix seconds).
+fn response(pool: &str, report: &[DeviceHealth], now: i64) -> v1::NodeWatchResourcesResponse {
+    let devices = report
+        .iter()
+        .map(|device| v1::DeviceHealth {
+            device: Some(v1::DeviceIdentifier { pool_name: pool.to_string(), device_name: device.device.clone() }),
+            health: if device.healthy { v1::HealthStatus::Healthy } else { v1::HealthStatus::Unhealthy } as i32,
+            last_updated_time: now,
+            health_check_timeout_seconds: TIMEOUT_SECONDS,
+            message: message(device),
+        })
+        .collect();
+    v1::NodeWatchResourcesResponse { devices }
 }
 
-health_service!(v1);
-health_service!(v1alpha1);
+/// The response stream both service versions return.
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<v1::NodeWatchResourcesResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl v1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = ResponseStream;
+
+    async fn node_watch_resources(
+        &self,
+        _request: Request<v1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<ResponseStream>, Status> {
+        Ok(Response::new(self.stream()))
+    }
+}
+
+#[tonic::async_trait]
+impl v1alpha1::dra_resource_health_server::DraResourceHealth for HealthService {
+    type NodeWatchResourcesStream = ResponseStream;
+
+    async fn node_watch_resources(
+        &self,
+        _request: Request<v1::NodeWatchResourcesRequest>,
+    ) -> Result<Response<ResponseStream>, Status> {
+        Ok(Response::new(self.stream()))
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -143,5 +143,29 @@ mod tests {
         assert!(cut.ends_with("..."));
         let short = DeviceHealth { message: "XID 79".into(), ..long };
         assert_eq!(message(&short), "XID 79");
+    }
+
+    #[test]
+    fn every_device_with_its_pool_and_state() {
+        let report = [
+            DeviceHealth { device: "gpu-0".into(), healthy: true, message: String::new() },
+            DeviceHealth { device: "gpu-1".into(), healthy: false, message: "XID 79".into() },
+        ];
+        let response = response("node-a", &report, 1_700_000_000);
+        let got: Vec<_> = response
+            .devices
+            .iter()
+            .map(|d| {
+                let id = d.device.as_ref().map(|i| (i.pool_name.as_str(), i.device_name.as_str()));
+                (id, d.health, d.last_updated_time, d.health_check_timeout_seconds, d.message.as_str())
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (Some(("node-a", "gpu-0")), v1::HealthStatus::Healthy as i32, 1_700_000_000, 30, ""),
+                (Some(("node-a", "gpu-1")), v1::HealthStatus::Unhealthy as i32, 1_700_000_000, 30, "XID 79"),
+            ]
+        );
     }
 }

@@ -34,9 +34,9 @@ use tracing::{info, warn};
 
 use proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
 use proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
-use proto::health_v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
-use proto::health_v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use proto::registration::registration_server::RegistrationServer;
+use proto::v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
+use proto::v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use registration::RegistrationService;
 use service::DraService;
 pub use socket::{SocketError, SocketPaths};

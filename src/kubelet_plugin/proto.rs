@@ -17,12 +17,13 @@ pub mod dra_v1beta1 {
     tonic::include_proto!("k8s.io.kubelet.pkg.apis.dra.v1beta1");
 }
 
-/// `v1` of `k8s.io/kubelet/pkg/apis/dra-health`, registered as `v1.DRAResourceHealth`.
-pub mod health_v1 {
+/// `v1` of `k8s.io/kubelet/pkg/apis/dra-health`, registered as `v1.DRAResourceHealth` (the module is named after the
+/// proto package, which the generated `v1alpha1` code refers to).
+pub mod v1 {
     tonic::include_proto!("v1");
 }
 
-/// `v1alpha1` of `k8s.io/kubelet/pkg/apis/dra-health`, registered as `v1alpha1.DRAResourceHealth`.
-pub mod health_v1alpha1 {
+/// `v1alpha1` of `k8s.io/kubelet/pkg/apis/dra-health`, registered as `v1alpha1.DRAResourceHealth` (v1's messages).
+pub mod v1alpha1 {
     tonic::include_proto!("v1alpha1");
 }
