@@ -132,7 +132,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     info!(%node, driver = %gpu.driver_name, backend = ?gpu.gpu_backend, "node agent started");
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
-    start_health_sources(&args, monitor.clone(), client.clone(), inventory_rx.clone(), stop.clone());
+    health::sources::start(&args, monitor.clone(), client.clone(), inventory_rx.clone(), stop.clone());
     let mut plugin_task = None;
     let mut backoff = BACKOFF_START;
     // The GPUs of the last discovery: a health change republishes them with new taints at once, without waiting
@@ -230,39 +230,6 @@ async fn publish(gpus: &[Gpu], publisher: &Publisher, monitor: &health::Monitor)
     let max = slices::max_devices_per_slice(&devices);
     let split = slices::split_into_slices(devices, max);
     publisher.publish(&split).await.map_err(|e| e.to_string())
-}
-
-/// Starts the health monitor and what feeds it: NVML's events, or the fault injection file for simulated GPUs.
-fn start_health_sources(
-    args: &NodeAgentArgs,
-    monitor: Arc<health::Monitor>,
-    client: kube::Client,
-    inventory: watch::Receiver<Arc<Inventory>>,
-    stop: CancellationToken,
-) {
-    let (reports, received) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(monitor.run(client, received, inventory, stop.clone()));
-    match args.gpu.gpu_backend {
-        GpuBackend::Simulated => {
-            tokio::spawn(health::watch_injections(args.state_dir.clone(), reports, stop));
-        }
-        GpuBackend::Nvml => {
-            let root = args.gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/"));
-            let library = discovery::nvml::NvmlDiscovery::new(root).library().to_owned();
-            let stopped = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let flag = stopped.clone();
-            tokio::spawn(async move {
-                stop.cancelled().await;
-                flag.store(true, std::sync::atomic::Ordering::Relaxed);
-            });
-            let spawned = std::thread::Builder::new()
-                .name("nvml-events".into())
-                .spawn(move || health::nvml_events::run(&library, &reports, &stopped));
-            if let Err(error) = spawned {
-                warn!(%error, "cannot start the NVML event thread; GPU faults go unnoticed");
-            }
-        }
-    }
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

@@ -8,11 +8,14 @@
 //! ```
 //!
 //! `classify` (the XID table), `state` (the per-GPU state machine), `taints` and `inject` (the file format) are
-//! pure and unit-tested; this module is the glue.
+//! pure and unit-tested; `store` keeps the state on disk, `sources` starts what feeds the monitor (`nvml_events`, or
+//! the injection file), `events` sends the Node's Events; this module is the glue.
 
 pub mod classify;
+mod events;
 pub mod inject;
 pub mod nvml_events;
+pub mod sources;
 pub mod state;
 pub mod store;
 pub mod taints;
@@ -21,11 +24,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::Api;
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Client, Resource as _};
+use kube::Client;
+use kube::runtime::events::EventType;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -43,8 +44,6 @@ use inject::{Action, Injection};
 use state::{HealthBook, Policy, Transition};
 use taints::Effects;
 
-/// How often the simulated backend looks for `<state-dir>/inject-faults`.
-const INJECT_POLL: Duration = Duration::from_millis(100);
 /// The longest the monitor sleeps without checking the healthy window.
 const EXPIRY_CHECK: Duration = Duration::from_secs(60);
 
@@ -176,7 +175,7 @@ impl Monitor {
         inventory: watch::Receiver<Arc<Inventory>>,
         stop: CancellationToken,
     ) {
-        let events = NodeEvents::new(client, &self.node);
+        let events = events::NodeEvents::new(client, &self.node);
         loop {
             let wait = self.until_next_expiry();
             tokio::select! {
@@ -200,7 +199,7 @@ impl Monitor {
         })
     }
 
-    fn apply(&self, report: &Injection, inventory: &Inventory, events: &NodeEvents) {
+    fn apply(&self, report: &Injection, inventory: &Inventory, events: &events::NodeEvents) {
         let Some(gpu) = inventory.values().find(|g| g.device_name() == report.gpu || g.uuid == report.gpu) else {
             warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
             return;
@@ -227,7 +226,7 @@ impl Monitor {
         }
     }
 
-    fn expire(&self, events: &NodeEvents) {
+    fn expire(&self, events: &events::NodeEvents) {
         let healed = {
             let mut book = self.book();
             let healed = book.expire(now(), &self.policy);
@@ -250,7 +249,7 @@ impl Monitor {
         }
     }
 
-    fn announce(&self, gpu: &Gpu, action: Action, transition: &Transition, events: &NodeEvents) {
+    fn announce(&self, gpu: &Gpu, action: Action, transition: &Transition, events: &events::NodeEvents) {
         let (device, uuid) = (gpu.device_name(), &gpu.uuid);
         match (action, transition) {
             (Action::Fault(fault), Transition::Faulted { state, meaning }) => {
@@ -280,79 +279,6 @@ impl Monitor {
                 events.send(EventType::Normal, "GpuRecovered", note);
             }
             _ => {}
-        }
-    }
-}
-
-/// Events about this node, sent in the background so that a slow API server never delays a taint.
-#[derive(Clone)]
-struct NodeEvents {
-    recorder: Recorder,
-    client: Client,
-    node: String,
-}
-
-impl NodeEvents {
-    fn new(client: Client, node: &str) -> Self {
-        let recorder =
-            Recorder::new(client.clone(), Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
-        Self { recorder, client, node: node.into() }
-    }
-
-    fn send(&self, type_: EventType, reason: &str, note: String) {
-        let this = self.clone();
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(note),
-            action: "MonitorGpuHealth".into(),
-            secondary: None,
-        };
-        tokio::spawn(async move {
-            let reference = match Api::<Node>::all(this.client.clone()).get(&this.node).await {
-                Ok(node) => node.object_ref(&()),
-                Err(_) => {
-                    ObjectReference { kind: Some("Node".into()), name: Some(this.node.clone()), ..Default::default() }
-                }
-            };
-            if let Err(error) = this.recorder.publish(&event, &reference).await {
-                warn!(%error, reason = %event.reason, "publishing a GPU health event failed");
-            }
-        });
-    }
-}
-
-/// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only).
-pub async fn watch_injections(state_dir: PathBuf, reports: mpsc::UnboundedSender<Injection>, stop: CancellationToken) {
-    info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
-    loop {
-        tokio::select! {
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep(INJECT_POLL) => {}
-        }
-        let dir = state_dir.clone();
-        let taken = tokio::task::spawn_blocking(move || inject::take(&dir)).await;
-        let content = match taken {
-            Ok(Ok(Some(content))) => content,
-            Ok(Ok(None)) => continue,
-            Ok(Err(error)) => {
-                warn!(%error, "reading the fault injection file failed");
-                continue;
-            }
-            Err(error) => {
-                warn!(%error, "fault injection task failed");
-                continue;
-            }
-        };
-        for line in inject::parse(&content) {
-            match line {
-                Ok(injection) => {
-                    if reports.send(injection).is_err() {
-                        return;
-                    }
-                }
-                Err(error) => warn!(%error, "fault injection line ignored"),
-            }
         }
     }
 }
