@@ -6,8 +6,13 @@ use std::path::Path;
 use std::process::Command;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    const PROTOS: [&str; 3] =
-        ["proto/pluginregistration/v1/api.proto", "proto/dra/v1/api.proto", "proto/dra/v1beta1/api.proto"];
+    const PROTOS: [&str; 5] = [
+        "proto/pluginregistration/v1/api.proto",
+        "proto/dra/v1/api.proto",
+        "proto/dra/v1beta1/api.proto",
+        "proto/dra-health/v1/api.proto",
+        "proto/dra-health/v1alpha1/api.proto",
+    ];
     for proto in PROTOS {
         println!("cargo:rerun-if-changed={proto}");
     }

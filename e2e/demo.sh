@@ -153,6 +153,35 @@ echo "Events gpu-dra's controller emitted:"
 kubectl get events -n gpu-demo --field-selector reason=ResourceClaimCreated \
     -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message --no-headers | sed 's/^/  /'
 
+say "GPU health: gpu-0 of ${NODES[-1]} reports XID 79 (fell off the bus), then a reset (fault injection, README \"GPU health\")"
+fault_node=${NODES[-1]}
+fault_file=$STATE/nodes/$fault_node/state/inject-faults
+taint_of() {
+    kubectl get resourceslices --field-selector "spec.nodeName=$fault_node" \
+        -o jsonpath='{range .items[*]}{.spec.devices[?(@.name=="gpu-0")].taints}{end}'
+}
+# Waits until gpu-0's taints are non-empty ($1 = set) or empty ($1 = clear); prints how long it took.
+wait_taint() {
+    local t0 taints
+    t0=$(now)
+    for _ in $(seq 100); do
+        taints=$(taint_of)
+        if [[ ( "$1" == set && -n "$taints" && "$taints" != "[]" ) || ( "$1" == clear && ( -z "$taints" || "$taints" == "[]" ) ) ]]; then
+            secs "$t0" "$(now)"
+            return 0
+        fi
+        sleep 0.05
+    done
+    echo "gpu-0 of $fault_node not ${1} within 5 s; see $LOGS/agent-$fault_node.log" >&2
+    return 1
+}
+echo 'gpu-0 xid 79' >"$fault_file.new" && mv "$fault_file.new" "$fault_file"
+echo "  tainted after $(wait_taint set): $(taint_of)"
+kubectl get events -A --field-selector reason=GpuFault -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message \
+    --no-headers | tail -n 1 | sed 's/^/  /'
+echo 'gpu-0 clear' >"$fault_file.new" && mv "$fault_file.new" "$fault_file"
+echo "  reset: untainted after $(wait_taint clear)"
+
 if [[ "$RUNS" -gt 0 ]]; then
     say "Measuring: $RUNS more runs of the trainer pod (delete, apply, wait for prepared CDI devices)"
     times=()

@@ -8,6 +8,8 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
+use crate::node_agent::health::taints::Effect;
+
 /// Kubernetes Dynamic Resource Allocation for NVIDIA GPUs.
 #[derive(Debug, Parser)]
 #[command(name = "gpu-dra", version = crate::telemetry::build::LONG_VERSION, about, propagate_version = true)]
@@ -107,6 +109,8 @@ pub struct NodeAgentArgs {
     pub node_name: Option<String>,
     #[command(flatten)]
     pub gpu: GpuArgs,
+    #[command(flatten)]
+    pub health: HealthArgs,
     /// The driver root as the container runtime on the host sees it, when this process sees it elsewhere (a
     /// DaemonSet mounting the host's root at `--driver-root /driver-root`): CDI host paths start here. Default:
     /// `--driver-root`.
@@ -134,6 +138,40 @@ pub struct NodeAgentArgs {
     /// Address of /healthz and /readyz when they should be served apart from /metrics.
     #[arg(long, env = "GPU_DRA_HEALTH_ADDR")]
     pub health_addr: Option<SocketAddr>,
+}
+
+/// The GPU health policy of `node-agent` (README "GPU health").
+#[derive(Debug, Args)]
+pub struct HealthArgs {
+    /// XIDs to treat as application errors (never tainting) on top of the built-in ones, comma-separated, e.g.
+    /// `63,94`.
+    #[arg(long, env = "GPU_DRA_HEALTH_IGNORE_XIDS", value_delimiter = ',')]
+    pub health_ignore_xids: Vec<u64>,
+    /// A faulted GPU with no new fault for this long is untainted again; `0s`: only a reset (or `clear` injected
+    /// into a simulated GPU) untaints it.
+    #[arg(long, env = "GPU_DRA_HEALTH_HEALTHY_WINDOW", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub health_healthy_window: Duration,
+    /// Taint effect for faults after which the GPU needs a reset (ECC double-bit, firmware, NVLink errors).
+    #[arg(long, env = "GPU_DRA_HEALTH_NEEDS_RESET_EFFECT", value_enum, default_value_t = Effect::NoSchedule)]
+    pub health_needs_reset_effect: Effect,
+    /// Taint effect for a lost GPU (fell off the bus, uncontained ECC error): NoExecute evicts its pods.
+    #[arg(long, env = "GPU_DRA_HEALTH_LOST_EFFECT", value_enum, default_value_t = Effect::NoExecute)]
+    pub health_lost_effect: Effect,
+}
+
+impl HealthArgs {
+    /// The policy and taint effects these flags describe.
+    pub fn policy(&self) -> (crate::node_agent::health::state::Policy, crate::node_agent::health::taints::Effects) {
+        let policy = crate::node_agent::health::state::Policy {
+            ignore_xids: self.health_ignore_xids.iter().copied().collect(),
+            healthy_window: Some(self.health_healthy_window).filter(|w| !w.is_zero()),
+        };
+        let effects = crate::node_agent::health::taints::Effects {
+            needs_reset: self.health_needs_reset_effect,
+            lost: self.health_lost_effect,
+        };
+        (policy, effects)
+    }
 }
 
 /// The driver and where its GPUs come from: shared by `node-agent` and `gpu-check`, so that the check sees what

@@ -108,7 +108,12 @@ async fn registers_and_prepares_what_the_scheduler_allocated(ctx: TestContext) -
     let dirs = NodeDirs::new()?;
     let mut agent = ready_agent(&ctx, &node, &dirs, "4xH100-80GB").await?;
     let mut kubelet = Kubelet::register(&dirs).await?;
-    ensure!(kubelet.info.supported_versions == ["v1.DRAPlugin", "v1beta1.DRAPlugin"], "{:?}", kubelet.info);
+    ensure!(
+        kubelet.info.supported_versions
+            == ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"],
+        "{:?}",
+        kubelet.info
+    );
     ensure!(std::path::Path::new(&kubelet.info.endpoint) == dirs.dra_socket(), "endpoint {:?}", kubelet.info.endpoint);
 
     let class: DeviceClass = serde_json::from_value(json!({

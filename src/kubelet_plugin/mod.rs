@@ -4,7 +4,7 @@
 //! ```text
 //!  kubelet ──dial──▶ <registry dir>/<driver>-reg.sock  (registration: GetInfo, NotifyRegistrationStatus)
 //!     │                         │ endpoint
-//!     └──────dial──▶ <plugins dir>/<driver>/dra.sock   (v1.DRAPlugin, v1beta1.DRAPlugin)
+//!     └──────dial──▶ <plugins dir>/<driver>/dra.sock   (v1 + v1beta1 DRAPlugin, v1 + v1alpha1 DRAResourceHealth)
 //!                               │
 //!                          DriverState ── checkpoint (state dir) ── CDI specs (CDI dir)
 //! ```
@@ -17,6 +17,7 @@ pub mod allocation;
 mod authority;
 pub mod checkpoint;
 pub mod config;
+pub mod health;
 pub mod metrics;
 pub mod proto;
 pub mod registration;
@@ -34,6 +35,8 @@ use tracing::{info, warn};
 use proto::dra_v1::dra_plugin_server::DraPluginServer as DraV1Server;
 use proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
 use proto::registration::registration_server::RegistrationServer;
+use proto::v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
+use proto::v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use registration::RegistrationService;
 use service::DraService;
 pub use socket::{SocketError, SocketPaths};
@@ -45,6 +48,7 @@ pub fn serve(
     paths: SocketPaths,
     driver: String,
     state: Arc<DriverState>,
+    health: health::HealthService,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, SocketError> {
     let dra_listener = socket::bind(&paths.dra)?;
@@ -52,6 +56,8 @@ pub fn serve(
     let dra = Server::builder()
         .add_service(DraV1Server::new(service.clone()))
         .add_service(DraV1beta1Server::new(service))
+        .add_service(HealthV1Server::new(health.clone()))
+        .add_service(HealthV1alpha1Server::new(health))
         .serve_with_incoming_shutdown(authority::incoming(dra_listener), stop.clone().cancelled_owned());
     let dra = tokio::spawn(dra);
     info!(socket = %paths.dra.display(), "serving the DRA service");

@@ -12,9 +12,11 @@ use super::proto::registration::{InfoRequest, PluginInfo, RegistrationStatus, Re
 
 /// The plugin type the kubelet routes to its DRA manager.
 const PLUGIN_TYPE: &str = "DRAPlugin";
-/// Services served, in order of preference: the kubelet takes the first it supports, so a 1.34+ kubelet speaks v1
-/// and older ones v1beta1.
-pub const SUPPORTED_VERSIONS: [&str; 2] = ["v1.DRAPlugin", "v1beta1.DRAPlugin"];
+/// Services served, in order of preference: the kubelet takes the first DRA service it supports, so a 1.34+ kubelet
+/// speaks v1 and older ones v1beta1, and likewise the first health service (a kubelet only opens the health stream
+/// of a plugin that lists one).
+pub const SUPPORTED_VERSIONS: [&str; 4] =
+    ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"];
 
 /// Answers the kubelet's plugin watcher.
 #[derive(Debug)]

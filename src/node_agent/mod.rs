@@ -14,6 +14,7 @@
 pub mod discovery;
 pub mod gpu;
 pub mod gpu_check;
+pub mod health;
 mod plugin;
 pub mod slices;
 
@@ -113,6 +114,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());
     registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
     let plugin_metrics = PluginMetrics::register(&mut registry);
+    let (policy, effects) = args.health.policy();
+    let monitor =
+        Arc::new(health::Monitor::new(&gpu.driver_name, &node, args.state_dir.clone(), policy, effects, &mut registry));
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
     let liveness = Liveness::default();
@@ -129,11 +133,21 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     info!(%node, driver = %gpu.driver_name, backend = ?gpu.gpu_backend, "node agent started");
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
+    health::sources::start(&args, monitor.clone(), client.clone(), inventory_rx.clone(), stop.clone());
     let mut plugin_task = None;
     let mut backoff = BACKOFF_START;
+    // The GPUs of the last discovery: a health change republishes them with new taints at once, without waiting
+    // for NVML to answer about a GPU that may have just fallen off the bus.
+    let mut known: Option<Vec<Gpu>> = None;
+    let mut health_only = false;
     loop {
         let round = async {
+            if health_only && let Some(gpus) = &known {
+                let outcome = publish(gpus, &publisher, &monitor).await?;
+                return Ok::<_, String>((gpus.len(), outcome));
+            }
             let gpus = discover(discovery.clone()).await?;
+            known = Some(gpus.clone());
             inventory.send_replace(Arc::new(gpus.iter().map(|g| (g.device_name(), g.clone())).collect()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -144,6 +158,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     plugin_client.clone(),
                     inventory_rx.clone(),
                     metrics,
+                    monitor.health_updates(),
                     &liveness,
                     stop.clone(),
                 )
@@ -152,7 +167,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
             }
             let count = gpus.len();
-            let outcome = publish(&gpus, &publisher).await?;
+            let outcome = publish(&gpus, &publisher, &monitor).await?;
             Ok::<_, String>((count, outcome))
         }
         .await;
@@ -176,8 +191,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 wait
             }
         };
+        health_only = false;
         tokio::select! {
             () = stop.cancelled() => break,
+            () = monitor.changed.notified() => health_only = true,
             () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
             () = tokio::time::sleep(wait) => {}
         }
@@ -197,10 +214,22 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
         .map_err(|e| e.to_string())
 }
 
-/// Builds the node's slices from `gpus` and publishes them.
-async fn publish(gpus: &[Gpu], publisher: &Publisher) -> Result<Outcome, String> {
-    let devices: Vec<_> = gpus.iter().map(slices::device).collect();
-    let split = slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE);
+/// Builds the node's slices from `gpus`, with the taints of faulted GPUs, and publishes them.
+async fn publish(gpus: &[Gpu], publisher: &Publisher, monitor: &health::Monitor) -> Result<Outcome, String> {
+    let devices: Vec<_> = gpus
+        .iter()
+        .map(|gpu| {
+            let mut device = slices::device(gpu);
+            let taints = monitor.taints(gpu);
+            if !taints.is_empty() {
+                device["taints"] = serde_json::Value::Array(taints);
+            }
+            device
+        })
+        .collect();
+    monitor.update_health(gpus);
+    let max = slices::max_devices_per_slice(&devices);
+    let split = slices::split_into_slices(devices, max);
     publisher.publish(&split).await.map_err(|e| e.to_string())
 }
 

@@ -15,6 +15,7 @@ use tracing::{info, warn};
 
 use crate::cdi::DriverFiles;
 use crate::kubelet_plugin::allocation::Inventory;
+use crate::kubelet_plugin::health::{HealthReport, HealthService};
 use crate::kubelet_plugin::metrics::PluginMetrics;
 use crate::kubelet_plugin::state::{DriverState, Recovery, StateConfig};
 use crate::kubelet_plugin::{self, SocketPaths};
@@ -43,6 +44,7 @@ pub(super) async fn start(
     client: kube::Client,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: PluginMetrics,
+    health: watch::Receiver<HealthReport>,
     liveness: &Liveness,
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, String> {
@@ -60,7 +62,8 @@ pub(super) async fn start(
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
     report(&recovery, &settings.node, client).await;
-    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state, stop)
+    let health = HealthService::new(settings.node.clone(), health);
+    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state, health, stop)
         .map_err(|e| e.to_string())?;
     let sockets = settings.sockets.clone();
     liveness.set(move || {

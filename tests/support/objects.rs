@@ -84,7 +84,16 @@ pub fn claim_statuses(pod: &Pod) -> Vec<(String, Option<String>)> {
 
 /// Events (events.k8s.io/v1) about the object named `name` in the test namespace, as (type, reason, note).
 pub async fn events_about(ctx: &TestContext, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
-    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    events_in(ctx, &ctx.namespace, name).await
+}
+
+/// Like [`events_about`], in `namespace` (e.g. `default` for events about a Node).
+pub async fn events_in(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Vec<(String, String, String)>> {
+    let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), namespace);
     Ok(api
         .list(&ListParams::default())
         .await?

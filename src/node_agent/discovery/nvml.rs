@@ -29,6 +29,11 @@ impl NvmlDiscovery {
             .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string());
         Self { library }
     }
+
+    /// The NVML library this discovery loads (the health monitor loads the same).
+    pub fn library(&self) -> &std::ffi::OsStr {
+        &self.library
+    }
 }
 
 fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryError> {

@@ -10,6 +10,8 @@ use super::gpu::{Gpu, normalize_version, pcie_root};
 
 /// The API's limit on devices per slice (without taints or counters).
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
+/// The API's limit on devices per slice once any device in it has taints.
+pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS: usize = 64;
 /// The API's limit on a string attribute.
 const MAX_STRING_ATTRIBUTE: usize = 64;
 
@@ -51,6 +53,15 @@ pub fn device(gpu: &Gpu) -> Value {
         "attributes": attributes,
         "capacity": {"memory": {"value": memory_quantity(gpu.memory_bytes)}},
     })
+}
+
+/// The most devices a slice of `devices` may hold: the API allows fewer once any device has taints.
+pub fn max_devices_per_slice(devices: &[Value]) -> usize {
+    if devices.iter().any(|d| d.get("taints").and_then(Value::as_array).is_some_and(|t| !t.is_empty())) {
+        MAX_DEVICES_PER_SLICE_WITH_TAINTS
+    } else {
+        MAX_DEVICES_PER_SLICE
+    }
 }
 
 /// Bytes as a Kubernetes quantity, in Mi when exact (the form the API server keeps as is).
@@ -119,5 +130,17 @@ mod tests {
         assert_eq!(slices[0][9]["name"], "gpu-9");
         assert_eq!(slices[0][10]["name"], "gpu-10");
         assert_eq!(split_into_slices(Vec::new(), 128), vec![Vec::<Value>::new()]);
+    }
+
+    #[test]
+    fn a_tainted_device_halves_the_slice_size() {
+        let mut devices: Vec<Value> = gpus("100xL4-24GB").iter().map(device).collect();
+        assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);
+        devices[7]["taints"] = json!([]);
+        assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);
+        devices[7]["taints"] = json!([{"key": "gpu.example.com/gpu-lost", "effect": "NoExecute"}]);
+        assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE_WITH_TAINTS);
+        let slices = split_into_slices(devices.clone(), max_devices_per_slice(&devices));
+        assert_eq!(slices.iter().map(Vec::len).collect::<Vec<_>>(), [64, 36]);
     }
 }

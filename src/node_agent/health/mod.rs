@@ -1,0 +1,288 @@
+//! GPU health: faults reported by NVML (or injected into simulated GPUs) become device taints in the node's
+//! ResourceSlices, Warning Events on the Node and metrics, and clear themselves when the GPU recovers.
+//!
+//! ```text
+//!  NVML event thread ──┐                       ┌─▶ store (health.json: survives restarts)
+//!  inject-faults file ─┴─▶ Monitor ─▶ state ───┼─▶ changed ─▶ node agent republishes with taints (≤ 1 s)
+//!                          (reports)  machine  └─▶ Events on the Node, metrics
+//! ```
+//!
+//! `classify` (the XID table), `state` (the per-GPU state machine), `taints` and `inject` (the file format) are
+//! pure and unit-tested; `store` keeps the state on disk, `sources` starts what feeds the monitor (`nvml_events`, or
+//! the injection file), `events` sends the Node's Events; this module is the glue.
+
+pub mod classify;
+mod events;
+pub mod inject;
+pub mod nvml_events;
+pub mod sources;
+pub mod state;
+pub mod store;
+pub mod taints;
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use k8s_openapi::jiff::Timestamp;
+use kube::Client;
+use kube::runtime::events::EventType;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde_json::Value;
+use tokio::sync::{Notify, mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::gpu::Gpu;
+use crate::kubelet_plugin::allocation::Inventory;
+use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
+use inject::{Action, Injection};
+use state::{HealthBook, Policy, Transition};
+use taints::Effects;
+
+/// The longest the monitor sleeps without checking the healthy window.
+const EXPIRY_CHECK: Duration = Duration::from_secs(60);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GpuLabels {
+    device: String,
+    uuid: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FaultLabels {
+    class: &'static str,
+    fault: String,
+}
+
+/// The health metrics.
+#[derive(Clone, Debug, Default)]
+struct HealthMetrics {
+    healthy: Family<GpuLabels, Gauge>,
+    faults: Family<FaultLabels, Counter>,
+}
+
+/// The health monitor of one node.
+#[derive(Debug)]
+pub struct Monitor {
+    driver: String,
+    node: String,
+    state_dir: PathBuf,
+    policy: Policy,
+    effects: Effects,
+    book: Mutex<HealthBook>,
+    /// Notified whenever a GPU's taints change: the node agent republishes at once.
+    pub changed: Notify,
+    metrics: HealthMetrics,
+    /// What the kubelet's health stream sends (see [`crate::kubelet_plugin::health`]).
+    health: watch::Sender<HealthReport>,
+}
+
+impl Monitor {
+    /// The monitor with the state saved in `state_dir` (a missing or unreadable file: every GPU healthy, said in the
+    /// log), its metrics registered in `registry`.
+    pub fn new(
+        driver: &str,
+        node: &str,
+        state_dir: PathBuf,
+        policy: Policy,
+        effects: Effects,
+        registry: &mut Registry,
+    ) -> Self {
+        let book = store::load(&state_dir).unwrap_or_else(|error| {
+            warn!(%error, "GPU health state unreadable; starting with every GPU healthy");
+            HealthBook::default()
+        });
+        if !book.faulted.is_empty() {
+            info!(faulted = ?book.faulted.keys().collect::<Vec<_>>(), "GPU faults restored from the state directory");
+        }
+        let metrics = HealthMetrics::default();
+        registry.register(
+            "gpu_dra_node_agent_gpu_healthy",
+            "1 when the GPU is healthy, 0 while it is tainted for a fault",
+            metrics.healthy.clone(),
+        );
+        registry.register(
+            "gpu_dra_node_agent_gpu_faults",
+            "GPU faults reported, by class (application, needs-reset, lost) and fault (XID or kind)",
+            metrics.faults.clone(),
+        );
+        Self {
+            driver: driver.into(),
+            node: node.into(),
+            state_dir,
+            policy,
+            effects,
+            book: Mutex::new(book),
+            changed: Notify::new(),
+            metrics,
+            health: watch::Sender::new(HealthReport::default()),
+        }
+    }
+
+    fn book(&self) -> std::sync::MutexGuard<'_, HealthBook> {
+        self.book.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The `taints` of `gpu`'s device; also sets its health gauge.
+    pub fn taints(&self, gpu: &Gpu) -> Vec<Value> {
+        let book = self.book();
+        let state = book.get(&gpu.uuid);
+        let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
+        self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
+        taints::taints(&self.driver, state, self.effects)
+    }
+
+    /// The device health the kubelet's stream sends, updated by [`Monitor::update_health`].
+    pub fn health_updates(&self) -> watch::Receiver<HealthReport> {
+        self.health.subscribe()
+    }
+
+    /// Sets the health of `gpus`' devices for the kubelet's stream (wakes it only when something changed).
+    pub fn update_health(&self, gpus: &[Gpu]) {
+        let report: Vec<DeviceHealth> = {
+            let book = self.book();
+            gpus.iter()
+                .map(|gpu| {
+                    let state = book.get(&gpu.uuid);
+                    let message = state.map_or_else(String::new, |s| {
+                        let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
+                        let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
+                        format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str())
+                    });
+                    DeviceHealth { device: gpu.device_name(), healthy: state.is_none(), message }
+                })
+                .collect()
+        };
+        self.health.send_if_modified(|current| {
+            let changed = **current != report;
+            if changed {
+                *current = Arc::new(report);
+            }
+            changed
+        });
+    }
+
+    /// Applies reports until `stop`; GPUs are named by device name or UUID and looked up in `inventory`.
+    pub async fn run(
+        self: Arc<Self>,
+        client: Client,
+        mut reports: mpsc::UnboundedReceiver<Injection>,
+        inventory: watch::Receiver<Arc<Inventory>>,
+        stop: CancellationToken,
+    ) {
+        let events = events::NodeEvents::new(client, &self.node);
+        loop {
+            let wait = self.until_next_expiry();
+            tokio::select! {
+                () = stop.cancelled() => return,
+                report = reports.recv() => match report {
+                    Some(report) => {
+                        let inventory = inventory.borrow().clone();
+                        self.apply(&report, &inventory, &events);
+                    }
+                    None => return,
+                },
+                () = tokio::time::sleep(wait) => self.expire(&events),
+            }
+        }
+    }
+
+    fn until_next_expiry(&self) -> Duration {
+        let next = self.book().next_expiry(&self.policy);
+        next.map_or(EXPIRY_CHECK, |at| {
+            Duration::from_secs(u64::try_from(at.saturating_sub(now())).unwrap_or(0)).min(EXPIRY_CHECK)
+        })
+    }
+
+    fn apply(&self, report: &Injection, inventory: &Inventory, events: &events::NodeEvents) {
+        let Some(gpu) = inventory.values().find(|g| g.device_name() == report.gpu || g.uuid == report.gpu) else {
+            warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
+            return;
+        };
+        let transition = {
+            let mut book = self.book();
+            let transition = match report.action {
+                Action::Fault(fault) => book.record(&gpu.uuid, fault, now(), &self.policy),
+                Action::Reset => book.reset(&gpu.uuid),
+            };
+            if transition.changes_taints() {
+                self.save(&book);
+            }
+            transition
+        };
+        if let Action::Fault(fault) = report.action {
+            let class = classify::classify(fault, &self.policy.ignore_xids).0;
+            let labels = FaultLabels { class: class.as_str(), fault: taints::value(fault) };
+            self.metrics.faults.get_or_create(&labels).inc();
+        }
+        self.announce(gpu, report.action, &transition, events);
+        if transition.changes_taints() {
+            self.changed.notify_one();
+        }
+    }
+
+    fn expire(&self, events: &events::NodeEvents) {
+        let healed = {
+            let mut book = self.book();
+            let healed = book.expire(now(), &self.policy);
+            if !healed.is_empty() {
+                self.save(&book);
+            }
+            healed
+        };
+        for (uuid, was) in healed {
+            info!(gpu = %uuid, class = was.class.as_str(), fault = %was.fault, "GPU healthy again: no fault for the healthy window");
+            let note = format!("GPU {uuid} had no fault for the healthy window after {}; taint removed", was.fault);
+            events.send(EventType::Normal, "GpuRecovered", note);
+            self.changed.notify_one();
+        }
+    }
+
+    fn save(&self, book: &HealthBook) {
+        if let Err(error) = store::save(&self.state_dir, book) {
+            warn!(%error, "GPU health state not saved; a restart now would forget this change");
+        }
+    }
+
+    fn announce(&self, gpu: &Gpu, action: Action, transition: &Transition, events: &events::NodeEvents) {
+        let (device, uuid) = (gpu.device_name(), &gpu.uuid);
+        match (action, transition) {
+            (Action::Fault(fault), Transition::Faulted { state, meaning }) => {
+                let taint = taints::taints(&self.driver, Some(state), self.effects);
+                let taint = taint.first().map_or_else(String::new, |t| {
+                    format!(
+                        "; tainted {}={}:{}",
+                        t["key"].as_str().unwrap_or_default(),
+                        t["value"].as_str().unwrap_or_default(),
+                        t["effect"].as_str().unwrap_or_default()
+                    )
+                });
+                warn!(%device, gpu = %uuid, %fault, class = state.class.as_str(), meaning, "GPU fault");
+                let note =
+                    format!("{device} ({uuid}) reported {fault}: {meaning}; class {}{taint}", state.class.as_str());
+                events.send(EventType::Warning, "GpuFault", note);
+            }
+            (Action::Fault(fault), Transition::Ignored { meaning }) => {
+                info!(%device, gpu = %uuid, %fault, meaning, "GPU fault ignored (application error)");
+            }
+            (Action::Fault(fault), Transition::Repeated { meaning }) => {
+                info!(%device, gpu = %uuid, %fault, meaning, "GPU fault on a GPU already tainted");
+            }
+            (_, Transition::Recovered { was }) => {
+                info!(%device, gpu = %uuid, was = %was.fault, "GPU reset: healthy again");
+                let note = format!("{device} ({uuid}) was reset after {}; taint removed", was.fault);
+                events.send(EventType::Normal, "GpuRecovered", note);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn now() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}

@@ -1,0 +1,129 @@
+//! NVML's health events: critical XIDs and ECC errors, read in a blocking thread (`nvmlEventSetWait` blocks), and
+//! `GPU_IS_LOST` answers turned into faults of the GPU that gave them.
+
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use nvml_wrapper::Nvml;
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{info, warn};
+
+use super::classify::Fault;
+use super::inject::{Action, Injection};
+
+/// How long one wait blocks, so that the thread notices `stop`.
+const WAIT_MS: u32 = 1_000;
+/// Pause before the watch starts again after NVML failed.
+const RETRY: Duration = Duration::from_secs(10);
+
+/// The events the monitor asks for.
+pub fn wanted_events() -> EventTypes {
+    EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR | EventTypes::SINGLE_BIT_ECC_ERROR
+}
+
+/// The fault an NVML event reports, if it is one the monitor asked for. Pure.
+pub fn fault_of(event_type: EventTypes, xid: Option<XidError>) -> Option<Fault> {
+    if event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+        Some(Fault::Xid(match xid {
+            Some(XidError::Value(value)) => Some(value),
+            Some(XidError::Unknown) | None => None,
+        }))
+    } else if event_type.contains(EventTypes::DOUBLE_BIT_ECC_ERROR) {
+        Some(Fault::EccDoubleBit)
+    } else if event_type.contains(EventTypes::SINGLE_BIT_ECC_ERROR) {
+        Some(Fault::EccSingleBit)
+    } else {
+        None
+    }
+}
+
+/// Watches NVML until `stop`, starting again after failures (no driver yet, a GPU that made registration fail).
+pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        match watch(library, reports, stop) {
+            Ok(()) => return,
+            Err(error) => warn!(%error, retry_in = ?RETRY, "NVML health events unavailable"),
+        }
+        let deadline = std::time::Instant::now() + RETRY;
+        while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
+
+fn watch(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &AtomicBool) -> Result<(), NvmlError> {
+    let nvml = Nvml::builder().lib_path(library).init()?;
+    let mut set = nvml.create_event_set()?;
+    let mut devices = Vec::new();
+    for index in 0..nvml.device_count()? {
+        let device = nvml.device_by_index(index)?;
+        let uuid = device.uuid()?;
+        let events = match device.supported_event_types() {
+            Ok(supported) => supported & wanted_events(),
+            Err(NvmlError::NotSupported) => EventTypes::empty(),
+            Err(NvmlError::GpuLost) => {
+                send(reports, &uuid, Action::Fault(Fault::GpuLost));
+                EventTypes::empty()
+            }
+            Err(e) => return Err(e),
+        };
+        if !events.is_empty() {
+            set = device.register_events(events, set).map_err(|e| e.error)?;
+        }
+        info!(gpu = %uuid, ?events, "watching NVML health events");
+        devices.push((uuid, device));
+    }
+    while !stop.load(Ordering::Relaxed) {
+        match set.wait(WAIT_MS) {
+            Ok(event) => {
+                let Some(fault) = fault_of(event.event_type, event.event_data) else { continue };
+                match event.device.uuid() {
+                    Ok(uuid) => send(reports, &uuid, Action::Fault(fault)),
+                    Err(error) => warn!(%error, %fault, "NVML event from a device whose UUID it cannot tell"),
+                }
+            }
+            Err(NvmlError::Timeout) => {}
+            // Which GPU is gone, the answer does not say: ask each.
+            Err(NvmlError::GpuLost) => {
+                for (uuid, device) in &devices {
+                    if matches!(device.uuid(), Err(NvmlError::GpuLost)) {
+                        send(reports, uuid, Action::Fault(Fault::GpuLost));
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(u64::from(WAIT_MS)));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn send(reports: &UnboundedSender<Injection>, uuid: &str, action: Action) {
+    // The monitor gone means the agent is stopping.
+    let _ = reports.send(Injection { gpu: uuid.to_string(), action });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_to_faults() {
+        let cases = [
+            (EventTypes::CRITICAL_XID_ERROR, Some(XidError::Value(79)), Some(Fault::Xid(Some(79)))),
+            (EventTypes::CRITICAL_XID_ERROR, Some(XidError::Unknown), Some(Fault::Xid(None))),
+            (EventTypes::DOUBLE_BIT_ECC_ERROR, None, Some(Fault::EccDoubleBit)),
+            (EventTypes::SINGLE_BIT_ECC_ERROR, None, Some(Fault::EccSingleBit)),
+            (EventTypes::PSTATE_CHANGE, None, None),
+        ];
+        for (event, xid, want) in cases {
+            assert_eq!(fault_of(event, xid), want, "{event:?}");
+        }
+        assert!(wanted_events().contains(EventTypes::CRITICAL_XID_ERROR));
+    }
+}

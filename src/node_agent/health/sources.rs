@@ -1,0 +1,87 @@
+//! What feeds the health monitor: NVML's events in a blocking thread, or, for simulated GPUs, the fault injection
+//! file in the state directory.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::inject::{self, Injection};
+use super::{Monitor, nvml_events};
+use crate::cli::{GpuBackend, NodeAgentArgs};
+use crate::kubelet_plugin::allocation::Inventory;
+
+/// How often the simulated backend looks for `<state-dir>/inject-faults`.
+const INJECT_POLL: Duration = Duration::from_millis(100);
+
+/// Starts the health monitor and what feeds it: NVML's events, or the fault injection file for simulated GPUs.
+pub fn start(
+    args: &NodeAgentArgs,
+    monitor: Arc<Monitor>,
+    client: kube::Client,
+    inventory: watch::Receiver<Arc<Inventory>>,
+    stop: CancellationToken,
+) {
+    let (reports, received) = mpsc::unbounded_channel();
+    tokio::spawn(monitor.run(client, received, inventory, stop.clone()));
+    match args.gpu.gpu_backend {
+        GpuBackend::Simulated => {
+            tokio::spawn(watch_injections(args.state_dir.clone(), reports, stop));
+        }
+        GpuBackend::Nvml => {
+            let root = args.gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/"));
+            let library = crate::node_agent::discovery::nvml::NvmlDiscovery::new(root).library().to_owned();
+            let stopped = Arc::new(AtomicBool::new(false));
+            let flag = stopped.clone();
+            tokio::spawn(async move {
+                stop.cancelled().await;
+                flag.store(true, Ordering::Relaxed);
+            });
+            let spawned = std::thread::Builder::new()
+                .name("nvml-events".into())
+                .spawn(move || nvml_events::run(&library, &reports, &stopped));
+            if let Err(error) = spawned {
+                warn!(%error, "cannot start the NVML event thread; GPU faults go unnoticed");
+            }
+        }
+    }
+}
+
+/// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only).
+pub async fn watch_injections(state_dir: PathBuf, reports: mpsc::UnboundedSender<Injection>, stop: CancellationToken) {
+    info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(INJECT_POLL) => {}
+        }
+        let dir = state_dir.clone();
+        let taken = tokio::task::spawn_blocking(move || inject::take(&dir)).await;
+        let content = match taken {
+            Ok(Ok(Some(content))) => content,
+            Ok(Ok(None)) => continue,
+            Ok(Err(error)) => {
+                warn!(%error, "reading the fault injection file failed");
+                continue;
+            }
+            Err(error) => {
+                warn!(%error, "fault injection task failed");
+                continue;
+            }
+        };
+        for line in inject::parse(&content) {
+            match line {
+                Ok(injection) => {
+                    if reports.send(injection).is_err() {
+                        return;
+                    }
+                }
+                Err(error) => warn!(%error, "fault injection line ignored"),
+            }
+        }
+    }
+}

@@ -1,0 +1,189 @@
+//! The per-GPU health state machine, pure: events and the clock in, transitions out.
+//!
+//! ```text
+//!  healthy ──fault (class ≥ needs-reset)──▶ faulted(class, fault, since, last_seen)
+//!     ▲                                        │  same or lesser fault: last_seen = now
+//!     │                                        │  worse fault: class, fault and since replaced (a new taint)
+//!     └── reset reported, or no fault for the healthy window (measured from last_seen) ──┘
+//! ```
+//!
+//! Application errors never change the state. Times are Unix seconds (wall clock): they are persisted and must mean
+//! the same after an agent restart, and they become the taints' `timeAdded`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use super::classify::{Fault, FaultClass, classify};
+
+/// The health policy from the command line.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Policy {
+    /// XIDs treated as application errors on top of the table's.
+    pub ignore_xids: BTreeSet<u64>,
+    /// A faulted GPU with no new fault for this long is healthy again; `None`: only a reported reset heals it.
+    pub healthy_window: Option<Duration>,
+}
+
+/// A faulted GPU.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Faulted {
+    pub class: FaultClass,
+    /// The worst fault seen since the GPU became faulted (the first of that class).
+    pub fault: Fault,
+    /// When the GPU entered `class` (Unix seconds): the taint's `timeAdded`.
+    pub since: i64,
+    /// The latest fault of any tainting class (Unix seconds): the healthy window counts from here.
+    pub last_seen: i64,
+}
+
+/// What an event did to one GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transition {
+    /// An application error (or an ignored XID): nothing changes.
+    Ignored { meaning: &'static str },
+    /// Healthy → faulted, or faulted → a worse class.
+    Faulted { state: Faulted, meaning: &'static str },
+    /// Already faulted at this class or worse: only `last_seen` moved.
+    Repeated { meaning: &'static str },
+    /// Faulted → healthy.
+    Recovered { was: Faulted },
+    /// A reset of a GPU that was healthy.
+    AlreadyHealthy,
+}
+
+impl Transition {
+    /// Whether the GPU's taints change.
+    pub fn changes_taints(&self) -> bool {
+        matches!(self, Self::Faulted { .. } | Self::Recovered { .. })
+    }
+}
+
+/// The faulted GPUs of this node by UUID; a GPU not in it is healthy.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HealthBook {
+    pub faulted: BTreeMap<String, Faulted>,
+}
+
+impl HealthBook {
+    /// The state of the GPU with `uuid`: `None` when healthy.
+    pub fn get(&self, uuid: &str) -> Option<&Faulted> {
+        self.faulted.get(uuid)
+    }
+
+    /// Applies `fault` reported for `uuid` at `now`.
+    pub fn record(&mut self, uuid: &str, fault: Fault, now: i64, policy: &Policy) -> Transition {
+        let (class, meaning) = classify(fault, &policy.ignore_xids);
+        if class == FaultClass::Application {
+            return Transition::Ignored { meaning };
+        }
+        match self.faulted.get_mut(uuid) {
+            Some(state) if state.class >= class => {
+                state.last_seen = state.last_seen.max(now);
+                Transition::Repeated { meaning }
+            }
+            _ => {
+                let state = Faulted { class, fault, since: now, last_seen: now };
+                self.faulted.insert(uuid.to_string(), state.clone());
+                Transition::Faulted { state, meaning }
+            }
+        }
+    }
+
+    /// A reset reported for `uuid` (NVML, or `clear` injected): healthy at once.
+    pub fn reset(&mut self, uuid: &str) -> Transition {
+        match self.faulted.remove(uuid) {
+            Some(was) => Transition::Recovered { was },
+            None => Transition::AlreadyHealthy,
+        }
+    }
+
+    /// GPUs whose healthy window has passed at `now`, removed and returned with their last state.
+    pub fn expire(&mut self, now: i64, policy: &Policy) -> Vec<(String, Faulted)> {
+        let Some(window) = policy.healthy_window else { return Vec::new() };
+        let window = i64::try_from(window.as_secs()).unwrap_or(i64::MAX);
+        let due: Vec<String> = self
+            .faulted
+            .iter()
+            .filter(|(_, state)| now.saturating_sub(state.last_seen) >= window)
+            .map(|(uuid, _)| uuid.clone())
+            .collect();
+        due.into_iter().filter_map(|uuid| self.faulted.remove(&uuid).map(|state| (uuid, state))).collect()
+    }
+
+    /// When the next GPU becomes healthy by the window (Unix seconds), for the monitor's timer.
+    pub fn next_expiry(&self, policy: &Policy) -> Option<i64> {
+        let window = i64::try_from(policy.healthy_window?.as_secs()).unwrap_or(i64::MAX);
+        self.faulted.values().map(|state| state.last_seen.saturating_add(window)).min()
+    }
+
+    /// Forgets GPUs that are no longer on the node (another GPU may get the same device name later).
+    pub fn retain(&mut self, present: impl Fn(&str) -> bool) {
+        self.faulted.retain(|uuid, _| present(uuid));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use FaultClass::{Lost, NeedsReset};
+
+    fn policy(window: Option<u64>) -> Policy {
+        Policy { ignore_xids: BTreeSet::from([48]), healthy_window: window.map(Duration::from_secs) }
+    }
+
+    #[test]
+    fn transitions() {
+        let p = policy(Some(60));
+        let mut book = HealthBook::default();
+        assert!(matches!(book.record("a", Fault::Xid(Some(13)), 10, &p), Transition::Ignored { .. }));
+        assert!(matches!(book.record("a", Fault::Xid(Some(48)), 10, &p), Transition::Ignored { .. }), "ignore list");
+        assert_eq!(book.get("a"), None);
+
+        let t = book.record("a", Fault::Xid(Some(64)), 100, &p);
+        assert!(t.changes_taints(), "{t:?}");
+        assert_eq!(book.get("a").map(|s| (s.class, s.since, s.last_seen)), Some((NeedsReset, 100, 100)));
+
+        let t = book.record("a", Fault::EccDoubleBit, 130, &p);
+        assert!(matches!(t, Transition::Repeated { .. }) && !t.changes_taints(), "{t:?}");
+        assert_eq!(book.get("a").map(|s| (s.fault, s.since, s.last_seen)), Some((Fault::Xid(Some(64)), 100, 130)));
+
+        let t = book.record("a", Fault::Xid(Some(79)), 140, &p);
+        assert!(t.changes_taints(), "escalation is a new taint: {t:?}");
+        assert_eq!(book.get("a").map(|s| (s.class, s.since)), Some((Lost, 140)));
+
+        let t = book.record("a", Fault::Xid(Some(64)), 150, &p);
+        assert!(matches!(t, Transition::Repeated { .. }), "a lesser fault never downgrades: {t:?}");
+        assert_eq!(book.get("a").map(|s| (s.class, s.last_seen)), Some((Lost, 150)));
+
+        assert_eq!(book.next_expiry(&p), Some(210));
+        assert!(book.expire(209, &p).is_empty());
+        let healed = book.expire(210, &p);
+        assert_eq!(healed.iter().map(|(u, s)| (u.as_str(), s.class)).collect::<Vec<_>>(), [("a", Lost)]);
+        assert_eq!(book.get("a"), None);
+    }
+
+    #[test]
+    fn reset_heals_at_once_and_window_none_never_expires() {
+        let p = policy(None);
+        let mut book = HealthBook::default();
+        book.record("a", Fault::GpuLost, 1, &p);
+        book.record("b", Fault::Xid(Some(79)), 1, &p);
+        assert!(book.expire(i64::MAX, &p).is_empty());
+        assert_eq!(book.next_expiry(&p), None);
+        assert!(matches!(book.reset("a"), Transition::Recovered { .. }));
+        assert_eq!(book.reset("a"), Transition::AlreadyHealthy);
+        assert!(book.get("b").is_some());
+        book.retain(|uuid| uuid != "b");
+        assert_eq!(book, HealthBook::default());
+    }
+
+    #[test]
+    fn a_clock_step_back_does_not_rewind_last_seen() {
+        let p = policy(Some(10));
+        let mut book = HealthBook::default();
+        book.record("a", Fault::Xid(Some(64)), 100, &p);
+        book.record("a", Fault::Xid(Some(64)), 50, &p);
+        assert_eq!(book.get("a").map(|s| s.last_seen), Some(100));
+    }
+}

@@ -1,0 +1,282 @@
+//! GPU health against the real control plane: a fault injected into a simulated GPU becomes a device taint in the
+//! node's ResourceSlice within a second; the real scheduler gives a tainted GPU to no new claim;
+//! kube-controller-manager's own device-taint-eviction controller evicts the pod of a `NoExecute` (lost) GPU;
+//! a reset or the healthy window untaints it; an agent restart keeps the fault with its `timeAdded`.
+
+mod support;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::{Value, json};
+use support::harness::KubeletHarness;
+use support::node::{DRIVER, NodeAgent, start_agent};
+use support::objects::{self, create_pod_on};
+use support::{TestContext, wait};
+
+fn main() {
+    support::run_with_env(
+        "health",
+        false,
+        &[("GPU_DRA_E2E_KCM_CONTROLLERS", "device-taint-eviction-controller")],
+        &[
+            test!(a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset),
+            test!(the_pod_of_a_lost_gpu_is_evicted_by_kubernetes),
+            test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
+            test!(the_kubelet_writes_device_health_into_the_pod_status),
+        ],
+    )
+}
+
+fn node_name(ctx: &TestContext) -> String {
+    format!("gpu-node-{}", &ctx.namespace[ctx.namespace.len() - 6..])
+}
+
+/// Injects `line` as an operator would: the file appears whole (written aside, renamed into place).
+fn inject(state_dir: &Path, line: &str) -> anyhow::Result<()> {
+    let aside = state_dir.join("inject-faults.writing");
+    std::fs::write(&aside, format!("{line}\n"))?;
+    std::fs::rename(&aside, state_dir.join("inject-faults"))?;
+    Ok(())
+}
+
+/// The taints of each device of the node's current pool, by device name.
+async fn taints(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String, Vec<Value>)>> {
+    let selector = format!("spec.nodeName={node},spec.driver={DRIVER}");
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone()).list(&ListParams::default().fields(&selector)).await?;
+    let generation = slices.items.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
+    let mut devices: Vec<(String, Vec<Value>)> = slices
+        .items
+        .iter()
+        .filter(|s| s.spec.pool.generation == generation)
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+        .map(|d| {
+            let taints = d.taints.iter().flatten().map(serde_json::to_value).collect::<Result<Vec<_>, _>>();
+            taints.map(|t| (d.name, t))
+        })
+        .collect::<Result<_, _>>()?;
+    devices.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(devices)
+}
+
+/// Waits until the device `device` has exactly the taint keys `keys`, returning its taints and how long it took.
+async fn wait_taints(
+    ctx: &TestContext,
+    node: &str,
+    device: &str,
+    keys: &[&str],
+    timeout: Duration,
+) -> anyhow::Result<(Vec<Value>, Duration)> {
+    let start = Instant::now();
+    let found = wait::until(&format!("{device} tainted with {keys:?}"), timeout, || async {
+        let devices = taints(ctx, node).await?;
+        let taints = devices.into_iter().find(|(name, _)| name == device).map(|(_, t)| t);
+        Ok(taints.filter(|t| t.iter().map(|t| t["key"].as_str().unwrap_or_default()).eq(keys.iter().copied())))
+    })
+    .await?;
+    Ok((found, start.elapsed()))
+}
+
+async fn device_class(ctx: &TestContext) -> anyhow::Result<()> {
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    Ok(())
+}
+
+async fn claim_for(ctx: &TestContext, name: &str, count: u32) -> anyhow::Result<()> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": ctx.namespace, "count": count}}]}}
+    }))?;
+    objects::claims(ctx).create(&PostParams::default(), &claim).await?;
+    Ok(())
+}
+
+async fn allocated(ctx: &TestContext, claim: &str) -> anyhow::Result<Option<Vec<String>>> {
+    let claim = objects::claims(ctx).get(claim).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    Ok(results.map(|r| r.into_iter().map(|r| r.device).collect()))
+}
+
+async fn a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    device_class(&ctx).await?;
+    let agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
+    agent.wait_ready().await?;
+    wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(30)).await?;
+
+    inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+    let key = format!("{DRIVER}/needs-reset");
+    let (found, took) =
+        wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(5)).await.with_context(|| agent.log_tail())?;
+    eprintln!("gpu-1 tainted {took:?} after the fault");
+    ensure!(took < Duration::from_secs(1), "taint published after {took:?}");
+    ensure!(found[0]["value"] == "ecc-double-bit" && found[0]["effect"] == "NoSchedule", "{found:?}");
+    ensure!(found[0]["timeAdded"].is_string(), "{found:?}");
+    ensure!(taints(&ctx, &node).await?.iter().all(|(d, t)| d == "gpu-1" || t.is_empty()), "gpu-0 tainted too");
+
+    // Two GPUs for one pod: only one is untainted, so the real scheduler must not allocate.
+    claim_for(&ctx, "two", 2).await?;
+    create_pod_on(&ctx, "trainer", &node, json!([{"name": "gpu", "resourceClaimName": "two"}])).await?;
+    let pods = objects::pods(&ctx);
+    wait::until("the scheduler to give up on the pod", Duration::from_secs(30), || async {
+        let pod: Pod = pods.get("trainer").await?;
+        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
+        Ok(conditions.iter().any(|c| c.type_ == "PodScheduled" && c.status == "False").then_some(()))
+    })
+    .await?;
+    ensure!(allocated(&ctx, "two").await?.is_none(), "a tainted GPU was allocated");
+
+    let node_events = node_events(&ctx, &node).await?;
+    ensure!(
+        node_events
+            .iter()
+            .any(|(t, r, n)| t == "Warning" && r == "GpuFault" && n.contains("gpu-1") && n.contains("double-bit")),
+        "{node_events:?}"
+    );
+    let faulted = [("device", "gpu-1")];
+    ensure!(agent.metric("gpu_dra_node_agent_gpu_healthy", &faulted).await? == 0.0, "health gauge");
+    let labels = [("class", "needs-reset"), ("fault", "ecc-double-bit")];
+    ensure!(agent.metric("gpu_dra_node_agent_gpu_faults_total", &labels).await? == 1.0, "fault counter");
+
+    inject(&agent.dirs.state(), "gpu-1 clear")?;
+    let (_, took) = wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(5)).await?;
+    eprintln!("gpu-1 untainted {took:?} after the reset");
+    let devices =
+        wait::until("the pod's claim to be allocated", Duration::from_secs(60), || allocated(&ctx, "two")).await?;
+    ensure!(devices.len() == 2, "{devices:?}");
+    ensure!(agent.metric("gpu_dra_node_agent_gpu_healthy", &faulted).await? == 1.0, "health gauge after reset");
+    Ok(())
+}
+
+async fn the_pod_of_a_lost_gpu_is_evicted_by_kubernetes(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    device_class(&ctx).await?;
+    let agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
+    agent.wait_ready().await?;
+    claim_for(&ctx, "one", 1).await?;
+    create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "one"}])).await?;
+    let pods = objects::pods(&ctx);
+    wait::until("the pod to be bound", Duration::from_secs(30), || async {
+        Ok(pods.get("worker").await?.spec.and_then(|s| s.node_name))
+    })
+    .await?;
+    let device = allocated(&ctx, "one").await?.and_then(|d| d.into_iter().next()).context("claim not allocated")?;
+
+    // An application error on the same GPU changes nothing.
+    inject(&agent.dirs.state(), &format!("{device} xid 13"))?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    ensure!(taints(&ctx, &node).await?.iter().all(|(_, t)| t.is_empty()), "XID 13 tainted a GPU");
+
+    inject(&agent.dirs.state(), &format!("{device} xid 79"))?;
+    let key = format!("{DRIVER}/gpu-lost");
+    let (found, took) =
+        wait_taints(&ctx, &node, &device, &[&key], Duration::from_secs(5)).await.with_context(|| agent.log_tail())?;
+    eprintln!("{device} tainted {took:?} after XID 79");
+    ensure!(found[0]["value"] == "79" && found[0]["effect"] == "NoExecute", "{found:?}");
+    let pod = wait::until("kube-controller-manager to evict the pod", Duration::from_secs(30), || async {
+        let pod = pods.get_opt("worker").await?;
+        Ok(match pod {
+            Some(pod) if pod.metadata.deletion_timestamp.is_none() => None,
+            other => Some(other),
+        })
+    })
+    .await?;
+    if let Some(pod) = pod {
+        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
+        ensure!(conditions.iter().any(|c| c.type_ == "DisruptionTarget"), "evicted without reason: {conditions:?}");
+    }
+    Ok(())
+}
+
+async fn a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xL4-24GB", "--health-healthy-window", "8s"];
+    let mut agent = NodeAgent::start(&ctx, &node, &args)?;
+    agent.wait_ready().await?;
+    inject(&agent.dirs.state(), "gpu-0 xid 79")?;
+    let key = format!("{DRIVER}/gpu-lost");
+    let (before, _) = wait_taints(&ctx, &node, "gpu-0", &[&key], Duration::from_secs(5)).await?;
+    let tainted_at = Instant::now();
+
+    agent.process.terminate()?;
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &args)?;
+    agent.wait_ready().await?;
+    // The restarted agent has published (or found its pool unchanged): the fault is still there, same timeAdded,
+    // and no other GPU was tainted.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let devices = taints(&ctx, &node).await?;
+    ensure!(devices == [("gpu-0".to_string(), before.clone()), ("gpu-1".to_string(), Vec::new())], "{devices:?}");
+    ensure!(tainted_at.elapsed() < Duration::from_secs(8), "the restart took longer than the window");
+
+    let (_, _) =
+        wait_taints(&ctx, &node, "gpu-0", &[], Duration::from_secs(15)).await.with_context(|| agent.log_tail())?;
+    let healed_after = tainted_at.elapsed();
+    ensure!(healed_after >= Duration::from_secs(6), "untainted after {healed_after:?}, before the 8 s window");
+    eprintln!("gpu-0 untainted {healed_after:?} after the fault (healthy window 8 s)");
+    Ok(())
+}
+
+/// The health stream (DRAResourceHealth) as the real kubelet DRA code consumes it: with taints that do not keep
+/// pods away (effect None), a pod given a faulted GPU shows it Unhealthy in its container status, the other Healthy.
+async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    device_class(&ctx).await?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--health-needs-reset-effect", "None"];
+    let agent = NodeAgent::start(&ctx, &node, &args)?;
+    let kubelet = KubeletHarness::start(&ctx, &node, &agent.dirs)?;
+    kubelet.wait_for("registered", "", Duration::from_secs(60)).await.with_context(|| kubelet.log_tail())?;
+    inject(&agent.dirs.state(), "gpu-0 ecc-dbe")?;
+    let key = format!("{DRIVER}/needs-reset");
+    let (found, _) = wait_taints(&ctx, &node, "gpu-0", &[&key], Duration::from_secs(5)).await?;
+    ensure!(found[0]["effect"] == "None", "{found:?}");
+
+    claim_for(&ctx, "both", 2).await?;
+    create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "both"}])).await?;
+    let pods = objects::pods(&ctx);
+    let health = wait::until("the device health in the pod status", Duration::from_secs(60), || async {
+        let pod = serde_json::to_value(pods.get("worker").await?)?;
+        let resources = &pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"][0]["resources"];
+        let mut health: Vec<(String, String)> = resources
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|r| {
+                (r["resourceID"].as_str().unwrap_or_default().into(), r["health"].as_str().unwrap_or_default().into())
+            })
+            .collect();
+        health.sort();
+        Ok((!health.is_empty()).then_some(health))
+    })
+    .await
+    .with_context(|| kubelet.log_tail())?;
+    // Resources are named by their CDI device ids, `<driver>/gpu=<claim UID>-gpu-<minor>`.
+    let prefix = format!("{DRIVER}/gpu=");
+    ensure!(health.iter().all(|(id, _)| id.starts_with(&prefix)), "{health:?}");
+    let states: Vec<(&str, &str)> =
+        health.iter().map(|(id, state)| (&id[id.len().saturating_sub(5)..], state.as_str())).collect();
+    ensure!(states == [("gpu-0", "Unhealthy"), ("gpu-1", "Healthy")], "{health:?}");
+    Ok(())
+}
+
+/// Events about the Node `node` (in `default`), as (type, reason, note), once there is one.
+async fn node_events(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String, String, String)>> {
+    wait::until("an Event about the node", Duration::from_secs(10), || async {
+        let events = objects::events_in(ctx, "default", node).await?;
+        Ok((!events.is_empty()).then_some(events))
+    })
+    .await
+}
