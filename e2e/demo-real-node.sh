@@ -54,6 +54,26 @@ sleep 1
 show kubectl logs -n gpu-demo trainer
 show kubectl logs -n gpu-demo classic
 
+say "GPU health: the GPU of pod classic reports XID 79 (fell off the bus), then a reset (fault injection, README \"GPU health\")"
+claim=$(kubectl get pod classic -n gpu-demo -o jsonpath='{.status.extendedResourceClaimStatus.resourceClaimName}')
+gpu=$(kubectl get resourceclaim "$claim" -n gpu-demo -o jsonpath='{.status.allocation.devices.results[0].device}')
+taint_of() {
+    kubectl get resourceslices --field-selector "spec.nodeName=$NODE" \
+        -o jsonpath="{range .items[*]}{.spec.devices[?(@.name==\"$gpu\")].taints}{end}"
+}
+inject() { echo "$1" >"$GPU_DRA_NODE_STATE_DIR/inject-faults.new" && mv "$GPU_DRA_NODE_STATE_DIR/inject-faults.new" "$GPU_DRA_NODE_STATE_DIR/inject-faults"; }
+inject "$gpu xid 79"
+for _ in $(seq 100); do [[ -n "$(taint_of)" && "$(taint_of)" != "[]" ]] && break; sleep 0.05; done
+echo "  $gpu tainted: $(taint_of)"
+kubectl get events -A --field-selector reason=GpuFault -o custom-columns=TYPE:.type,REASON:.reason,MESSAGE:.message \
+    --no-headers | tail -n 1 | sed 's/^/  /'
+# NoExecute: kube-controller-manager's device-taint-eviction controller evicts the pod using the lost GPU.
+kubectl wait -n gpu-demo --for=delete pod/classic --timeout=60s >/dev/null &&
+    echo "  pod classic was evicted by Kubernetes (device-taint-eviction-controller); trainer, on other GPUs, runs on"
+inject "$gpu clear"
+for _ in $(seq 100); do [[ -z "$(taint_of)" || "$(taint_of)" == "[]" ]] && break; sleep 0.05; done
+echo "  reset: $gpu untainted, schedulable again"
+
 say "Events gpu-dra's controller emitted"
 kubectl get events -n gpu-demo --field-selector reason=ResourceClaimCreated \
     -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message --no-headers | sed 's/^/  /'

@@ -364,6 +364,35 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     ensure!(extended.minors.len() == 1, "nvidia.com/gpu: 1 should give one GPU, the container sees {extended:?}");
     ensure!(extended == allocated(ctx, n, &extended_claim).await?, "pod extended sees {extended:?}, not its claim's");
 
+    // GPU health through the real kubelet: a double-bit ECC error on the extended pod's GPU (fault injection of the
+    // simulated backend) taints it and the kubelet writes Unhealthy into the container's status from the agent's
+    // DRAResourceHealth stream; a reset makes it Healthy again.
+    let minor = extended.minors.iter().next().context("pod extended has no GPU")?;
+    let device = format!("gpu-{minor}");
+    inject_fault(node, &format!("{device} ecc-dbe"))?;
+    let healths = || async {
+        let pod = serde_json::to_value(pods.get("extended").await?)?;
+        let statuses = &pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
+        let healths: Vec<String> = statuses
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|s| s["resources"].as_array().cloned().unwrap_or_default())
+            .filter(|r| r["resourceID"].as_str().is_some_and(|id| id.ends_with(&device)))
+            .filter_map(|r| r["health"].as_str().map(String::from))
+            .collect();
+        anyhow::Ok(healths)
+    };
+    wait::until("the kubelet to report the faulted GPU Unhealthy in the pod status", WAIT, || async {
+        Ok((healths().await? == ["Unhealthy"]).then_some(()))
+    })
+    .await?;
+    inject_fault(node, &format!("{device} clear"))?;
+    wait::until("the kubelet to report the reset GPU Healthy again", WAIT, || async {
+        Ok((healths().await? == ["Healthy"]).then_some(()))
+    })
+    .await?;
+
     // helm upgrade with a changed value rolls the agent; a running pod keeps its GPU and its spec, and a pod
     // created after the roll is prepared by the new agent.
     let second_uid = claim_uid(ctx, &second_claim).await?;
@@ -440,6 +469,16 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     })
     .await;
     clean.with_context(|| format!("helm uninstall left behind: {:?}", last_seen.lock().map(|l| l.clone())))
+}
+
+/// Injects a fault line into the node agent's state directory (on the host, through its hostPath), as an operator
+/// would: the file appears whole.
+fn inject_fault(node: &RealNode, line: &str) -> anyhow::Result<()> {
+    let dir = node.agent_state_dir()?;
+    let aside = dir.join("inject-faults.writing");
+    std::fs::write(&aside, format!("{line}\n"))?;
+    std::fs::rename(&aside, dir.join("inject-faults"))?;
+    Ok(())
 }
 
 /// File names in `dir` (none when it does not exist).
