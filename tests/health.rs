@@ -28,6 +28,7 @@ fn main() {
             test!(the_pod_of_a_lost_gpu_is_evicted_by_kubernetes),
             test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
             test!(the_kubelet_writes_device_health_into_the_pod_status),
+            test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
         ],
     )
 }
@@ -279,4 +280,36 @@ async fn node_events(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(Strin
         Ok((!events.is_empty()).then_some(events))
     })
     .await
+}
+
+/// The kubelet keeps the health stream open for as long as the plugin serves. SIGTERM (a DaemonSet roll, `helm
+/// uninstall`) must still end the agent at once and remove both sockets; a stream that never ends would make the
+/// server's graceful shutdown wait until the kubelet kills the pod, leaving the sockets behind.
+async fn an_open_health_stream_does_not_hold_up_the_agents_shutdown(ctx: TestContext) -> anyhow::Result<()> {
+    use gpu_dra::kubelet_plugin::proto::v1 as health;
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let mut agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
+    let _kubelet = support::node::Kubelet::register(&agent.dirs).await?;
+    let channel = gpu_dra::kubelet_plugin::socket::dial(&agent.dirs.dra_socket()).await?;
+    let mut client = health::dra_resource_health_client::DraResourceHealthClient::new(channel);
+    let mut stream = client.node_watch_resources(health::NodeWatchResourcesRequest {}).await?.into_inner();
+    let first = stream.message().await?.context("the health stream ended at once")?;
+    ensure!(!first.devices.is_empty(), "the first health report names no device: {first:?}");
+
+    let started = Instant::now();
+    let pid = agent.process.pid().to_string();
+    std::process::Command::new("kill").args(["-TERM", &pid]).status()?;
+    let mut exited = None;
+    while exited.is_none() && started.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        exited = agent.process.try_wait()?;
+    }
+    let exited =
+        exited.with_context(|| format!("an open health stream held up the shutdown:\n{}", agent.process.log_tail()))?;
+    ensure!(exited.success(), "the agent exited with {exited} after SIGTERM");
+    let (dra, registration) = (agent.dirs.dra_socket(), agent.dirs.registration_socket());
+    ensure!(!dra.exists() && !registration.exists(), "sockets left after shutdown: {dra:?} {registration:?}");
+    eprintln!("agent exited {:?} after SIGTERM with a health stream open", started.elapsed());
+    Ok(())
 }

@@ -364,14 +364,15 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     ensure!(extended.minors.len() == 1, "nvidia.com/gpu: 1 should give one GPU, the container sees {extended:?}");
     ensure!(extended == allocated(ctx, n, &extended_claim).await?, "pod extended sees {extended:?}, not its claim's");
 
-    // GPU health through the real kubelet: a double-bit ECC error on the extended pod's GPU (fault injection of the
+    // GPU health through the real kubelet: a double-bit ECC error on pod second's GPU (fault injection of the
     // simulated backend) taints it and the kubelet writes Unhealthy into the container's status from the agent's
-    // DRAResourceHealth stream; a reset makes it Healthy again.
-    let minor = extended.minors.iter().next().context("pod extended has no GPU")?;
+    // DRAResourceHealth stream; a reset makes it Healthy again. (Not the extended-resource pod: kubelet 1.37.2 reports
+    // health only for claims named in `resources.claims`, pkg/kubelet/cm/dra/manager.go.)
+    let minor = second.minors.iter().next().context("pod second has no GPU")?;
     let device = format!("gpu-{minor}");
     inject_fault(node, &format!("{device} ecc-dbe"))?;
     let healths = || async {
-        let pod = serde_json::to_value(pods.get("extended").await?)?;
+        let pod = serde_json::to_value(pods.get("second").await?)?;
         let statuses = &pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"];
         let healths: Vec<String> = statuses
             .as_array()

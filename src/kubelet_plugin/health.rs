@@ -9,6 +9,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use futures::Stream;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use super::proto::{v1, v1alpha1};
@@ -38,17 +39,27 @@ pub type HealthReport = Arc<Vec<DeviceHealth>>;
 pub struct HealthService {
     pool: String,
     updates: watch::Receiver<HealthReport>,
+    /// Ends every stream: the server's graceful shutdown waits for open streams, and the kubelet keeps this one
+    /// open for as long as we serve, so without it a stopping agent would hang until it is killed and leave its
+    /// sockets behind.
+    stop: CancellationToken,
 }
 
 impl HealthService {
     pub fn new(pool: String, updates: watch::Receiver<HealthReport>) -> Self {
-        Self { pool, updates }
+        Self { pool, updates, stop: CancellationToken::new() }
     }
 
-    /// The report now, then one per change or [`RESEND`], until the kubelet hangs up.
+    /// The same service, whose streams end when `stop` is cancelled.
+    pub fn ending_with(self, stop: CancellationToken) -> Self {
+        Self { stop, ..self }
+    }
+
+    /// The report now, then one per change or [`RESEND`], until the kubelet hangs up or the plugin stops.
     fn stream(&self) -> ResponseStream {
         let pool = self.pool.clone();
         let mut updates = self.updates.clone();
+        let stop = self.stop.clone();
         Box::pin(async_stream(move |sender| async move {
             loop {
                 let report = updates.borrow_and_update().clone();
@@ -58,6 +69,7 @@ impl HealthService {
                 tokio::select! {
                     changed = updates.changed() => if changed.is_err() { return },
                     () = tokio::time::sleep(RESEND) => {}
+                    () = stop.cancelled() => return,
                 }
             }
         }))

@@ -56,8 +56,8 @@ pub fn serve(
     let dra = Server::builder()
         .add_service(DraV1Server::new(service.clone()))
         .add_service(DraV1beta1Server::new(service))
-        .add_service(HealthV1Server::new(health.clone()))
-        .add_service(HealthV1alpha1Server::new(health))
+        .add_service(HealthV1Server::new(health.clone().ending_with(stop.clone())))
+        .add_service(HealthV1alpha1Server::new(health.ending_with(stop.clone())))
         .serve_with_incoming_shutdown(authority::incoming(dra_listener), stop.clone().cancelled_owned());
     let dra = tokio::spawn(dra);
     info!(socket = %paths.dra.display(), "serving the DRA service");
