@@ -142,11 +142,17 @@ impl Cluster {
 
 /// Builds (or finds cached) the Kubernetes binaries through `e2e/build-k8s.sh`.
 pub fn build_binaries() -> anyhow::Result<()> {
-    let status = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-k8s.sh"))
+    run_build_script("e2e/build-k8s.sh")
+}
+
+/// Runs one of the repository's build scripts (`e2e/build-*.sh`, which skip what is cached); its output goes to the
+/// test's output, so a failure there says why.
+pub fn run_build_script(script: &str) -> anyhow::Result<()> {
+    let status = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join(script))
         .status()
-        .context("run e2e/build-k8s.sh")?;
+        .with_context(|| format!("run {script}"))?;
     if !status.success() {
-        bail!("e2e/build-k8s.sh failed ({status}); its output above says why");
+        bail!("{script} failed ({status}); its output above says why");
     }
     Ok(())
 }

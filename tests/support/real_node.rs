@@ -97,11 +97,5 @@ pub fn can_run() -> anyhow::Result<()> {
     if euid != "0" {
         bail!("a real node needs root (mounts, network namespaces, cgroups); this test runs as uid {euid}");
     }
-    let status = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-node.sh"))
-        .status()
-        .context("run e2e/build-node.sh")?;
-    if !status.success() {
-        bail!("e2e/build-node.sh failed ({status}); its output above says why");
-    }
-    Ok(())
+    super::cluster::run_build_script("e2e/build-node.sh")
 }
