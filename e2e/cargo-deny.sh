@@ -2,8 +2,9 @@
 # Checks the dependency tree against deny.toml with cargo-deny: licenses (an allow-list), bans (duplicate versions
 # warn) and sources (crates.io only). Offline: cargo metadata reads the local registry cache, and the advisories
 # check is NOT run, because its database is fetched from the network, which this machine and CI do not have.
-# cargo-deny comes from crates.io (pinned in versions.sh), built once into the cache (`cargo install --locked`, with
-# thin local optimisation instead of the crate's fat LTO: a lint tool, built once, need not be the fastest).
+# cargo-deny comes from crates.io (pinned in versions.sh), built once into the cache (`cargo install --locked`, at
+# opt-level 1 without LTO instead of the crate's fat-LTO release profile: a lint tool that checks one dependency tree in
+# about a second need not be the fastest, and on a cold two-core CI machine its build time is on the critical path).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -18,7 +19,7 @@ if [[ ! -x "$deny" ]]; then
     rm -rf "$CARGO_DENY_DIR"
     started=$SECONDS
     # In the repository: the toolchain rust-toolchain.toml pins builds it, the one every machine here has.
-    (cd "$root" && CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 \
+    (cd "$root" && CARGO_PROFILE_RELEASE_LTO=false CARGO_PROFILE_RELEASE_CODEGEN_UNITS=16 CARGO_PROFILE_RELEASE_OPT_LEVEL=1 \
         cargo install --locked --quiet --root "$CARGO_DENY_DIR" "cargo-deny@$CARGO_DENY_VERSION") ||
         die "cargo install cargo-deny@$CARGO_DENY_VERSION failed; check access to crates.io"
     printf '[cargo-deny] installed in %ss\n' "$((SECONDS - started))" >&2
