@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Checks a GPU machine in one command, without a cluster: the node agent's NVML discovery, the ResourceSlice it
-# would publish, and one sample claim prepared into a scratch CDI directory (the spec is printed, then removed).
+# would publish, one sample claim prepared into a scratch CDI directory (the spec is printed, then removed), and what
+# NVML's health events report in 5 s (--watch-health: the events each GPU supports, any fault with its class).
 #
 # Usage: e2e/gpu-check.sh [gpu-dra gpu-check flags…]
 #   e.g. e2e/gpu-check.sh --driver-root /run/nvidia/driver --claim-gpus 2

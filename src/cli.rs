@@ -226,4 +226,8 @@ pub struct GpuCheckArgs {
     /// GPUs in the sample claim (the first N discovered).
     #[arg(long, default_value_t = 1)]
     pub claim_gpus: usize,
+    /// How long to watch NVML's health events (critical XIDs, ECC errors, GPU lost) and report what the node agent's
+    /// health monitor would see, e.g. 5s; 0s skips it.
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub watch_health: std::time::Duration,
 }

@@ -26,6 +26,8 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "CDI device gpu.gpu-dra.dev/gpu=0c4ec4ec-0000-4000-8000-000000000001-gpu-1",
         "\"path\": \"/dev/nvidia1\"",
         "NVIDIA_VISIBLE_DEVICES=void",
+        "GPU health: simulated GPUs have no NVML events",
+        "inject-faults",
     ] {
         assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
     }

@@ -230,8 +230,9 @@ async fn a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it(ctx: Test
     Ok(())
 }
 
-/// The health stream (DRAResourceHealth) as the real kubelet DRA code consumes it: with taints that do not keep
-/// pods away (effect None), a pod given a faulted GPU shows it Unhealthy in its container status, the other Healthy.
+/// The health stream (DRAResourceHealth) as the real kubelet DRA code consumes it, and who is told: a GPU of a
+/// running pod faults (taints that do not keep pods away, effect None); the pod's container status shows that device
+/// Unhealthy and the other Healthy, and the Node's Warning names the claim and the pod, which gets a Warning too.
 async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
@@ -240,16 +241,41 @@ async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) 
     let agent = NodeAgent::start(&ctx, &node, &args)?;
     let kubelet = KubeletHarness::start(&ctx, &node, &agent.dirs)?;
     kubelet.wait_for("registered", "", Duration::from_secs(60)).await.with_context(|| kubelet.log_tail())?;
+
+    claim_for(&ctx, "both", 2).await?;
+    create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "both"}])).await?;
+    device_health(&ctx, "worker", &[("gpu-0", "Healthy"), ("gpu-1", "Healthy")])
+        .await
+        .with_context(|| kubelet.log_tail())?;
+
     inject(&agent.dirs.state(), "gpu-0 ecc-dbe")?;
     let key = format!("{DRIVER}/needs-reset");
     let (found, _) = wait_taints(&ctx, &node, "gpu-0", &[&key], Duration::from_secs(5)).await?;
     ensure!(found[0]["effect"] == "None", "{found:?}");
+    device_health(&ctx, "worker", &[("gpu-0", "Unhealthy"), ("gpu-1", "Healthy")])
+        .await
+        .with_context(|| kubelet.log_tail())?;
 
-    claim_for(&ctx, "both", 2).await?;
-    create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "both"}])).await?;
-    let pods = objects::pods(&ctx);
-    let health = wait::until("the device health in the pod status", Duration::from_secs(60), || async {
-        let pod = serde_json::to_value(pods.get("worker").await?)?;
+    let ns = &ctx.namespace;
+    let on_node = format!("claim {ns}/both (pods {ns}/worker)");
+    let events = node_events(&ctx, &node).await?;
+    ensure!(
+        events.iter().any(|(t, r, n)| t == "Warning" && r == "GpuFault" && n.contains("gpu-0") && n.contains(&on_node)),
+        "no GpuFault on the Node naming {on_node:?}: {events:?}"
+    );
+    let on_pod = wait::until("a GpuFault Event on the pod", Duration::from_secs(10), || async {
+        let events = objects::events_in(&ctx, ns, "worker").await?;
+        Ok(events.into_iter().find(|(t, r, _)| t == "Warning" && r == "GpuFault"))
+    })
+    .await?;
+    ensure!(on_pod.2.contains("gpu-0") && on_pod.2.contains(&format!("through claim {ns}/both")), "{on_pod:?}");
+    Ok(())
+}
+
+/// Waits until the kubelet reports `want` (device name suffix → health) for pod `pod`'s first container.
+async fn device_health(ctx: &TestContext, pod: &str, want: &[(&str, &str)]) -> anyhow::Result<()> {
+    let reported = || async {
+        let pod = serde_json::to_value(objects::pods(ctx).get(pod).await?)?;
         let resources = &pod["status"]["containerStatuses"][0]["allocatedResourcesStatus"][0]["resources"];
         let mut health: Vec<(String, String)> = resources
             .as_array()
@@ -260,17 +286,22 @@ async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) 
             })
             .collect();
         health.sort();
-        Ok((!health.is_empty()).then_some(health))
-    })
-    .await
-    .with_context(|| kubelet.log_tail())?;
+        anyhow::Ok(health)
+    };
     // Resources are named by their CDI device ids, `<driver>/gpu=<claim UID>-gpu-<minor>`.
     let prefix = format!("{DRIVER}/gpu=");
-    ensure!(health.iter().all(|(id, _)| id.starts_with(&prefix)), "{health:?}");
-    let states: Vec<(&str, &str)> =
-        health.iter().map(|(id, state)| (&id[id.len().saturating_sub(5)..], state.as_str())).collect();
-    ensure!(states == [("gpu-0", "Unhealthy"), ("gpu-1", "Healthy")], "{health:?}");
-    Ok(())
+    let waited = wait::until("the device health in the pod status", Duration::from_secs(60), || async {
+        let health = reported().await?;
+        ensure!(health.iter().all(|(id, _)| id.starts_with(&prefix)), "{health:?}");
+        let states: Vec<(&str, &str)> =
+            health.iter().map(|(id, state)| (&id[id.len().saturating_sub(5)..], state.as_str())).collect();
+        Ok((states == want).then_some(()))
+    })
+    .await;
+    match waited {
+        Ok(()) => Ok(()),
+        Err(error) => Err(error.context(format!("wanted {want:?}, last reported {:?}", reported().await?))),
+    }
 }
 
 /// Events about the Node `node` (in `default`), as (type, reason, note), once there is one.
@@ -296,6 +327,16 @@ async fn an_open_health_stream_does_not_hold_up_the_agents_shutdown(ctx: TestCon
     let mut stream = client.node_watch_resources(health::NodeWatchResourcesRequest {}).await?.into_inner();
     let first = stream.message().await?.context("the health stream ended at once")?;
     ensure!(!first.devices.is_empty(), "the first health report names no device: {first:?}");
+    // Kubelets before v1 of the health API (1.34, 1.35) dial v1alpha1, and newer ones fall back to it: the same
+    // devices and health there.
+    let channel = gpu_dra::kubelet_plugin::socket::dial(&agent.dirs.dra_socket()).await?;
+    let mut alpha =
+        gpu_dra::kubelet_plugin::proto::v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel);
+    let mut alpha_stream = alpha.node_watch_resources(health::NodeWatchResourcesRequest {}).await?.into_inner();
+    let alpha_first = alpha_stream.message().await?.context("the v1alpha1 health stream ended at once")?;
+    let states =
+        |devices: &[health::DeviceHealth]| devices.iter().map(|d| (d.device.clone(), d.health)).collect::<Vec<_>>();
+    ensure!(states(&alpha_first.devices) == states(&first.devices), "v1alpha1 {alpha_first:?} != v1 {first:?}");
 
     let started = Instant::now();
     let pid = agent.process.pid().to_string();

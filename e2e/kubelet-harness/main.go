@@ -34,6 +34,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/apimachinery/pkg/util/sets"
 	utilfeature "k8s.io/apiserver/pkg/util/feature"
 	"k8s.io/client-go/informers"
@@ -200,6 +201,20 @@ func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string
 			}
 		})
 	}
+	// The kubelet's sync loop syncs again the pods a device health change concerns (kubelet.go, the container
+	// manager's Updates()), which writes their allocatedResourcesStatus anew.
+	wg.Go(func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case update := <-h.dra.Updates():
+				for _, uid := range update.PodUIDs {
+					h.healthChanged(types.UID(uid))
+				}
+			}
+		}
+	})
 	emit(event{Event: "ready", Node: nodeName})
 
 	<-ctx.Done()
@@ -244,6 +259,37 @@ type startedPod struct {
 	pod      *v1.Pod
 	prepared bool // PrepareResources succeeded
 	reported bool // its status was written and the "prepared" event printed
+	// healthStale: the health of its devices changed since its status was written (guarded by harness.mu).
+	healthStale bool
+}
+
+// healthChanged marks the started pod with UID uid for a status rewrite and queues it.
+func (h *harness) healthChanged(uid types.UID) {
+	for _, obj := range h.pods.List() {
+		pod := obj.(*v1.Pod)
+		if pod.UID != uid {
+			continue
+		}
+		key, err := toolscache.MetaNamespaceKeyFunc(pod)
+		if err != nil {
+			return
+		}
+		h.mu.Lock()
+		if p := h.started[key]; p != nil && p.pod.UID == uid {
+			p.healthStale = true
+		}
+		h.mu.Unlock()
+		h.queue.Add(key)
+		return
+	}
+}
+
+// refreshHealth writes pod's allocatedResourcesStatus anew, as the kubelet's status manager does on a resync.
+func (h *harness) refreshHealth(ctx context.Context, pod *v1.Pod) error {
+	p := pod.DeepCopy()
+	h.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, &p.Status)
+	_, err := h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
+	return err
 }
 
 // activePods is the kubelet's notion for the DRA manager's reconcile loop: pods on the node that still run.
@@ -324,6 +370,18 @@ func (h *harness) sync(ctx context.Context, key string) error {
 		h.mu.Unlock()
 	}
 	if prev.reported {
+		h.mu.Lock()
+		stale := prev.healthStale
+		prev.healthStale = false
+		h.mu.Unlock()
+		if stale && !finished(pod) {
+			if err := h.refreshHealth(ctx, pod); err != nil {
+				h.mu.Lock()
+				prev.healthStale = true
+				h.mu.Unlock()
+				return fmt.Errorf("update device health in pod status: %w", err)
+			}
+		}
 		return h.finishIfDone(ctx, key, pod)
 	}
 

@@ -112,6 +112,16 @@ impl Checkpoint {
         self.holders(pool, device).map(|(uid, _)| uid).next()
     }
 
+    /// Every claim holding `device` of `pool` (any state, shared or with admin access: all of them use the GPU), as
+    /// `(claim UID, entry)`, each once: whom a fault of that GPU affects.
+    pub fn claims_holding(&self, pool: &str, device: &str) -> Vec<(&str, &ClaimEntry)> {
+        self.claims
+            .iter()
+            .filter(|(_, entry)| entry.devices.iter().any(|d| d.pool == pool && d.device == device))
+            .map(|(uid, entry)| (uid.as_str(), entry))
+            .collect()
+    }
+
     /// The UID of another claim (not `claim_uid`) whose hold on the device conflicts with preparing `wanted` for
     /// `claim_uid`: both name the same pool and device, and they are not two different shares of it. Entries still
     /// `PrepareStarted` count: their device is not free until their cleanup has run. A hold with admin access never
@@ -399,6 +409,18 @@ mod tests {
 
     fn entry(name: &str, state: PrepareState, devices: Vec<PreparedDevice>) -> ClaimEntry {
         ClaimEntry { namespace: "default".to_owned(), name: name.to_owned(), state, devices, recovered: false }
+    }
+
+    #[test]
+    fn claims_holding_a_device_are_every_holder_once() {
+        let mut checkpoint = sample("boot");
+        let mut c = entry("c", PrepareState::PrepareCompleted, vec![device("node1", "gpu-1", Some("s2"))]);
+        c.devices.push(device("node1", "gpu-1", Some("s3")));
+        checkpoint.claims.insert("uid-c".to_owned(), c);
+        let held: Vec<&str> = checkpoint.claims_holding("node1", "gpu-1").into_iter().map(|(uid, _)| uid).collect();
+        assert_eq!(held, ["uid-b", "uid-c"]);
+        assert!(checkpoint.claims_holding("node2", "gpu-1").is_empty());
+        assert!(checkpoint.claims_holding("node1", "gpu-7").is_empty());
     }
 
     fn sample(boot: &str) -> Checkpoint {

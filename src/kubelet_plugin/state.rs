@@ -175,6 +175,18 @@ impl DriverState {
         &self.metrics
     }
 
+    /// The claims prepared (or being prepared) on `device` of this node, as (UID, namespace, name): whom a fault
+    /// of that GPU affects. Recovered entries have no name and are left out. Takes the file lock: call it off the
+    /// async threads.
+    pub fn claims_holding(&self, device: &str) -> Vec<(String, String, String)> {
+        self.lock()
+            .claims_holding(&self.pool, device)
+            .into_iter()
+            .filter(|(_, entry)| !entry.recovered)
+            .map(|(uid, entry)| (uid.to_owned(), entry.namespace.clone(), entry.name.clone()))
+            .collect()
+    }
+
     /// Prepares each claim; one claim's failure never affects another's answer.
     pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let inventory = self.inventory.borrow().clone();

@@ -1,6 +1,7 @@
 //! `gpu-dra gpu-check`: the node agent's discovery and prepare path on this machine, without a cluster. It prints
 //! the GPUs found, the ResourceSlice spec the agent would publish, and prepares one sample claim into a scratch CDI
-//! directory (validated by loading it back with the CDI crate), so a GPU machine can be checked in one command.
+//! directory (validated by loading it back with the CDI crate), then watches NVML's health events for a few seconds
+//! and reports what the health monitor would see, so a GPU machine can be checked in one command.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -8,6 +9,7 @@ use std::path::Path;
 use serde_json::json;
 
 use super::gpu::Gpu;
+use super::health::{classify, inject, nvml_events};
 use super::{discovery, plugin, slices};
 use crate::cdi::{self, CdiKind};
 use crate::cli::{GpuBackend, GpuCheckArgs};
@@ -23,6 +25,8 @@ pub enum GpuCheckError {
     Cdi(#[from] cdi::CdiError),
     #[error("load the written CDI spec {path} back with the CDI crate: {reason}")]
     LoadSpec { path: String, reason: String },
+    #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
+    HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
 
 /// A fixed, recognisable claim UID for the sample claim.
@@ -65,6 +69,43 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     for node in device_nodes(&claim) {
         let state = if Path::new(&node).exists() { "present" } else { "MISSING on this machine" };
         println!("  device node {node}: {state}");
+    }
+    if !args.watch_health.is_zero() {
+        watch_health(args, &gpus)?;
+    }
+    Ok(())
+}
+
+/// Watches NVML's health events for `--watch-health` and prints what the node agent's monitor would see: the
+/// events each GPU supports, and each fault with its class by the classification table (nothing is injected: on a
+/// healthy machine, no fault is the expected answer).
+fn watch_health(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> {
+    let seconds = args.watch_health.as_secs_f64();
+    if args.gpu.gpu_backend == GpuBackend::Simulated {
+        println!("\nGPU health: simulated GPUs have no NVML events; the node agent takes their faults from");
+        println!("  <state-dir>/{} (e.g. \"gpu-1 xid 79\"), see the README's GPU health section", inject::FILE_NAME);
+        return Ok(());
+    }
+    let root = args.gpu.driver_root_to_read().unwrap_or(Path::new("/"));
+    let library = discovery::nvml::NvmlDiscovery::new(root).library().to_owned();
+    let watched = nvml_events::watch_for(&library, args.watch_health).map_err(GpuCheckError::HealthEvents)?;
+    println!("\nGPU health: NVML events watched for {seconds:.1} s");
+    let name = |uuid: &str| gpus.iter().find(|g| g.uuid == uuid).map_or_else(|| "?".to_owned(), Gpu::device_name);
+    for (uuid, events) in &watched.subscribed {
+        let what = if events.is_empty() {
+            "no health events supported (only GPU lost is seen)".to_owned()
+        } else {
+            format!("{events:?}")
+        };
+        println!("  {:<7} {uuid} subscribed: {what}", name(uuid));
+    }
+    if watched.faults.is_empty() {
+        println!("  no fault reported");
+    }
+    let ignore = std::collections::BTreeSet::new();
+    for (uuid, fault) in &watched.faults {
+        let (class, meaning) = classify::classify(*fault, &ignore);
+        println!("  {:<7} {uuid} reported {fault}: {meaning} (class {})", name(uuid), class.as_str());
     }
     Ok(())
 }

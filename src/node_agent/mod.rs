@@ -153,7 +153,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // on this node could prepare.
             if plugin_task.is_none() {
                 let metrics = plugin_metrics.clone();
-                let task = plugin::start(
+                let (task, state) = plugin::start(
                     &settings,
                     plugin_client.clone(),
                     inventory_rx.clone(),
@@ -164,6 +164,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 )
                 .await
                 .map_err(|e| format!("start the kubelet plugin: {e}"))?;
+                monitor.set_holders(state);
                 plugin_task = Some(task);
             }
             let count = gpus.len();

@@ -38,7 +38,8 @@ pub(super) struct PluginSettings {
     pub(super) boot_id: String,
 }
 
-/// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`.
+/// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
+/// is returned too, for the health monitor to name the claims a faulted GPU affects.
 pub(super) async fn start(
     settings: &PluginSettings,
     client: kube::Client,
@@ -47,7 +48,7 @@ pub(super) async fn start(
     health: watch::Receiver<HealthReport>,
     liveness: &Liveness,
     stop: CancellationToken,
-) -> Result<JoinHandle<()>, String> {
+) -> Result<(JoinHandle<()>, Arc<DriverState>), String> {
     let driver_files =
         driver_files(settings.driver_root.as_deref(), settings.host_driver_root.as_deref(), settings.simulated_gpus)
             .map_err(|e| e.to_string())?;
@@ -63,14 +64,14 @@ pub(super) async fn start(
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
     report(&recovery, &settings.node, client).await;
     let health = HealthService::new(settings.node.clone(), health);
-    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state, health, stop)
+    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop)
         .map_err(|e| e.to_string())?;
     let sockets = settings.sockets.clone();
     liveness.set(move || {
         let sockets = sockets.clone();
         Box::pin(async move { kubelet_plugin::check_sockets(&sockets).await })
     });
-    Ok(task)
+    Ok((task, state))
 }
 
 /// The driver files prepared claims get: those under `driver_root` (host paths as the runtime sees them when

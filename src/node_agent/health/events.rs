@@ -1,10 +1,74 @@
-//! Events about the node's GPUs (Warning `GpuFault`, Normal `GpuRecovered`), on the Node object.
+//! Events about the node's GPUs: Warning `GpuFault` (on the Node, naming the claims and pods that hold the GPU, and
+//! on each of those pods), Normal `GpuRecovered` (on the Node).
+
+use std::sync::{Arc, OnceLock};
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::Api;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource as _};
-use tracing::warn;
+use tracing::{debug, warn};
+
+use crate::kubelet_plugin::state::DriverState;
+
+/// The API's limit on an Event's note (events.k8s.io/v1 refuses a longer one).
+const NOTE_LIMIT: usize = 1024;
+
+/// At most this many pods get an Event of their own per fault (the Node's Event counts them all).
+const POD_EVENTS_MAX: usize = 32;
+
+/// A claim holding a faulted GPU and the pods it is reserved for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Affected {
+    /// `namespace/name`.
+    pub claim: String,
+    /// `(namespace, name, uid)` of each pod in the claim's `reservedFor`.
+    pub pods: Vec<(String, String, String)>,
+}
+
+/// `base` followed by the claims and pods a fault affects, cut to the API's note limit (what does not fit is
+/// counted, never silently dropped).
+pub(super) fn fault_note(base: &str, affected: &[Affected]) -> String {
+    if affected.is_empty() {
+        return format!("{base}; no claim prepared on this node holds it");
+    }
+    let items: Vec<String> = affected
+        .iter()
+        .map(|a| {
+            let pods: Vec<String> = a.pods.iter().map(|(ns, name, _)| format!("{ns}/{name}")).collect();
+            match pods.as_slice() {
+                [] => format!("claim {} (no pod reserved)", a.claim),
+                _ => format!("claim {} (pods {})", a.claim, pods.join(", ")),
+            }
+        })
+        .collect();
+    let mut note = format!("{base}; in use by ");
+    for (i, item) in items.iter().enumerate() {
+        let rest = items.len() - i;
+        let more = if rest > 1 { format!(" … and {} more claims", rest - 1) } else { String::new() };
+        let separator = if i == 0 { "" } else { ", " };
+        if note.len() + separator.len() + item.len() + more.len() > NOTE_LIMIT {
+            note.push_str(&format!(" … and {rest} more claims"));
+            break;
+        }
+        note.push_str(separator);
+        note.push_str(item);
+    }
+    truncate(note)
+}
+
+fn truncate(mut note: String) -> String {
+    if note.len() > NOTE_LIMIT {
+        let mut end = NOTE_LIMIT - '…'.len_utf8();
+        while !note.is_char_boundary(end) {
+            end -= 1;
+        }
+        note.truncate(end);
+        note.push('…');
+    }
+    note
+}
 
 /// Events about this node, sent in the background so that a slow API server never delays a taint.
 #[derive(Clone)]
@@ -12,34 +76,135 @@ pub(super) struct NodeEvents {
     recorder: Recorder,
     client: Client,
     node: String,
+    /// The kubelet plugin's prepared claims, once it serves: who holds a faulted GPU.
+    holders: Arc<OnceLock<Arc<DriverState>>>,
 }
 
 impl NodeEvents {
-    pub(super) fn new(client: Client, node: &str) -> Self {
+    pub(super) fn new(client: Client, node: &str, holders: Arc<OnceLock<Arc<DriverState>>>) -> Self {
         let recorder =
             Recorder::new(client.clone(), Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
-        Self { recorder, client, node: node.into() }
+        Self { recorder, client, node: node.into(), holders }
     }
 
     pub(super) fn send(&self, type_: EventType, reason: &str, note: String) {
         let this = self.clone();
-        let event = Event {
-            type_,
-            reason: reason.into(),
-            note: Some(note),
-            action: "MonitorGpuHealth".into(),
-            secondary: None,
-        };
+        let event = event(type_, reason, note);
+        tokio::spawn(async move { this.publish_on_node(event).await });
+    }
+
+    /// A Warning `GpuFault`: on the Node, `what` (e.g. "gpu-1 (GPU-…) reported XID 79: …") followed by the claims
+    /// prepared on `device` and their pods; on each of those pods, the same with the claim that brought the GPU.
+    pub(super) fn send_fault(&self, device: String, what: String) {
+        let this = self.clone();
         tokio::spawn(async move {
-            let reference = match Api::<Node>::all(this.client.clone()).get(&this.node).await {
-                Ok(node) => node.object_ref(&()),
-                Err(_) => {
-                    ObjectReference { kind: Some("Node".into()), name: Some(this.node.clone()), ..Default::default() }
+            let affected = this.affected(&device).await;
+            let note = fault_note(&what, &affected);
+            this.publish_on_node(event(EventType::Warning, "GpuFault", note)).await;
+            let pods: Vec<(String, (String, String, String))> = affected
+                .into_iter()
+                .flat_map(|a| a.pods.into_iter().map(move |pod| (a.claim.clone(), pod)))
+                .take(POD_EVENTS_MAX)
+                .collect();
+            for (claim, (namespace, name, uid)) in pods {
+                let note =
+                    truncate(format!("{what}; allocated to this pod through claim {claim} on node {}", this.node));
+                let pod = ObjectReference {
+                    api_version: Some("v1".into()),
+                    kind: Some("Pod".into()),
+                    namespace: Some(namespace.clone()),
+                    name: Some(name.clone()),
+                    uid: Some(uid),
+                    ..Default::default()
+                };
+                let event = event(EventType::Warning, "GpuFault", note);
+                if let Err(error) = this.recorder.publish(&event, &pod).await {
+                    warn!(%error, pod = %format!("{namespace}/{name}"), "publishing a GPU fault event on a pod failed");
                 }
-            };
-            if let Err(error) = this.recorder.publish(&event, &reference).await {
-                warn!(%error, reason = %event.reason, "publishing a GPU health event failed");
             }
         });
+    }
+
+    /// The claims prepared on `device` (read off the async threads: the checkpoint's lock may be held by a prepare
+    /// on a slow disk) and the pods each is reserved for (read from the API; a claim that cannot be read is still
+    /// named, without pods).
+    async fn affected(&self, device: &str) -> Vec<Affected> {
+        let Some(state) = self.holders.get().cloned() else { return Vec::new() };
+        let device = device.to_owned();
+        let held = tokio::task::spawn_blocking(move || state.claims_holding(&device)).await.unwrap_or_default();
+        let mut affected = Vec::with_capacity(held.len());
+        for (uid, namespace, name) in held {
+            let claim = Api::<ResourceClaim>::namespaced(self.client.clone(), &namespace).get_opt(&name).await;
+            let pods = match claim {
+                Ok(Some(claim)) if claim.metadata.uid.as_deref() == Some(uid.as_str()) => {
+                    let reserved = claim.status.and_then(|s| s.reserved_for).unwrap_or_default();
+                    reserved
+                        .into_iter()
+                        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty())
+                        .map(|r| (namespace.clone(), r.name, r.uid))
+                        .collect()
+                }
+                Ok(_) => Vec::new(),
+                Err(error) => {
+                    debug!(%error, claim = %format!("{namespace}/{name}"), "reading a faulted GPU's claim failed");
+                    Vec::new()
+                }
+            };
+            affected.push(Affected { claim: format!("{namespace}/{name}"), pods });
+        }
+        affected
+    }
+
+    async fn publish_on_node(&self, event: Event) {
+        let reference = match Api::<Node>::all(self.client.clone()).get(&self.node).await {
+            Ok(node) => node.object_ref(&()),
+            Err(_) => {
+                ObjectReference { kind: Some("Node".into()), name: Some(self.node.clone()), ..Default::default() }
+            }
+        };
+        if let Err(error) = self.recorder.publish(&event, &reference).await {
+            warn!(%error, reason = %event.reason, "publishing a GPU health event failed");
+        }
+    }
+}
+
+fn event(type_: EventType, reason: &str, note: String) -> Event {
+    Event { type_, reason: reason.into(), note: Some(note), action: "MonitorGpuHealth".into(), secondary: None }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn affected(claim: &str, pods: &[&str]) -> Affected {
+        let pods = pods.iter().map(|p| ("ns".to_owned(), (*p).to_owned(), format!("uid-{p}"))).collect();
+        Affected { claim: format!("ns/{claim}"), pods }
+    }
+
+    #[test]
+    fn the_fault_note_names_claims_and_pods() {
+        let cases: &[(&[Affected], &str)] = &[
+            (&[], "F; no claim prepared on this node holds it"),
+            (&[affected("a", &["p"])], "F; in use by claim ns/a (pods ns/p)"),
+            (
+                &[affected("a", &["p", "q"]), affected("b", &[])],
+                "F; in use by claim ns/a (pods ns/p, ns/q), claim ns/b (no pod reserved)",
+            ),
+        ];
+        for (given, want) in cases {
+            assert_eq!(fault_note("F", given), *want);
+        }
+    }
+
+    #[test]
+    fn a_long_fault_note_fits_the_api_limit_and_counts_what_it_leaves_out() {
+        let many: Vec<Affected> = (0..100).map(|i| affected(&format!("claim-{i:03}"), &["pod"])).collect();
+        let note = fault_note("F", &many);
+        assert!(note.len() <= NOTE_LIMIT, "{} bytes", note.len());
+        let named = note.matches("claim ns/").count();
+        assert!(note.ends_with(&format!(" … and {} more claims", 100 - named)), "{note}");
+
+        let huge = fault_note(&"x".repeat(2000), &[affected("a", &["p"])]);
+        assert!(huge.len() <= NOTE_LIMIT && huge.ends_with('…'), "{} bytes", huge.len());
     }
 }

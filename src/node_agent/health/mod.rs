@@ -9,7 +9,8 @@
 //!
 //! `classify` (the XID table), `state` (the per-GPU state machine), `taints` and `inject` (the file format) are
 //! pure and unit-tested; `store` keeps the state on disk, `sources` starts what feeds the monitor (`nvml_events`, or
-//! the injection file), `events` sends the Node's Events; this module is the glue.
+//! the injection file), `events` sends the Events (a fault's names the claims prepared on the GPU and their pods,
+//! from the kubelet plugin's checkpoint); this module is the glue.
 
 pub mod classify;
 mod events;
@@ -21,7 +22,7 @@ pub mod store;
 pub mod taints;
 
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use k8s_openapi::jiff::Timestamp;
@@ -40,6 +41,7 @@ use tracing::{info, warn};
 use super::gpu::Gpu;
 use crate::kubelet_plugin::allocation::Inventory;
 use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
+use crate::kubelet_plugin::state::DriverState;
 use inject::{Action, Injection};
 use state::{HealthBook, Policy, Transition};
 use taints::Effects;
@@ -80,6 +82,8 @@ pub struct Monitor {
     metrics: HealthMetrics,
     /// What the kubelet's health stream sends (see [`crate::kubelet_plugin::health`]).
     health: watch::Sender<HealthReport>,
+    /// The kubelet plugin's state once it serves: which claims (and so pods) a faulted GPU affects.
+    holders: Arc<OnceLock<Arc<DriverState>>>,
 }
 
 impl Monitor {
@@ -121,7 +125,13 @@ impl Monitor {
             changed: Notify::new(),
             metrics,
             health: watch::Sender::new(HealthReport::default()),
+            holders: Arc::default(),
         }
+    }
+
+    /// Lets fault Events name the claims prepared on the GPU and their pods (set once the plugin serves).
+    pub fn set_holders(&self, state: Arc<DriverState>) {
+        let _ = self.holders.set(state);
     }
 
     fn book(&self) -> std::sync::MutexGuard<'_, HealthBook> {
@@ -175,7 +185,7 @@ impl Monitor {
         inventory: watch::Receiver<Arc<Inventory>>,
         stop: CancellationToken,
     ) {
-        let events = events::NodeEvents::new(client, &self.node);
+        let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
         loop {
             let wait = self.until_next_expiry();
             tokio::select! {
@@ -263,9 +273,9 @@ impl Monitor {
                     )
                 });
                 warn!(%device, gpu = %uuid, %fault, class = state.class.as_str(), meaning, "GPU fault");
-                let note =
+                let what =
                     format!("{device} ({uuid}) reported {fault}: {meaning}; class {}{taint}", state.class.as_str());
-                events.send(EventType::Warning, "GpuFault", note);
+                events.send_fault(device, what);
             }
             (Action::Fault(fault), Transition::Ignored { meaning }) => {
                 info!(%device, gpu = %uuid, %fault, meaning, "GPU fault ignored (application error)");

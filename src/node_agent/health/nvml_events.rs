@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use nvml_wrapper::Nvml;
 use nvml_wrapper::bitmasks::event::EventTypes;
 use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{info, warn};
 
@@ -58,8 +58,61 @@ pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &Arc<Ato
 
 fn watch(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &AtomicBool) -> Result<(), NvmlError> {
     let nvml = Nvml::builder().lib_path(library).init()?;
+    let subscribed = subscribe(&nvml)?;
+    for uuid in &subscribed.lost {
+        send(reports, uuid, Action::Fault(Fault::GpuLost));
+    }
+    for (uuid, _, events) in &subscribed.devices {
+        info!(gpu = %uuid, ?events, "watching NVML health events");
+    }
+    while !stop.load(Ordering::Relaxed) {
+        for (uuid, fault) in subscribed.next_faults(WAIT_MS)? {
+            send(reports, &uuid, Action::Fault(fault));
+        }
+    }
+    Ok(())
+}
+
+/// What NVML's health events showed in a while (`gpu-dra gpu-check`).
+#[derive(Debug, Default)]
+pub struct Watched {
+    /// Each GPU's UUID and the wanted events it supports (empty: none, faults then show only as GPU lost).
+    pub subscribed: Vec<(String, EventTypes)>,
+    /// The faults reported meanwhile, by GPU UUID (GPUs already lost at the start included).
+    pub faults: Vec<(String, Fault)>,
+}
+
+/// Subscribes to the health events of every GPU and collects what they report for `duration`.
+pub fn watch_for(library: &OsStr, duration: Duration) -> Result<Watched, NvmlError> {
+    let nvml = Nvml::builder().lib_path(library).init()?;
+    let subscribed = subscribe(&nvml)?;
+    let mut watched = Watched {
+        subscribed: subscribed.devices.iter().map(|(uuid, _, events)| (uuid.clone(), *events)).collect(),
+        faults: subscribed.lost.iter().map(|uuid| (uuid.clone(), Fault::GpuLost)).collect(),
+    };
+    let deadline = std::time::Instant::now() + duration;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Ok(watched);
+        }
+        let wait = u32::try_from(left.as_millis()).unwrap_or(WAIT_MS).clamp(1, WAIT_MS);
+        watched.faults.extend(subscribed.next_faults(wait)?);
+    }
+}
+
+/// Every GPU's event subscription.
+struct Subscribed<'n> {
+    set: EventSet<'n>,
+    /// UUID, device, the wanted events it supports.
+    devices: Vec<(String, Device<'n>, EventTypes)>,
+    /// GPUs that answered "lost" while subscribing.
+    lost: Vec<String>,
+}
+
+fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
     let mut set = nvml.create_event_set()?;
-    let mut devices = Vec::new();
+    let (mut devices, mut lost) = (Vec::new(), Vec::new());
     for index in 0..nvml.device_count()? {
         let device = nvml.device_by_index(index)?;
         let uuid = device.uuid()?;
@@ -67,7 +120,7 @@ fn watch(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &AtomicBoo
             Ok(supported) => supported & wanted_events(),
             Err(NvmlError::NotSupported) => EventTypes::empty(),
             Err(NvmlError::GpuLost) => {
-                send(reports, &uuid, Action::Fault(Fault::GpuLost));
+                lost.push(uuid.clone());
                 EventTypes::empty()
             }
             Err(e) => return Err(e),
@@ -75,32 +128,40 @@ fn watch(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &AtomicBoo
         if !events.is_empty() {
             set = device.register_events(events, set).map_err(|e| e.error)?;
         }
-        info!(gpu = %uuid, ?events, "watching NVML health events");
-        devices.push((uuid, device));
+        devices.push((uuid, device, events));
     }
-    while !stop.load(Ordering::Relaxed) {
-        match set.wait(WAIT_MS) {
+    Ok(Subscribed { set, devices, lost })
+}
+
+impl Subscribed<'_> {
+    /// The faults reported within `wait_ms` (none on a timeout).
+    fn next_faults(&self, wait_ms: u32) -> Result<Vec<(String, Fault)>, NvmlError> {
+        match self.set.wait(wait_ms) {
             Ok(event) => {
-                let Some(fault) = fault_of(event.event_type, event.event_data) else { continue };
+                let Some(fault) = fault_of(event.event_type, event.event_data) else { return Ok(Vec::new()) };
                 match event.device.uuid() {
-                    Ok(uuid) => send(reports, &uuid, Action::Fault(fault)),
-                    Err(error) => warn!(%error, %fault, "NVML event from a device whose UUID it cannot tell"),
-                }
-            }
-            Err(NvmlError::Timeout) => {}
-            // Which GPU is gone, the answer does not say: ask each.
-            Err(NvmlError::GpuLost) => {
-                for (uuid, device) in &devices {
-                    if matches!(device.uuid(), Err(NvmlError::GpuLost)) {
-                        send(reports, uuid, Action::Fault(Fault::GpuLost));
+                    Ok(uuid) => Ok(vec![(uuid, fault)]),
+                    Err(error) => {
+                        warn!(%error, %fault, "NVML event from a device whose UUID it cannot tell");
+                        Ok(Vec::new())
                     }
                 }
-                std::thread::sleep(Duration::from_millis(u64::from(WAIT_MS)));
             }
-            Err(e) => return Err(e),
+            Err(NvmlError::Timeout) => Ok(Vec::new()),
+            // Which GPU is gone, the answer does not say: ask each.
+            Err(NvmlError::GpuLost) => {
+                let lost = self
+                    .devices
+                    .iter()
+                    .filter(|(_, device, _)| matches!(device.uuid(), Err(NvmlError::GpuLost)))
+                    .map(|(uuid, _, _)| (uuid.clone(), Fault::GpuLost))
+                    .collect();
+                std::thread::sleep(Duration::from_millis(u64::from(wait_ms)));
+                Ok(lost)
+            }
+            Err(e) => Err(e),
         }
     }
-    Ok(())
 }
 
 fn send(reports: &UnboundedSender<Injection>, uuid: &str, action: Action) {
