@@ -14,8 +14,8 @@
 #   FILE NAME MANIFEST-DIGEST BYTES
 #
 # Usage: e2e/build-images.sh [--binary PATH] [--busybox PATH] [--dockerfile PATH] [--tag TAG] OUTDIR
-#   --binary      the gpu-dra executable (default: the file the Dockerfile's build stage installs:
-#                 target/release/gpu-dra)
+#   --binary      the gpu-dra executable (default: what `make release` builds, target/release/gpu-dra, or
+#                 $CARGO_TARGET_DIR/release/gpu-dra when that is set)
 #   --busybox     a static busybox (default /usr/bin/busybox, from Debian's busybox-static)
 #   --dockerfile  the Dockerfile whose runtime stage the gpu-dra image is (default: the repository's)
 #   --tag         the gpu-dra image's tag (default: the chart's appVersion, which the chart deploys by default)
@@ -38,6 +38,7 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ -n $out ]] || usage
+[[ -n $binary || -z ${CARGO_TARGET_DIR:-} ]] || binary=$CARGO_TARGET_DIR/release/gpu-dra
 
 command -v python3 >/dev/null || die "python3 is needed (apt-get install python3)"
 [[ -x $busybox ]] ||

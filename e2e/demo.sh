@@ -44,7 +44,7 @@ say "Building what is missing (Kubernetes and the kubelet harness from Go module
 "$E2E_DIR/build-k8s.sh"
 HARNESS=$("$E2E_DIR/build-kubelet-harness.sh" | tail -n 1)
 (cd "$REPO" && cargo build --release --locked)
-BIN="$REPO/target/release/gpu-dra"
+BIN="${CARGO_TARGET_DIR:-$REPO/target}/release/gpu-dra"
 
 say "Starting the local control plane"
 "$E2E_DIR/cluster.sh" up >/dev/null

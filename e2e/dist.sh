@@ -16,7 +16,7 @@ die() { printf '[dist] error: %s\n' "$*" >&2; exit 1; }
 
 version=$(sed -n 's/^version = "\(.*\)"$/\1/p' "$root/Cargo.toml" | head -n 1)
 [[ -n $version ]] || die "no package version in Cargo.toml"
-binary=$root/target/release/gpu-dra
+binary=${CARGO_TARGET_DIR:-$root/target}/release/gpu-dra
 [[ -x $binary ]] || die "no $binary: run make release"
 helm=$("$root/e2e/build-k8s.sh" --print-bin-dirs | sed -n 3p)/helm
 [[ -x $helm ]] || die "no helm at $helm: run e2e/build-k8s.sh"

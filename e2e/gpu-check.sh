@@ -18,7 +18,7 @@ die() { printf '[gpu-check] error: %s\n' "$*" >&2; exit 1; }
 start=$(date +%s.%N)
 bin=${GPU_DRA_BIN:-}
 if [[ -z "$bin" ]]; then
-    bin=$root/target/release/gpu-dra
+    bin=${CARGO_TARGET_DIR:-$root/target}/release/gpu-dra
     if command -v cargo >/dev/null 2>&1; then
         log "building $bin (cargo build --release --locked)"
         (cd "$root" && cargo build --release --locked) >&2

@@ -92,26 +92,9 @@ fn all_on_values() -> PathBuf {
     chart_dir().join("ci/all-on-values.yaml")
 }
 
-/// `<kubernetes bin>/kubectl` and `<helm bin>/helm` from the cache `e2e/build-k8s.sh` fills.
-fn tool(name: &str) -> anyhow::Result<PathBuf> {
-    let output = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-k8s.sh"))
-        .arg("--print-bin-dirs")
-        .output()
-        .context("run e2e/build-k8s.sh --print-bin-dirs")?;
-    let dirs = String::from_utf8(output.stdout)?;
-    let dir = match name {
-        "kubectl" => dirs.lines().next(),
-        "helm" => dirs.lines().nth(2),
-        _ => None,
-    };
-    let path = Path::new(dir.context("build-k8s.sh printed fewer bin directories than expected")?).join(name);
-    ensure!(path.exists(), "{} is missing: run e2e/build-k8s.sh", path.display());
-    Ok(path)
-}
-
 /// Runs `helm ARGS…`.
 fn helm(args: &[&str]) -> anyhow::Result<Output> {
-    Command::new(tool("helm")?).args(args).output().context("run helm")
+    Command::new(support::k8s_tool("helm")?).args(args).output().context("run helm")
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -155,7 +138,7 @@ fn kinds(rendered: &str) -> BTreeMap<String, usize> {
 
 /// Runs the pinned kubectl against the test cluster with `stdin`.
 fn kubectl(ctx: &TestContext, args: &[&str], stdin: &str) -> anyhow::Result<Output> {
-    let mut child = Command::new(tool("kubectl")?)
+    let mut child = Command::new(support::k8s_tool("kubectl")?)
         .arg("--kubeconfig")
         .arg(ctx.cluster.kubeconfig())
         .args(args)

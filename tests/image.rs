@@ -98,14 +98,18 @@ fn cargo_version() -> String {
 
 /// The release binary the image ships; `make test` builds it first (`make release`).
 fn release_binary() -> PathBuf {
-    let binary = repo().join("target/release/gpu-dra");
+    // In the target directory this test was built in (wherever CARGO_TARGET_DIR or cargo's configuration put it).
+    let test_build = Path::new(env!("CARGO_BIN_EXE_gpu-dra"));
+    let binary = test_build.parent().and_then(Path::parent).unwrap_or(Path::new("target")).join("release/gpu-dra");
     assert!(binary.is_file(), "{} is missing: run `make release` (make test builds it first)", binary.display());
     binary
 }
 
-/// Runs `e2e/build-images.sh ARGS OUT`: (success, stdout, stderr).
+/// Runs `e2e/build-images.sh --binary <release binary> ARGS OUT`: (success, stdout, stderr).
 fn build_images(args: &[&str], out: &Path) -> (bool, String, String) {
     let output = Command::new(repo().join("e2e/build-images.sh"))
+        .arg("--binary")
+        .arg(release_binary())
         .args(args)
         .arg(out)
         .output()

@@ -45,13 +45,15 @@ const WAIT: Duration = Duration::from_secs(90);
 
 // --- images and tools ----------------------------------------------------------------------------------------------
 
-/// The three images `e2e/build-images.sh` builds from target/release/gpu-dra (built once per test binary).
+/// The three images `e2e/build-images.sh` builds from the release binary (built once per test binary).
 fn images() -> anyhow::Result<Vec<PathBuf>> {
     static BUILT: OnceLock<Result<Vec<PathBuf>, String>> = OnceLock::new();
     BUILT
         .get_or_init(|| {
             let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("real-node-images");
             let output = Command::new(repo().join("e2e/build-images.sh"))
+                .arg("--binary")
+                .arg(support::release_binary())
                 .arg(&out)
                 .output()
                 .map_err(|e| format!("run e2e/build-images.sh: {e}"))?;
@@ -68,17 +70,9 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-/// `<bin dir>/NAME` from the cache `e2e/build-k8s.sh` fills (kubectl: first line, helm: third).
-fn tool(name: &str) -> anyhow::Result<PathBuf> {
-    let out = Command::new(repo().join("e2e/build-k8s.sh")).arg("--print-bin-dirs").output()?;
-    let dirs = String::from_utf8(out.stdout)?;
-    let line = if name == "helm" { 2 } else { 0 };
-    Ok(Path::new(dirs.lines().nth(line).context("build-k8s.sh printed too few lines")?).join(name))
-}
-
 /// `helm ARGS…` against the test cluster; fails with helm's error output.
 fn helm(ctx: &TestContext, args: &[&str]) -> anyhow::Result<Output> {
-    let output = Command::new(tool("helm")?)
+    let output = Command::new(support::k8s_tool("helm")?)
         .args(args)
         .env("KUBECONFIG", ctx.cluster.kubeconfig())
         .output()

@@ -30,6 +30,35 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 pub use cluster::Cluster;
 
+/// A binary `e2e/build-k8s.sh` builds into the cache (`kubectl`, `kubelet`, `helm`, …), found through the
+/// directories it prints; missing is an error that says how to build it.
+pub fn k8s_tool(name: &str) -> anyhow::Result<std::path::PathBuf> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/build-k8s.sh");
+    let output = std::process::Command::new(script)
+        .arg("--print-bin-dirs")
+        .output()
+        .context("run e2e/build-k8s.sh --print-bin-dirs")?;
+    let dirs = String::from_utf8(output.stdout)?;
+    // One line each: Kubernetes, etcd, helm.
+    let line = match name {
+        "helm" => 2,
+        "etcd" => 1,
+        _ => 0,
+    };
+    let dir = dirs.lines().nth(line).context("build-k8s.sh printed fewer bin directories than expected")?;
+    let path = std::path::Path::new(dir).join(name);
+    anyhow::ensure!(path.exists(), "{} is missing: run e2e/build-k8s.sh", path.display());
+    Ok(path)
+}
+
+/// The release binary (`make release`; `make test` builds it first), in the target directory these tests were
+/// built in (wherever `CARGO_TARGET_DIR` or cargo's configuration put it).
+pub fn release_binary() -> std::path::PathBuf {
+    let test_build = std::path::Path::new(env!("CARGO_BIN_EXE_gpu-dra"));
+    let target = test_build.parent().and_then(std::path::Path::parent).unwrap_or(std::path::Path::new("target"));
+    target.join("release/gpu-dra")
+}
+
 /// What a test gets: a client with admin rights, a namespace of its own, and the cluster.
 #[derive(Clone)]
 pub struct TestContext {
