@@ -27,8 +27,9 @@ release: ## Build target/release/gpu-dra exactly as the Dockerfile, the demo and
 dist: release k8s-binaries ## Release artifacts in dist/: the binary, the packaged chart, the image archive, SHA256SUMS
 	e2e/dist.sh
 
-bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager, and the kubelet plugin (prints tables)
+bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager (throughput, cost), and the kubelet plugin (prints tables)
 	$(CARGO) bench --locked --bench claim_controller
+	$(CARGO) bench --locked --bench controller_cost
 	$(CARGO) bench --locked --bench kubelet_plugin
 
 lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile, cargo-deny (offline)
