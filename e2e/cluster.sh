@@ -80,6 +80,15 @@ owned_alive() {
     { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF -- "GPU_DRA_E2E_RUN_BY=$STATE"
 }
 
+# `up` and `down` of one state directory never overlap: a `down` still stopping a dying run (its watchdog, say)
+# would otherwise read the pids file a new `up` is writing and kill the new run's components. The lock file sits
+# beside the directory, which both remove and recreate; it is released when the holding process exits.
+lock_state() {
+    mkdir -p "$(dirname "$STATE")"
+    exec 9>>"$STATE.lock"
+    flock 9
+}
+
 recorded_pids() { [[ -f "$PIDS" ]] && awk '{print $2}' "$PIDS" || true; }
 
 # Stops every recorded process that is still ours: SIGTERM, then SIGKILL after a grace period.
@@ -182,7 +191,8 @@ write_kubeconfig() {
 # start NAME CMD...: starts a detached process logging to $LOGS/NAME.log and records its pid.
 start() {
     local name=$1; shift
-    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null &
+    # Not the state lock's descriptor: a component holding it would block every later `up` and `down`.
+    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
     echo "$name $!" >>"$PIDS"
 }
 
@@ -300,7 +310,9 @@ cmd_up() {
     command -v openssl >/dev/null || die "openssl is needed to create the cluster's certificates; install it (apt-get install openssl)"
     command -v python3 >/dev/null || die "python3 is needed to find free ports; install it"
     command -v curl >/dev/null || die "curl is needed for health checks; install it (apt-get install curl)"
+    command -v flock >/dev/null || die "flock is needed to keep two runs off one state directory; install util-linux"
 
+    lock_state
     if [[ -e "$STATE" ]]; then
         if state_is_live; then
             [[ "$real_node" == 1 && ! -f "$STATE/node-ip" ]] &&
@@ -344,7 +356,7 @@ cmd_up() {
 
     if [[ -n "${GPU_DRA_E2E_OWNER_PID:-}" ]]; then
         echo "$GPU_DRA_E2E_OWNER_PID" >"$STATE/owner-pid"
-        start watchdog bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; GPU_DRA_E2E_DIR="$3" exec "$2" down' \
+        start watchdog bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; GPU_DRA_E2E_DIR="$3" exec "$2" down --owner "$1"' \
             gpu-dra-e2e-watchdog "$GPU_DRA_E2E_OWNER_PID" "$E2E_DIR/cluster.sh" "$STATE"
     fi
     trap - EXIT
@@ -353,6 +365,14 @@ cmd_up() {
 }
 
 cmd_down() {
+    local owner=''
+    [[ "${1:-}" == --owner ]] && owner=${2:?--owner needs a pid}
+    lock_state
+    # The watchdog of a run that ended stops only that run's cluster, never a newer one started in the same directory.
+    if [[ -n "$owner" && "$(cat "$STATE/owner-pid" 2>/dev/null)" != "$owner" ]]; then
+        log "not stopping $STATE: it no longer belongs to process $owner"
+        return 0
+    fi
     if [[ ! -e "$STATE" ]]; then
         log "nothing to stop: $STATE does not exist"
         return 0
@@ -434,7 +454,7 @@ cmd_run() {
 
 case "${1:-}" in
     up) shift; cmd_up "$@" ;;
-    down) cmd_down ;;
+    down) shift; cmd_down "$@" ;;
     env) cmd_env ;;
     add-node) shift; cmd_add_node "$@" ;;
     run) shift; cmd_run "$@" ;;

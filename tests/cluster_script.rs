@@ -25,6 +25,10 @@ fn main() {
         StandaloneTest { name: "pinned_api_port_in_use_is_named", body: pinned_api_port_in_use_is_named },
         StandaloneTest { name: "killed_owner_stops_the_cluster", body: killed_owner_stops_the_cluster },
         StandaloneTest {
+            name: "an_ended_runs_watchdog_never_stops_the_next_run",
+            body: an_ended_runs_watchdog_never_stops_the_next_run,
+        },
+        StandaloneTest {
             name: "build_script_names_missing_go_and_proxy",
             body: build_script_names_missing_go_and_proxy,
         },
@@ -213,6 +217,28 @@ fn killed_owner_stops_the_cluster() -> anyhow::Result<()> {
         std::thread::sleep(Duration::from_millis(200));
     }
     ensure!(!dir.exists(), "the watchdog did not remove {}", dir.display());
+    Ok(())
+}
+
+/// A test binary that dies leaves its watchdog to stop its cluster; when the next run of that binary has already
+/// started a cluster in the same directory, the old watchdog's `down --owner OLD` must leave it alone (it once read
+/// the new run's pids and killed its etcd mid-start). `up` and `down` also hold a lock on the directory, so such a
+/// `down` already under way finishes before the next `up` looks at the directory.
+fn an_ended_runs_watchdog_never_stops_the_next_run() -> anyhow::Result<()> {
+    let dir = state_dir("successor");
+    let mut owner = Command::new("sleep").arg("600").spawn()?;
+    run_ok(&dir, &["up"], &[("GPU_DRA_E2E_OWNER_PID", &owner.id().to_string())])?;
+    let pids = recorded(&dir)?;
+    // What the watchdog of an earlier run, owned by a process now gone, runs.
+    let (_, stderr) = run_ok(&dir, &["down", "--owner", "1"], &[])?;
+    ensure!(stderr.contains("no longer belongs to process 1"), "down --owner of another run said:\n{stderr}");
+    for (name, pid) in &pids {
+        ensure!(alive(&dir, *pid), "{name} (pid {pid}) was stopped by another run's watchdog");
+    }
+    ensure!(kubectl(&dir, &["get", "--raw", "/readyz"])? == "ok", "the cluster is not ready any more");
+    owner.kill()?;
+    owner.wait()?;
+    ensure_none_alive(&dir, &pids, Duration::from_secs(30)).context("its own watchdog did not stop it")?;
     Ok(())
 }
 
