@@ -47,6 +47,8 @@ E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$E2E_DIR/versions.sh"
 # shellcheck source=e2e/pki.sh
 source "$E2E_DIR/pki.sh"
+# shellcheck source=e2e/detach.sh
+source "$E2E_DIR/detach.sh"
 
 STATE="$E2E_STATE"
 # Set by `up --for-real-node`: the node's address; the `kubernetes` Service's address in --service-cluster-ip-range.
@@ -191,9 +193,8 @@ write_kubeconfig() {
 # start NAME CMD...: starts a detached process logging to $LOGS/NAME.log and records its pid.
 start() {
     local name=$1; shift
-    # Not the state lock's descriptor: a component holding it would block every later `up` and `down`.
-    setsid "$@" >"$LOGS/$name.log" 2>&1 </dev/null 9>&- &
-    echo "$name $!" >>"$PIDS"
+    detach "$LOGS/$name.log" "$@"
+    echo "$name $DETACHED_PID" >>"$PIDS"
 }
 
 pid_of() { awk -v n="$1" '$1 == n {print $2}' "$PIDS"; }

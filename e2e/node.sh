@@ -25,6 +25,8 @@ E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$E2E_DIR/versions.sh"
 # shellcheck source=e2e/pki.sh
 source "$E2E_DIR/pki.sh"
+# shellcheck source=e2e/detach.sh
+source "$E2E_DIR/detach.sh"
 
 STATE="$E2E_STATE"
 NODE_ROOT="${GPU_DRA_NODE_ROOT:-/var/lib/gpu-dra-e2e-node}"
@@ -70,8 +72,8 @@ print_env() {
 # start NAME CMD…: detached, logging to $LOGS/node-$NAME-NAME.log, pid recorded in $META/pids.
 start() {
     local what=$1; shift
-    setsid "$@" >"$LOGS/node-$NAME-$what.log" 2>&1 </dev/null &
-    echo "$what $!" >>"$META/pids"
+    detach "$LOGS/node-$NAME-$what.log" "$@"
+    echo "$what $DETACHED_PID" >>"$META/pids"
 }
 
 # True when pid $1 is alive and its command line names this node's directories (a reused pid is never signalled).
