@@ -1,6 +1,10 @@
 //! `GpuConfig`: the driver's opaque device configuration, carried in DeviceClasses and ResourceClaims as
 //! `opaque: {driver: <driver>, parameters: {apiVersion: <driver>/v1alpha1, kind: GpuConfig, …}}`.
 //!
+//! NVIDIA's spelling is accepted too (`apiVersion: resource.nvidia.com/v1beta1`, `kind: GpuConfig`, `sharing.strategy`,
+//! `sharing.timeSlicingConfig.interval`), so claims written for NVIDIA's DRA driver work once the driver and class
+//! names are swapped; what this driver cannot do yet (MPS, MIG devices) is refused by name, never ignored.
+//!
 //! Decoding is strict (an unknown or misspelt field is an error naming it, never silently ignored), then
 //! validated; configuration from the class applies first, then the claim's (the claim wins), each to the requests it
 //! names (none = all). Errors refuse the claim at NodePrepareResources with a message the pod's events show.
@@ -10,6 +14,8 @@ use serde::{Deserialize, Serialize};
 /// The version of `GpuConfig` this agent understands, under the driver's own domain.
 pub const GPU_CONFIG_VERSION: &str = "v1alpha1";
 pub const GPU_CONFIG_KIND: &str = "GpuConfig";
+/// NVIDIA's DRA driver's configuration API, accepted as an alternative spelling.
+pub const NVIDIA_CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";
 
 /// How the GPUs of one request are prepared.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,17 +91,24 @@ impl GpuConfig {
         let meta =
             TypeMeta::deserialize(parameters).map_err(|e| format!("not an object with apiVersion and kind: {e}"))?;
         let expected = format!("{driver}/{GPU_CONFIG_VERSION}");
-        if meta.api_version != expected || meta.kind != GPU_CONFIG_KIND {
-            return Err(format!(
-                "apiVersion {:?}, kind {:?}: this driver understands apiVersion {expected:?}, kind {GPU_CONFIG_KIND:?}",
-                meta.api_version, meta.kind
-            ));
-        }
-        let document: Document = serde_path_to_error::deserialize(parameters).map_err(|e| {
-            let path = e.path().to_string();
-            if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) }
-        })?;
-        let config = GpuConfig { sharing: document.sharing };
+        let config = match (meta.api_version.as_str(), meta.kind.as_str()) {
+            (version, GPU_CONFIG_KIND) if version == expected => {
+                let document: Document = strict(parameters)?;
+                GpuConfig { sharing: document.sharing }
+            }
+            (NVIDIA_CONFIG_API_VERSION, GPU_CONFIG_KIND) => strict::<NvidiaDocument>(parameters)?.into_config()?,
+            (NVIDIA_CONFIG_API_VERSION, "MigDeviceConfig") => {
+                return Err(
+                    "kind \"MigDeviceConfig\": this driver publishes whole GPUs only, no MIG devices yet".into()
+                );
+            }
+            (version, kind) => {
+                return Err(format!(
+                    "apiVersion {version:?}, kind {kind:?}: this driver understands apiVersion {expected:?} (or \
+                     NVIDIA's {NVIDIA_CONFIG_API_VERSION:?}), kind {GPU_CONFIG_KIND:?}"
+                ));
+            }
+        };
         config.validate()?;
         Ok(config)
     }
@@ -107,6 +120,77 @@ impl GpuConfig {
                 Err("sharing.timeSlicing: only allowed with sharing.strategy TimeSlicing".to_string())
             }
             _ => Ok(()),
+        }
+    }
+}
+
+/// Decodes `value` as `T`, every unknown field refused; the error names the path to the offending field.
+fn strict<T: serde::de::DeserializeOwned>(value: &serde_json::Value) -> Result<T, String> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        if path == "." { e.inner().to_string() } else { format!("{path}: {}", e.inner()) }
+    })
+}
+
+/// NVIDIA's `GpuConfig` (`resource.nvidia.com/v1beta1`), field for field.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaDocument {
+    #[allow(dead_code)]
+    api_version: String,
+    #[allow(dead_code)]
+    kind: String,
+    #[serde(default)]
+    sharing: Option<NvidiaSharing>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaSharing {
+    strategy: NvidiaStrategy,
+    #[serde(default)]
+    time_slicing_config: Option<NvidiaTimeSlicing>,
+    /// Kept as written: only its presence matters until MPS is supported.
+    #[serde(default)]
+    mps_config: Option<serde_json::Value>,
+}
+
+#[derive(Clone, Copy, Deserialize)]
+enum NvidiaStrategy {
+    TimeSlicing,
+    #[serde(rename = "MPS")]
+    Mps,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaTimeSlicing {
+    #[serde(default)]
+    interval: TimeSliceInterval,
+}
+
+impl NvidiaDocument {
+    /// This driver's model of the same configuration, with NVIDIA's own rules (a strategy's config only with that
+    /// strategy); MPS is refused until this driver runs MPS control daemons.
+    fn into_config(self) -> Result<GpuConfig, String> {
+        let Some(sharing) = self.sharing else { return Ok(GpuConfig::default()) };
+        match (sharing.strategy, sharing.time_slicing_config, sharing.mps_config) {
+            (NvidiaStrategy::TimeSlicing, _, Some(_)) => {
+                Err("sharing.mpsConfig: only allowed with sharing.strategy MPS".into())
+            }
+            (NvidiaStrategy::TimeSlicing, time_slicing, None) => Ok(GpuConfig {
+                sharing: Sharing {
+                    strategy: SharingStrategy::TimeSlicing,
+                    time_slicing: Some(TimeSlicing { interval: time_slicing.map(|t| t.interval).unwrap_or_default() }),
+                },
+            }),
+            (NvidiaStrategy::Mps, Some(_), _) => {
+                Err("sharing.timeSlicingConfig: only allowed with sharing.strategy TimeSlicing".into())
+            }
+            (NvidiaStrategy::Mps, None, _) => {
+                Err("sharing.strategy MPS: this driver does not run MPS yet; use TimeSlicing or leave sharing out"
+                    .into())
+            }
         }
     }
 }
@@ -182,6 +266,69 @@ mod tests {
             (json!({"apiVersion": "gpu.gpu-dra.dev/v9", "kind": "GpuConfig"}), "understands apiVersion"),
             (json!({"apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "Other"}), "kind \"Other\""),
             (json!(["not", "an", "object"]), "not an object"),
+        ];
+        for (input, expected) in cases {
+            match GpuConfig::decode(DRIVER, &input) {
+                Ok(config) => panic!("{input} decoded to {config:?}"),
+                Err(error) => assert!(error.contains(expected), "{input}: {error:?} lacks {expected:?}"),
+            }
+        }
+    }
+
+    fn nvidia(sharing: serde_json::Value) -> serde_json::Value {
+        json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": sharing})
+    }
+
+    #[test]
+    fn nvidias_spelling_is_accepted() {
+        let time_slicing = |interval| {
+            Ok(GpuConfig {
+                sharing: Sharing {
+                    strategy: SharingStrategy::TimeSlicing,
+                    time_slicing: Some(TimeSlicing { interval }),
+                },
+            })
+        };
+        let cases = [
+            (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}), Ok(GpuConfig::default())),
+            (nvidia(json!({"strategy": "TimeSlicing"})), time_slicing(TimeSliceInterval::Default)),
+            (
+                nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})),
+                time_slicing(TimeSliceInterval::Long),
+            ),
+            (
+                nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}})),
+                time_slicing(TimeSliceInterval::Default),
+            ),
+        ];
+        for (input, want) in cases {
+            assert_eq!(GpuConfig::decode(DRIVER, &input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn nvidias_spelling_refuses_what_this_driver_cannot_do_by_name() {
+        let mig = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig"});
+        let cases = [
+            (nvidia(json!({"strategy": "MPS"})), "sharing.strategy MPS: this driver does not run MPS yet"),
+            (
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}})),
+                "does not run MPS yet",
+            ),
+            (nvidia(json!({"strategy": "TimeSlicing", "mpsConfig": {}})), "sharing.mpsConfig: only allowed with"),
+            (
+                nvidia(json!({"strategy": "MPS", "timeSlicingConfig": {"interval": "Short"}})),
+                "sharing.timeSlicingConfig: only allowed with",
+            ),
+            (nvidia(json!({"strategy": "Fabric"})), "sharing.strategy: unknown variant `Fabric`"),
+            (nvidia(json!({"timeSlicingConfig": {}})), "sharing: missing field `strategy`"),
+            (
+                nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Forever"}})),
+                "sharing.timeSlicingConfig.interval: unknown variant `Forever`",
+            ),
+            (nvidia(json!({"strategy": "TimeSlicing", "replicas": 4})), "sharing.replicas: unknown field `replicas`"),
+            (mig, "no MIG devices yet"),
+            (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain"}), "NVIDIA's"),
         ];
         for (input, expected) in cases {
             match GpuConfig::decode(DRIVER, &input) {
