@@ -2,7 +2,7 @@
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 
-.PHONY: help demo test test-prerequisites soak release dist bench lint fmt k8s-binaries node-binaries cluster-up cluster-down
+.PHONY: help demo test test-prerequisites test-matrix soak release dist bench lint fmt k8s-binaries node-binaries cluster-up cluster-down
 
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z0-9_-]+:.*## / {printf "  make %-14s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -17,6 +17,9 @@ test: ## Run every check and test CI runs (builds what is missing)
 # Two at a time: the Go builds and cargo's serial stretches (linking, the last crate) overlap on two cores.
 test-prerequisites: k8s-binaries node-binaries lint release
 
+test-matrix: ## The pipeline tests on every supported Kubernetes minor (1.34-1.37; builds each version once, cached)
+	CARGO=$(CARGO) e2e/test-matrix.sh
+
 DURATION ?= 30m
 soak: k8s-binaries ## Churn soak against the local control plane: make soak DURATION=30m (prints a table, fails on violations)
 	GPU_DRA_SOAK_DURATION=$(DURATION) $(CARGO) test --locked --test soak -- churn_soak
@@ -27,10 +30,11 @@ release: ## Build target/release/gpu-dra exactly as the Dockerfile, the demo and
 dist: release k8s-binaries ## Release artifacts in dist/: the binary, the packaged chart, the image archive, SHA256SUMS
 	e2e/dist.sh
 
-bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager (throughput, cost), and the kubelet plugin (prints tables)
+bench: k8s-binaries ## Benchmark the claim controller against kube-controller-manager (throughput, cost), and the kubelet plugin, directly and through the kubelet's DRA code (prints tables)
 	$(CARGO) bench --locked --bench claim_controller
 	$(CARGO) bench --locked --bench controller_cost
 	$(CARGO) bench --locked --bench kubelet_plugin
+	$(CARGO) bench --locked --bench kubelet_prepare
 
 lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile, cargo-deny (offline)
 	$(CARGO) fmt --all --check

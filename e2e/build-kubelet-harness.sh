@@ -8,8 +8,9 @@
 # The last line on stdout is the binary's path; everything else goes to stderr.
 #
 # Usage: e2e/build-kubelet-harness.sh [--update-go-mod]
-#   --update-go-mod  rewrite e2e/kubelet-harness/go.mod and go.sum for K8S_VERSION (after bumping it in
-#                    e2e/versions.sh), then build.
+#   --update-go-mod  rewrite the module file for K8S_VERSION, then build: go.mod and go.sum for the default
+#                    version (after bumping it in e2e/versions.sh), k8s-versions/<version>.mod and .sum for
+#                    another (K8S_VERSION=v1.34.4 e2e/build-kubelet-harness.sh --update-go-mod).
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,12 +37,34 @@ go_in_src() {
     fi
 }
 
-# The harness's go.mod is written the way build-k8s.sh writes its wrapper module: k8s.io/kubernetes requires
-# every staging module at v0.0.0, and each gets a replace to its published twin (v0.<minor>.<patch>).
+# The module file for K8S_VERSION: go.mod for the default version, k8s-versions/<version>.mod (with its .sum) for
+# the older ones `make test-matrix` runs against (go build -modfile).
+if [[ "$K8S_VERSION" == "$K8S_DEFAULT_VERSION" ]]; then
+    MODFILE=go.mod
+else
+    MODFILE=k8s-versions/$K8S_VERSION.mod
+fi
+SUMFILE=${MODFILE%.mod}.sum
+
+# Build tags for the kubelet APIs that changed between 1.34 and 1.37 (the compat_*.go files).
+build_tags() {
+    local tags=() minor
+    for minor in 35 36 37; do ((K8S_MINOR < minor)) && tags+=("k8s_before_1_$minor"); done
+    local IFS=,
+    echo "${tags[*]}"
+}
+
+# The module file is written the way build-k8s.sh writes its wrapper module: k8s.io/kubernetes requires every
+# staging module at v0.0.0, and each gets a replace to its published twin (v0.<minor>.<patch>). Written in a
+# scratch copy of the sources, then copied to $MODFILE and $SUMFILE.
 update_go_mod() {
     require_go
-    log "writing $SRC/go.mod for k8s.io/kubernetes $K8S_VERSION"
-    rm -f "$SRC/go.mod" "$SRC/go.sum"
+    log "writing $SRC/$MODFILE for k8s.io/kubernetes $K8S_VERSION"
+    local scratch
+    scratch=$(mktemp -d)
+    cp "$SRC"/*.go "$scratch/"
+    local src=$SRC
+    SRC=$scratch
     go_in_src mod init local/gpu-dra-kubelet-harness
     local gomod
     gomod=$(cd "$SRC" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
@@ -52,6 +75,11 @@ update_go_mod() {
     go_in_src mod edit "${replaces[@]}"
     go_in_src get "k8s.io/kubernetes@$K8S_VERSION"
     go_in_src mod tidy
+    SRC=$src
+    mkdir -p "$(dirname "$SRC/$MODFILE")"
+    cp "$scratch/go.mod" "$SRC/$MODFILE"
+    cp "$scratch/go.sum" "$SRC/$SUMFILE"
+    rm -rf "$scratch"
 }
 
 case "${1:-}" in
@@ -60,12 +88,13 @@ case "${1:-}" in
     *) die "usage: e2e/build-kubelet-harness.sh [--update-go-mod]" ;;
 esac
 
-pinned=$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' "$SRC/go.mod")
+pinned=$(awk '$1 == "k8s.io/kubernetes" {print $2; exit}' "$SRC/$MODFILE" 2>/dev/null || true)
 [[ "$pinned" == "$K8S_VERSION" ]] ||
-    die "e2e/kubelet-harness/go.mod pins k8s.io/kubernetes ${pinned:-(none)}, but K8S_VERSION is $K8S_VERSION; run: e2e/build-kubelet-harness.sh --update-go-mod"
+    die "e2e/kubelet-harness/$MODFILE pins k8s.io/kubernetes ${pinned:-(none, or no such file)}, but K8S_VERSION is $K8S_VERSION; run: K8S_VERSION=$K8S_VERSION e2e/build-kubelet-harness.sh --update-go-mod"
+TAGS=$(build_tags)
 
-# The key covers everything that shapes the binary: sources, module pins and the build command (this script).
-hash=$(cd "$SRC" && cat ./*.go go.mod go.sum "$E2E_DIR/build-kubelet-harness.sh" | sha256sum | cut -c1-12)
+# The key covers everything that shapes the binary: sources, module pins, tags and the build command (this script).
+hash=$(cd "$SRC" && { cat ./*.go "$MODFILE" "$SUMFILE" "$E2E_DIR/build-kubelet-harness.sh"; echo "$TAGS"; } | sha256sum | cut -c1-12)
 bin="$GPU_DRA_CACHE/kubelet-harness-$K8S_VERSION-$hash/bin/gpu-dra-kubelet-harness"
 if [[ -x "$bin" ]]; then
     log "cached: $bin"
@@ -78,7 +107,7 @@ log "building $bin (cold, with the Go build cache of build-k8s.sh: a few minutes
 mkdir -p "$(dirname "$bin")"
 t0=$SECONDS
 # -mod=readonly: go.mod and go.sum are pinned in the repository; the build never rewrites them.
-go_in_src build -mod=readonly -trimpath -ldflags "-s -w" -o "$bin.tmp" .
+go_in_src build -mod=readonly -modfile="$MODFILE" ${TAGS:+-tags "$TAGS"} -trimpath -ldflags "-s -w" -o "$bin.tmp" .
 mv "$bin.tmp" "$bin"
 log "built in $((SECONDS - t0))s"
 printf '%s\n' "$bin"

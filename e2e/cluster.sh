@@ -35,8 +35,9 @@
 # kube-controller-manager also runs the serviceaccount, root-ca-certificate-publisher, deployment, replicaset,
 # daemonset, job and device-taint-eviction controllers. `down` first takes down every real node e2e/node.sh started.
 #
-# The API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the controller tests use it
-# to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim generation.
+# From Kubernetes 1.37 on, the API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the
+# controller tests use it to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim
+# generation. Older versions do not know the gate (K8S_VERSION selects the version; see e2e/versions.sh).
 #
 # Every process `up` starts is recorded by pid in $GPU_DRA_E2E_DIR/pids and carries the state directory in its
 # command line; `down` and the stale-state check signal a pid only when its command line still names that directory.
@@ -257,6 +258,8 @@ start_apiserver() {
             --kubelet-client-certificate "$STATE/pki/admin.crt" --kubelet-client-key "$STATE/pki/admin.key"
             --kubelet-preferred-address-types InternalIP,Hostname)
     fi
+    local apiserver_gates=${GPU_DRA_E2E_FEATURE_GATES:-}
+    ((K8S_MINOR >= 37)) && apiserver_gates="DRADerivedAttributes=true${apiserver_gates:+,$apiserver_gates}"
     # shellcheck disable=SC2086
     start kube-apiserver "$K8S_BIN/kube-apiserver" \
         --etcd-servers "http://127.0.0.1:$ETCD_PORT" --cert-dir "$STATE/pki" \
@@ -266,7 +269,7 @@ start_apiserver() {
         --service-account-issuer "https://127.0.0.1:$API_PORT/" \
         --service-account-key-file "$STATE/pki/sa.pub" --service-account-signing-key-file "$STATE/pki/sa.key" \
         --profiling=false \
-        --feature-gates "DRADerivedAttributes=true${GPU_DRA_E2E_FEATURE_GATES:+,$GPU_DRA_E2E_FEATURE_GATES}" \
+        ${apiserver_gates:+--feature-gates "$apiserver_gates"} \
         ${GPU_DRA_E2E_RUNTIME_CONFIG:+--runtime-config "$GPU_DRA_E2E_RUNTIME_CONFIG"} ${GPU_DRA_E2E_APISERVER_FLAGS:-}
     wait_healthy kube-apiserver https_ok "https://127.0.0.1:$API_PORT/readyz"
 }

@@ -1,6 +1,12 @@
 # Pinned versions of the components the tests run against, and where their binaries are cached.
 # Sourced by the e2e scripts; the Rust test support reads the same cache layout through `build-k8s.sh --print-bin-dirs`.
-K8S_VERSION=${K8S_VERSION:-v1.37.2}
+# The version every test runs against; `make test-matrix` (e2e/test-matrix.sh) also runs them on older ones by
+# setting K8S_VERSION.
+K8S_DEFAULT_VERSION=v1.37.2
+K8S_VERSION=${K8S_VERSION:-$K8S_DEFAULT_VERSION}
+# The minor version (37 for v1.37.2): components of older versions refuse feature gates they do not know.
+K8S_MINOR=${K8S_VERSION#v1.}
+K8S_MINOR=${K8S_MINOR%%.*}
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 HELM_VERSION=${HELM_VERSION:-v4.3.2}
 GPU_DRA_CACHE=${GPU_DRA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/gpu-dra}

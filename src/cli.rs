@@ -203,6 +203,13 @@ impl GpuArgs {
             (None, GpuBackend::Simulated) => None,
         }
     }
+
+    /// The NVML library NVML discovery and the health events load: the one under the driver root read (`/` unless
+    /// given).
+    pub fn nvml_library(&self) -> std::ffi::OsString {
+        let root = self.driver_root_to_read().unwrap_or(Path::new("/"));
+        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root).library().to_owned()
+    }
 }
 
 /// Where the node agent finds GPUs.

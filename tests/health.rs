@@ -327,8 +327,8 @@ async fn an_open_health_stream_does_not_hold_up_the_agents_shutdown(ctx: TestCon
     let mut stream = client.node_watch_resources(health::NodeWatchResourcesRequest {}).await?.into_inner();
     let first = stream.message().await?.context("the health stream ended at once")?;
     ensure!(!first.devices.is_empty(), "the first health report names no device: {first:?}");
-    // Kubelets before v1 of the health API (1.34, 1.35) dial v1alpha1, and newer ones fall back to it: the same
-    // devices and health there.
+    // Kubelets before v1 of the health API (1.34–1.36) dial v1alpha1, and 1.37 falls back to it: the same devices
+    // and health there.
     let channel = gpu_dra::kubelet_plugin::socket::dial(&agent.dirs.dra_socket()).await?;
     let mut alpha =
         gpu_dra::kubelet_plugin::proto::v1alpha1::dra_resource_health_client::DraResourceHealthClient::new(channel);

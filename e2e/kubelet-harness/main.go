@@ -45,6 +45,7 @@ import (
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/klog/v2"
 	pluginwatcherapi "k8s.io/kubelet/pkg/apis/pluginregistration/v1"
+	"k8s.io/kubernetes/pkg/features"
 	"k8s.io/kubernetes/pkg/kubelet/cm/dra"
 	"k8s.io/kubernetes/pkg/kubelet/config"
 	"k8s.io/kubernetes/pkg/kubelet/pluginmanager"
@@ -52,9 +53,10 @@ import (
 	"k8s.io/utils/ptr"
 )
 
-// workers is how many pods are synced in parallel. The kubelet has one worker per pod; a few are enough here,
-// and more than one keeps a slow or stuck driver call for one pod from holding up the others.
-const workers = 4
+// defaultWorkers is how many pods are synced in parallel unless --workers says otherwise. The kubelet has one
+// worker per pod; a few are enough for tests, and more than one keeps a slow or stuck driver call for one pod from
+// holding up the others. Benchmarks of many pods starting at once ask for one per pod, as a kubelet has.
+const defaultWorkers = 4
 
 // runForAnnotation makes a pod's containers "exit 0" that long after the pod started (see runFor).
 const runForAnnotation = "e2e.gpu-dra.dev/run-for"
@@ -74,7 +76,12 @@ func main() {
 	logFile := flag.String("log-file", "", "write logs to this file instead of stderr")
 	verbosity := flag.Int("v", 2, "log verbosity (klog)")
 	featureGates := flag.String("feature-gates", "", "kubelet feature gates, e.g. ResourceHealthStatus=false (optional)")
+	workers := flag.Int("workers", defaultWorkers, "pods synced in parallel (the kubelet: one per pod)")
 	flag.Parse()
+	if *workers < 1 {
+		fmt.Fprintf(os.Stderr, "gpu-dra-kubelet-harness: --workers=%d: at least one worker is needed\n", *workers)
+		os.Exit(2)
+	}
 	if *nodeName == "" || *registryDir == "" || *stateDir == "" || *kubeconfig == "" {
 		fmt.Fprintln(os.Stderr, "gpu-dra-kubelet-harness: --kubeconfig (or $KUBECONFIG), --node-name, --registry-dir and --state-dir are required")
 		flag.Usage()
@@ -92,7 +99,7 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
 	ctx = klog.NewContext(ctx, klog.Background().WithValues("node", *nodeName))
-	if err := run(ctx, *kubeconfig, *nodeName, *registryDir, *stateDir); err != nil {
+	if err := run(ctx, *kubeconfig, *nodeName, *registryDir, *stateDir, *workers); err != nil {
 		fatal(err)
 	}
 	klog.Flush()
@@ -122,7 +129,7 @@ func setUpLogging(logFile string, verbosity int) error {
 	return nil
 }
 
-func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string) error {
+func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string, workers int) error {
 	logger := klog.FromContext(ctx)
 	restConfig, err := clientcmd.BuildConfigFromFlags("", kubeconfig)
 	if err != nil {
@@ -174,22 +181,20 @@ func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string
 	// The manager's reconcile loop unprepares claims of pods that are no longer active, once all pod sources
 	// were seen; here the only source is the pod informer.
 	sourcesReady := config.NewSourcesReady(func(sets.Set[string]) bool { return podInformer.HasSynced() })
-	getNode := func(ctx context.Context) (*v1.Node, error) {
-		return client.CoreV1().Nodes().Get(ctx, nodeName, metav1.GetOptions{})
-	}
+	getNode := nodeGetter(ctx, client, nodeName)
 	// Start creates the DRA plugin manager, which at once wipes this node's ResourceSlices in the background,
 	// as a starting kubelet does, and later wipes a driver's slices when its plugin stays unregistered.
 	if err := h.dra.Start(ctx, h.activePods, getNode, sourcesReady); err != nil {
 		return fmt.Errorf("start DRA manager: %w", err)
 	}
-	defer h.dra.Stop()
+	defer stopManager(h.dra)
 
 	// The plugin manager as kubelet.go creates and runs it, with the DRA manager's handler for "DRAPlugin"
 	// (GetWatcherHandler must be called after Start). Its event recorder is kept but never used in v1.37.
 	plugins := pluginmanager.NewPluginManager(registryDir, &record.FakeRecorder{})
 	plugins.AddHandler(pluginwatcherapi.DRAPlugin, reportingHandler{h.dra.GetWatcherHandler()})
 	var wg sync.WaitGroup
-	wg.Go(func() { plugins.Run(ctx, sourcesReady, ctx.Done()) })
+	wg.Go(func() { runPluginManager(ctx, plugins, sourcesReady) })
 
 	factory.Start(ctx.Done())
 	if !toolscache.WaitForCacheSync(ctx.Done(), podInformer.HasSynced) {
@@ -225,11 +230,12 @@ func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string
 	return nil
 }
 
-// reportingHandler is the DRA manager's plugin handler; it also reports (de)registrations on stdout.
+// reportingHandler is the DRA manager's plugin handler; it also reports (de)registrations on stdout. Its
+// RegisterPlugin and DeRegisterPlugin, whose signatures changed in 1.37, are in the compat_*.go files.
 type reportingHandler struct{ plugincache.PluginHandler }
 
-func (r reportingHandler) RegisterPlugin(ctx context.Context, name, endpoint string, versions []string, timeout *time.Duration) error {
-	err := r.PluginHandler.RegisterPlugin(ctx, name, endpoint, versions, timeout)
+// registered reports the outcome err of a registration and returns it.
+func (r reportingHandler) registered(name, endpoint string, err error) error {
 	if err == nil {
 		emit(event{Event: "registered", Driver: name, Endpoint: endpoint})
 	} else {
@@ -238,8 +244,7 @@ func (r reportingHandler) RegisterPlugin(ctx context.Context, name, endpoint str
 	return err
 }
 
-func (r reportingHandler) DeRegisterPlugin(ctx context.Context, name, endpoint string) {
-	r.PluginHandler.DeRegisterPlugin(ctx, name, endpoint)
+func (r reportingHandler) deregistered(name, endpoint string) {
 	emit(event{Event: "deregistered", Driver: name, Endpoint: endpoint})
 }
 
@@ -284,10 +289,18 @@ func (h *harness) healthChanged(uid types.UID) {
 	}
 }
 
+// deviceHealthInto fills in the health of pod's allocated DRA devices (allocatedResourcesStatus), as the kubelet
+// does only with its feature gate ResourceHealthStatus on (kubelet_pods.go; off by default before 1.36).
+func (h *harness) deviceHealthInto(ctx context.Context, pod *v1.Pod, status *v1.PodStatus) {
+	if utilfeature.DefaultFeatureGate.Enabled(features.ResourceHealthStatus) {
+		updateAllocatedResourcesStatus(ctx, h.dra, pod, status)
+	}
+}
+
 // refreshHealth writes pod's allocatedResourcesStatus anew, as the kubelet's status manager does on a resync.
 func (h *harness) refreshHealth(ctx context.Context, pod *v1.Pod) error {
 	p := pod.DeepCopy()
-	h.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, &p.Status)
+	h.deviceHealthInto(ctx, pod, &p.Status)
 	_, err := h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
 	return err
 }
@@ -385,12 +398,16 @@ func (h *harness) sync(ctx context.Context, key string) error {
 		return h.finishIfDone(ctx, key, pod)
 	}
 
+	// How long the DRA manager took to prepare, in this sync (0: prepared in an earlier one).
+	var prepareMs float64
 	if !prev.prepared {
 		// Idempotent: claims that the manager's checkpoint has as prepared are not prepared again.
+		began := time.Now()
 		if err := h.dra.PrepareResources(ctx, pod); err != nil {
 			emit(event{Event: "prepare-failed", Pod: key, Error: err.Error()})
 			return err
 		}
+		prepareMs = float64(time.Since(began).Microseconds()) / 1000
 		prev.prepared = true
 	}
 
@@ -413,7 +430,7 @@ func (h *harness) sync(ctx context.Context, key string) error {
 		return fmt.Errorf("update pod status: %w", err)
 	}
 	prev.reported = true
-	emit(event{Event: "prepared", Pod: key, Containers: containers})
+	emit(event{Event: "prepared", Pod: key, Containers: containers, PrepareMs: prepareMs})
 	return h.finishIfDone(ctx, key, running)
 }
 
@@ -509,7 +526,7 @@ func (h *harness) markRunning(ctx context.Context, pod *v1.Pod) (*v1.Pod, error)
 		})
 	}
 	// The kubelet fills in the health of allocated DRA devices (feature ResourceHealthStatus) the same way.
-	h.dra.UpdateAllocatedResourcesStatus(klog.FromContext(ctx), pod, st)
+	h.deviceHealthInto(ctx, pod, st)
 	return h.client.CoreV1().Pods(p.Namespace).UpdateStatus(ctx, p, metav1.UpdateOptions{})
 }
 
@@ -561,6 +578,9 @@ type event struct {
 	Endpoint   string              `json:"endpoint,omitempty"`
 	Node       string              `json:"node,omitempty"`
 	Error      string              `json:"error,omitempty"`
+	// PrepareMs: on "prepared", the DRA manager's PrepareResources call (the claims read from the API server, the
+	// driver's NodePrepareResources, the checkpoint), as the kubelet's pod worker waits on it.
+	PrepareMs float64 `json:"prepareMs,omitempty"`
 }
 
 var stdout = struct {

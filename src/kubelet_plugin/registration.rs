@@ -13,8 +13,9 @@ use super::proto::registration::{InfoRequest, PluginInfo, RegistrationStatus, Re
 /// The plugin type the kubelet routes to its DRA manager.
 const PLUGIN_TYPE: &str = "DRAPlugin";
 /// Services served, in order of preference: the kubelet takes the first DRA service it supports, so a 1.34+ kubelet
-/// speaks v1 and older ones v1beta1, and likewise the first health service (a kubelet only opens the health stream
-/// of a plugin that lists one).
+/// speaks v1 and older ones v1beta1. A 1.37 kubelet likewise takes the first health service listed (and opens no
+/// health stream for a plugin that lists none); 1.34–1.36 kubelets dial v1alpha1 whenever their ResourceHealthStatus
+/// gate is on (by default from 1.36), whatever the list says.
 pub const SUPPORTED_VERSIONS: [&str; 4] =
     ["v1.DRAPlugin", "v1beta1.DRAPlugin", "v1.DRAResourceHealth", "v1alpha1.DRAResourceHealth"];
 

@@ -86,8 +86,7 @@ fn watch_health(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
         println!("  <state-dir>/{} (e.g. \"gpu-1 xid 79\"), see the README's GPU health section", inject::FILE_NAME);
         return Ok(());
     }
-    let root = args.gpu.driver_root_to_read().unwrap_or(Path::new("/"));
-    let library = discovery::nvml::NvmlDiscovery::new(root).library().to_owned();
+    let library = args.gpu.nvml_library();
     let watched = nvml_events::watch_for(&library, args.watch_health).map_err(GpuCheckError::HealthEvents)?;
     println!("\nGPU health: NVML events watched for {seconds:.1} s");
     let name = |uuid: &str| gpus.iter().find(|g| g.uuid == uuid).map_or_else(|| "?".to_owned(), Gpu::device_name);

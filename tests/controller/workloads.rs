@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use super::support::objects::{self, claim_statuses, create_pod, create_template, list_claims, one_gpu};
@@ -72,6 +72,9 @@ pub(super) async fn extended_resource_claim_of_finished_pod_is_released(ctx: Tes
         }
     }))?;
     objects::pods(&ctx).create(&PostParams::default(), &pod).await?;
+    if super::support::cluster::kubernetes_minor()? < 36 {
+        return extended_resources_are_off(&ctx, &node.class, &pod.name_any()).await;
+    }
 
     // Read untyped: `extendedResourceClaimStatus` is newer than the compiled types.
     let raw_pods = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &ctx.namespace, &pod_resource());
@@ -199,5 +202,30 @@ pub(super) async fn pod_status_naming_another_pods_claim_gets_no_reservation(ctx
         "the other pod's claim was reserved for the intruder: {:?}",
         reserved(&claim)
     );
+    Ok(())
+}
+
+/// Kubernetes 1.34 and 1.35 (DRAExtendedResource alpha, off), as the README documents: the API server drops the
+/// class's `extendedResourceName`, the scheduler finds no node with `nvidia.com/gpu`, and no claim is made.
+async fn extended_resources_are_off(ctx: &TestContext, class: &str, pod: &str) -> anyhow::Result<()> {
+    let resource = ApiResource::erase::<k8s_openapi::api::resource::v1::DeviceClass>(&());
+    let stored = Api::<DynamicObject>::all_with(ctx.client.clone(), &resource).get(class).await?;
+    ensure!(
+        stored.data["spec"]["extendedResourceName"].is_null(),
+        "the API server kept extendedResourceName with DRAExtendedResource off: {}",
+        stored.data["spec"]
+    );
+    let message = wait::until("the scheduler to find no node for nvidia.com/gpu", SETTLE, || async {
+        let p = objects::pods(ctx).get(pod).await?;
+        let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
+        Ok(conditions
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
+            .and_then(|c| c.message)
+            .filter(|m| m.contains("Insufficient nvidia.com/gpu")))
+    })
+    .await?;
+    let claims = list_claims(ctx).await?;
+    ensure!(claims.is_empty(), "claims were made for an unschedulable pod ({message}): {claims:?}");
     Ok(())
 }

@@ -172,15 +172,31 @@ fn reusable_state_dir() -> Option<PathBuf> {
     path.parent().map(Path::to_path_buf)
 }
 
-/// The Kubernetes version the cluster is pinned to, read from `e2e/versions.sh`.
+/// The Kubernetes version the tests run against: `K8S_VERSION` when set (as `e2e/versions.sh` and `make test-matrix`
+/// take it), else the version `e2e/versions.sh` pins.
 pub fn pinned_kubernetes_version() -> anyhow::Result<String> {
+    if let Ok(version) = std::env::var("K8S_VERSION")
+        && !version.is_empty()
+    {
+        return Ok(version);
+    }
     let versions = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/versions.sh"))?;
     versions
         .lines()
-        .find_map(|l| l.strip_prefix("K8S_VERSION=${K8S_VERSION:-"))
-        .and_then(|rest| rest.strip_suffix('}'))
-        .map(str::to_string)
-        .context("K8S_VERSION not found in e2e/versions.sh")
+        .find_map(|l| l.strip_prefix("K8S_DEFAULT_VERSION="))
+        .map(|v| v.trim().to_string())
+        .context("K8S_DEFAULT_VERSION not found in e2e/versions.sh")
+}
+
+/// The minor version of [`pinned_kubernetes_version`] (37 for v1.37.2): tests of a feature that older versions
+/// lack or leave off assert what the README documents for the version they run against.
+pub fn kubernetes_minor() -> anyhow::Result<u32> {
+    let version = pinned_kubernetes_version()?;
+    version
+        .strip_prefix("v1.")
+        .and_then(|rest| rest.split('.').next())
+        .and_then(|minor| minor.parse().ok())
+        .with_context(|| format!("Kubernetes version {version:?} is not of the form v1.MINOR.PATCH"))
 }
 
 impl Cluster {

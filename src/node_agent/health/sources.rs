@@ -33,8 +33,7 @@ pub fn start(
             tokio::spawn(watch_injections(args.state_dir.clone(), reports, stop));
         }
         GpuBackend::Nvml => {
-            let root = args.gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/"));
-            let library = crate::node_agent::discovery::nvml::NvmlDiscovery::new(root).library().to_owned();
+            let library = args.gpu.nvml_library();
             let stopped = Arc::new(AtomicBool::new(false));
             let flag = stopped.clone();
             tokio::spawn(async move {
