@@ -76,9 +76,7 @@ check_list() {
 # `run`) in its GPU_DRA_E2E_RUN_BY environment variable, so a reused pid is never signalled.
 owned_alive() {
     local pid=$1 cmdline
-    cmdline=$({ tr '\0' ' ' <"/proc/$pid/cmdline"; } 2>/dev/null) || return 1
-    # A zombie (exited, not yet reaped) has an empty command line: it is gone.
-    [[ -n "$cmdline" ]] || return 1
+    cmdline=$(cmdline_of "$pid") || return 1
     [[ "$cmdline" == *"$STATE"* ]] && return 0
     { tr '\0' '\n' <"/proc/$pid/environ"; } 2>/dev/null | grep -qxF -- "GPU_DRA_E2E_RUN_BY=$STATE"
 }

@@ -79,8 +79,8 @@ start() {
 # True when pid $1 is alive and its command line names this node's directories (a reused pid is never signalled).
 ours() {
     local cmdline
-    cmdline=$({ tr '\0' ' ' <"/proc/$1/cmdline"; } 2>/dev/null) || return 1
-    [[ -n "$cmdline" && ( "$cmdline" == *"$META"* || "$cmdline" == *"$RUN"* ) ]]
+    cmdline=$(cmdline_of "$1") || return 1
+    [[ "$cmdline" == *"$META"* || "$cmdline" == *"$RUN"* ]]
 }
 
 # stop_process NAME: SIGTERM, SIGKILL after 10 s.
