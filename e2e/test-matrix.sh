@@ -8,13 +8,16 @@
 #   GPU_DRA_MATRIX_VERSIONS="v1.34.4 v1.37.2" make test-matrix
 #
 # Tests of a feature a version lacks or leaves off assert what the README's "Kubernetes versions" section documents
-# for it. Test binaries not listed (chart, PodGroups, health, real node, soak) need 1.37's PodGroup API or device
-# health and taints, and run with `make test` on the default version.
+# for it. `health` runs from 1.36 on (device taints and health are off before). Test binaries not listed (chart,
+# PodGroups, real node, soak) need 1.37's PodGroup API or a real node, and run with `make test` on the default
+# version.
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VERSIONS=${GPU_DRA_MATRIX_VERSIONS:-v1.34.4 v1.35.4 v1.36.3 v1.37.2}
 TESTS=(dra_harness controller controller_tenants controller_beside_kcm pipeline kubelet_plugin node_agent)
+# From 1.36 on, where device taints and device health in the pod status are on by default.
+TESTS_SINCE_1_36=(health)
 CARGO=${CARGO:-cargo}
 LOGS="${CARGO_TARGET_DIR:-$E2E_DIR/../target}/test-matrix"
 
@@ -23,21 +26,28 @@ log() { printf '[test-matrix] %s\n' "$*" >&2; }
 mkdir -p "$LOGS"
 # Every cluster is the test binaries' own, of the version under test: never one KUBECONFIG points at.
 unset KUBECONFIG
-test_args=()
-for t in "${TESTS[@]}"; do test_args+=(--test "$t"); done
-log "building the test binaries once: ${TESTS[*]}"
-"$CARGO" test --locked --no-run "${test_args[@]}" >&2
+# test_args VERSION: the --test arguments of the binaries run on VERSION.
+test_args() {
+    local minor=${1#v1.} t
+    minor=${minor%%.*}
+    for t in "${TESTS[@]}"; do printf -- '--test\n%s\n' "$t"; done
+    if ((minor >= 36)); then for t in "${TESTS_SINCE_1_36[@]}"; do printf -- '--test\n%s\n' "$t"; done; fi
+}
+mapfile -t all_args < <(test_args v1.99.0)
+log "building the test binaries once: ${TESTS[*]} ${TESTS_SINCE_1_36[*]}"
+"$CARGO" test --locked --no-run "${all_args[@]}" >&2
 
 results=() failed=0
 for version in $VERSIONS; do
     log "=== Kubernetes $version"
     t0=$SECONDS
     out="$LOGS/$version.log"
+    mapfile -t args < <(test_args "$version")
     if K8S_VERSION=$version "$E2E_DIR/build-k8s.sh" >"$out" 2>&1 &&
         K8S_VERSION=$version "$E2E_DIR/build-kubelet-harness.sh" >>"$out" 2>&1 &&
-        K8S_VERSION=$version "$CARGO" test --locked "${test_args[@]}" >>"$out" 2>&1; then
+        K8S_VERSION=$version "$CARGO" test --locked "${args[@]}" >>"$out" 2>&1; then
         passed=$(grep -oE '^test result: ok\. [0-9]+ passed' "$out" | awk '{s += $4} END {print s + 0}')
-        results+=("$version: passed, $passed tests in ${#TESTS[@]} binaries ($((SECONDS - t0)) s)")
+        results+=("$version: passed, $passed tests in $((${#args[@]} / 2)) binaries ($((SECONDS - t0)) s)")
     else
         failed=1
         results+=("$version: FAILED after $((SECONDS - t0)) s; log: $out")
@@ -45,6 +55,6 @@ for version in $VERSIONS; do
     fi
     log "${results[-1]}"
 done
-printf '\nKubernetes version matrix (%s):\n' "${TESTS[*]}"
+printf '\nKubernetes version matrix (%s; from 1.36: %s):\n' "${TESTS[*]}" "${TESTS_SINCE_1_36[*]}"
 printf '  %s\n' "${results[@]}"
 exit "$failed"
