@@ -266,8 +266,8 @@ async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32,
         }
     }
     let peak_rss_mib = match contender {
-        Contender::GpuDra => component.as_ref().and_then(|c| rss_mib(c.pid(), "VmHWM:")),
-        Contender::Kcm => kcm_pid(cluster).and_then(|pid| rss_mib(pid, "VmHWM:")),
+        Contender::GpuDra => component.as_ref().and_then(|c| peak_rss_mib(c.pid())),
+        Contender::Kcm => cluster.pid("kube-controller-manager").ok().and_then(peak_rss_mib),
         Contender::Raw => None,
     };
     if let Some(task) = raw {
@@ -366,14 +366,7 @@ async fn unlimited_client(cluster: &Cluster) -> anyhow::Result<Client> {
     Ok(gpu_dra::kube_client::client_from_config(config, &unlimited)?)
 }
 
-/// A field of /proc/PID/status in kB (`VmHWM:`: peak resident memory), in MiB.
-fn rss_mib(pid: u32, field: &str) -> Option<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let kib: f64 = status.lines().find_map(|l| l.strip_prefix(field))?.split_whitespace().next()?.parse().ok()?;
-    Some(kib / 1024.0)
-}
-
-fn kcm_pid(cluster: &Cluster) -> Option<u32> {
-    let pids = std::fs::read_to_string(cluster.state_dir().join("pids")).ok()?;
-    pids.lines().find_map(|l| l.strip_prefix("kube-controller-manager ")).and_then(|p| p.trim().parse().ok())
+/// Peak resident memory (VmHWM) in MiB; none when the process is gone.
+fn peak_rss_mib(pid: u32) -> Option<f64> {
+    support::measure::status_kib(pid, "VmHWM:").ok().map(|kib| kib / 1024.0)
 }

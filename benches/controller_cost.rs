@@ -372,13 +372,7 @@ fn cpu_seconds(pid: u32, ticks: f64) -> anyhow::Result<f64> {
 }
 
 fn peak_rss_mib(pid: u32) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .context("no VmHWM in /proc/PID/status")?;
-    Ok(kib / 1024.0)
+    Ok(support::measure::status_kib(pid, "VmHWM:")? / 1024.0)
 }
 
 fn clock_ticks() -> anyhow::Result<f64> {

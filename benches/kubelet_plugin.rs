@@ -276,10 +276,8 @@ fn print_report(report: &Report, pace: Pace) {
     println!("(MB = 10^6 bytes; ratio = measured / target, ≤ 1.00 meets it)");
 }
 
-/// Nearest-rank percentile of a sorted, non-empty series.
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
+    support::measure::nearest_rank(sorted, p)
 }
 
 fn ms(d: Duration) -> f64 {
@@ -288,13 +286,7 @@ fn ms(d: Duration) -> f64 {
 
 /// `VmHWM:` (peak) or `VmRSS:` (now) of a process, in MB (10^6 bytes).
 fn rss_mb(pid: u32, field: &str) -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .with_context(|| format!("no {field} in /proc/{pid}/status"))?;
-    Ok(kib * 1024.0 / 1e6)
+    Ok(support::measure::status_kib(pid, field)? * 1024.0 / 1e6)
 }
 
 fn cpu_model() -> String {

@@ -203,6 +203,5 @@ fn percentile(values: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
-    let rank = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    sorted[rank - 1]
+    support::measure::nearest_rank(&sorted, p)
 }

@@ -11,6 +11,7 @@
 
 pub mod cluster;
 pub mod harness;
+pub mod measure;
 pub mod node;
 pub mod objects;
 pub mod podgroup;
