@@ -23,9 +23,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -200,15 +200,7 @@ async fn run_one(contender: Contender, pods: usize, limit: Limit) -> anyhow::Res
 
 async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32, burst: u32) -> anyhow::Result<Run> {
     let client = cluster.client().await?;
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
-    let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.bench"}}]}}}
-    }))?;
-    Api::<DynamicObject>::namespaced_with(client.clone(), NAMESPACE, &support::objects::template_resource())
-        .create(&PostParams::default(), &template)
-        .await?;
+    support::objects::namespace_with_one_gpu_template(&client, NAMESPACE, "gpu.bench").await?;
 
     let (qps_s, burst_s) = (qps.to_string(), burst.to_string());
     let mut component = None;

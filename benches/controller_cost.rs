@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail};
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{Namespace, Pod};
-use kube::api::{Api, DynamicObject, PostParams};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -197,15 +197,7 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
 
 async fn prepare_namespace(cluster: &Cluster) -> anyhow::Result<Client> {
     let client = cluster.client().await?;
-    let ns: Namespace = serde_json::from_value(json!({"metadata": {"name": NAMESPACE}}))?;
-    Api::<Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
-    let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "one-gpu"},
-        "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.cost"}}]}}}
-    }))?;
-    Api::<DynamicObject>::namespaced_with(client.clone(), NAMESPACE, &support::objects::template_resource())
-        .create(&PostParams::default(), &template)
-        .await?;
+    support::objects::namespace_with_one_gpu_template(&client, NAMESPACE, "gpu.cost").await?;
     Ok(client)
 }
 

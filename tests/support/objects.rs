@@ -16,12 +16,35 @@ pub fn template_resource() -> ApiResource {
 
 /// Creates a ResourceClaimTemplate from a full `spec` (untyped, so unknown fields reach the server).
 pub async fn create_template(ctx: &TestContext, name: &str, spec: Value) -> anyhow::Result<DynamicObject> {
-    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &ctx.namespace, &template_resource());
+    create_template_in(&ctx.client, &ctx.namespace, name, spec).await
+}
+
+/// [`create_template`] in `namespace`, for callers without a [`TestContext`] (the benchmarks).
+pub async fn create_template_in(
+    client: &kube::Client,
+    namespace: &str,
+    name: &str,
+    spec: Value,
+) -> anyhow::Result<DynamicObject> {
+    let api = Api::<DynamicObject>::namespaced_with(client.clone(), namespace, &template_resource());
     let obj: DynamicObject = serde_json::from_value(json!({
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
         "metadata": {"name": name}, "spec": spec
     }))?;
     Ok(api.create(&PostParams::default(), &obj).await?)
+}
+
+/// Creates `namespace` and in it the template `one-gpu`, asking for one device of `class` (the benchmarks' start).
+pub async fn namespace_with_one_gpu_template(
+    client: &kube::Client,
+    namespace: &str,
+    class: &str,
+) -> anyhow::Result<()> {
+    let ns: k8s_openapi::api::core::v1::Namespace = serde_json::from_value(json!({"metadata": {"name": namespace}}))?;
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone()).create(&PostParams::default(), &ns).await?;
+    let spec = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": class}}]}}});
+    create_template_in(client, namespace, "one-gpu", spec).await?;
+    Ok(())
 }
 
 /// A template asking for one device of the test class.
