@@ -28,12 +28,13 @@ require_go() {
         die "the 'go' command is not on PATH; install Go >= 1.26 (https://go.dev/doc/install) and retry"
 }
 
-# Runs go in the harness module; a failure shows the end of its output.
-go_in_src() {
-    local out
-    if ! out=$(cd "$SRC" && go "$@" 2>&1); then
+# go_in DIR ARGS…: runs go in DIR; a failure shows the end of its output.
+go_in() {
+    local dir=$1 out
+    shift
+    if ! out=$(cd "$dir" && go "$@" 2>&1); then
         printf '%s\n' "$out" | tail -n 30 >&2
-        die "'go $1' failed in $SRC; check that the Go module proxy ($(go env GOPROXY)) is reachable"
+        die "'go $1' failed in $dir; check that the Go module proxy ($(go env GOPROXY)) is reachable"
     fi
 }
 
@@ -63,19 +64,16 @@ update_go_mod() {
     local scratch
     scratch=$(mktemp -d)
     cp "$SRC"/*.go "$scratch/"
-    local src=$SRC
-    SRC=$scratch
-    go_in_src mod init local/gpu-dra-kubelet-harness
+    go_in "$scratch" mod init local/gpu-dra-kubelet-harness
     local gomod
-    gomod=$(cd "$SRC" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
+    gomod=$(cd "$scratch" && go mod download -json "k8s.io/kubernetes@$K8S_VERSION" | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p')
     [[ -n "$gomod" && -f "$gomod" ]] || die "could not download k8s.io/kubernetes@$K8S_VERSION from the Go module proxy"
     local replaces=()
     mapfile -t replaces < <(staging_replaces "$gomod")
     [[ ${#replaces[@]} -gt 0 ]] || die "found no staging modules in $gomod; the module layout changed"
-    go_in_src mod edit "${replaces[@]}"
-    go_in_src get "k8s.io/kubernetes@$K8S_VERSION"
-    go_in_src mod tidy
-    SRC=$src
+    go_in "$scratch" mod edit "${replaces[@]}"
+    go_in "$scratch" get "k8s.io/kubernetes@$K8S_VERSION"
+    go_in "$scratch" mod tidy
     mkdir -p "$(dirname "$SRC/$MODFILE")"
     cp "$scratch/go.mod" "$SRC/$MODFILE"
     cp "$scratch/go.sum" "$SRC/$SUMFILE"
@@ -107,7 +105,7 @@ log "building $bin (cold, with the Go build cache of build-k8s.sh: a few minutes
 mkdir -p "$(dirname "$bin")"
 t0=$SECONDS
 # -mod=readonly: go.mod and go.sum are pinned in the repository; the build never rewrites them.
-go_in_src build -mod=readonly -modfile="$MODFILE" ${TAGS:+-tags "$TAGS"} -trimpath -ldflags "-s -w" -o "$bin.tmp" .
+go_in "$SRC" build -mod=readonly -modfile="$MODFILE" ${TAGS:+-tags "$TAGS"} -trimpath -ldflags "-s -w" -o "$bin.tmp" .
 mv "$bin.tmp" "$bin"
 log "built in $((SECONDS - t0))s"
 printf '%s\n' "$bin"
