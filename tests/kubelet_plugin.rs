@@ -3,7 +3,7 @@
 //! checked against the official schema and loaded with the `container-device-interface` crate), every refusal,
 //! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint (with the API server
 //! unreachable too), lost specs, a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
-//! prepare while the liveness probe asks.
+//! prepare while the liveness probe asks, and the calls queued behind it done together.
 
 mod support;
 
@@ -31,6 +31,7 @@ fn main() {
             test!(a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside),
             test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
+            test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
         ],
@@ -480,10 +481,7 @@ async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> a
     let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
     let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
     let ns = ctx.namespace.clone();
-    std::fs::create_dir_all(dirs.cdi())?;
-    let fifo = dirs.cdi().join(format!(".{DRIVER}-gpu_{a}.json.tmp-{}", agent.pid()));
-    let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
-    ensure!(made.success(), "mkfifo {}", fifo.display());
+    let fifo = hang_spec_write(&dirs, &agent, &a)?;
 
     let kubelet = Kubelet::register(&dirs).await?;
     let call = |name: &'static str, uid: &str| {
@@ -514,11 +512,7 @@ async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> a
     ensure!(!stuck.is_finished(), "the prepare did not hang: the test proves nothing");
 
     // The disk comes back (the fifo is drained): the stuck write fails, the queued prepares succeed, a retry too.
-    let reader = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
-        let mut data = Vec::new();
-        std::io::Read::read_to_end(&mut std::fs::File::open(&fifo)?, &mut data)?;
-        Ok(data)
-    });
+    let reader = drain(fifo);
     let answer = stuck.await??.into_inner();
     reader.join().map_err(|_| anyhow::anyhow!("fifo reader panicked"))??;
     ensure!(answer.claims.get(&a).is_some_and(|r| !r.error.is_empty()), "{answer:?}");
@@ -528,6 +522,90 @@ async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> a
     }
     prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
     eprintln!("/healthz answered in at most {slowest:?} while a prepare hung on the disk");
+    Ok(())
+}
+
+/// Makes the write of `uid`'s CDI spec hang as on a hung volume: its temporary file is a fifo nobody reads yet.
+fn hang_spec_write(dirs: &NodeDirs, agent: &Component, uid: &str) -> anyhow::Result<PathBuf> {
+    std::fs::create_dir_all(dirs.cdi())?;
+    let fifo = dirs.cdi().join(format!(".{DRIVER}-gpu_{uid}.json.tmp-{}", agent.pid()));
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status()?;
+    ensure!(made.success(), "mkfifo {}", fifo.display());
+    Ok(fifo)
+}
+
+/// The disk comes back: reads the fifo to its end on a thread of its own, so the stuck write finishes (and fails).
+fn drain(fifo: PathBuf) -> std::thread::JoinHandle<std::io::Result<Vec<u8>>> {
+    std::thread::spawn(move || {
+        let mut data = Vec::new();
+        std::io::Read::read_to_end(&mut std::fs::File::open(&fifo)?, &mut data)?;
+        Ok(data)
+    })
+}
+
+/// Pods the kubelet starts together each send a prepare; every one must be on disk before it is answered. Queued
+/// behind a busy disk (a prepare hung on it), ten such calls are done as one batch when it comes back: two
+/// checkpoint saves for all ten, not two each, every claim answered with its own GPU.
+async fn pods_started_together_share_the_checkpoint_saves(ctx: TestContext) -> anyhow::Result<()> {
+    const QUEUED: usize = 10;
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(&ctx, &node, &dirs, "12xH100-80GB").await?;
+    let stuck_uid = allocated_claim(&ctx, "stuck", &node, &["gpu-0"], json!([])).await?;
+    let mut claims = Vec::new();
+    for i in 1..=QUEUED {
+        let name = format!("pod{i}-gpu");
+        let uid = allocated_claim(&ctx, &name, &node, &[&format!("gpu-{i}")], json!([])).await?;
+        claims.push((name, uid));
+    }
+    let fifo = hang_spec_write(&dirs, &agent, &stuck_uid)?;
+    let kubelet = Kubelet::register(&dirs).await?;
+    let ns = ctx.namespace.clone();
+    let call = |name: &str, uid: &str| {
+        let mut client = kubelet.v1.clone();
+        let claim = v1::Claim { namespace: ns.clone(), name: name.into(), uid: uid.into() };
+        tokio::spawn(async move {
+            client.node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![claim] }).await
+        })
+    };
+    let stuck = call("stuck", &stuck_uid);
+    wait::until("the stuck prepare to reach the disk", Duration::from_secs(20), || async {
+        Ok(checkpoint(&dirs, "boot-1")?.claims.contains_key(&stuck_uid).then_some(()))
+    })
+    .await?;
+    let queued: Vec<_> = claims.iter().map(|(name, uid)| (uid.clone(), call(name, uid))).collect();
+    let waiting = [("operation", "Prepare")];
+    wait::until("the ten calls to wait for the state lock", Duration::from_secs(20), || async {
+        let now = agent.metric("gpu_dra_kubelet_plugin_calls_waiting", &waiting).await?;
+        Ok((now >= QUEUED as f64).then_some(()))
+    })
+    .await?;
+    ensure!(!stuck.is_finished(), "the prepare did not hang: the test proves nothing");
+    let saves_before = agent.metric("gpu_dra_kubelet_plugin_checkpoint_saves_total", &[]).await?;
+
+    let reader = drain(fifo);
+    ensure!(stuck.await??.into_inner().claims.get(&stuck_uid).is_some_and(|r| !r.error.is_empty()), "stuck");
+    reader.join().map_err(|_| anyhow::anyhow!("fifo reader panicked"))??;
+    for (i, (uid, call)) in queued.into_iter().enumerate() {
+        let answer = call.await??.into_inner();
+        let result = answer.claims.get(&uid).with_context(|| format!("no answer for call {i}: {answer:?}"))?;
+        ensure!(result.error.is_empty(), "call {i}: {}", result.error);
+        let devices: Vec<&str> = result.devices.iter().map(|d| d.device_name.as_str()).collect();
+        ensure!(devices == [format!("gpu-{}", i + 1)], "call {i} got {devices:?}");
+    }
+    // The stuck prepare's own clean-up save, then one before and one after the ten specs.
+    let saves = agent.metric("gpu_dra_kubelet_plugin_checkpoint_saves_total", &[]).await? - saves_before;
+    ensure!(
+        saves <= 3.0,
+        "{saves} checkpoint saves for {QUEUED} queued prepares (one at a time would be {})",
+        1 + 2 * QUEUED
+    );
+    ensure!(dirs.cdi_specs()?.len() == QUEUED, "specs: {:?}", dirs.cdi_specs()?);
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    ensure!(recorded.claims.len() == QUEUED && recorded.half_prepared().next().is_none(), "{recorded:?}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_calls_waiting", &waiting).await? == 0.0, "calls left waiting");
+    eprintln!("{QUEUED} prepares queued behind a hung disk: {saves} checkpoint saves once it came back");
     Ok(())
 }
 

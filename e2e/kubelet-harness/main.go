@@ -136,6 +136,11 @@ func run(ctx context.Context, kubeconfig, nodeName, registryDir, stateDir string
 		return fmt.Errorf("kubeconfig %s: %w", kubeconfig, err)
 	}
 	restConfig.UserAgent = "gpu-dra-kubelet-harness/" + nodeName
+	// The kubelet's client limits (KubeletConfiguration kubeAPIQPS 50, kubeAPIBurst 100: pkg/kubelet/apis/config/
+	// v1beta1/defaults.go), not client-go's 5/10: with those, pods started together would wait for their claim reads
+	// in the harness, not in the DRA path a real kubelet runs.
+	restConfig.QPS = 50
+	restConfig.Burst = 100
 	client, err := kubernetes.NewForConfig(restConfig)
 	if err != nil {
 		return err

@@ -36,6 +36,8 @@ pub struct PluginMetrics {
     pub prepared_claims: Gauge,
     pub prepared_devices: Gauge,
     pub checkpoint_corruptions: Counter,
+    pub checkpoint_saves: Counter,
+    waiting: Family<OperationLabels, Gauge>,
     pub registered: Gauge,
 }
 
@@ -51,6 +53,8 @@ impl PluginMetrics {
             prepared_claims: Gauge::default(),
             prepared_devices: Gauge::default(),
             checkpoint_corruptions: Counter::default(),
+            checkpoint_saves: Counter::default(),
+            waiting: Family::default(),
             registered: Gauge::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpu_dra_kubelet_plugin");
@@ -67,6 +71,16 @@ impl PluginMetrics {
             "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside)",
             metrics.checkpoint_corruptions.clone(),
         );
+        sub.register(
+            "checkpoint_saves",
+            "Checkpoint saves, each an fsync'd atomic write; calls that arrive together share them",
+            metrics.checkpoint_saves.clone(),
+        );
+        sub.register(
+            "calls_waiting",
+            "Calls waiting for the state lock, by operation (a slow or hung disk shows here first)",
+            metrics.waiting.clone(),
+        );
         sub.register("registered", "1 while the kubelet reports the plugin registered", metrics.registered.clone());
         metrics
     }
@@ -75,6 +89,11 @@ impl PluginMetrics {
     pub fn claim(&self, operation: Operation, ok: bool) {
         let result = if ok { "success" } else { "error" };
         self.claims.get_or_create(&ClaimLabels { operation, result }).inc();
+    }
+
+    /// The gauge of calls of `operation` waiting for the state lock.
+    pub fn waiting(&self, operation: Operation) -> Gauge {
+        self.waiting.get_or_create(&OperationLabels { operation }).clone()
     }
 
     /// Observes the call's duration when the returned guard drops.

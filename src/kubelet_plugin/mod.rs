@@ -17,6 +17,7 @@ pub mod allocation;
 mod authority;
 pub mod checkpoint;
 pub mod config;
+pub mod group_commit;
 pub mod health;
 pub mod metrics;
 pub mod proto;

@@ -12,7 +12,8 @@
 //! checkpoint: while it is on disk, start-up deletes nothing and adopts every spec it finds (see
 //! [`DriverState::start`]). File work happens under one lock, off the async threads (the lock is never awaited on
 //! one, so a prepare stuck on a slow disk cannot starve the health checks); the API reads happen before it,
-//! concurrently.
+//! concurrently. Calls that arrive together are done together, with one pair of checkpoint saves
+//! ([`group_commit`](super::group_commit)).
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,7 @@ use super::allocation::{self, ClaimRef, Inventory, PlannedDevice};
 use super::checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
 };
+use super::group_commit::Queue;
 pub use super::metrics::Operation;
 use super::metrics::PluginMetrics;
 use crate::cdi::{self, CdiKind, DriverFiles};
@@ -96,6 +98,8 @@ pub struct DriverState {
     driver_files: DriverFiles,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
+    prepares: Queue<(ClaimRef, Plan), Vec<PreparedDevice>>,
+    unprepares: Queue<ClaimRef, ()>,
     metrics: PluginMetrics,
 }
 
@@ -140,6 +144,8 @@ impl DriverState {
             driver_files: config.driver_files,
             store,
             checkpoint: Mutex::new(loaded.checkpoint),
+            prepares: Queue::new(metrics.waiting(Operation::Prepare)),
+            unprepares: Queue::new(metrics.waiting(Operation::Unprepare)),
             metrics,
         });
         let mut recovery = Recovery::default();
@@ -212,12 +218,17 @@ impl DriverState {
             }
         }))
         .await;
-        let this = self.clone();
         let uids: Vec<String> = reads.iter().map(|(c, _)| c.uid.clone()).collect();
-        // Every claim needs an answer, even if the task died (the kubelet retries the ones that failed).
-        let results = tokio::task::spawn_blocking(move || this.prepare_planned(reads))
-            .await
-            .unwrap_or_else(|e| uids.into_iter().map(|uid| (uid, Err(format!("prepare task failed: {e}")))).collect());
+        let answer = self.prepares.join(reads);
+        let this = self.clone();
+        // This call's work may be done by another call's task, or this task may do others': see group_commit.
+        tokio::task::spawn_blocking(move || this.commit_prepares());
+        // Every claim needs an answer, even if the committing task died (the kubelet retries the ones that failed).
+        let results = answer.await.unwrap_or_else(|_| {
+            uids.into_iter()
+                .map(|uid| (uid, Err("the prepare failed unexpectedly (the agent logs why); retry".into())))
+                .collect()
+        });
         for (_, result) in &results {
             self.metrics.claim(Operation::Prepare, result.is_ok());
         }
@@ -230,10 +241,14 @@ impl DriverState {
         if claims.is_empty() {
             return Vec::new();
         }
-        let this = self.clone();
         let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let results = tokio::task::spawn_blocking(move || this.unprepare_blocking(claims)).await.unwrap_or_else(|e| {
-            uids.into_iter().map(|uid| (uid, Err(format!("unprepare task failed: {e}")))).collect()
+        let answer = self.unprepares.join(claims);
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.commit_unprepares());
+        let results = answer.await.unwrap_or_else(|_| {
+            uids.into_iter()
+                .map(|uid| (uid, Err("the unprepare failed unexpectedly (the agent logs why); retry".into())))
+                .collect()
         });
         for (_, result) in &results {
             self.metrics.claim(Operation::Unprepare, result.is_ok());
@@ -241,9 +256,15 @@ impl DriverState {
         results
     }
 
-    /// The devices of a completed prepare whose spec is still on disk: a repeated call is answered without I/O.
+    /// The devices of a completed prepare whose spec is still on disk: a repeated call is answered without an API
+    /// read. Only when the lock is free: behind a busy one the read costs less than the wait, and it lets the call
+    /// join the next batch (the batch answers a completed claim from the checkpoint all the same).
     fn already_prepared(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
-        let checkpoint = self.lock();
+        let checkpoint = match self.checkpoint.try_lock() {
+            Ok(checkpoint) => checkpoint,
+            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
         let entry = checkpoint.completed(uid)?;
         cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid).then(|| entry.devices.clone())
     }
@@ -259,8 +280,35 @@ impl DriverState {
         self.checkpoint.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn prepare_planned(&self, reads: Vec<(ClaimRef, Plan)>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+    /// Saves the checkpoint (an fsync'd atomic write), counted.
+    fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+        self.metrics.checkpoint_saves.inc();
+        self.store.save(checkpoint)
+    }
+
+    /// Does every prepare queued by the time the lock is free, in one batch; nothing when another call took them.
+    fn commit_prepares(&self) {
         let mut checkpoint = self.lock();
+        if let Some((batch, replies)) = self.prepares.take() {
+            replies.answer(self.prepare_planned(&mut checkpoint, batch));
+        }
+    }
+
+    /// Does every unprepare queued by the time the lock is free, in one batch.
+    fn commit_unprepares(&self) {
+        let mut checkpoint = self.lock();
+        if let Some((batch, replies)) = self.unprepares.take() {
+            replies.answer(self.unprepare_claims(&mut checkpoint, batch));
+        }
+    }
+
+    /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
+    /// then one save records them completed.
+    fn prepare_planned(
+        &self,
+        checkpoint: &mut Checkpoint,
+        reads: Vec<(ClaimRef, Plan)>,
+    ) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let mut results = Vec::with_capacity(reads.len());
         // (claim, its GPUs, the entry it replaces: a recovered one, put back if this prepare fails)
         let mut todo: Vec<(ClaimRef, Vec<Gpu>, Option<ClaimEntry>)> = Vec::new();
@@ -294,7 +342,7 @@ impl DriverState {
                 continue;
             }
             let devices = self.prepared_devices(&claim, &planned);
-            if let Some(reason) = conflict(&checkpoint, &claim, &planned, &devices) {
+            if let Some(reason) = conflict(checkpoint, &claim, &planned, &devices) {
                 warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
                 results.push((claim.uid, Err(reason)));
                 continue;
@@ -312,9 +360,9 @@ impl DriverState {
         if todo.is_empty() {
             return results;
         }
-        if let Err(e) = self.store.save(&checkpoint) {
+        if let Err(e) = self.save(checkpoint) {
             for (claim, _, previous) in todo {
-                restore(&mut checkpoint, &claim.uid, previous);
+                restore(checkpoint, &claim.uid, previous);
                 results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
             }
             return results;
@@ -336,12 +384,12 @@ impl DriverState {
                     if previous.is_none() {
                         self.remove_spec_logged(&claim.uid);
                     }
-                    restore(&mut checkpoint, &claim.uid, previous);
+                    restore(checkpoint, &claim.uid, previous);
                     results.push((claim.uid, Err(e.to_string())));
                 }
             }
         }
-        let saved = self.store.save(&checkpoint);
+        let saved = self.save(checkpoint);
         for claim in written {
             let Some(entry) = checkpoint.claims.get_mut(&claim.uid) else { continue };
             match &saved {
@@ -356,12 +404,12 @@ impl DriverState {
                 }
             }
         }
-        self.update_gauges(&checkpoint);
+        self.update_gauges(checkpoint);
         results
     }
 
-    fn unprepare_blocking(&self, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
-        let mut checkpoint = self.lock();
+    /// Unprepares a batch of claims (each once): their specs removed, then one save drops their entries.
+    fn unprepare_claims(&self, checkpoint: &mut Checkpoint, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
         let mut results = Vec::with_capacity(claims.len());
         let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
         for claim in claims {
@@ -381,7 +429,7 @@ impl DriverState {
         if removed.is_empty() {
             return results;
         }
-        let saved = self.store.save(&checkpoint);
+        let saved = self.save(checkpoint);
         for (claim, entry) in removed {
             match &saved {
                 Ok(()) => {
@@ -395,7 +443,7 @@ impl DriverState {
                 }
             }
         }
-        self.update_gauges(&checkpoint);
+        self.update_gauges(checkpoint);
         results
     }
 
@@ -483,7 +531,7 @@ impl DriverState {
             }
             Err(e) => warn!(error = %e, "listing CDI specs failed; stale specs stay until the next start"),
         }
-        self.store.save(&checkpoint)?;
+        self.save(&checkpoint)?;
         self.update_gauges(&checkpoint);
         Ok((half_done.len(), rewritten, orphans))
     }
