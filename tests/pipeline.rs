@@ -13,7 +13,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -37,6 +37,7 @@ fn main() {
             test!(a_shared_claim_is_prepared_once_and_released_after_its_last_pod),
             test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
+            test!(pods_of_two_namespaces_share_one_gpu_by_memory),
         ],
     )
 }
@@ -501,5 +502,134 @@ async fn a_monitoring_pod_with_admin_access_never_makes_gpus_busy(ctx: TestConte
     bed.delete_pod(&ctx, "worker-1", &first).await?;
     pods.create(&PostParams::default(), &bed.pod_on(&ctx, "worker-1b", &first, "one-h100")?).await?;
     bed.prepared(&ctx, "worker-1b").await?;
+    Ok(())
+}
+
+/// A pod on `node` in `namespace` whose one container uses claim `claim`.
+fn pod_using(name: &str, node: &str, claim: &str) -> anyhow::Result<Pod> {
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
+                                 "resources": {"claims": [{"name": "gpu"}]}}],
+                 "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                 "nodeSelector": {"kubernetes.io/hostname": node}, "terminationGracePeriodSeconds": 0}
+    }))?)
+}
+
+/// Creates claim `name` in `namespace` asking for `memory` of one GPU of `class`, and a pod on `node` using it.
+async fn pod_with_memory_share(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    class: &str,
+    memory: &str,
+) -> anyhow::Result<()> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": class, "capacity": {"requests": {"memory": memory}}}}]}}
+    }))?;
+    Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).create(&PostParams::default(), &claim).await?;
+    Api::<Pod>::namespaced(ctx.client.clone(), namespace)
+        .create(&PostParams::default(), &pod_using(name, node, name)?)
+        .await?;
+    Ok(())
+}
+
+/// Waits until the scheduler has said why `pod` in `namespace` cannot be placed.
+async fn unschedulable(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<String> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
+    wait::until(&format!("{namespace}/{pod} to be found unschedulable"), PREPARE_TIMEOUT, || async {
+        let pod = pods.get(pod).await?;
+        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
+        Ok(conditions
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+            .map(|c| c.message.unwrap_or_default()))
+    })
+    .await
+}
+
+/// (device, share ID, memory consumed) of each device allocated to claim `name` in `namespace`.
+async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
+    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(name).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    Ok(results
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| {
+            let memory = r.consumed_capacity.and_then(|c| c.get("memory").map(|q| q.0.clone())).unwrap_or_default();
+            (r.device, r.share_id.unwrap_or_default(), memory)
+        })
+        .collect())
+}
+
+/// A node whose agent publishes its one H100 for sharing by memory (`--gpu-sharing by-memory`): a training pod and
+/// a notebook in two namespaces get 40Gi each of the same GPU — allocated by the real scheduler with a share ID each,
+/// prepared by the kubelet's DRA code with a CDI spec each, no conflict — and a third pod asking for 8Gi more waits
+/// as unschedulable until the trainer and its claim are gone. Before 1.36 consumable capacity is off (the API server
+/// drops `allowMultipleAllocations`): the GPU is whole, the notebook waits.
+async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
+    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+    let node = format!("e2e-{suffix}-shared");
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
+    let agent = start_agent(&ctx, &node, &dirs, &gpus)?;
+    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
+    agent.wait_ready().await?;
+    kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let other = support::unique_name("notebooks");
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": other}}))?).await?;
+    let result = share_one_gpu(&ctx, &other, &node, &dirs, &kubelet).await;
+    let _ = namespaces.delete(&other, &DeleteParams::default()).await;
+    result
+}
+
+async fn share_one_gpu(
+    ctx: &TestContext,
+    other: &str,
+    node: &str,
+    dirs: &NodeDirs,
+    kubelet: &KubeletHarness,
+) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let class = ctx.namespace.as_str();
+    pod_with_memory_share(ctx, ns, "trainer", node, class, "40Gi").await?;
+    let trainer = kubelet.wait_for("prepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
+    pod_with_memory_share(ctx, other, "notebook", node, class, "40Gi").await?;
+    if support::cluster::kubernetes_minor()? < 36 {
+        let why = unschedulable(ctx, other, "notebook").await?;
+        eprintln!("before 1.36 a GPU is never shared: {why}");
+        return Ok(());
+    }
+    let notebook = kubelet.wait_for("prepared", &format!("{other}/notebook"), PREPARE_TIMEOUT).await?;
+    let (mine, theirs) = (shares(ctx, ns, "trainer").await?, shares(ctx, other, "notebook").await?);
+    ensure!(mine.len() == 1 && theirs.len() == 1, "allocations: {mine:?} {theirs:?}");
+    ensure!(mine[0].0 == "gpu-0" && theirs[0].0 == "gpu-0", "not the same GPU: {mine:?} {theirs:?}");
+    ensure!(!mine[0].1.is_empty() && mine[0].1 != theirs[0].1, "share IDs: {mine:?} {theirs:?}");
+    ensure!(mine[0].2 == "40Gi" && theirs[0].2 == "40Gi", "memory consumed: {mine:?} {theirs:?}");
+    ensure!(trainer["containers"] != notebook["containers"], "one CDI device for two claims: {trainer} {notebook}");
+    ensure!(dirs.cdi_specs()?.len() == 2, "specs: {:?}", dirs.cdi_specs()?);
+
+    // 80Gi of 80Gi consumed: one more share does not fit until one is released.
+    pod_with_memory_share(ctx, ns, "late", node, class, "8Gi").await?;
+    let why = unschedulable(ctx, ns, "late").await?;
+    objects::pods(ctx).delete("trainer", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    kubelet.wait_for("unprepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
+    objects::claims(ctx).delete("trainer", &DeleteParams::default()).await?;
+    kubelet.wait_for("prepared", &format!("{ns}/late"), PREPARE_TIMEOUT).await?;
+    let late = shares(ctx, ns, "late").await?;
+    ensure!(late.len() == 1 && late[0].0 == "gpu-0" && late[0].2 == "8Gi", "late: {late:?}");
+    ensure!(dirs.cdi_specs()?.len() == 2, "specs after the swap: {:?}", dirs.cdi_specs()?);
+    eprintln!("two namespaces shared gpu-0 by memory; the third share waited ({why}) until one was released");
     Ok(())
 }

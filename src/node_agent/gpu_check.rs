@@ -41,7 +41,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     }
     print!("{}", gpu_table(&gpus));
 
-    let devices: Vec<_> = gpus.iter().map(slices::device).collect();
+    let devices: Vec<_> = gpus.iter().map(|g| slices::device(g, gpu.gpu_sharing)).collect();
     for (i, devices) in slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE).iter().enumerate() {
         let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,
             "pool": {"name": args.node_name, "generation": 1}, "devices": devices});

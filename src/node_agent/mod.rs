@@ -143,7 +143,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     loop {
         let round = async {
             if health_only && let Some(gpus) = &known {
-                let outcome = publish(gpus, &publisher, &monitor).await?;
+                let outcome = publish(gpus, gpu.gpu_sharing, &publisher, &monitor).await?;
                 return Ok::<_, String>((gpus.len(), outcome));
             }
             let gpus = discover(discovery.clone()).await?;
@@ -168,7 +168,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
             }
             let count = gpus.len();
-            let outcome = publish(&gpus, &publisher, &monitor).await?;
+            let outcome = publish(&gpus, gpu.gpu_sharing, &publisher, &monitor).await?;
             Ok::<_, String>((count, outcome))
         }
         .await;
@@ -216,11 +216,16 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
 }
 
 /// Builds the node's slices from `gpus`, with the taints of faulted GPUs, and publishes them.
-async fn publish(gpus: &[Gpu], publisher: &Publisher, monitor: &health::Monitor) -> Result<Outcome, String> {
+async fn publish(
+    gpus: &[Gpu],
+    sharing: slices::Sharing,
+    publisher: &Publisher,
+    monitor: &health::Monitor,
+) -> Result<Outcome, String> {
     let devices: Vec<_> = gpus
         .iter()
         .map(|gpu| {
-            let mut device = slices::device(gpu);
+            let mut device = slices::device(gpu, sharing);
             let taints = monitor.taints(gpu);
             if !taints.is_empty() {
                 device["taints"] = serde_json::Value::Array(taints);

@@ -83,6 +83,7 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("controller.replica=2", "at '/controller': additional properties 'replica' not allowed"),
         ("nodeAgent.gpuBackend=cuda", "at '/nodeAgent/gpuBackend'"),
         ("nodeAgent.gpuBackend=simulated", "at '/nodeAgent/simulatedGpus'"),
+        ("nodeAgent.gpuSharing=half", "at '/nodeAgent/gpuSharing'"),
         ("driverName=GPU_driver", "at '/driverName'"),
         ("nodeAgent.kubeletDir=var/lib/kubelet", "at '/nodeAgent/kubeletDir'"),
         ("controller.leaderElection.leaseDuration=15", "at '/controller/leaderElection/leaseDuration'"),
@@ -203,6 +204,8 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         "the runtime cannot create /dev/termination-log in the read-only host /dev"
     );
     ensure!(env_value(container, "GPU_DRA_DRIVER_NAME") == Some(driver), "driver name: {}", container["env"]);
+    let sharing = if all_on { "by-memory" } else { "whole" };
+    ensure!(env_value(container, "GPU_DRA_GPU_SHARING") == Some(sharing), "GPU sharing: {}", container["env"]);
 
     let class = applied
         .iter()

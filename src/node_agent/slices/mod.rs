@@ -15,9 +15,23 @@ pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS: usize = 64;
 /// The API's limit on a string attribute.
 const MAX_STRING_ATTRIBUTE: usize = 64;
 
+/// How the scheduler may hand out a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sharing {
+    /// One claim holds the whole GPU.
+    Whole,
+    /// Several claims share the GPU (`allowMultipleAllocations`, KEP-5075 consumable capacity), each consuming the
+    /// `memory` it requests (at least [`MIN_SHARED_MEMORY_BYTES`]); a request that names no memory consumes all of it, so
+    /// a claim written for whole GPUs still gets one to itself.
+    ByMemory,
+}
+
+/// The smallest memory share a claim may ask of a shared GPU (1 GiB): below it a share is a mistake, not a workload.
+pub const MIN_SHARED_MEMORY_BYTES: u64 = 1 << 30;
+
 /// The ResourceSlice device for `gpu`, with the attribute names NVIDIA's DRA driver publishes, so existing
 /// DeviceClasses and CEL selectors keep working.
-pub fn device(gpu: &Gpu) -> Value {
+pub fn device(gpu: &Gpu, sharing: Sharing) -> Value {
     let mut attributes = Map::new();
     let mut string = |name: &str, value: &str| {
         let value: String = value.chars().take(MAX_STRING_ATTRIBUTE).collect();
@@ -48,11 +62,29 @@ pub fn device(gpu: &Gpu) -> Value {
     attributes.insert("index".into(), json!({"int": gpu.index}));
     attributes.insert("minor".into(), json!({"int": gpu.minor}));
     attributes.insert("migEnabled".into(), json!({"bool": gpu.mig_enabled}));
-    json!({
-        "name": gpu.device_name(),
-        "attributes": attributes,
-        "capacity": {"memory": {"value": memory_quantity(gpu.memory_bytes)}},
-    })
+    let memory = memory_quantity(gpu.memory_bytes);
+    // The API refuses a policy whose minimum exceeds the capacity: such a GPU (none known) is published whole.
+    let shareable = gpu.memory_bytes >= MIN_SHARED_MEMORY_BYTES;
+    match sharing {
+        Sharing::ByMemory if !shareable => {
+            warn!(gpu = %gpu.uuid, memory = %memory, "less memory than the smallest share; published whole");
+            json!({"name": gpu.device_name(), "attributes": attributes, "capacity": {"memory": {"value": memory}}})
+        }
+        Sharing::Whole => json!({
+            "name": gpu.device_name(),
+            "attributes": attributes,
+            "capacity": {"memory": {"value": memory}},
+        }),
+        Sharing::ByMemory => json!({
+            "name": gpu.device_name(),
+            "attributes": attributes,
+            "allowMultipleAllocations": true,
+            "capacity": {"memory": {
+                "value": memory,
+                "requestPolicy": {"default": memory, "validRange": {"min": memory_quantity(MIN_SHARED_MEMORY_BYTES), "max": memory}},
+            }},
+        }),
+    }
 }
 
 /// The most devices a slice of `devices` may hold: the API allows fewer once any device has taints.
@@ -101,7 +133,7 @@ mod tests {
     fn device_carries_nvidia_compatible_attributes() {
         let mut gpu = gpus("1xH100-80GB").remove(0);
         gpu.driver_version = "535.104.05".into();
-        let d = device(&gpu);
+        let d = device(&gpu, Sharing::Whole);
         assert_eq!(d["name"], "gpu-0");
         assert_eq!(d["attributes"]["type"], json!({"string": "gpu"}));
         assert_eq!(d["attributes"]["productName"], json!({"string": "NVIDIA H100 80GB HBM3"}));
@@ -114,17 +146,32 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_gpu_lets_claims_consume_its_memory() {
+        let gpu = gpus("1xH100-80GB").remove(0);
+        let whole = device(&gpu, Sharing::Whole);
+        assert!(whole.get("allowMultipleAllocations").is_none());
+        assert!(whole["capacity"]["memory"].get("requestPolicy").is_none());
+        let shared = device(&gpu, Sharing::ByMemory);
+        assert_eq!(shared["allowMultipleAllocations"], true);
+        assert_eq!(
+            shared["capacity"]["memory"],
+            json!({"value": "81920Mi", "requestPolicy": {"default": "81920Mi", "validRange": {"min": "1024Mi", "max": "81920Mi"}}})
+        );
+        assert_eq!(shared["attributes"], whole["attributes"]);
+    }
+
+    #[test]
     fn an_odd_version_drops_only_that_attribute() {
         let mut gpu = gpus("1xL4-24GB").remove(0);
         gpu.driver_version = "unknown".into();
-        let d = device(&gpu);
+        let d = device(&gpu, Sharing::Whole);
         assert!(d["attributes"].get("driverVersion").is_none());
         assert!(d["attributes"].get("cudaDriverVersion").is_some());
     }
 
     #[test]
     fn splits_at_the_api_limit_in_natural_order() {
-        let devices: Vec<Value> = gpus("300xL4-24GB").iter().rev().map(device).collect();
+        let devices: Vec<Value> = gpus("300xL4-24GB").iter().rev().map(|g| device(g, Sharing::Whole)).collect();
         let slices = split_into_slices(devices, MAX_DEVICES_PER_SLICE);
         assert_eq!(slices.iter().map(Vec::len).collect::<Vec<_>>(), [128, 128, 44]);
         assert_eq!(slices[0][9]["name"], "gpu-9");
@@ -134,7 +181,7 @@ mod tests {
 
     #[test]
     fn a_tainted_device_halves_the_slice_size() {
-        let mut devices: Vec<Value> = gpus("100xL4-24GB").iter().map(device).collect();
+        let mut devices: Vec<Value> = gpus("100xL4-24GB").iter().map(|g| device(g, Sharing::Whole)).collect();
         assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);
         devices[7]["taints"] = json!([]);
         assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);
