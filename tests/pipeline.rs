@@ -537,20 +537,6 @@ async fn pod_with_memory_share(
     Ok(())
 }
 
-/// Waits until the scheduler has said why `pod` in `namespace` cannot be placed.
-async fn unschedulable(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<String> {
-    let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
-    wait::until(&format!("{namespace}/{pod} to be found unschedulable"), PREPARE_TIMEOUT, || async {
-        let pod = pods.get(pod).await?;
-        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
-        Ok(conditions
-            .into_iter()
-            .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
-            .map(|c| c.message.unwrap_or_default()))
-    })
-    .await
-}
-
 /// (device, share ID, memory consumed) of each device allocated to claim `name` in `namespace`.
 async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
     let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(name).await?;
@@ -607,7 +593,7 @@ async fn share_one_gpu(
     let trainer = kubelet.wait_for("prepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
     pod_with_memory_share(ctx, other, "notebook", node, class, "40Gi").await?;
     if support::cluster::kubernetes_minor()? < 36 {
-        let why = unschedulable(ctx, other, "notebook").await?;
+        let why = objects::unschedulable(&ctx.client, other, "notebook", PREPARE_TIMEOUT).await?;
         eprintln!("before 1.36 a GPU is never shared: {why}");
         return Ok(());
     }
@@ -622,7 +608,7 @@ async fn share_one_gpu(
 
     // 80Gi of 80Gi consumed: one more share does not fit until one is released.
     pod_with_memory_share(ctx, ns, "late", node, class, "8Gi").await?;
-    let why = unschedulable(ctx, ns, "late").await?;
+    let why = objects::unschedulable(&ctx.client, ns, "late", PREPARE_TIMEOUT).await?;
     objects::pods(ctx).delete("trainer", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
     kubelet.wait_for("unprepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
     objects::claims(ctx).delete("trainer", &DeleteParams::default()).await?;

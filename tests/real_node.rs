@@ -16,7 +16,7 @@ use std::time::Duration;
 use anyhow::{Context as _, bail, ensure};
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::coordination::v1::Lease;
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{Api, DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -34,6 +34,7 @@ fn main() {
         &[
             test!(helm_install_gives_real_containers_their_gpus_and_uninstall_leaves_nothing),
             test!(taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet),
+            test!(containers_of_two_namespaces_share_one_gpu_by_memory),
         ],
     )
 }
@@ -108,10 +109,15 @@ fn node_values(node: &RealNode) -> anyhow::Result<Vec<String>> {
 }
 
 fn install(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
+    install_with(ctx, node, &[])
+}
+
+/// [`install`] with more values (`--set`; later ones win).
+fn install_with(ctx: &TestContext, node: &RealNode, more: &[&str]) -> anyhow::Result<()> {
     let chart = repo().join("charts/gpu-dra");
     let mut args =
         vec!["install".to_string(), "gpu-dra".into(), chart.display().to_string(), "-n".into(), ctx.namespace.clone()];
-    for value in node_values(node)? {
+    for value in node_values(node)?.into_iter().chain(more.iter().map(|v| v.to_string())) {
         args.extend(["--set".into(), value]);
     }
     args.extend(["--wait".into(), "--timeout".into(), "120s".into()]);
@@ -136,21 +142,34 @@ async fn create_template(ctx: &TestContext) -> anyhow::Result<()> {
 
 /// A busybox pod on `node` running [`SHOW_GPUS`], with a template claim or an extended-resource limit.
 async fn workload(ctx: &TestContext, name: &str, node: &str, extended: bool) -> anyhow::Result<()> {
+    let template = (!extended).then_some("one-gpu");
+    workload_in(ctx, &ctx.namespace, name, node, template).await
+}
+
+/// [`workload`] in `namespace`, claiming from `template` (`None`: `nvidia.com/gpu: 1`).
+async fn workload_in(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    template: Option<&str>,
+) -> anyhow::Result<()> {
     let mut container = json!({
         "name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
         "command": ["sh", "-c", SHOW_GPUS]
     });
     let mut spec = json!({"nodeName": Value::Null, "nodeSelector": {"kubernetes.io/hostname": node},
                           "terminationGracePeriodSeconds": 1});
-    if extended {
-        container["resources"] = json!({"limits": {"nvidia.com/gpu": 1}});
-    } else {
-        container["resources"] = json!({"claims": [{"name": "gpu"}]});
-        spec["resourceClaims"] = json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]);
+    match template {
+        None => container["resources"] = json!({"limits": {"nvidia.com/gpu": 1}}),
+        Some(template) => {
+            container["resources"] = json!({"claims": [{"name": "gpu"}]});
+            spec["resourceClaims"] = json!([{"name": "gpu", "resourceClaimTemplateName": template}]);
+        }
     }
     spec["containers"] = json!([container]);
     let pod: Pod = serde_json::from_value(json!({"metadata": {"name": name}, "spec": spec}))?;
-    objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    Api::<Pod>::namespaced(ctx.client.clone(), namespace).create(&PostParams::default(), &pod).await?;
     Ok(())
 }
 
@@ -164,7 +183,12 @@ struct Seen {
 
 /// Waits until `pod` runs and its log is complete (`kubectl logs`: API server → kubelet → containerd).
 async fn seen_by(ctx: &TestContext, pod: &str) -> anyhow::Result<Seen> {
-    let pods = objects::pods(ctx);
+    seen_by_in(ctx, &ctx.namespace, pod).await
+}
+
+/// [`seen_by`] for a pod in `namespace`.
+async fn seen_by_in(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<Seen> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
     let log = wait::until(&format!("pod {pod} to run and list its GPUs"), WAIT, || async {
         let phase = pods.get(pod).await?.status.and_then(|s| s.phase).unwrap_or_default();
         if phase != "Running" {
@@ -464,6 +488,58 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     })
     .await;
     clean.with_context(|| format!("helm uninstall left behind: {:?}", last_seen.lock().map(|l| l.clone())))
+}
+
+/// GPUs shared by memory on the real node (`nodeAgent.gpuSharing=by-memory`, one H100): a trainer and a notebook in
+/// two namespaces, each claiming 40Gi through a template, run in containers that both see the same GPU; a third pod
+/// asking 8Gi more stays unschedulable until the trainer is deleted, then runs on that GPU too.
+async fn containers_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
+    let node = gpu_node(&ctx, "shared-gpu-node").await?;
+    let other = support::unique_name("notebooks");
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": other}}))?).await?;
+    let result = share_one_gpu(&ctx, &node, &other).await;
+    // The chart's cluster-scoped objects would stop the next install: uninstall whatever happened.
+    let uninstalled = helm(&ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"]);
+    let _ = namespaces.delete(&other, &DeleteParams::default()).await;
+    let down = node.down();
+    result?;
+    uninstalled?;
+    down
+}
+
+async fn share_one_gpu(ctx: &TestContext, node: &RealNode, other: &str) -> anyhow::Result<()> {
+    let n = node.name.as_str();
+    install_with(ctx, node, &["nodeAgent.gpuSharing=by-memory", "nodeAgent.simulatedGpus=1xH100-80GB"])?;
+    let share = |memory: &str| {
+        json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": "gpu.gpu-dra.dev", "capacity": {"requests": {"memory": memory}}}}]}}})
+    };
+    let ns = ctx.namespace.as_str();
+    for namespace in [ns, other] {
+        objects::create_template_in(&ctx.client, namespace, "gpu-40gi", share("40Gi")).await?;
+    }
+    objects::create_template_in(&ctx.client, ns, "gpu-8gi", share("8Gi")).await?;
+    workload_in(ctx, ns, "trainer", n, Some("gpu-40gi")).await?;
+    workload_in(ctx, other, "notebook", n, Some("gpu-40gi")).await?;
+    let trainer = seen_by_in(ctx, ns, "trainer").await?;
+    let notebook = seen_by_in(ctx, other, "notebook").await?;
+    ensure!(trainer.minors.len() == 1 && trainer.uuids.len() == 1, "the trainer sees {trainer:?}");
+    ensure!(trainer == notebook, "one GPU shared, but the trainer sees {trainer:?} and the notebook {notebook:?}");
+
+    workload_in(ctx, ns, "late", n, Some("gpu-8gi")).await?;
+    let why = objects::unschedulable(&ctx.client, ns, "late", WAIT).await?;
+    delete_and_wait(ctx, "trainer").await?;
+    let late = seen_by(ctx, "late").await?;
+    ensure!(late == notebook, "the late pod sees {late:?}, not the shared GPU {notebook:?}");
+    eprintln!("trainer and notebook shared {:?}; late waited ({why}), then got it too", notebook.uuids);
+    delete_and_wait(ctx, "late").await?;
+    let notebooks = Api::<Pod>::namespaced(ctx.client.clone(), other);
+    notebooks.delete("notebook", &DeleteParams::default()).await?;
+    wait::until("the notebook to be gone", WAIT, || async {
+        Ok(notebooks.get_opt("notebook").await?.is_none().then_some(()))
+    })
+    .await
 }
 
 /// Injects a fault line into the node agent's state directory (on the host, through its hostPath), as an operator

@@ -210,3 +210,22 @@ pub async fn fake_gpu_node(ctx: &TestContext, gpus: usize) -> anyhow::Result<Fak
     Api::<ResourceSlice>::all(ctx.client.clone()).create(&PostParams::default(), &slice).await?;
     Ok(FakeGpuNode { name, class, driver })
 }
+
+/// Waits until the scheduler has said why `pod` in `namespace` cannot be placed; returns its message.
+pub async fn unschedulable(
+    client: &kube::Client,
+    namespace: &str,
+    pod: &str,
+    timeout: std::time::Duration,
+) -> anyhow::Result<String> {
+    let pods = Api::<Pod>::namespaced(client.clone(), namespace);
+    super::wait::until(&format!("{namespace}/{pod} to be found unschedulable"), timeout, || async {
+        let pod = pods.get(pod).await?;
+        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
+        Ok(conditions
+            .into_iter()
+            .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+            .map(|c| c.message.unwrap_or_default()))
+    })
+    .await
+}
