@@ -594,10 +594,10 @@ async fn pods_started_together_share_the_checkpoint_saves(ctx: TestContext) -> a
         let devices: Vec<&str> = result.devices.iter().map(|d| d.device_name.as_str()).collect();
         ensure!(devices == [format!("gpu-{}", i + 1)], "call {i} got {devices:?}");
     }
-    // The stuck prepare's own clean-up save, then one before and one after the ten specs.
+    // The stuck prepare's own clean-up save, then one before and one after the ten specs: exactly three.
     let saves = agent.metric("gpu_dra_kubelet_plugin_checkpoint_saves_total", &[]).await? - saves_before;
     ensure!(
-        saves <= 3.0,
+        saves == 3.0,
         "{saves} checkpoint saves for {QUEUED} queued prepares (one at a time would be {})",
         1 + 2 * QUEUED
     );

@@ -603,7 +603,13 @@ async fn share_one_gpu(
     ensure!(mine[0].0 == "gpu-0" && theirs[0].0 == "gpu-0", "not the same GPU: {mine:?} {theirs:?}");
     ensure!(!mine[0].1.is_empty() && mine[0].1 != theirs[0].1, "share IDs: {mine:?} {theirs:?}");
     ensure!(mine[0].2 == "40Gi" && theirs[0].2 == "40Gi", "memory consumed: {mine:?} {theirs:?}");
-    ensure!(trainer["containers"] != notebook["containers"], "one CDI device for two claims: {trainer} {notebook}");
+    // Each claim its own CDI device, both for the GPU of minor 0.
+    let ids = |event: &Value| -> Vec<String> {
+        serde_json::from_value(event["containers"]["app"].clone()).unwrap_or_default()
+    };
+    let (trainer, notebook) = (ids(&trainer), ids(&notebook));
+    ensure!(trainer.len() == 1 && notebook.len() == 1 && trainer != notebook, "CDI ids {trainer:?} {notebook:?}");
+    ensure!(trainer.iter().chain(&notebook).all(|id| id.ends_with("-gpu-0")), "CDI ids {trainer:?} {notebook:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs: {:?}", dirs.cdi_specs()?);
 
     // 80Gi of 80Gi consumed: one more share does not fit until one is released.

@@ -2,15 +2,16 @@
 //!
 //! The kubelet prepares each pod's claims in a call of its own and starts pods in parallel (a worker per pod). A
 //! call may be answered only once its change is on disk — a prepare is two fsync'd checkpoint saves around its CDI
-//! specs — and calls done one at a time queue behind each other's fsyncs: with 50 pods started at once the last
-//! waited over 6 s (`cargo bench --bench kubelet_prepare`). So a call joins a [`Queue`] instead, and whichever
-//! waiting call takes the state lock first does the work of every call queued by then in one pass (one save before
-//! the specs, one after) and answers each of them; a call whose work another took only waits for its answer.
+//! specs — and calls done one at a time queue behind each other's fsyncs, which on a disk where an fsync takes tens
+//! of milliseconds adds up to seconds for a node starting dozens of GPU pods. So a call joins a [`Queue`] instead,
+//! and whichever waiting call takes the state lock first does the work of every call queued by then in one pass
+//! (one save before the specs, one after) and answers each of them; a call whose work another took only waits for
+//! its answer. The price: a failed save fails every claim of the batch (the kubelet retries them).
 //!
 //! Pure bookkeeping, no I/O: the batch (each claim once, in the order asked, so two pods sharing a claim that start
 //! together prepare it once) and the answers split back per call.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use prometheus_client::metrics::gauge::Gauge;
@@ -22,17 +23,17 @@ use super::state::ClaimResult;
 /// What a batch is made of: anything naming the claim it is about.
 pub trait ForClaim {
     fn uid(&self) -> &str;
+
+    /// Whether this item can be worked on; of two items for one claim, a usable one is kept over one that is not
+    /// (a prepare whose claim read failed, beside another call's successful read of the same claim).
+    fn usable(&self) -> bool {
+        true
+    }
 }
 
 impl ForClaim for ClaimRef {
     fn uid(&self) -> &str {
         &self.uid
-    }
-}
-
-impl<T> ForClaim for (ClaimRef, T) {
-    fn uid(&self) -> &str {
-        &self.0.uid
     }
 }
 
@@ -62,7 +63,9 @@ impl<T: ForClaim, A: Clone> Queue<T, A> {
     /// commits them. The receiver errs if that commit panicked.
     pub fn join(&self, items: Vec<T>) -> oneshot::Receiver<Vec<ClaimResult<A>>> {
         let (reply, answer) = oneshot::channel();
-        self.waiting.lock().unwrap_or_else(PoisonError::into_inner).push(Waiter { items, reply });
+        let mut waiting = self.waiting.lock().unwrap_or_else(PoisonError::into_inner);
+        waiting.push(Waiter { items, reply });
+        // Under the queue's lock, so a take() in between cannot see the call without its count.
         self.gauge.inc();
         answer
     }
@@ -75,12 +78,21 @@ impl<T: ForClaim, A: Clone> Queue<T, A> {
             return None;
         }
         self.gauge.dec_by(waiters.len() as i64);
-        let mut batch = Vec::new();
-        let mut seen = HashSet::new();
+        let mut batch: Vec<T> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
         let mut calls = Vec::with_capacity(waiters.len());
         for Waiter { items, reply } in waiters {
             let uids = items.iter().map(|item| item.uid().to_owned()).collect();
-            batch.extend(items.into_iter().filter(|item| seen.insert(item.uid().to_owned())));
+            for item in items {
+                match index.get(item.uid()) {
+                    None => {
+                        index.insert(item.uid().to_owned(), batch.len());
+                        batch.push(item);
+                    }
+                    Some(&at) if !batch[at].usable() && item.usable() => batch[at] = item,
+                    Some(_) => {}
+                }
+            }
             calls.push((uids, reply));
         }
         Some((batch, Replies { calls }))
@@ -141,10 +153,33 @@ mod tests {
         assert_eq!(second, vec![("b".into(), Err("busy".into())), ("c".into(), Ok(3)), ("c".into(), Ok(3))]);
     }
 
+    /// A claim read that may have failed, as a prepare's plan.
+    #[derive(Debug)]
+    struct Read(ClaimRef, bool);
+
+    impl ForClaim for Read {
+        fn uid(&self) -> &str {
+            &self.0.uid
+        }
+        fn usable(&self) -> bool {
+            self.1
+        }
+    }
+
+    #[test]
+    fn of_two_items_for_one_claim_the_usable_one_is_kept() {
+        let queue: Queue<Read, u32> = Queue::new(Gauge::default());
+        let _failed_first = queue.join(vec![Read(claim("a"), false), Read(claim("b"), true)]);
+        let _then_ok = queue.join(vec![Read(claim("a"), true), Read(claim("b"), false)]);
+        let Some((batch, _)) = queue.take() else { panic!("nothing taken") };
+        let kept: Vec<(&str, bool)> = batch.iter().map(|r| (r.uid(), r.1)).collect();
+        assert_eq!(kept, [("a", true), ("b", true)]);
+    }
+
     #[test]
     fn a_claim_the_batch_left_unanswered_is_an_error() {
-        let queue: Queue<(ClaimRef, ()), u32> = Queue::new(Gauge::default());
-        let mut call = queue.join(vec![(claim("a"), ()), (claim("b"), ())]);
+        let queue: Queue<ClaimRef, u32> = Queue::new(Gauge::default());
+        let mut call = queue.join(vec![claim("a"), claim("b")]);
         let Some((_, replies)) = queue.take() else { panic!("nothing taken") };
         replies.answer(vec![("a".into(), Ok(1))]);
         let answers = call.try_recv().expect("answered");

@@ -193,7 +193,8 @@ impl DriverState {
             .collect()
     }
 
-    /// Prepares each claim; one claim's failure never affects another's answer.
+    /// Prepares each claim; one claim's refusal never affects another's answer (a failed checkpoint save fails every
+    /// claim of its batch: see [`group_commit`](super::group_commit)).
     pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let inventory = self.inventory.borrow().clone();
         // Under the lock, so on a blocking thread: an async thread waiting for a long prepare would stall every
@@ -547,6 +548,16 @@ impl DriverState {
         let (claims, devices) = completed.fold((0, 0), |(c, d), e| (c + 1, d + e.devices.len() as i64));
         self.metrics.prepared_claims.set(claims);
         self.metrics.prepared_devices.set(devices);
+    }
+}
+
+impl super::group_commit::ForClaim for (ClaimRef, Plan) {
+    fn uid(&self) -> &str {
+        &self.0.uid
+    }
+
+    fn usable(&self) -> bool {
+        !matches!(self.1, Plan::Todo(Err(_)))
     }
 }
 
