@@ -27,7 +27,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::json;
 use support::harness::KubeletHarness;
-use support::node::{DRIVER, NodeDirs, start_agent};
+use support::node::{NodeDirs, start_agent};
 use support::process::Component;
 use support::{Cluster, TestContext};
 
@@ -81,11 +81,7 @@ async fn levels(ctx: &TestContext, samples: usize) -> anyhow::Result<Vec<Level>>
     let kubelet =
         KubeletHarness::start_with(ctx, &node, &dirs.registry(), &dirs.kubelet_state(), &["--workers", &workers])?;
     kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": {"name": ctx.namespace},
-        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
-    }))?;
-    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    support::objects::driver_device_class(ctx).await?;
     // The claim controller frees what the pods of a round held (their reservations, then the deleted claims'
     // allocations): without it the GPUs run out after 64 pods.
     let _controller = Component::controller(ctx, &[]).await?;

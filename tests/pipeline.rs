@@ -566,11 +566,7 @@ async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> any
     let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
     agent.wait_ready().await?;
     kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
-    let class: DeviceClass = serde_json::from_value(json!({
-        "metadata": {"name": ctx.namespace},
-        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{DRIVER}'")}}]}
-    }))?;
-    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    objects::driver_device_class(&ctx).await?;
     let _controller = Component::controller(&ctx, &[]).await?;
     let other = support::unique_name("notebooks");
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());

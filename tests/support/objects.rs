@@ -2,7 +2,7 @@
 //! compiled types) can be set.
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 use serde_json::{Value, json};
 
@@ -228,4 +228,15 @@ pub async fn unschedulable(
             .map(|c| c.message.unwrap_or_default()))
     })
     .await
+}
+
+/// Creates a DeviceClass named after the test's namespace that selects every device of the node agents' driver.
+pub async fn driver_device_class(ctx: &TestContext) -> anyhow::Result<()> {
+    let driver = super::node::DRIVER;
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": ctx.namespace},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{driver}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    Ok(())
 }
