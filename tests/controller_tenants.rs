@@ -30,11 +30,8 @@ fn main() {
 
 async fn a_tenants_forged_claims_stop_no_claim_elsewhere(ctx: TestContext) -> anyhow::Result<()> {
     let tenant_ns = ctx.namespace.clone();
-    let victim_ns = support::unique_name("victim");
+    let victim_ns = support::create_namespace(&ctx.client, "victim").await?;
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    namespaces
-        .create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": victim_ns}}))?)
-        .await?;
     let result = run_tenant_scenario(&ctx, &tenant_ns, &victim_ns).await;
     let _ = namespaces.delete(&victim_ns, &DeleteParams::default()).await;
     result

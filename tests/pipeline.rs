@@ -568,9 +568,8 @@ async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> any
     kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
     objects::driver_device_class(&ctx).await?;
     let _controller = Component::controller(&ctx, &[]).await?;
-    let other = support::unique_name("notebooks");
+    let other = support::create_namespace(&ctx.client, "notebooks").await?;
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": other}}))?).await?;
     let result = share_one_gpu(&ctx, &other, &node, &dirs, &kubelet).await;
     let _ = namespaces.delete(&other, &DeleteParams::default()).await;
     result

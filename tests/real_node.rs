@@ -495,9 +495,8 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
 /// asking 8Gi more stays unschedulable until the trainer is deleted, then runs on that GPU too.
 async fn containers_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
     let node = gpu_node(&ctx, "shared-gpu-node").await?;
-    let other = support::unique_name("notebooks");
+    let other = support::create_namespace(&ctx.client, "notebooks").await?;
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
-    namespaces.create(&PostParams::default(), &serde_json::from_value(json!({"metadata": {"name": other}}))?).await?;
     let result = share_one_gpu(&ctx, &node, &other).await;
     // The chart's cluster-scoped objects would stop the next install: uninstall whatever happened.
     let uninstalled = helm(&ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"]);

@@ -199,9 +199,9 @@ fn run_one(test: Test, cluster: Arc<Cluster>, timeout: Duration) -> Result<(), F
     })
 }
 
-/// Creates a namespace named after the test, with a random suffix so that reruns against a reused cluster
-/// never collide.
-async fn create_namespace(client: &kube::Client, test_name: &str) -> anyhow::Result<String> {
+/// Creates a namespace named after the test (or a test's second namespace, after `test_name`), with a random suffix
+/// so that reruns against a reused cluster never collide; returns its name.
+pub async fn create_namespace(client: &kube::Client, test_name: &str) -> anyhow::Result<String> {
     let name = unique_name(test_name);
     let ns: Namespace = serde_json::from_value(serde_json::json!({
         "metadata": {"name": name, "labels": {"gpu-dra.dev/test": "true"}}
