@@ -8,16 +8,14 @@
 #   GPU_DRA_MATRIX_VERSIONS="v1.34.4 v1.37.2" make test-matrix
 #
 # Tests of a feature a version lacks or leaves off assert what the README's "Kubernetes versions" section documents
-# for it. `health` runs from 1.36 on (device taints and health are off before). Test binaries not listed (chart,
-# PodGroups, real node, soak) need 1.37's PodGroup API or a real node, and run with `make test` on the default
-# version.
+# for it (before 1.36 `health` asserts that device taints are dropped, the chart tests that the PodGroup API is
+# absent). Test binaries not listed (PodGroups, real node, soak) need 1.37's PodGroup API or a real node, and run
+# with `make test` on the default version.
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VERSIONS=${GPU_DRA_MATRIX_VERSIONS:-v1.34.4 v1.35.4 v1.36.3 v1.37.2}
-TESTS=(dra_harness controller controller_tenants controller_beside_kcm pipeline kubelet_plugin node_agent)
-# From 1.36 on, where device taints and device health in the pod status are on by default.
-TESTS_SINCE_1_36=(health)
+TESTS=(dra_harness controller controller_tenants controller_beside_kcm pipeline kubelet_plugin node_agent health chart)
 CARGO=${CARGO:-cargo}
 LOGS="${CARGO_TARGET_DIR:-$E2E_DIR/../target}/test-matrix"
 
@@ -26,15 +24,13 @@ log() { printf '[test-matrix] %s\n' "$*" >&2; }
 mkdir -p "$LOGS"
 # Every cluster is the test binaries' own, of the version under test: never one KUBECONFIG points at.
 unset KUBECONFIG
-# test_args VERSION: the --test arguments of the binaries run on VERSION.
+# test_args: the --test arguments of the binaries run on every version.
 test_args() {
-    local minor=${1#v1.} t
-    minor=${minor%%.*}
+    local t
     for t in "${TESTS[@]}"; do printf -- '--test\n%s\n' "$t"; done
-    if ((minor >= 36)); then for t in "${TESTS_SINCE_1_36[@]}"; do printf -- '--test\n%s\n' "$t"; done; fi
 }
-mapfile -t all_args < <(test_args v1.99.0)
-log "building the test binaries once: ${TESTS[*]} ${TESTS_SINCE_1_36[*]}"
+mapfile -t all_args < <(test_args)
+log "building the test binaries once: ${TESTS[*]}"
 "$CARGO" test --locked --no-run "${all_args[@]}" >&2
 
 results=() failed=0
@@ -42,7 +38,7 @@ for version in $VERSIONS; do
     log "=== Kubernetes $version"
     t0=$SECONDS
     out="$LOGS/$version.log"
-    mapfile -t args < <(test_args "$version")
+    args=("${all_args[@]}")
     if K8S_VERSION=$version "$E2E_DIR/build-k8s.sh" >"$out" 2>&1 &&
         K8S_VERSION=$version "$E2E_DIR/build-kubelet-harness.sh" >>"$out" 2>&1 &&
         K8S_VERSION=$version "$CARGO" test --locked "${args[@]}" >>"$out" 2>&1; then
@@ -55,6 +51,6 @@ for version in $VERSIONS; do
     fi
     log "${results[-1]}"
 done
-printf '\nKubernetes version matrix (%s; from 1.36: %s):\n' "${TESTS[*]}" "${TESTS_SINCE_1_36[*]}"
+printf '\nKubernetes version matrix (%s):\n' "${TESTS[*]}"
 printf '  %s\n' "${results[@]}"
 exit "$failed"

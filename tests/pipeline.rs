@@ -555,7 +555,7 @@ async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Resul
 /// a notebook in two namespaces get 40Gi each of the same GPU — allocated by the real scheduler with a share ID each,
 /// prepared by the kubelet's DRA code with a CDI spec each, no conflict — and a third pod asking for 8Gi more waits
 /// as unschedulable until the trainer and its claim are gone. Before 1.36 consumable capacity is off (the API server
-/// drops `allowMultipleAllocations`): the GPU is whole, the notebook waits.
+/// drops `allowMultipleAllocations`): the GPU is whole, the notebook waits, and the agent warns naming the gate.
 async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
     let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
     let node = format!("e2e-{suffix}-shared");
@@ -572,7 +572,14 @@ async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> any
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
     let result = share_one_gpu(&ctx, &other, &node, &dirs, &kubelet).await;
     let _ = namespaces.delete(&other, &DeleteParams::default()).await;
-    result
+    result?;
+    if support::cluster::kubernetes_minor()? < 36 {
+        // The operator is told why: the agent saw the field missing from what the API server stored.
+        let warning =
+            "the API server dropped the devices' allowMultipleAllocations (feature gate DRAConsumableCapacity off)";
+        ensure!(agent.log_text().contains(warning), "no warning about the dropped field:\n{}", agent.log_tail());
+    }
+    Ok(())
 }
 
 async fn share_one_gpu(

@@ -213,8 +213,11 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         .context("no DeviceClass named after the driver")?;
     let selector = format!("device.driver == '{driver}' && device.attributes['{driver}'].type == 'gpu'");
     ensure!(class["spec"]["selectors"][0]["cel"]["expression"] == selector.as_str(), "{class}");
-    if all_on {
-        // Kept by the server: extendedResourceName is served (DRAExtendedResource, GA in 1.37).
+    if all_on && support::cluster::kubernetes_minor()? < 36 {
+        // Before 1.36 (DRAExtendedResource off) the server drops it, as the README's version table says.
+        ensure!(class["spec"].get("extendedResourceName").is_none(), "extendedResourceName kept before 1.36: {class}");
+    } else if all_on {
+        // Kept by the server: extendedResourceName is served (DRAExtendedResource, beta in 1.36, GA in 1.37).
         ensure!(class["spec"]["extendedResourceName"] == "nvidia.com/gpu", "extendedResourceName dropped: {class}");
     }
     Ok(())

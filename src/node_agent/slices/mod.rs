@@ -1,6 +1,7 @@
 //! ResourceSlices: the devices the agent publishes (pure: built from discovered GPUs, split into slices of at most
 //! [`MAX_DEVICES_PER_SLICE`]) and the publisher that makes the API server hold exactly them.
 
+pub mod dropped;
 pub mod publisher;
 
 use serde_json::{Map, Value, json};

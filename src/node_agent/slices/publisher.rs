@@ -3,6 +3,7 @@
 //! obsolete slices deleted with UID and resourceVersion preconditions.
 //!
 //! Idempotent: each slice carries a hash of its devices, so publishing what is already there writes nothing.
+//! A device field the API server did not store (its feature gate off) is reported ([`super::dropped`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -12,7 +13,9 @@ use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::{Api, DeleteParams, ListParams, PostParams, Preconditions};
 use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
-use tracing::info;
+use tracing::{info, warn};
+
+use super::dropped::dropped_fields;
 
 /// Annotation holding the hash of a slice's devices.
 pub const DEVICES_HASH_ANNOTATION: &str = "gpu-dra.dev/devices-hash";
@@ -126,10 +129,22 @@ impl Publisher {
                 }
             }))
             .map_err(PublishError::Encode)?;
-            self.api()
+            let stored = self
+                .api()
                 .create(&PostParams::default(), &slice)
                 .await
                 .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
+            for field in dropped_fields(devices, &stored) {
+                warn!(
+                    node = %self.node,
+                    slice = %stored.name_any(),
+                    gate = field.feature_gate(),
+                    "the API server dropped the devices' {} (feature gate {} off): {}",
+                    field.field(),
+                    field.feature_gate(),
+                    field.consequence()
+                );
+            }
         }
         for old in &existing {
             let name = old.name_any();
