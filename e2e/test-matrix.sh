@@ -9,13 +9,17 @@
 #
 # Tests of a feature a version lacks or leaves off assert what the README's "Kubernetes versions" section documents
 # for it (before 1.36 `health` asserts that device taints are dropped, the chart tests that the PodGroup API is
-# absent). Test binaries not listed (PodGroups, real node, soak) need 1.37's PodGroup API or a real node, and run
-# with `make test` on the default version.
+# absent; on 1.36 `controller_podgroup` asserts that its alpha PodGroups are refused with a reason). From 1.36 on
+# `controller_podgroup` runs too (1.34 and 1.35 have no PodGroup API to run it against). Test binaries not listed
+# (PodGroup upgrade, real node, soak) need a real node or 1.37 alone, and run with `make test` on the default
+# version.
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VERSIONS=${GPU_DRA_MATRIX_VERSIONS:-v1.34.4 v1.35.4 v1.36.3 v1.37.2}
 TESTS=(dra_harness controller controller_tenants controller_beside_kcm pipeline kubelet_plugin node_agent health chart)
+# From 1.36 on, where a PodGroup API exists (v1alpha2 in 1.36, v1beta1 in 1.37).
+TESTS_SINCE_1_36=(controller_podgroup)
 CARGO=${CARGO:-cargo}
 LOGS="${CARGO_TARGET_DIR:-$E2E_DIR/../target}/test-matrix"
 
@@ -24,13 +28,15 @@ log() { printf '[test-matrix] %s\n' "$*" >&2; }
 mkdir -p "$LOGS"
 # Every cluster is the test binaries' own, of the version under test: never one KUBECONFIG points at.
 unset KUBECONFIG
-# test_args: the --test arguments of the binaries run on every version.
+# test_args VERSION: the --test arguments of the binaries run on VERSION.
 test_args() {
-    local t
+    local minor=${1#v1.} t
+    minor=${minor%%.*}
     for t in "${TESTS[@]}"; do printf -- '--test\n%s\n' "$t"; done
+    if ((minor >= 36)); then for t in "${TESTS_SINCE_1_36[@]}"; do printf -- '--test\n%s\n' "$t"; done; fi
 }
-mapfile -t all_args < <(test_args)
-log "building the test binaries once: ${TESTS[*]}"
+mapfile -t all_args < <(test_args v1.99.0)
+log "building the test binaries once: ${TESTS[*]} ${TESTS_SINCE_1_36[*]}"
 "$CARGO" test --locked --no-run "${all_args[@]}" >&2
 
 results=() failed=0
@@ -38,7 +44,7 @@ for version in $VERSIONS; do
     log "=== Kubernetes $version"
     t0=$SECONDS
     out="$LOGS/$version.log"
-    args=("${all_args[@]}")
+    mapfile -t args < <(test_args "$version")
     if K8S_VERSION=$version "$E2E_DIR/build-k8s.sh" >"$out" 2>&1 &&
         K8S_VERSION=$version "$E2E_DIR/build-kubelet-harness.sh" >>"$out" 2>&1 &&
         K8S_VERSION=$version "$CARGO" test --locked "${args[@]}" >>"$out" 2>&1; then
@@ -51,6 +57,6 @@ for version in $VERSIONS; do
     fi
     log "${results[-1]}"
 done
-printf '\nKubernetes version matrix (%s):\n' "${TESTS[*]}"
+printf '\nKubernetes version matrix (%s; from 1.36: %s):\n' "${TESTS[*]}" "${TESTS_SINCE_1_36[*]}"
 printf '  %s\n' "${results[@]}"
 exit "$failed"

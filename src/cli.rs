@@ -107,6 +107,10 @@ pub struct NodeAgentArgs {
     /// The Node this agent runs on (from the downward API in a DaemonSet).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
+    /// How often the GPUs are discovered again and the Node's `<driver>/gpu-sharing` label read, besides the
+    /// rounds that changes start (a health change, a slice touched by someone else)
+    #[arg(long, env = "GPU_DRA_RESYNC_PERIOD", default_value = "60s", value_parser = parse_resync_period)]
+    pub resync_period: Duration,
     #[command(flatten)]
     pub gpu: GpuArgs,
     #[command(flatten)]
@@ -242,4 +246,13 @@ pub struct GpuCheckArgs {
     /// health monitor would see, e.g. 5s; 0s skips it.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub watch_health: std::time::Duration,
+}
+
+/// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.
+fn parse_resync_period(text: &str) -> Result<Duration, String> {
+    let period = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&period) {
+        return Err(format!("{text} is outside 1s..1h"));
+    }
+    Ok(period)
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::ResourceExt;
-use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use support::node::{DRIVER, Kubelet, NodeAgent};
 use support::objects::{self, create_pod_on};
@@ -27,6 +27,7 @@ fn main() {
             test!(without_a_driver_it_stays_up_not_ready_and_publishes_nothing),
             test!(a_bad_simulated_spec_is_refused_with_the_reason),
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
+            test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
         ],
     )
 }
@@ -305,5 +306,71 @@ async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestCon
         "the re-discovery is not logged:\n{}",
         agent.log_tail()
     );
+    Ok(())
+}
+
+/// Whether every published device of `node` allows multiple allocations (shared by memory), none does (whole), or
+/// they differ (`None`).
+async fn shared(ctx: &TestContext, node: &str) -> anyhow::Result<Option<bool>> {
+    let slices = slices_of(ctx, node).await?;
+    let flags: Vec<bool> = slices
+        .iter()
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+        .map(|d| d.allow_multiple_allocations == Some(true))
+        .collect();
+    Ok(match flags.first() {
+        Some(first) if flags.iter().all(|f| f == first) => Some(*first),
+        _ => None,
+    })
+}
+
+/// A node pool labelled `gpu.gpu-dra.dev/gpu-sharing=by-memory` gets its GPUs shared by memory from one DaemonSet
+/// whose default (`--gpu-sharing`) is whole; a label turned to a value that is no mode is reported, naming the label
+/// and the valid values, and the node's GPUs go back to the default at the next resync; removing it keeps them so.
+async fn a_node_label_chooses_gpu_sharing_for_its_node_pool(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    let key = format!("{DRIVER}/gpu-sharing");
+    ctx.cluster.add_node_labeled(&node, &[&format!("{key}=by-memory")])?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--resync-period", "1s"];
+    let agent = agent(&ctx, &node, &gpus).await?;
+    agent.wait_ready().await?;
+    wait_devices(&ctx, &node, 2).await?;
+    // Before 1.36 the API server drops `allowMultipleAllocations` (consumable capacity off): the agent says so.
+    let sharing_served = support::cluster::kubernetes_minor()? >= 36;
+    if sharing_served {
+        ensure!(shared(&ctx, &node).await? == Some(true), "the label's by-memory was not published");
+    } else {
+        let warning = "the API server dropped the devices' allowMultipleAllocations";
+        ensure!(agent.log_text().contains(warning), "no warning about the dropped field:\n{}", agent.log_tail());
+    }
+
+    let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone());
+    let label = |value: serde_json::Value| serde_json::json!({"metadata": {"labels": {key.as_str(): value}}});
+    nodes.patch(&node, &PatchParams::default(), &Patch::Merge(&label("half".into()))).await?;
+    wait::until("the GPUs back to whole after the bad label", Duration::from_secs(30), || async {
+        Ok((shared(&ctx, &node).await? == Some(false)).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    let warning = format!("Node label {key}=\"half\" is not a GPU sharing mode (whole, by-memory)");
+    wait::until("the warning naming the label", Duration::from_secs(30), || async {
+        Ok(agent.log_text().contains(&warning).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    if !sharing_served {
+        return Ok(());
+    }
+
+    nodes.patch(&node, &PatchParams::default(), &Patch::Merge(&label("by-memory".into()))).await?;
+    wait::until("the GPUs shared again", Duration::from_secs(30), || async {
+        Ok((shared(&ctx, &node).await? == Some(true)).then_some(()))
+    })
+    .await?;
+    nodes.patch(&node, &PatchParams::default(), &Patch::Merge(&label(serde_json::Value::Null))).await?;
+    wait::until("the GPUs whole without the label", Duration::from_secs(30), || async {
+        Ok((shared(&ctx, &node).await? == Some(false)).then_some(()))
+    })
+    .await?;
     Ok(())
 }

@@ -554,7 +554,8 @@ async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Resul
 /// A node whose agent publishes its one H100 for sharing by memory (`--gpu-sharing by-memory`): a training pod and
 /// a notebook in two namespaces get 40Gi each of the same GPU — allocated by the real scheduler with a share ID each,
 /// prepared by the kubelet's DRA code with a CDI spec each, no conflict — and a third pod asking for 8Gi more waits
-/// as unschedulable until the trainer and its claim are gone. Before 1.36 consumable capacity is off (the API server
+/// as unschedulable until the trainer and its claim are gone; a pod asking `nvidia.com/gpu: 1` gets the GPU whole once
+/// the shares are released, and a share waits for it. Before 1.36 consumable capacity is off (the API server
 /// drops `allowMultipleAllocations`): the GPU is whole, the notebook waits, and the agent warns naming the gate.
 async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
     let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
@@ -625,5 +626,46 @@ async fn share_one_gpu(
     ensure!(late.len() == 1 && late[0].0 == "gpu-0" && late[0].2 == "8Gi", "late: {late:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs after the swap: {:?}", dirs.cdi_specs()?);
     eprintln!("two namespaces shared gpu-0 by memory; the third share waited ({why}) until one was released");
+    whole_gpu_by_extended_resource(ctx, other, node, class).await
+}
+
+/// A container asking `nvidia.com/gpu: 1` (the class's extended resource) names no memory, so it asks for the
+/// whole shared GPU: it waits while shares hold part of it, then gets all of it, and a new share waits for it.
+async fn whole_gpu_by_extended_resource(ctx: &TestContext, other: &str, node: &str, class: &str) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let extended = json!({"spec": {"extendedResourceName": "nvidia.com/gpu"}});
+    Api::<DeviceClass>::all(ctx.client.clone()).patch(class, &PatchParams::default(), &Patch::Merge(&extended)).await?;
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "whole"},
+        "spec": {"containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
+                                 "resources": {"limits": {"nvidia.com/gpu": 1}}}],
+                 "nodeSelector": {"kubernetes.io/hostname": node}, "terminationGracePeriodSeconds": 0}
+    }))?;
+    objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    let why = objects::unschedulable(&ctx.client, ns, "whole", PREPARE_TIMEOUT).await?;
+    // The test's controller watches its own namespace only: the notebook's namespace gets one of its own (as a
+    // tenant's would), which releases the notebook's claim once its pod is gone.
+    let args = ["controller", "--namespace", other, "--leader-elect=false"];
+    let tenant_controller = Component::start(&ctx.cluster.kubeconfig(), &format!("{other}-controller"), &args)?;
+    tenant_controller.wait_ready().await?;
+    let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    for (namespace, name) in [(ns, "late"), (other, "notebook")] {
+        Api::<Pod>::namespaced(ctx.client.clone(), namespace).delete(name, &now).await?;
+        Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).delete(name, &DeleteParams::default()).await?;
+    }
+    let claim = wait::until("the nvidia.com/gpu pod's claim to be allocated", PREPARE_TIMEOUT, || async {
+        let pod = objects::pods(ctx).get("whole").await?;
+        let claim = pod.status.and_then(|s| s.extended_resource_claim_status).map(|s| s.resource_claim_name);
+        let Some(claim) = claim else { return Ok(None) };
+        let shares = shares(ctx, ns, &claim).await?;
+        Ok((!shares.is_empty()).then_some(shares))
+    })
+    .await?;
+    ensure!(claim.len() == 1 && claim[0].0 == "gpu-0", "the nvidia.com/gpu pod got {claim:?}");
+    pod_with_memory_share(ctx, ns, "after", node, class, "8Gi").await?;
+    let why_after = objects::unschedulable(&ctx.client, ns, "after", PREPARE_TIMEOUT).await?;
+    eprintln!(
+        "nvidia.com/gpu: 1 waited for the shares ({why}), then held gpu-0 whole ({claim:?}); a share waited ({why_after})"
+    );
     Ok(())
 }

@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use super::Context;
 use super::queue::WorkKey;
-use super::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
+use super::slim_pod_group::{ALPHA_VERSION, GROUP, PodGroup, RESOURCE, VERSION};
 
 /// How often discovery is re-run while PodGroups are not handled.
 pub const RECHECK_PERIOD: Duration = Duration::from_secs(30);
@@ -38,6 +38,9 @@ pub enum Availability {
     Served,
     /// The API server does not serve them (the default in 1.37).
     NotServed,
+    /// Served only in the alpha version [`ALPHA_VERSION`] (Kubernetes 1.36 with its alpha gates on), which this
+    /// controller does not read: PodGroup claims stay unhandled until the cluster serves [`VERSION`].
+    OnlyAlpha,
     /// Served, but this controller may not list them (an older chart's RBAC).
     Forbidden(String),
     /// Discovery failed (the API server unreachable, a timeout).
@@ -52,6 +55,13 @@ impl Availability {
             Availability::NotServed => format!(
                 "the API server does not serve {GROUP}/{VERSION} {RESOURCE} (GenericWorkload off): PodGroup claims \
                  are not handled; checked again every {}s",
+                RECHECK_PERIOD.as_secs()
+            ),
+            Availability::OnlyAlpha => format!(
+                "the API server serves PodGroups only as {GROUP}/{ALPHA_VERSION} (Kubernetes 1.36, alpha), which \
+                 gpu-dra does not handle: PodGroup claims are not handled and a pod of a PodGroup gets no claim; \
+                 serve {GROUP}/{VERSION} (Kubernetes 1.37), or leave claims to kube-controller-manager's \
+                 resourceclaim-controller on 1.36; checked again every {}s",
                 RECHECK_PERIOD.as_secs()
             ),
             Availability::Forbidden(err) => format!(
@@ -82,10 +92,15 @@ impl GroupApi {
 
 /// Discovery of PodGroups: does the API server serve them, and may this controller list them.
 pub async fn probe(client: &Client, namespace: Option<&str>) -> Availability {
-    match client.list_api_group_resources(&format!("{GROUP}/{VERSION}")).await {
-        Ok(list) if list.resources.iter().any(|r| r.name == RESOURCE) => {}
-        Ok(_) => return Availability::NotServed,
-        Err(kube::Error::Api(status)) if status.code == 404 => return Availability::NotServed,
+    match serves_pod_groups(client, VERSION).await {
+        Ok(true) => {}
+        Ok(false) => {
+            return match serves_pod_groups(client, ALPHA_VERSION).await {
+                Ok(true) => Availability::OnlyAlpha,
+                Ok(false) => Availability::NotServed,
+                Err(err) => Availability::Unknown(err.to_string()),
+            };
+        }
         Err(err) => return Availability::Unknown(err.to_string()),
     }
     let api = match namespace {
@@ -97,6 +112,15 @@ pub async fn probe(client: &Client, namespace: Option<&str>) -> Availability {
         Err(kube::Error::Api(status)) if status.code == 403 => Availability::Forbidden(status.message),
         // Served a moment ago and gone now (a downgrade between the two calls), or unreachable: try again later.
         Err(err) => Availability::Unknown(err.to_string()),
+    }
+}
+
+/// Whether the API server serves PodGroups in `version` of their group.
+async fn serves_pod_groups(client: &Client, version: &str) -> Result<bool, kube::Error> {
+    match client.list_api_group_resources(&format!("{GROUP}/{version}")).await {
+        Ok(list) => Ok(list.resources.iter().any(|r| r.name == RESOURCE)),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(false),
+        Err(err) => Err(err),
     }
 }
 
@@ -161,8 +185,11 @@ mod tests {
         let text = forbidden.explain();
         assert!(text.contains("cannot list") && text.contains("grant get, list and watch"), "{text}");
         assert!(Availability::NotServed.explain().contains("GenericWorkload"));
+        let alpha = Availability::OnlyAlpha.explain();
+        assert!(alpha.contains("scheduling.k8s.io/v1alpha2") && alpha.contains("scheduling.k8s.io/v1beta1"), "{alpha}");
         assert!(Availability::Unknown("timeout".into()).explain().contains("timeout"));
-        for state in [Availability::NotServed, forbidden, Availability::Unknown(String::new())] {
+        for state in [Availability::NotServed, Availability::OnlyAlpha, forbidden, Availability::Unknown(String::new())]
+        {
             assert!(state.explain().contains("checked again every 30s"), "{state:?}");
         }
     }

@@ -45,8 +45,6 @@ use gpu::Gpu;
 use plugin::PluginSettings;
 use slices::publisher::{Outcome, Publisher};
 
-/// How often devices are rediscovered and the slices checked when nothing happens.
-const RESYNC: Duration = Duration::from_secs(60);
 /// First and longest pause after a failed discovery or publish.
 const BACKOFF_START: Duration = Duration::from_secs(1);
 const BACKOFF_MAX: Duration = Duration::from_secs(300);
@@ -140,12 +138,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     // for NVML to answer about a GPU that may have just fallen off the bus.
     let mut known: Option<Vec<Gpu>> = None;
     let mut health_only = false;
+    let mut sharing = SharingChoice::new(gpu.gpu_sharing);
     loop {
         let round = async {
             if health_only && let Some(gpus) = &known {
-                let outcome = publish(gpus, gpu.gpu_sharing, &publisher, &monitor).await?;
+                let outcome = publish(gpus, sharing.current, &publisher, &monitor).await?;
                 return Ok::<_, String>((gpus.len(), outcome));
             }
+            sharing.refresh(&client, &node, &gpu.driver_name).await;
             let gpus = discover(discovery.clone()).await?;
             known = Some(gpus.clone());
             inventory.send_replace(Arc::new(gpus.iter().map(|g| (g.device_name(), g.clone())).collect()));
@@ -168,7 +168,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
             }
             let count = gpus.len();
-            let outcome = publish(&gpus, gpu.gpu_sharing, &publisher, &monitor).await?;
+            let outcome = publish(&gpus, sharing.current, &publisher, &monitor).await?;
             Ok::<_, String>((count, outcome))
         }
         .await;
@@ -181,7 +181,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     info!(devices = count, generation, slices, "node pool up to date");
                 }
                 backoff = BACKOFF_START;
-                RESYNC
+                args.resync_period
             }
             Err(reason) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
@@ -205,6 +205,47 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     }
     info!("stopped");
     Ok(())
+}
+
+/// This node's sharing mode ([`slices::node_sharing`]): `--gpu-sharing`, unless the Node's label says otherwise.
+struct SharingChoice {
+    default: slices::Sharing,
+    current: slices::Sharing,
+    /// The invalid label value last reported, so that it is reported once, not every minute.
+    reported: Option<String>,
+}
+
+impl SharingChoice {
+    fn new(default: slices::Sharing) -> Self {
+        Self { default, current: default, reported: None }
+    }
+
+    /// Reads the Node's labels, from the API server's cache (resourceVersion 0: one cheap read per node and
+    /// resync, never a quorum read from etcd). A Node that cannot be read keeps the current mode: the round goes
+    /// on, and the publisher reports what is wrong with the Node.
+    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) {
+        let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
+        let labels = match nodes.get_metadata_opt_with(node, &kube::api::GetParams::any()).await {
+            Ok(Some(meta)) => meta.metadata.labels.unwrap_or_default(),
+            Ok(None) => return,
+            Err(err) => return tracing::debug!(error = %err, "read the Node's labels; GPU sharing unchanged"),
+        };
+        let (now, invalid) = slices::node_sharing::resolve(&labels, driver, self.default);
+        match invalid {
+            Some(invalid) if self.reported.as_ref() != Some(&invalid.value) => {
+                warn!("{invalid}");
+                self.reported = Some(invalid.value);
+            }
+            Some(_) => {}
+            None => self.reported = None,
+        }
+        if now != self.current {
+            let label = slices::node_sharing::label_key(driver);
+            let (from, to) = (slices::node_sharing::name(self.current), slices::node_sharing::name(now));
+            info!(%label, "GPU sharing of this node: {to} (was {from})");
+            self.current = now;
+        }
+    }
 }
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.

@@ -2,6 +2,7 @@
 //! [`MAX_DEVICES_PER_SLICE`]) and the publisher that makes the API server hold exactly them.
 
 pub mod dropped;
+pub mod node_sharing;
 pub mod publisher;
 
 use serde_json::{Map, Value, json};
