@@ -114,17 +114,23 @@ async fn allocated(ctx: &TestContext, claim: &str) -> anyhow::Result<Option<Vec<
     Ok(results.map(|r| r.into_iter().map(|r| r.device).collect()))
 }
 
+/// A node of two simulated H100s, its agent ready and gpu-1 untainted, then a double-bit ECC error injected into
+/// gpu-1 (a `needs-reset` fault); returns the node's name and its agent.
+async fn node_with_a_double_bit_error_on_gpu_1(ctx: &TestContext) -> anyhow::Result<(String, NodeAgent)> {
+    let node = node_name(ctx);
+    ctx.cluster.add_node(&node)?;
+    device_class(ctx).await?;
+    let agent = NodeAgent::start(ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
+    agent.wait_ready().await?;
+    wait_taints(ctx, &node, "gpu-1", &[], Duration::from_secs(30)).await?;
+    inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+    Ok((node, agent))
+}
+
 async fn a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    device_class(&ctx).await?;
-    let agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
-    agent.wait_ready().await?;
-    wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(30)).await?;
-
-    inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+    let (node, agent) = node_with_a_double_bit_error_on_gpu_1(&ctx).await?;
     let key = format!("{DRIVER}/needs-reset");
     let (found, took) =
         wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(5)).await.with_context(|| agent.log_tail())?;
@@ -174,14 +180,7 @@ async fn a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset(
 async fn without_device_taints_a_faulted_gpu_stays_allocatable_and_the_agent_says_why(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    device_class(&ctx).await?;
-    let agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"])?;
-    agent.wait_ready().await?;
-    wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(30)).await?;
-
-    inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+    let (node, agent) = node_with_a_double_bit_error_on_gpu_1(&ctx).await?;
     let faulted = [("device", "gpu-1")];
     wait::until("the agent to take gpu-1 as faulted", Duration::from_secs(10), || async {
         Ok((agent.metric("gpu_dra_node_agent_gpu_healthy", &faulted).await? == 0.0).then_some(()))
