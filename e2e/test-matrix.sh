@@ -11,8 +11,8 @@
 # for it (before 1.36 `health` asserts that device taints are dropped, the chart tests that the PodGroup API is
 # absent; on 1.36 `controller_podgroup` asserts that its alpha PodGroups are refused with a reason). From 1.36 on
 # `controller_podgroup` runs too (1.34 and 1.35 have no PodGroup API to run it against). Test binaries not listed
-# (PodGroup upgrade, real node, soak) need a real node or 1.37 alone, and run with `make test` on the default
-# version.
+# (controller HA and API outage, PodGroup upgrade, gRPC clients, image, cluster script, gpu-check, real node, soak)
+# are not version-specific or need a real node, and run with `make test` on the default version.
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"

@@ -107,8 +107,8 @@ pub struct NodeAgentArgs {
     /// The Node this agent runs on (from the downward API in a DaemonSet).
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// How often the GPUs are discovered again and the Node's `<driver>/gpu-sharing` label read, besides the
-    /// rounds that changes start (a health change, a slice touched by someone else)
+    /// How often the GPUs are discovered again and the Node's `<driver>/gpu-sharing` label read; a slice
+    /// touched by someone else starts such a round at once (a health change only republishes)
     #[arg(long, env = "GPU_DRA_RESYNC_PERIOD", default_value = "60s", value_parser = parse_resync_period)]
     pub resync_period: Duration,
     #[command(flatten)]

@@ -22,8 +22,15 @@ const SETTLE: Duration = Duration::from_secs(60);
 
 fn main() {
     // 1.36 serves PodGroups only as v1alpha2, which the controller does not read (`make test-matrix`): what the
-    // README's version table documents for it is asserted there instead.
-    if support::cluster::kubernetes_minor().map_or(true, |minor| minor >= 37) {
+    // README's version table documents for it is asserted there instead. Before 1.36 there is no PodGroup API.
+    let minor = support::cluster::kubernetes_minor().unwrap_or(37);
+    if minor < 36 {
+        eprintln!(
+            "controller_podgroup needs Kubernetes 1.36 or later (no PodGroup API before); make test-matrix runs it from 1.36"
+        );
+        std::process::exit(2);
+    }
+    if minor >= 37 {
         support::run_with_env(
             "controller_podgroup",
             false,

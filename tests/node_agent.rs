@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
-use support::node::{DRIVER, Kubelet, NodeAgent};
+use support::node::{DRIVER, Kubelet, NodeAgent, NodeDirs, start_agent};
 use support::objects::{self, create_pod_on};
 use support::{TestContext, wait};
 
@@ -28,6 +28,7 @@ fn main() {
             test!(a_bad_simulated_spec_is_refused_with_the_reason),
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
             test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
+            test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
         ],
     )
 }
@@ -341,17 +342,16 @@ async fn a_node_label_chooses_gpu_sharing_for_its_node_pool(ctx: TestContext) ->
         ensure!(shared(&ctx, &node).await? == Some(true), "the label's by-memory was not published");
     } else {
         let warning = "the API server dropped the devices' allowMultipleAllocations";
-        ensure!(agent.log_text().contains(warning), "no warning about the dropped field:\n{}", agent.log_tail());
+        wait::until("the warning about the dropped field", Duration::from_secs(10), || async {
+            Ok(agent.log_text().contains(warning).then_some(()))
+        })
+        .await
+        .with_context(|| agent.log_tail())?;
     }
 
     let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone());
     let label = |value: serde_json::Value| serde_json::json!({"metadata": {"labels": {key.as_str(): value}}});
     nodes.patch(&node, &PatchParams::default(), &Patch::Merge(&label("half".into()))).await?;
-    wait::until("the GPUs back to whole after the bad label", Duration::from_secs(30), || async {
-        Ok((shared(&ctx, &node).await? == Some(false)).then_some(()))
-    })
-    .await
-    .with_context(|| agent.log_tail())?;
     let warning = format!("Node label {key}=\"half\" is not a GPU sharing mode (whole, by-memory)");
     wait::until("the warning naming the label", Duration::from_secs(30), || async {
         Ok(agent.log_text().contains(&warning).then_some(()))
@@ -359,8 +359,14 @@ async fn a_node_label_chooses_gpu_sharing_for_its_node_pool(ctx: TestContext) ->
     .await
     .with_context(|| agent.log_tail())?;
     if !sharing_served {
+        // Whole either way before 1.36: nothing more to see.
         return Ok(());
     }
+    wait::until("the GPUs back to whole after the bad label", Duration::from_secs(30), || async {
+        Ok((shared(&ctx, &node).await? == Some(false)).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
 
     nodes.patch(&node, &PatchParams::default(), &Patch::Merge(&label("by-memory".into()))).await?;
     wait::until("the GPUs shared again", Duration::from_secs(30), || async {
@@ -372,5 +378,42 @@ async fn a_node_label_chooses_gpu_sharing_for_its_node_pool(ctx: TestContext) ->
         Ok((shared(&ctx, &node).await? == Some(false)).then_some(()))
     })
     .await?;
+    Ok(())
+}
+
+/// A restarted agent looks once at whether the API server kept what it published. Where it did (1.36 on) the pool
+/// is left as it is; where a gate dropped a field (before 1.36, `allowMultipleAllocations` here) the pool is
+/// published once more, so that restarting the agents after turning the gate on brings the field back; the
+/// resyncs after that leave it alone either way.
+async fn a_restarted_agent_republishes_only_a_pool_the_server_stored_short(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
+    let args = [&args[..], &["--resync-period", "1s"]].concat();
+    let mut agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+    let first = wait_devices(&ctx, &node, 1).await?[0].spec.pool.generation;
+    agent.kill()?;
+    let agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+
+    let dropped = support::cluster::kubernetes_minor()? < 36;
+    let expected = if dropped { first + 1 } else { first };
+    let generation = || async {
+        let slices = slices_of(&ctx, &node).await?;
+        anyhow::Ok(slices.iter().map(|s| s.spec.pool.generation).max())
+    };
+    wait::until(&format!("pool generation {expected} after the restart"), Duration::from_secs(10), || async {
+        Ok((generation().await? == Some(expected)).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    // Three resyncs later: no further publication.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let now = generation().await?;
+    ensure!(now == Some(expected), "generation {now:?} after the resyncs, {expected} expected:\n{}", agent.log_tail());
+    let republished = agent.log_text().contains("publishing them again once");
+    ensure!(republished == dropped, "republished once: {republished}, fields dropped: {dropped}");
     Ok(())
 }

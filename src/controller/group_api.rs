@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use super::Context;
 use super::queue::WorkKey;
-use super::slim_pod_group::{ALPHA_VERSION, GROUP, PodGroup, RESOURCE, VERSION};
+use super::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
 
 /// How often discovery is re-run while PodGroups are not handled.
 pub const RECHECK_PERIOD: Duration = Duration::from_secs(30);
@@ -38,9 +38,10 @@ pub enum Availability {
     Served,
     /// The API server does not serve them (the default in 1.37).
     NotServed,
-    /// Served only in the alpha version [`ALPHA_VERSION`] (Kubernetes 1.36 with its alpha gates on), which this
-    /// controller does not read: PodGroup claims stay unhandled until the cluster serves [`VERSION`].
-    OnlyAlpha,
+    /// Served only in another version of the group (an alpha one: `v1alpha2` in Kubernetes 1.36, `v1alpha3` beside
+    /// `v1beta1` in 1.37), which this controller does not read: PodGroup claims stay unhandled until the cluster
+    /// serves [`VERSION`].
+    OnlyOtherVersion(String),
     /// Served, but this controller may not list them (an older chart's RBAC).
     Forbidden(String),
     /// Discovery failed (the API server unreachable, a timeout).
@@ -57,11 +58,11 @@ impl Availability {
                  are not handled; checked again every {}s",
                 RECHECK_PERIOD.as_secs()
             ),
-            Availability::OnlyAlpha => format!(
-                "the API server serves PodGroups only as {GROUP}/{ALPHA_VERSION} (Kubernetes 1.36, alpha), which \
-                 gpu-dra does not handle: PodGroup claims are not handled and a pod of a PodGroup gets no claim; \
-                 serve {GROUP}/{VERSION} (Kubernetes 1.37), or leave claims to kube-controller-manager's \
-                 resourceclaim-controller on 1.36; checked again every {}s",
+            Availability::OnlyOtherVersion(version) => format!(
+                "the API server serves PodGroups only as {GROUP}/{version}, which gpu-dra does not read: PodGroup \
+                 claims are not handled and a pod of a PodGroup gets no claim; serve {GROUP}/{VERSION} (Kubernetes \
+                 1.37: --runtime-config {GROUP}/{VERSION}=true), or leave claims to kube-controller-manager's \
+                 resourceclaim-controller; checked again every {}s",
                 RECHECK_PERIOD.as_secs()
             ),
             Availability::Forbidden(err) => format!(
@@ -78,15 +79,22 @@ impl Availability {
     }
 }
 
-/// Wakes the discovery loop early (a pod named a PodGroup while they are not handled).
+/// Wakes the discovery loop early (a pod named a PodGroup while they are not handled), and remembers what
+/// discovery found at start, so that the loop reports only changes.
 #[derive(Debug, Default)]
 pub struct GroupApi {
     nudge: Notify,
+    at_start: std::sync::OnceLock<Availability>,
 }
 
 impl GroupApi {
     pub fn nudge(&self) {
         self.nudge.notify_one();
+    }
+
+    /// Records what discovery found at start (already logged).
+    pub fn started_with(&self, found: Availability) {
+        let _ = self.at_start.set(found);
     }
 }
 
@@ -94,12 +102,9 @@ impl GroupApi {
 pub async fn probe(client: &Client, namespace: Option<&str>) -> Availability {
     match serves_pod_groups(client, VERSION).await {
         Ok(true) => {}
+        // Which other version serves them only words the log: a failure to find out is "not served".
         Ok(false) => {
-            return match serves_pod_groups(client, ALPHA_VERSION).await {
-                Ok(true) => Availability::OnlyAlpha,
-                Ok(false) => Availability::NotServed,
-                Err(err) => Availability::Unknown(err.to_string()),
-            };
+            return other_version(client).await.map_or(Availability::NotServed, Availability::OnlyOtherVersion);
         }
         Err(err) => return Availability::Unknown(err.to_string()),
     }
@@ -113,6 +118,18 @@ pub async fn probe(client: &Client, namespace: Option<&str>) -> Availability {
         // Served a moment ago and gone now (a downgrade between the two calls), or unreachable: try again later.
         Err(err) => Availability::Unknown(err.to_string()),
     }
+}
+
+/// Another version of the group that serves PodGroups, if any (the group's discovery, then each version's).
+async fn other_version(client: &Client) -> Option<String> {
+    let groups = client.list_api_groups().await.ok()?;
+    let group = groups.groups.into_iter().find(|g| g.name == GROUP)?;
+    for version in group.versions.into_iter().map(|v| v.version).filter(|v| v != VERSION) {
+        if serves_pod_groups(client, &version).await.unwrap_or(false) {
+            return Some(version);
+        }
+    }
+    None
 }
 
 /// Whether the API server serves PodGroups in `version` of their group.
@@ -130,7 +147,7 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Write
     if ctx.caches.groups_served() {
         return super::podgroup::run_informer(client, namespace, writer, ctx).await;
     }
-    let mut last = Availability::NotServed;
+    let mut last = ctx.group_api.at_start.get().cloned().unwrap_or(Availability::NotServed);
     loop {
         tokio::select! {
             () = tokio::time::sleep(RECHECK_PERIOD) => {}
@@ -185,11 +202,11 @@ mod tests {
         let text = forbidden.explain();
         assert!(text.contains("cannot list") && text.contains("grant get, list and watch"), "{text}");
         assert!(Availability::NotServed.explain().contains("GenericWorkload"));
-        let alpha = Availability::OnlyAlpha.explain();
+        let alpha = Availability::OnlyOtherVersion("v1alpha2".into()).explain();
         assert!(alpha.contains("scheduling.k8s.io/v1alpha2") && alpha.contains("scheduling.k8s.io/v1beta1"), "{alpha}");
         assert!(Availability::Unknown("timeout".into()).explain().contains("timeout"));
-        for state in [Availability::NotServed, Availability::OnlyAlpha, forbidden, Availability::Unknown(String::new())]
-        {
+        let other = Availability::OnlyOtherVersion("v1alpha3".into());
+        for state in [Availability::NotServed, other, forbidden, Availability::Unknown(String::new())] {
             assert!(state.explain().contains("checked again every 30s"), "{state:?}");
         }
     }

@@ -185,6 +185,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         _ => warn!("{}", groups.explain()),
     }
     caches.set_groups_served(groups == group_api::Availability::Served);
+    ctx.group_api.started_with(groups);
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
 
     let (role_tx, mut role) = watch::channel(if args.leader_elect { Role::Unknown } else { Role::Leader });

@@ -13,9 +13,6 @@ pub const GROUP: &str = "scheduling.k8s.io";
 /// The version this controller reads and writes: the one Kubernetes 1.37 serves (beta, off by default; enabled
 /// with `--runtime-config scheduling.k8s.io/v1beta1=true`).
 pub const VERSION: &str = "v1beta1";
-/// The alpha version Kubernetes 1.36 serves (with `GenericWorkload` and `--runtime-config
-/// scheduling.k8s.io/v1alpha2=true`); not read, only recognised, so that the log says why PodGroups are not handled.
-pub const ALPHA_VERSION: &str = "v1alpha2";
 /// Resource (plural) name, as `reservedFor` entries name it.
 pub const RESOURCE: &str = "podgroups";
 

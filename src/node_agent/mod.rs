@@ -139,6 +139,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut known: Option<Vec<Gpu>> = None;
     let mut health_only = false;
     let mut sharing = SharingChoice::new(gpu.gpu_sharing);
+    // When the next full round is due: health-only rounds leave it, so a GPU whose health keeps changing never
+    // holds off rediscovery and the sharing label.
+    let mut next_full = tokio::time::Instant::now();
     loop {
         let round = async {
             if health_only && let Some(gpus) = &known {
@@ -172,7 +175,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             Ok::<_, String>((count, outcome))
         }
         .await;
-        let wait = match round {
+        let full = !health_only;
+        let wake_at = match round {
             Ok((count, outcome)) => {
                 readiness.set(Ok(()));
                 devices_gauge.set(count as i64);
@@ -181,7 +185,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     info!(devices = count, generation, slices, "node pool up to date");
                 }
                 backoff = BACKOFF_START;
-                args.resync_period
+                if full {
+                    next_full = tokio::time::Instant::now() + args.resync_period;
+                }
+                next_full
             }
             Err(reason) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
@@ -189,7 +196,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 readiness.set(Err(reason));
                 let wait = backoff;
                 backoff = (backoff * 2).min(BACKOFF_MAX);
-                wait
+                tokio::time::Instant::now() + wait
             }
         };
         health_only = false;
@@ -197,7 +204,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             () = stop.cancelled() => break,
             () = monitor.changed.notified() => health_only = true,
             () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
-            () = tokio::time::sleep(wait) => {}
+            () = tokio::time::sleep_until(wake_at) => {}
         }
     }
     if let Some(task) = plugin_task {
@@ -213,11 +220,13 @@ struct SharingChoice {
     current: slices::Sharing,
     /// The invalid label value last reported, so that it is reported once, not every minute.
     reported: Option<String>,
+    /// Whether a failure to read the Node was reported since the last read that worked.
+    read_failure_reported: bool,
 }
 
 impl SharingChoice {
     fn new(default: slices::Sharing) -> Self {
-        Self { default, current: default, reported: None }
+        Self { default, current: default, reported: None, read_failure_reported: false }
     }
 
     /// Reads the Node's labels, from the API server's cache (resourceVersion 0: one cheap read per node and
@@ -228,8 +237,16 @@ impl SharingChoice {
         let labels = match nodes.get_metadata_opt_with(node, &kube::api::GetParams::any()).await {
             Ok(Some(meta)) => meta.metadata.labels.unwrap_or_default(),
             Ok(None) => return,
-            Err(err) => return tracing::debug!(error = %err, "read the Node's labels; GPU sharing unchanged"),
+            Err(err) => {
+                if !std::mem::replace(&mut self.read_failure_reported, true) {
+                    let label = slices::node_sharing::label_key(driver);
+                    warn!(error = %err, %label, "cannot read this Node's labels (the chart grants nodes get); GPU \
+                          sharing stays as it is until it can");
+                }
+                return;
+            }
         };
+        self.read_failure_reported = false;
         let (now, invalid) = slices::node_sharing::resolve(&labels, driver, self.default);
         match invalid {
             Some(invalid) if self.reported.as_ref() != Some(&invalid.value) => {

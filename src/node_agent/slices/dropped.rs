@@ -1,7 +1,8 @@
 //! What the API server silently dropped from a published slice. An API server whose feature gate for a field is
 //! off (Kubernetes before 1.36, or the gate turned off) stores the slice without the field and says nothing, so a
 //! faulted GPU stays allocatable or a shared GPU goes to one claim at a time. The agent compares what it sent with
-//! what was stored and tells the operator, naming the gate; nothing is retried (the field would be dropped again).
+//! what was stored and tells the operator, naming the gate. A pool stored without such a field is published again
+//! once per agent start (so restarting the agents after turning the gate on fixes it), never every resync.
 
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use serde_json::Value;
@@ -38,12 +39,12 @@ impl DroppedField {
             DroppedField::Taints => {
                 "faulted GPUs stay allocatable (faults are still reported as Node events and in the health metrics); \
                  enable the gate on kube-apiserver, kube-scheduler and kube-controller-manager (on by default from \
-                 Kubernetes 1.36)"
+                 Kubernetes 1.36), then restart the node agents to publish the taints again"
             }
             DroppedField::AllowMultipleAllocations => {
                 "GPUs are not shared: each goes to one claim at a time (--gpu-sharing by-memory has no effect); \
-                 enable the gate on kube-apiserver and kube-scheduler (on by default from Kubernetes 1.36) or use \
-                 --gpu-sharing whole"
+                 enable the gate on kube-apiserver and kube-scheduler (on by default from Kubernetes 1.36), then \
+                 restart the node agents to publish the field again; or use --gpu-sharing whole"
             }
         }
     }

@@ -4,8 +4,9 @@
 //!
 //! The label is read on every full discover-and-publish round (at start, then every `--resync-period`, a minute by
 //! default), so a change is published within that; a value that is not a sharing mode is reported and the default
-//! used, never a guess. Pods holding shares when a node turns `whole` keep them; the GPU goes whole to new claims
-//! once they are released (the scheduler sees it in use until then).
+//! used, never a guess. Pods holding shares when a node turns `whole` keep them, and while they do the scheduler
+//! (v1.37.2) counts their memory, not the device as taken: a claim naming less than what is left may get the GPU
+//! beside them. So a node's mode is changed when none of its GPUs is shared out (the README says so).
 
 use std::collections::BTreeMap;
 

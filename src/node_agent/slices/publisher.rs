@@ -6,7 +6,7 @@
 //! A device field the API server did not store (its feature gate off) is reported ([`super::dropped`]).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -61,6 +61,10 @@ pub struct Publisher {
     node: String,
     /// The last generation published: after all slices were deleted, the next must still be newer.
     last_generation: Arc<AtomicI64>,
+    /// Whether an unchanged pool was checked for fields the API server dropped ([`super::dropped`]): once per
+    /// agent start, so that a gate turned on since is picked up by restarting the agents, without rewriting the
+    /// pool every resync where the gate stays off.
+    checked_dropped: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -78,7 +82,13 @@ pub enum Outcome {
 
 impl Publisher {
     pub fn new(client: Client, driver: impl Into<String>, node: impl Into<String>) -> Self {
-        Self { client, driver: driver.into(), node: node.into(), last_generation: Arc::default() }
+        Self {
+            client,
+            driver: driver.into(),
+            node: node.into(),
+            last_generation: Arc::default(),
+            checked_dropped: Arc::default(),
+        }
     }
 
     fn api(&self) -> Api<ResourceSlice> {
@@ -109,7 +119,12 @@ impl Publisher {
         wanted.sort();
         let counts_right = current.iter().all(|s| s.spec.pool.resource_slice_count == slices.len() as i64);
         if existing.len() == slices.len() && current_hashes == wanted && counts_right {
-            return Ok(Outcome::Unchanged);
+            let lacking = !self.checked_dropped.swap(true, Ordering::Relaxed) && stored_lack_fields(slices, &current);
+            if !lacking {
+                return Ok(Outcome::Unchanged);
+            }
+            info!(node = %self.node, "the stored slices lack fields this agent publishes (written while a feature gate \
+                  was off): publishing them again once");
         }
 
         let node_uid = self.node_uid().await?;
@@ -160,6 +175,8 @@ impl Publisher {
             }
         }
         self.last_generation.store(generation, Ordering::Relaxed);
+        // Just written and checked (the warnings above): the pool counts as checked for dropped fields.
+        self.checked_dropped.store(true, Ordering::Relaxed);
         let devices: usize = slices.iter().map(Vec::len).sum();
         info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
         Ok(Outcome::Published { generation, slices: slices.len() })
@@ -173,6 +190,18 @@ impl Publisher {
             .ok_or_else(|| PublishError::NodeNotFound { node: self.node.clone() })?;
         Ok(node.uid().unwrap_or_default())
     }
+}
+
+/// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by the devices hash) were
+/// sent with.
+fn stored_lack_fields(slices: &[Vec<Value>], current: &[&ResourceSlice]) -> bool {
+    slices.iter().any(|devices| {
+        let hash = devices_hash(devices);
+        current
+            .iter()
+            .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(&hash))
+            .any(|stored| !dropped_fields(devices, stored).is_empty())
+    })
 }
 
 /// A stable hash of a device list (over its JSON, which serde_json writes with sorted keys).
