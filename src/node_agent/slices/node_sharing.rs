@@ -22,13 +22,16 @@ pub fn label_key(driver: &str) -> String {
 /// A `<driver>/gpu-sharing` label whose value is not a sharing mode.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "Node label {key}={value:?} is not a GPU sharing mode (whole, by-memory): the GPUs are published as \
-     --gpu-sharing says ({default}); fix or remove the label"
+    "Node label {key}={value:?} is not a GPU sharing mode ({valid}): the GPUs are published as --gpu-sharing says \
+     ({default}); fix or remove the label",
+    valid = all_names(),
+    default = name(*.default)
 )]
 pub struct InvalidSharingLabel {
     pub key: String,
     pub value: String,
-    pub default: &'static str,
+    /// What is published instead.
+    pub default: Sharing,
 }
 
 /// The sharing mode for a node with `labels`: the label's if it names one, else `default`; an unreadable label
@@ -44,16 +47,18 @@ pub fn resolve(
     };
     match Sharing::from_str(value.trim(), false) {
         Ok(sharing) => (sharing, None),
-        Err(_) => (default, Some(InvalidSharingLabel { key, value: value.clone(), default: name(default) })),
+        Err(_) => (default, Some(InvalidSharingLabel { key, value: value.clone(), default })),
     }
 }
 
-/// The mode as the flag, the chart value and the label spell it.
-pub fn name(sharing: Sharing) -> &'static str {
-    match sharing {
-        Sharing::Whole => "whole",
-        Sharing::ByMemory => "by-memory",
-    }
+/// The mode as the flag, the chart value and the label spell it (clap's name for it, so the three never differ).
+pub fn name(sharing: Sharing) -> String {
+    sharing.to_possible_value().map(|v| v.get_name().to_owned()).unwrap_or_default()
+}
+
+/// Every mode's name, comma-separated.
+fn all_names() -> String {
+    Sharing::value_variants().iter().map(|s| name(*s)).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]

@@ -119,7 +119,8 @@ impl Publisher {
         wanted.sort();
         let counts_right = current.iter().all(|s| s.spec.pool.resource_slice_count == slices.len() as i64);
         if existing.len() == slices.len() && current_hashes == wanted && counts_right {
-            let lacking = !self.checked_dropped.swap(true, Ordering::Relaxed) && stored_lack_fields(slices, &current);
+            let lacking =
+                !self.checked_dropped.swap(true, Ordering::Relaxed) && stored_lack_fields(slices, &hashes, &current);
             if !lacking {
                 return Ok(Outcome::Unchanged);
             }
@@ -192,14 +193,13 @@ impl Publisher {
     }
 }
 
-/// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by the devices hash) were
-/// sent with.
-fn stored_lack_fields(slices: &[Vec<Value>], current: &[&ResourceSlice]) -> bool {
-    slices.iter().any(|devices| {
-        let hash = devices_hash(devices);
+/// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by their devices hash in
+/// `hashes`) were sent with.
+fn stored_lack_fields(slices: &[Vec<Value>], hashes: &[String], current: &[&ResourceSlice]) -> bool {
+    slices.iter().zip(hashes).any(|(devices, hash)| {
         current
             .iter()
-            .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(&hash))
+            .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(hash))
             .any(|stored| !dropped_fields(devices, stored).is_empty())
     })
 }
