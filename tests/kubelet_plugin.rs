@@ -280,8 +280,14 @@ async fn refuses_what_it_must_not_prepare_and_answers_every_claim(ctx: TestConte
     Ok(())
 }
 
+/// A kubelet starting many pods at once, and the agent killed mid-way (OOM kill, node drain's `kill -9`): prepares
+/// done, a batch in flight on a disk that stopped answering, nine calls queued behind it. Which calls are where at
+/// the kill is set by the test (the last claim's spec write hangs, the queued calls are seen on the agent's
+/// `calls_waiting` gauge), not by timing, so the kill always lands with work done, in flight and not started.
 async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: TestContext) -> anyhow::Result<()> {
     const CLAIMS: usize = 50;
+    const FIRST_WAVE: usize = 10;
+    const QUEUED_FROM: usize = 40;
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
@@ -294,36 +300,51 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     }
     let kubelet = Kubelet::register(&dirs).await?;
     let ns = ctx.namespace.clone();
-    let calls: Vec<_> = claims
-        .iter()
-        .map(|(name, uid)| {
-            let mut client = kubelet.v1.clone();
-            let claim = gpu_dra::kubelet_plugin::proto::dra_v1::Claim {
-                namespace: ns.clone(),
-                name: name.clone(),
-                uid: uid.clone(),
-            };
-            tokio::spawn(async move {
-                let request =
-                    gpu_dra::kubelet_plugin::proto::dra_v1::NodePrepareResourcesRequest { claims: vec![claim] };
-                client.node_prepare_resources(request).await
-            })
+    let call = |(name, uid): &(String, String)| {
+        let mut client = kubelet.v1.clone();
+        let claim = v1::Claim { namespace: ns.clone(), name: name.clone(), uid: uid.clone() };
+        tokio::spawn(async move {
+            client.node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![claim] }).await
         })
-        .collect();
-    // Kill as soon as the first specs land: some prepares done, some in flight, some not started.
-    wait::until("the first CDI specs", Duration::from_secs(30), || async {
-        Ok((dirs.cdi_specs()?.len() >= 3).then_some(()))
+    };
+    let mut answered = 0;
+    for first in claims[..FIRST_WAVE].iter().map(call).collect::<Vec<_>>() {
+        let answer = first.await??.into_inner();
+        ensure!(answer.claims.values().all(|a| a.error.is_empty()), "{answer:?}");
+        answered += 1;
+    }
+    // The second wave's batches run until the one holding the last claim hangs on its spec write.
+    let (_, last_uid) = &claims[CLAIMS - 1];
+    let fifo = hang_spec_write(&dirs, &agent, last_uid)?;
+    let second_wave = claims[FIRST_WAVE..QUEUED_FROM].iter().chain(&claims[CLAIMS - 1..]);
+    let mut calls: Vec<_> = second_wave.map(call).collect();
+    wait::until("the prepare of the last claim to reach the disk", Duration::from_secs(30), || async {
+        Ok(checkpoint(&dirs, "boot-1")?.claims.contains_key(last_uid).then_some(()))
+    })
+    .await?;
+    // The third wave queues behind it: these prepares have not started when the agent dies.
+    calls.extend(claims[QUEUED_FROM..CLAIMS - 1].iter().map(call));
+    let waiting = [("operation", "Prepare")];
+    wait::until("the third wave to wait for the state lock", Duration::from_secs(20), || async {
+        let now = agent.metric("gpu_dra_kubelet_plugin_calls_waiting", &waiting).await?;
+        Ok((now >= (CLAIMS - 1 - QUEUED_FROM) as f64).then_some(()))
     })
     .await?;
     agent.kill()?;
-    let mut answered = 0;
     for call in calls {
         if matches!(call.await, Ok(Ok(_))) {
             answered += 1;
         }
     }
-    let specs_at_kill = dirs.cdi_specs()?.len();
-    ensure!(specs_at_kill < CLAIMS, "all {CLAIMS} prepares finished before the kill: the test proved nothing");
+    let at_kill = checkpoint(&dirs, "boot-1")?;
+    let in_flight = at_kill.half_prepared().count();
+    ensure!(in_flight > 0, "no prepare was in flight at the kill: the test proves nothing");
+    let started: Vec<_> =
+        claims[QUEUED_FROM..CLAIMS - 1].iter().filter(|(_, uid)| at_kill.claims.contains_key(uid)).collect();
+    ensure!(started.is_empty(), "queued behind the hung batch, yet started: {started:?}");
+    let specs_at_kill = dirs.cdi_specs()?.iter().filter(|name| name.ends_with(".json")).count();
+    // The hung write's fifo was the test's stand-in for a dead disk, not state the agent left: it goes with the disk.
+    std::fs::remove_file(&fifo)?;
 
     let _agent = ready_agent(&ctx, &node, &dirs, "64xH100-80GB").await?;
     let state = checkpoint(&dirs, "boot-1")?;
@@ -343,7 +364,11 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     let unprepared = kubelet.unprepare(&refs).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(dirs.cdi_specs()?.is_empty() && checkpoint(&dirs, "boot-1")?.claims.is_empty(), "state left behind");
-    eprintln!("kill -9 with {answered} of {CLAIMS} prepares answered and {specs_at_kill} specs written: consistent");
+    eprintln!(
+        "kill -9 with {answered} of {CLAIMS} prepares answered, {in_flight} in flight, {} queued and \
+         {specs_at_kill} specs written: consistent",
+        CLAIMS - 1 - QUEUED_FROM
+    );
     Ok(())
 }
 
