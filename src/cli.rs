@@ -246,6 +246,10 @@ pub struct GpuCheckArgs {
     /// health monitor would see, e.g. 5s; 0s skips it.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub watch_health: std::time::Duration,
+    /// Set the first sample GPU's compute time slice to Long and back to Default with nvidia-smi, as a prepare of a
+    /// claim asking `TimeSlicing` and its unprepare do (changes the GPU's setting for a moment; needs root).
+    #[arg(long)]
+    pub check_time_slice: bool,
 }
 
 /// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.

@@ -16,7 +16,8 @@ fn gpu_check(args: &[&str]) -> (bool, String) {
 
 #[test]
 fn simulated_gpus_are_reported_published_and_prepared() {
-    let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--claim-gpus", "2"]);
+    let simulated = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--claim-gpus", "2"];
+    let (ok, out) = gpu_check(&[&simulated[..], &["--check-time-slice"]].concat());
     assert!(ok, "{out}");
     for expected in [
         "2 GPU(s) found",
@@ -28,6 +29,7 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "NVIDIA_VISIBLE_DEVICES=void",
         "GPU health: simulated GPUs have no NVML events",
         "inject-faults",
+        "Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json",
     ] {
         assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
     }

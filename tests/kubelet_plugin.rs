@@ -6,6 +6,8 @@
 //! prepare while the liveness probe asks, and the calls queued behind it done together.
 
 mod support;
+#[path = "kubelet_plugin/time_slices.rs"]
+mod time_slices;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -20,6 +22,10 @@ use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
 use support::{TestContext, objects, wait};
+use time_slices::{
+    a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after,
+    claims_sharing_a_gpu_must_ask_the_same_time_slice,
+};
 
 fn main() {
     support::run(
@@ -34,6 +40,8 @@ fn main() {
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
+            test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
+            test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
         ],
     )
 }
@@ -58,14 +66,25 @@ async fn allocated_claim(
     devices: &[&str],
     config: Value,
 ) -> anyhow::Result<String> {
+    let results: Vec<Value> =
+        devices.iter().map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": pool, "device": d})).collect();
+    allocated_claim_with(ctx, name, results, config).await
+}
+
+/// Creates claim `name` asking for as many GPUs as `results` lists and writes `results` (request `gpus`) as its
+/// allocation, with the opaque `config`, reserved for a pod. Returns the claim's UID.
+async fn allocated_claim_with(
+    ctx: &TestContext,
+    name: &str,
+    results: Vec<Value>,
+    config: Value,
+) -> anyhow::Result<String> {
     let claim: ResourceClaim = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {
-            "deviceClassName": "gpu", "allocationMode": "ExactCount", "count": devices.len().max(1)}}]}}
+            "deviceClassName": "gpu", "allocationMode": "ExactCount", "count": results.len().max(1)}}]}}
     }))?;
     let created = objects::claims(ctx).create(&PostParams::default(), &claim).await?;
-    let results: Vec<Value> =
-        devices.iter().map(|d| json!({"request": "gpus", "driver": DRIVER, "pool": pool, "device": d})).collect();
     let status = json!({"status": {
         "allocation": {"devices": {"results": results, "config": config}},
         "reservedFor": [{"resource": "pods", "name": format!("{name}-pod"), "uid": format!("{}-pod", created.metadata.uid.clone().unwrap_or_default())}]

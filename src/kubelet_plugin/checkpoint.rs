@@ -21,7 +21,7 @@
 //! serialization of the `checkpoint` value as a `serde_json::Value`, which is canonical (object keys sorted), so it
 //! does not depend on the file's whitespace or key order, only on its content.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
@@ -30,6 +30,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::config::TimeSliceInterval;
 use crate::fsutil::write_atomic;
 use crate::node_agent::gpu::stable_hash;
 
@@ -52,6 +53,11 @@ pub struct Checkpoint {
     /// Claim UID → what was prepared for it.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimEntry>,
+    /// Devices of this pool whose time slice this agent changed and has not yet set back to the default: what
+    /// start-up sets again (the interval their holders ask, or the default), so a restore that failed or was
+    /// interrupted by a crash is finished later. See [`super::time_slice`].
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub time_sliced: BTreeSet<String>,
 }
 
 /// One claim's prepare record.
@@ -99,12 +105,16 @@ pub struct PreparedDevice {
     /// for other claims as for the scheduler. Absent (false) in files written before it was recorded.
     #[serde(default, skip_serializing_if = "is_false")]
     pub admin_access: bool,
+    /// The time slice this claim asked of the device (`GpuConfig` strategy `TimeSlicing`); absent when it asked
+    /// none. Every claim holding one device asks the same or none (see [`super::time_slice`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_slice: Option<TimeSliceInterval>,
 }
 
 impl Checkpoint {
     /// An empty checkpoint for the boot `boot_id`.
     pub fn new(boot_id: &str) -> Self {
-        Self { boot_id: boot_id.to_owned(), claims: BTreeMap::new() }
+        Self { boot_id: boot_id.to_owned(), claims: BTreeMap::new(), time_sliced: BTreeSet::new() }
     }
 
     /// The UID of a claim (the first by UID) holding `device` of `pool` in any state, shared or not.
@@ -155,7 +165,8 @@ impl Checkpoint {
             .map(|(uid, entry)| (uid.as_str(), entry))
     }
 
-    fn holders<'a, 'q>(
+    /// Every device of `pool` with its holders, as `(claim UID, device)`: what [`super::time_slice`] decides from.
+    pub fn holders<'a, 'q>(
         &'a self,
         pool: &'q str,
         device: &'q str,
@@ -266,7 +277,10 @@ impl CheckpointStore {
             Err(reason) => return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Corrupt { reason } }),
         };
         if same_boot(&stored.boot_id, current_boot_id) {
-            Ok(Loaded { checkpoint: Checkpoint { claims: stored.claims, ..fresh }, outcome: LoadOutcome::Loaded })
+            Ok(Loaded {
+                checkpoint: Checkpoint { claims: stored.claims, time_sliced: stored.time_sliced, ..fresh },
+                outcome: LoadOutcome::Loaded,
+            })
         } else {
             Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::PreviousBoot { dropped: stored.claims } })
         }
@@ -404,6 +418,7 @@ mod tests {
             cdi_device_ids: vec![format!("k8s.gpu.nvidia.com/claim=uid-{device}")],
             share_id: share_id.map(str::to_owned),
             admin_access: false,
+            time_slice: None,
         }
     }
 

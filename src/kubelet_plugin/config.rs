@@ -36,8 +36,9 @@ pub struct Sharing {
     pub time_slicing: Option<TimeSlicing>,
 }
 
-/// `Exclusive`: the GPU's default scheduling between the processes of the containers that share the claim.
-/// `TimeSlicing`: the same, with the time-slice length chosen by `timeSlicing.interval`.
+/// `Exclusive`: the GPU's scheduling between the processes of the containers that share the claim left as it is.
+/// `TimeSlicing`: the GPU's time slice set to `timeSlicing.interval` while the claim is prepared (see
+/// [`super::time_slice`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SharingStrategy {
     #[default]

@@ -37,6 +37,7 @@ pub struct PluginMetrics {
     pub prepared_devices: Gauge,
     pub checkpoint_corruptions: Counter,
     pub checkpoint_saves: Counter,
+    pub time_slice_restore_failures: Counter,
     waiting: Family<OperationLabels, Gauge>,
     pub registered: Gauge,
 }
@@ -54,6 +55,7 @@ impl PluginMetrics {
             prepared_devices: Gauge::default(),
             checkpoint_corruptions: Counter::default(),
             checkpoint_saves: Counter::default(),
+            time_slice_restore_failures: Counter::default(),
             waiting: Family::default(),
             registered: Gauge::default(),
         };
@@ -75,6 +77,11 @@ impl PluginMetrics {
             "checkpoint_saves",
             "Checkpoint saves, each an fsync'd atomic write; calls that arrive together share them",
             metrics.checkpoint_saves.clone(),
+        );
+        sub.register(
+            "time_slice_restore_failures",
+            "Failed attempts to set a GPU's time slice back after its claims went (start-up tries again)",
+            metrics.time_slice_restore_failures.clone(),
         );
         sub.register(
             "calls_waiting",

@@ -25,6 +25,7 @@ pub mod registration;
 pub mod service;
 pub mod socket;
 pub mod state;
+pub mod time_slice;
 
 use std::sync::Arc;
 

@@ -15,7 +15,7 @@
 //! concurrently. Calls that arrive together are done together, with one pair of checkpoint saves
 //! ([`group_commit`](super::group_commit)).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -28,11 +28,14 @@ use super::allocation::{self, ClaimRef, Inventory, PlannedDevice};
 use super::checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
 };
+use super::config::TimeSliceInterval;
 use super::group_commit::Queue;
 pub use super::metrics::Operation;
 use super::metrics::PluginMetrics;
+use super::time_slice;
 use crate::cdi::{self, CdiKind, DriverFiles};
 use crate::node_agent::gpu::Gpu;
+use crate::node_agent::time_slice_control::TimeSliceControl;
 
 /// A claim's outcome: its devices, or why it was refused.
 pub type ClaimResult<T> = (String, Result<T, String>);
@@ -85,6 +88,8 @@ pub struct StateConfig {
     pub state_dir: PathBuf,
     pub driver_files: DriverFiles,
     pub boot_id: String,
+    /// Sets the time slice a claim's `GpuConfig` asks of its GPUs.
+    pub time_slices: Arc<dyn TimeSliceControl>,
 }
 
 /// The plugin's state; shared by the gRPC service and start-up recovery.
@@ -96,6 +101,7 @@ pub struct DriverState {
     cdi_kind: CdiKind,
     cdi_dir: PathBuf,
     driver_files: DriverFiles,
+    time_slices: Arc<dyn TimeSliceControl>,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
     prepares: Queue<(ClaimRef, Plan), Vec<PreparedDevice>>,
@@ -142,6 +148,7 @@ impl DriverState {
             cdi_kind,
             cdi_dir: config.cdi_dir,
             driver_files: config.driver_files,
+            time_slices: config.time_slices,
             store,
             checkpoint: Mutex::new(loaded.checkpoint),
             prepares: Queue::new(metrics.waiting(Operation::Prepare)),
@@ -311,8 +318,7 @@ impl DriverState {
         reads: Vec<(ClaimRef, Plan)>,
     ) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let mut results = Vec::with_capacity(reads.len());
-        // (claim, its GPUs, the entry it replaces: a recovered one, put back if this prepare fails)
-        let mut todo: Vec<(ClaimRef, Vec<Gpu>, Option<ClaimEntry>)> = Vec::new();
+        let mut todo: Vec<Todo> = Vec::new();
         for (claim, plan) in reads {
             let planned = match plan {
                 Plan::Done(devices) => {
@@ -343,11 +349,25 @@ impl DriverState {
                 continue;
             }
             let devices = self.prepared_devices(&claim, &planned);
-            if let Some(reason) = conflict(checkpoint, &claim, &planned, &devices) {
-                warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
-                results.push((claim.uid, Err(reason)));
-                continue;
-            }
+            let asks = time_slice::claim_asks(&claim, &planned).and_then(|asks| {
+                match time_slice::conflict(checkpoint, &self.pool, &claim, &asks) {
+                    Some(reason) => Err(reason),
+                    None => Ok(asks),
+                }
+            });
+            let refusal = conflict(checkpoint, &claim, &planned, &devices).map_or(asks, Err);
+            let asks = match refusal {
+                Ok(asks) => asks,
+                Err(reason) => {
+                    warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
+                    results.push((claim.uid, Err(reason)));
+                    continue;
+                }
+            };
+            // Listed before the GPU is changed, so a crash right after the change still leaves it to be set back.
+            checkpoint.time_sliced.extend(
+                asks.iter().filter(|(_, i)| **i != TimeSliceInterval::Default).map(|(device, _)| device.clone()),
+            );
             let entry = ClaimEntry {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
@@ -356,22 +376,26 @@ impl DriverState {
                 recovered: false,
             };
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
-            todo.push((claim, unique_gpus(&planned), previous));
+            todo.push(Todo { gpus: unique_gpus(&planned), claim, previous, asks });
         }
         if todo.is_empty() {
             return results;
         }
         if let Err(e) = self.save(checkpoint) {
-            for (claim, _, previous) in todo {
+            for Todo { claim, previous, .. } in todo {
                 restore(checkpoint, &claim.uid, previous);
                 results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
             }
             return results;
         }
         let mut written = Vec::new();
-        for (claim, gpus, previous) in todo {
-            let write = cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
-                .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec));
+        let mut set_in_batch = BTreeMap::new();
+        for Todo { claim, gpus, previous, asks } in todo {
+            let write = self.set_time_slices(checkpoint, &claim, &gpus, &asks, &mut set_in_batch).and_then(|()| {
+                cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
+                    .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec))
+                    .map_err(|e| e.to_string())
+            });
             match write {
                 Ok(_) => {
                     if let Some(entry) = checkpoint.claims.get_mut(&claim.uid) {
@@ -380,13 +404,15 @@ impl DriverState {
                     written.push(claim);
                 }
                 Err(e) => {
-                    warn!(claim = %claim, uid = %claim.uid, error = %e, "writing the CDI spec failed");
+                    warn!(claim = %claim, uid = %claim.uid, error = %e, "preparing the claim's GPUs failed");
                     // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
                     if previous.is_none() {
                         self.remove_spec_logged(&claim.uid);
                     }
                     restore(checkpoint, &claim.uid, previous);
-                    results.push((claim.uid, Err(e.to_string())));
+                    // A GPU set for this claim before a later step failed goes back to what its holders ask.
+                    self.reset_time_slices(checkpoint, &asks.into_keys().collect());
+                    results.push((claim.uid, Err(e)));
                 }
             }
         }
@@ -430,6 +456,9 @@ impl DriverState {
         if removed.is_empty() {
             return results;
         }
+        let released = removed.iter().flat_map(|(_, entry)| &entry.devices).filter(|d| d.time_slice.is_some());
+        let released: BTreeSet<String> = released.map(|d| d.device.clone()).collect();
+        self.reset_time_slices(checkpoint, &released);
         let saved = self.save(checkpoint);
         for (claim, entry) in removed {
             match &saved {
@@ -448,6 +477,63 @@ impl DriverState {
         results
     }
 
+    /// Sets the intervals `claim` asks of its GPUs, except where a prepared claim (or one earlier in this batch)
+    /// already had the same set.
+    fn set_time_slices(
+        &self,
+        checkpoint: &Checkpoint,
+        claim: &ClaimRef,
+        gpus: &[Gpu],
+        asks: &BTreeMap<String, TimeSliceInterval>,
+        set_in_batch: &mut BTreeMap<String, TimeSliceInterval>,
+    ) -> Result<(), String> {
+        for (device, interval) in asks {
+            if set_in_batch.get(device) == Some(interval)
+                || time_slice::already_set(checkpoint, &self.pool, &claim.uid, device, *interval)
+            {
+                continue;
+            }
+            let Some(gpu) = gpus.iter().find(|gpu| gpu.device_name() == *device) else { continue };
+            self.time_slices.set(gpu, *interval).map_err(|e| {
+                format!(
+                    "claim {claim}: set the time slice of device {device:?} (GPU {}) to {interval:?}: {e}",
+                    gpu.uuid
+                )
+            })?;
+            info!(claim = %claim, uid = %claim.uid, device, ?interval, "set the GPU's time slice");
+            set_in_batch.insert(device.clone(), *interval);
+        }
+        Ok(())
+    }
+
+    /// Sets each listed device of `devices` that is in [`Checkpoint::time_sliced`] to what its holders ask now,
+    /// taking it off the list once it is back at `Default`. A GPU gone from the node, or a failed set, stays listed
+    /// (the next start-up tries again) and is warned about.
+    fn reset_time_slices(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) {
+        let inventory = self.inventory.borrow().clone();
+        let listed: Vec<&String> = devices.iter().filter(|d| checkpoint.time_sliced.contains(*d)).collect();
+        for device in listed {
+            let wanted = time_slice::wanted(checkpoint, &self.pool, device);
+            let Some(gpu) = inventory.get(device) else {
+                warn!(device, "a time-sliced GPU is gone from this node; its time slice is set when it is back");
+                continue;
+            };
+            match self.time_slices.set(gpu, wanted) {
+                Ok(()) => {
+                    info!(device, interval = ?wanted, "set the GPU's time slice to what its claims ask");
+                    if wanted == TimeSliceInterval::Default {
+                        checkpoint.time_sliced.remove(device);
+                    }
+                }
+                Err(e) => {
+                    self.metrics.time_slice_restore_failures.inc();
+                    warn!(device, interval = ?wanted, error = %e, "setting the GPU's time slice failed; start-up \
+                        tries again");
+                }
+            }
+        }
+    }
+
     /// The answer for each planned device: CDI id, base request name, pool and device.
     fn prepared_devices(&self, claim: &ClaimRef, planned: &[PlannedDevice]) -> Vec<PreparedDevice> {
         planned
@@ -459,6 +545,7 @@ impl DriverState {
                 cdi_device_ids: vec![cdi::device_id(&self.cdi_kind, &claim.uid, p.gpu.minor)],
                 share_id: p.share_id.clone(),
                 admin_access: p.admin_access,
+                time_slice: time_slice::asked(p),
             })
             .collect()
     }
@@ -517,6 +604,8 @@ impl DriverState {
                 Err(e) => warn!(%uid, error = %e, "re-writing a missing CDI spec failed"),
             }
         }
+        let time_sliced = checkpoint.time_sliced.clone();
+        self.reset_time_slices(&mut checkpoint, &time_sliced);
         let mut orphans = 0;
         // A writer killed between creating its temporary file and renaming it leaves the temporary behind.
         match cdi::remove_abandoned_spec_temporaries(&self.cdi_dir, &self.cdi_kind) {
@@ -559,6 +648,16 @@ impl super::group_commit::ForClaim for (ClaimRef, Plan) {
     fn usable(&self) -> bool {
         !matches!(self.1, Plan::Todo(Err(_)))
     }
+}
+
+/// A claim of a batch, recorded as started, to be prepared.
+struct Todo {
+    claim: ClaimRef,
+    gpus: Vec<Gpu>,
+    /// The entry it replaces (a recovered one), put back if this prepare fails.
+    previous: Option<ClaimEntry>,
+    /// The time slice it asks of each GPU, by device name.
+    asks: BTreeMap<String, TimeSliceInterval>,
 }
 
 /// A claim's plan after the API read.
@@ -604,6 +703,7 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             cdi_device_ids: vec![cdi::device_id(kind, uid, minor)],
             share_id: None,
             admin_access: false,
+            time_slice: None,
         })
         .collect()
 }

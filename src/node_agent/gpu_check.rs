@@ -70,10 +70,40 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         let state = if Path::new(&node).exists() { "present" } else { "MISSING on this machine" };
         println!("  device node {node}: {state}");
     }
+    if args.check_time_slice {
+        check_time_slice(args, &claim[0]);
+    }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
     }
     Ok(())
+}
+
+/// Sets `gpu`'s time slice to Long and back to Default the way a prepare and an unprepare do, and prints each
+/// outcome (a failure is reported, not fatal: the rest of the check still says something).
+fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) {
+    use crate::kubelet_plugin::config::TimeSliceInterval;
+    use crate::node_agent::time_slice_control::{NvidiaSmi, TimeSliceControl};
+    if args.gpu.gpu_backend == GpuBackend::Simulated {
+        println!(
+            "
+Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json (see the README)"
+        );
+        return;
+    }
+    let control = NvidiaSmi::new(args.gpu.driver_root_to_read().unwrap_or(Path::new("/")), &args.gpu.nvml_library());
+    println!(
+        "
+Time slice of {} ({}), as a claim asking TimeSlicing would set it:",
+        gpu.device_name(),
+        gpu.uuid
+    );
+    for interval in [TimeSliceInterval::Long, TimeSliceInterval::Default] {
+        match control.set(gpu, interval) {
+            Ok(()) => println!("  set to {interval:?}: ok"),
+            Err(e) => println!("  set to {interval:?}: FAILED: {e}"),
+        }
+    }
 }
 
 /// Watches NVML's health events for `--watch-health` and prints what the node agent's monitor would see: the

@@ -17,6 +17,7 @@ pub mod gpu_check;
 pub mod health;
 mod plugin;
 pub mod slices;
+pub mod time_slice_control;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -93,6 +94,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),
         boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
+        time_slices: time_slice_control::backend(gpu, &args.state_dir),
     };
     let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
     let client =

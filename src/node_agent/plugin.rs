@@ -19,6 +19,7 @@ use crate::kubelet_plugin::health::{HealthReport, HealthService};
 use crate::kubelet_plugin::metrics::PluginMetrics;
 use crate::kubelet_plugin::state::{DriverState, Recovery, StateConfig};
 use crate::kubelet_plugin::{self, SocketPaths};
+use crate::node_agent::time_slice_control::TimeSliceControl;
 use crate::telemetry::server::Liveness;
 
 /// Everything the plugin needs that does not change while the agent runs.
@@ -36,6 +37,8 @@ pub(super) struct PluginSettings {
     /// Where the host sees `driver_root` when it differs (see `--host-driver-root`).
     pub(super) host_driver_root: Option<PathBuf>,
     pub(super) boot_id: String,
+    /// Sets the time slices claims ask of their GPUs.
+    pub(super) time_slices: Arc<dyn TimeSliceControl>,
 }
 
 /// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
@@ -59,6 +62,7 @@ pub(super) async fn start(
         state_dir: settings.state_dir.clone(),
         driver_files,
         boot_id: settings.boot_id.clone(),
+        time_slices: settings.time_slices.clone(),
     };
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;

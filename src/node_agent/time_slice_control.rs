@@ -1,0 +1,218 @@
+//! Setting a GPU's compute time slice, behind one trait like discovery: `nvidia-smi compute-policy` for real GPUs
+//! (NVML has no call for it; NVIDIA's own DRA driver runs the same command), a state file for simulated ones so
+//! that the whole prepare path, restarts included, runs on machines without GPUs.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::kubelet_plugin::config::TimeSliceInterval;
+use crate::node_agent::gpu::Gpu;
+
+/// The simulated GPUs' time slices, under the state directory: `{"gpu-0": "Long"}`, a GPU absent is `Default`.
+pub const SIMULATED_FILE: &str = "simulated-time-slices.json";
+
+/// How long one `nvidia-smi` may take before it is given up on (it runs under the prepare lock).
+const NVIDIA_SMI_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Why a time slice could not be set; the claim's prepare fails with it, and the kubelet retries.
+#[derive(Debug, thiserror::Error)]
+pub enum TimeSliceError {
+    #[error("run {program} ({args}): {source}. Is the NVIDIA driver's nvidia-smi under --driver-root?")]
+    Spawn {
+        program: String,
+        args: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{program} {args} failed ({status}): {output}")]
+    Failed { program: String, args: String, status: String, output: String },
+    #[error("{program} {args} did not finish within {timeout:?}; it was killed")]
+    TimedOut { program: String, args: String, timeout: Duration },
+    #[error("record the simulated time slice in {path}: {source}")]
+    Simulated {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The control for `gpu`'s backend: simulated GPUs keep theirs under `state_dir`.
+pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path) -> std::sync::Arc<dyn TimeSliceControl> {
+    match gpu.gpu_backend {
+        crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedTimeSlices::new(state_dir)),
+        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(NvidiaSmi::new(
+            gpu.driver_root_to_read().unwrap_or(Path::new("/")),
+            &gpu.nvml_library(),
+        )),
+    }
+}
+
+/// Sets a GPU's time slice.
+pub trait TimeSliceControl: Send + Sync + std::fmt::Debug {
+    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError>;
+}
+
+/// The number `nvidia-smi compute-policy --set-timeslice` takes: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG.
+pub fn nvidia_smi_value(interval: TimeSliceInterval) -> u8 {
+    match interval {
+        TimeSliceInterval::Default => 0,
+        TimeSliceInterval::Short => 1,
+        TimeSliceInterval::Medium => 2,
+        TimeSliceInterval::Long => 3,
+    }
+}
+
+/// `nvidia-smi` of the driver under the driver root, run with that root's libraries.
+#[derive(Debug, Clone)]
+pub struct NvidiaSmi {
+    program: PathBuf,
+    /// The directory of the driver's `libnvidia-ml.so.1`, when it is not where the dynamic loader looks.
+    library_dir: Option<PathBuf>,
+}
+
+impl NvidiaSmi {
+    /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`; `nvml_library` is the NVML
+    /// library discovery loads (its directory joins `LD_LIBRARY_PATH` when it is a path).
+    pub fn new(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
+        let program = ["usr/bin/nvidia-smi", "bin/nvidia-smi"]
+            .iter()
+            .map(|candidate| driver_root.join(candidate))
+            .find(|path| path.exists())
+            .unwrap_or_else(|| PathBuf::from("nvidia-smi"));
+        let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
+        Self { program, library_dir }
+    }
+
+    /// A given program (tests of the process handling).
+    pub fn with_program(program: PathBuf) -> Self {
+        Self { program, library_dir: None }
+    }
+
+    fn run(&self, args: &[String]) -> Result<(), TimeSliceError> {
+        let program = self.program.display().to_string();
+        let shown = args.join(" ");
+        let mut command = Command::new(&self.program);
+        command.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        if let Some(dir) = &self.library_dir {
+            command.env("LD_LIBRARY_PATH", dir);
+        }
+        let mut child = command.spawn().map_err(|source| TimeSliceError::Spawn {
+            program: program.clone(),
+            args: shown.clone(),
+            source,
+        })?;
+        let started = Instant::now();
+        let status = loop {
+            match child.try_wait() {
+                Ok(Some(status)) => break status,
+                Ok(None) if started.elapsed() < NVIDIA_SMI_TIMEOUT => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err(TimeSliceError::TimedOut { program, args: shown, timeout: NVIDIA_SMI_TIMEOUT });
+                }
+                Err(source) => return Err(TimeSliceError::Spawn { program, args: shown, source }),
+            }
+        };
+        if status.success() {
+            return Ok(());
+        }
+        // Its output is a line or two: it fits the pipes, so reading after the exit cannot block.
+        let mut output = String::new();
+        if let Some(mut stdout) = child.stdout.take() {
+            let _ = stdout.read_to_string(&mut output);
+        }
+        if let Some(mut stderr) = child.stderr.take() {
+            let _ = stderr.read_to_string(&mut output);
+        }
+        Err(TimeSliceError::Failed {
+            program,
+            args: shown,
+            status: status.to_string(),
+            output: output.trim().to_string(),
+        })
+    }
+}
+
+impl TimeSliceControl for NvidiaSmi {
+    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError> {
+        let value = nvidia_smi_value(interval).to_string();
+        self.run(&["compute-policy".into(), "-i".into(), gpu.uuid.clone(), "--set-timeslice".into(), value])
+    }
+}
+
+/// Simulated GPUs' time slices, kept in a file like a GPU keeps its setting: across agent restarts.
+#[derive(Debug, Clone)]
+pub struct SimulatedTimeSlices {
+    path: PathBuf,
+}
+
+impl SimulatedTimeSlices {
+    pub fn new(state_dir: &Path) -> Self {
+        Self { path: state_dir.join(SIMULATED_FILE) }
+    }
+
+    /// What each simulated GPU is set to (device name → interval); an unreadable file reads as all `Default`.
+    pub fn read(path: &Path) -> BTreeMap<String, TimeSliceInterval> {
+        std::fs::read(path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
+    }
+}
+
+impl TimeSliceControl for SimulatedTimeSlices {
+    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError> {
+        let mut all = Self::read(&self.path);
+        match interval {
+            TimeSliceInterval::Default => all.remove(&gpu.device_name()),
+            other => all.insert(gpu.device_name(), other),
+        };
+        let bytes = serde_json::to_vec_pretty(&all)
+            .map_err(|e| TimeSliceError::Simulated { path: self.path.clone(), source: std::io::Error::other(e) })?;
+        crate::fsutil::write_atomic(&self.path, &bytes)
+            .map_err(|source| TimeSliceError::Simulated { path: self.path.clone(), source })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node_agent::gpu::test_gpu;
+
+    #[test]
+    fn nvidia_smi_numbers() {
+        let all =
+            [TimeSliceInterval::Default, TimeSliceInterval::Short, TimeSliceInterval::Medium, TimeSliceInterval::Long];
+        assert_eq!(all.map(nvidia_smi_value), [0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_failing_nvidia_smi_is_reported_with_its_output() {
+        let gpu = test_gpu(0, "0000:01:00.0");
+        let failing = NvidiaSmi::with_program("/bin/sh".into());
+        // `sh compute-policy …` fails: no such script; its message is part of the error.
+        let error = failing.set(&gpu, TimeSliceInterval::Long).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            error.contains("compute-policy -i GPU-00000000-0000-0000-0000-000000000000 --set-timeslice 3"),
+            "{error}"
+        );
+        assert!(error.contains("failed (exit status"), "{error}");
+        assert!(error.contains("compute-policy"), "{error}");
+        let missing = NvidiaSmi::with_program("/nonexistent/nvidia-smi".into());
+        let error = missing.set(&gpu, TimeSliceInterval::Short).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(error.contains("Is the NVIDIA driver's nvidia-smi under --driver-root?"), "{error}");
+    }
+
+    #[test]
+    fn simulated_gpus_keep_their_time_slice_in_a_file() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let control = SimulatedTimeSlices::new(dir.path());
+        control.set(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long)?;
+        control.set(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Short)?;
+        control.set(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Default)?;
+        let now = SimulatedTimeSlices::read(&dir.path().join(SIMULATED_FILE));
+        assert_eq!(now, [("gpu-0".to_string(), TimeSliceInterval::Long)].into());
+        Ok(())
+    }
+}
