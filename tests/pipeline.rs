@@ -525,10 +525,23 @@ async fn pod_with_memory_share(
     class: &str,
     memory: &str,
 ) -> anyhow::Result<()> {
+    pod_with_configured_share(ctx, namespace, name, node, class, memory, json!([])).await
+}
+
+/// As [`pod_with_memory_share`], the claim carrying `config` (its `spec.devices.config`).
+async fn pod_with_configured_share(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+    node: &str,
+    class: &str,
+    memory: &str,
+    config: Value,
+) -> anyhow::Result<()> {
     let claim: ResourceClaim = serde_json::from_value(json!({
         "metadata": {"name": name},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
-            "deviceClassName": class, "capacity": {"requests": {"memory": memory}}}}]}}
+            "deviceClassName": class, "capacity": {"requests": {"memory": memory}}}}], "config": config}}
     }))?;
     Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).create(&PostParams::default(), &claim).await?;
     Api::<Pod>::namespaced(ctx.client.clone(), namespace)
@@ -626,7 +639,54 @@ async fn share_one_gpu(
     ensure!(late.len() == 1 && late[0].0 == "gpu-0" && late[0].2 == "8Gi", "late: {late:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs after the swap: {:?}", dirs.cdi_specs()?);
     eprintln!("two namespaces shared gpu-0 by memory; the third share waited ({why}) until one was released");
+    shares_ask_one_time_slice(ctx, other, node, dirs, kubelet, class).await?;
     whole_gpu_by_extended_resource(ctx, other, node, class).await
+}
+
+/// Two tenants' pods on shares of one GPU asking different time slices (`GpuConfig` TimeSlicing, one in NVIDIA's
+/// spelling): the GPU is set for the first; the second's prepare fails naming the first, the kubelet retries, and
+/// once the first pod is gone the GPU is set for the second; when that one goes too, back to the default. The
+/// shares already on the GPU ask nothing and are not disturbed.
+async fn shares_ask_one_time_slice(
+    ctx: &TestContext,
+    other: &str,
+    node: &str,
+    dirs: &NodeDirs,
+    kubelet: &KubeletHarness,
+    class: &str,
+) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let time_slices = || -> anyhow::Result<BTreeMap<String, String>> {
+        match std::fs::read(dirs.state().join("simulated-time-slices.json")) {
+            Ok(bytes) => Ok(serde_json::from_slice(&bytes)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+            Err(e) => Err(e.into()),
+        }
+    };
+    let asking = |parameters: Value| json!([{"opaque": {"driver": DRIVER, "parameters": parameters}}]);
+    let long = asking(json!({"apiVersion": format!("{DRIVER}/v1alpha1"), "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}));
+    let short = asking(json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}}));
+    pod_with_configured_share(ctx, ns, "slow", node, class, "8Gi", long).await?;
+    kubelet.wait_for("prepared", &format!("{ns}/slow"), PREPARE_TIMEOUT).await?;
+    ensure!(time_slices()? == BTreeMap::from([("gpu-0".into(), "Long".into())]), "{:?}", time_slices()?);
+    pod_with_configured_share(ctx, other, "fast", node, class, "8Gi", short).await?;
+    let failed = kubelet.wait_for("prepare-failed", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
+    let error = failed["error"].as_str().unwrap_or_default();
+    ensure!(error.contains(&format!("is time-sliced Long for claim {ns}/slow")), "prepare-failed: {failed}");
+    let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    objects::pods(ctx).delete("slow", &now).await?;
+    kubelet.wait_for("unprepared", &format!("{ns}/slow"), PREPARE_TIMEOUT).await?;
+    objects::claims(ctx).delete("slow", &DeleteParams::default()).await?;
+    kubelet.wait_for("prepared", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
+    ensure!(time_slices()? == BTreeMap::from([("gpu-0".into(), "Short".into())]), "{:?}", time_slices()?);
+    Api::<Pod>::namespaced(ctx.client.clone(), other).delete("fast", &now).await?;
+    kubelet.wait_for("unprepared", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
+    Api::<ResourceClaim>::namespaced(ctx.client.clone(), other).delete("fast", &DeleteParams::default()).await?;
+    ensure!(time_slices()?.is_empty(), "the last claim asking a time slice went: {:?}", time_slices()?);
+    eprintln!("shares of gpu-0 asking Long then Short: the second waited ({error}), then got its own");
+    Ok(())
 }
 
 /// A container asking `nvidia.com/gpu: 1` (the class's extended resource) names no memory, so it asks for the
