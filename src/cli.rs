@@ -260,3 +260,28 @@ fn parse_resync_period(text: &str) -> Result<Duration, String> {
     }
     Ok(period)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resync_periods_between_a_second_and_an_hour() {
+        let cases = [
+            ("1s", Ok(Duration::from_secs(1))),
+            ("60s", Ok(Duration::from_secs(60))),
+            ("1h", Ok(Duration::from_secs(3600))),
+            ("999ms", Err("999ms is outside 1s..1h")),
+            ("61m", Err("61m is outside 1s..1h")),
+            ("0s", Err("0s is outside 1s..1h")),
+            ("soon", Err("")),
+        ];
+        for (text, want) in cases {
+            match (parse_resync_period(text), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{text}"),
+                (Err(got), Err(want)) => assert!(got.contains(want), "{text}: {got:?} lacks {want:?}"),
+                (got, want) => panic!("{text}: got {got:?}, want {want:?}"),
+            }
+        }
+    }
+}
