@@ -2,7 +2,7 @@
 # Checks a GPU machine in one command, without a cluster: the node agent's NVML discovery, the ResourceSlice it
 # would publish, one sample claim prepared into a scratch CDI directory (the spec is printed, then removed), and what
 # NVML's health events report in 5 s (--watch-health: the events each GPU supports, any fault with its class), and,
-# where nvidia-smi is installed, the first GPU's time slice set to Long and back (--check-time-slice).
+# when asked (--check-time-slice: not on a node running claims), the first GPU's time slice set to Long and back.
 #
 # Usage: e2e/gpu-check.sh [gpu-dra gpu-check flags…]
 #   e.g. e2e/gpu-check.sh --driver-root /run/nvidia/driver --claim-gpus 2
@@ -34,10 +34,7 @@ fi
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/gpu-dra-check.XXXXXX")
 trap 'rm -rf "$scratch"' EXIT
-extra=()
-# With the driver's nvidia-smi at hand, also set the first GPU's time slice and back, as TimeSlicing claims do.
-if command -v nvidia-smi >/dev/null 2>&1; then extra+=(--check-time-slice); fi
-"$bin" gpu-check --cdi-dir "$scratch/cdi" "${extra[@]}" "$@"
+"$bin" gpu-check --cdi-dir "$scratch/cdi" "$@"
 for spec in "$scratch"/cdi/*.json; do
     [[ -e "$spec" ]] || die "no CDI spec was written"
     printf '\nCDI spec %s:\n' "$(basename "$spec")"

@@ -80,7 +80,8 @@ impl PluginMetrics {
         );
         sub.register(
             "time_slice_restore_failures",
-            "Failed attempts to set a GPU's time slice back after its claims went (start-up tries again)",
+            "Failed attempts to set a GPU's time slice back after its claims went, or again at start-up (the next \
+             unprepare or start-up tries again)",
             metrics.time_slice_restore_failures.clone(),
         );
         sub.register(

@@ -319,6 +319,7 @@ impl DriverState {
     ) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let mut results = Vec::with_capacity(reads.len());
         let mut todo: Vec<Todo> = Vec::new();
+        let mut newly_listed = Vec::new();
         for (claim, plan) in reads {
             let planned = match plan {
                 Plan::Done(devices) => {
@@ -365,9 +366,11 @@ impl DriverState {
                 }
             };
             // Listed before the GPU is changed, so a crash right after the change still leaves it to be set back.
-            checkpoint.time_sliced.extend(
-                asks.iter().filter(|(_, i)| **i != TimeSliceInterval::Default).map(|(device, _)| device.clone()),
-            );
+            for (device, _) in asks.iter().filter(|(_, i)| **i != TimeSliceInterval::Default) {
+                if checkpoint.time_sliced.insert(device.clone()) {
+                    newly_listed.push(device.clone());
+                }
+            }
             let entry = ClaimEntry {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
@@ -382,6 +385,10 @@ impl DriverState {
             return results;
         }
         if let Err(e) = self.save(checkpoint) {
+            // Nothing was changed: GPUs listed for this batch only are not to be set back by anyone.
+            for device in newly_listed {
+                checkpoint.time_sliced.remove(&device);
+            }
             for Todo { claim, previous, .. } in todo {
                 restore(checkpoint, &claim.uid, previous);
                 results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
@@ -456,10 +463,20 @@ impl DriverState {
         if removed.is_empty() {
             return results;
         }
-        let released = removed.iter().flat_map(|(_, entry)| &entry.devices).filter(|d| d.time_slice.is_some());
-        let released: BTreeSet<String> = released.map(|d| d.device.clone()).collect();
-        self.reset_time_slices(checkpoint, &released);
         let saved = self.save(checkpoint);
+        if saved.is_ok() {
+            // After the save, the GPUs still listed: a crash or failure here leaves them for the next try. Every
+            // listed GPU nobody asks for any more, so a set-back that failed earlier is tried again.
+            let idle = time_slice::to_set_back(checkpoint, &self.pool);
+            let before = checkpoint.time_sliced.len();
+            self.reset_time_slices(checkpoint, &idle.into_iter().collect());
+            if checkpoint.time_sliced.len() != before
+                && let Err(e) = self.save(checkpoint)
+            {
+                // Still listed on disk: the next save, or start-up, records it (setting Default again is harmless).
+                warn!(error = %e, "recording GPUs set back to the default time slice failed");
+            }
+        }
         for (claim, entry) in removed {
             match &saved {
                 Ok(()) => {
@@ -506,12 +523,17 @@ impl DriverState {
         Ok(())
     }
 
-    /// Sets each listed device of `devices` that is in [`Checkpoint::time_sliced`] to what its holders ask now,
-    /// taking it off the list once it is back at `Default`. A GPU gone from the node, or a failed set, stays listed
-    /// (the next start-up tries again) and is warned about.
+    /// Sets each device of `devices` that is in [`Checkpoint::time_sliced`] to what its holders ask now, taking it
+    /// off the list (in memory: the next save records it) once it is back at `Default`. A GPU a recovered entry
+    /// holds is left as it is (what that claim asked is unknown). A GPU gone from the node, or a failed set, stays
+    /// listed (the next unprepare or start-up tries again) and is warned about.
     fn reset_time_slices(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) {
         let inventory = self.inventory.borrow().clone();
-        let listed: Vec<&String> = devices.iter().filter(|d| checkpoint.time_sliced.contains(*d)).collect();
+        let listed: Vec<&String> = devices
+            .iter()
+            .filter(|d| checkpoint.time_sliced.contains(*d))
+            .filter(|d| !time_slice::held_by_recovered(checkpoint, &self.pool, d))
+            .collect();
         for device in listed {
             let wanted = time_slice::wanted(checkpoint, &self.pool, device);
             let Some(gpu) = inventory.get(device) else {
@@ -527,8 +549,8 @@ impl DriverState {
                 }
                 Err(e) => {
                     self.metrics.time_slice_restore_failures.inc();
-                    warn!(device, interval = ?wanted, error = %e, "setting the GPU's time slice failed; start-up \
-                        tries again");
+                    warn!(device, interval = ?wanted, error = %e, "setting the GPU's time slice failed; the next \
+                        unprepare or start-up tries again");
                 }
             }
         }
@@ -566,6 +588,8 @@ impl DriverState {
                 devices,
                 recovered: true,
             };
+            // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared.
+            checkpoint.time_sliced.extend(entry.devices.iter().map(|d| d.device.clone()));
             checkpoint.claims.insert(uid.clone(), entry);
         }
         let moved_to = self.store.replace_corrupt(&checkpoint)?;

@@ -11,7 +11,10 @@
 //! - a device allocated with admin access (a monitoring pod looking at every GPU) neither sets nor constrains it;
 //! - when the last claim asking an interval of a GPU is unprepared, the GPU is set back to `Default`; the
 //!   checkpoint lists the GPUs not yet set back ([`Checkpoint::time_sliced`]), and start-up sets each again, so a
-//!   failed or interrupted restore is finished and a driver reload without a reboot gets the asked intervals back.
+//!   failed or interrupted restore is finished and a driver reload without a reboot gets the asked intervals back
+//!   once the agent restarts; every unprepare also retries listed GPUs nobody asks for any more;
+//! - a claim adopted from a CDI spec after a corrupt checkpoint (a recovered entry) may have asked anything: its GPUs
+//!   are listed and left as they are until it is unprepared.
 //!
 //! [`TimeSliceControl`]: crate::node_agent::time_slice_control::TimeSliceControl
 
@@ -91,6 +94,24 @@ pub fn already_set(
 /// What `device` of `pool` is to be set to now: the interval its holders ask (they agree), else `Default`.
 pub fn wanted(checkpoint: &Checkpoint, pool: &str, device: &str) -> TimeSliceInterval {
     holders_asking(checkpoint, pool, device).map(|(_, interval)| interval).next().unwrap_or_default()
+}
+
+/// Whether a recovered entry (adopted after a corrupt checkpoint: what it asked is unknown) holds `device` of
+/// `pool`: its GPU is left as it is until the kubelet unprepares it.
+pub fn held_by_recovered(checkpoint: &Checkpoint, pool: &str, device: &str) -> bool {
+    checkpoint.holders(pool, device).any(|(uid, _)| checkpoint.claims.get(uid).is_some_and(|entry| entry.recovered))
+}
+
+/// The devices [`Checkpoint::time_sliced`] lists that no claim holds asking an interval any more (nor a recovered
+/// one, which might): those to set back to `Default`.
+pub fn to_set_back(checkpoint: &Checkpoint, pool: &str) -> Vec<String> {
+    checkpoint
+        .time_sliced
+        .iter()
+        .filter(|device| holders_asking(checkpoint, pool, device).next().is_none())
+        .filter(|device| !held_by_recovered(checkpoint, pool, device))
+        .cloned()
+        .collect()
 }
 
 fn holders_asking<'a>(
@@ -241,5 +262,18 @@ mod tests {
             entry.state = PrepareState::PrepareStarted;
         }
         assert!(!already_set(&starting, "node-a", "b", "gpu-0", Long), "a started prepare has not set it yet");
+    }
+
+    #[test]
+    fn what_goes_back_to_default() {
+        let mut checkpoint = holding(&[
+            ("a", "gpu-0", Some(Long), false),
+            ("b", "gpu-1", None, false),
+            ("recovered", "gpu-2", None, true),
+        ]);
+        checkpoint.time_sliced = ["gpu-0", "gpu-1", "gpu-2", "gpu-3"].map(String::from).into();
+        assert_eq!(to_set_back(&checkpoint, "node-a"), ["gpu-1", "gpu-3"]);
+        assert!(held_by_recovered(&checkpoint, "node-a", "gpu-2"));
+        assert!(!held_by_recovered(&checkpoint, "node-a", "gpu-0"));
     }
 }

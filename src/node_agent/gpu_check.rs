@@ -25,6 +25,8 @@ pub enum GpuCheckError {
     Cdi(#[from] cdi::CdiError),
     #[error("load the written CDI spec {path} back with the CDI crate: {reason}")]
     LoadSpec { path: String, reason: String },
+    #[error("set the GPU's time slice: {0} (run without --check-time-slice to skip)")]
+    TimeSlice(#[source] crate::node_agent::time_slice_control::TimeSliceError),
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
     HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
@@ -71,7 +73,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         println!("  device node {node}: {state}");
     }
     if args.check_time_slice {
-        check_time_slice(args, &claim[0]);
+        check_time_slice(args, &claim[0])?;
     }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
@@ -80,16 +82,13 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
 }
 
 /// Sets `gpu`'s time slice to Long and back to Default the way a prepare and an unprepare do, and prints each
-/// outcome (a failure is reported, not fatal: the rest of the check still says something).
-fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) {
+/// outcome; a failure fails the check (after the attempt to set it back).
+fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError> {
     use crate::kubelet_plugin::config::TimeSliceInterval;
     use crate::node_agent::time_slice_control::{NvidiaSmi, TimeSliceControl};
     if args.gpu.gpu_backend == GpuBackend::Simulated {
-        println!(
-            "
-Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json (see the README)"
-        );
-        return;
+        println!("\nTime slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json (see the README)");
+        return Ok(());
     }
     let control = NvidiaSmi::new(args.gpu.driver_root_to_read().unwrap_or(Path::new("/")), &args.gpu.nvml_library());
     println!(
@@ -98,12 +97,17 @@ Time slice of {} ({}), as a claim asking TimeSlicing would set it:",
         gpu.device_name(),
         gpu.uuid
     );
+    let mut first_failure = None;
     for interval in [TimeSliceInterval::Long, TimeSliceInterval::Default] {
         match control.set(gpu, interval) {
             Ok(()) => println!("  set to {interval:?}: ok"),
-            Err(e) => println!("  set to {interval:?}: FAILED: {e}"),
+            Err(e) => {
+                println!("  set to {interval:?}: FAILED: {e}");
+                first_failure = first_failure.or(Some(e));
+            }
         }
     }
+    first_failure.map_or(Ok(()), |e| Err(GpuCheckError::TimeSlice(e)))
 }
 
 /// Watches NVML's health events for `--watch-health` and prints what the node agent's monitor would see: the

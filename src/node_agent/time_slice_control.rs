@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::kubelet_plugin::config::TimeSliceInterval;
@@ -71,6 +71,7 @@ pub struct NvidiaSmi {
     program: PathBuf,
     /// The directory of the driver's `libnvidia-ml.so.1`, when it is not where the dynamic loader looks.
     library_dir: Option<PathBuf>,
+    timeout: Duration,
 }
 
 impl NvidiaSmi {
@@ -83,12 +84,12 @@ impl NvidiaSmi {
             .find(|path| path.exists())
             .unwrap_or_else(|| PathBuf::from("nvidia-smi"));
         let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
-        Self { program, library_dir }
+        Self { program, library_dir, timeout: NVIDIA_SMI_TIMEOUT }
     }
 
-    /// A given program (tests of the process handling).
-    pub fn with_program(program: PathBuf) -> Self {
-        Self { program, library_dir: None }
+    /// A given program and time limit (tests of the process handling).
+    pub fn with_program(program: PathBuf, timeout: Duration) -> Self {
+        Self { program, library_dir: None, timeout }
     }
 
     fn run(&self, args: &[String]) -> Result<(), TimeSliceError> {
@@ -104,30 +105,23 @@ impl NvidiaSmi {
             args: shown.clone(),
             source,
         })?;
-        let started = Instant::now();
-        let status = loop {
-            match child.try_wait() {
-                Ok(Some(status)) => break status,
-                Ok(None) if started.elapsed() < NVIDIA_SMI_TIMEOUT => std::thread::sleep(Duration::from_millis(20)),
-                Ok(None) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    return Err(TimeSliceError::TimedOut { program, args: shown, timeout: NVIDIA_SMI_TIMEOUT });
-                }
-                Err(source) => return Err(TimeSliceError::Spawn { program, args: shown, source }),
+        // Drained while it runs, so no amount of output can block it.
+        let outputs = [drain(child.stdout.take()), drain(child.stderr.take())];
+        let status = match wait_at_most(&mut child, self.timeout) {
+            Ok(Some(status)) => status,
+            Ok(None) => {
+                give_up(child);
+                return Err(TimeSliceError::TimedOut { program, args: shown, timeout: self.timeout });
+            }
+            Err(source) => {
+                give_up(child);
+                return Err(TimeSliceError::Spawn { program, args: shown, source });
             }
         };
         if status.success() {
             return Ok(());
         }
-        // Its output is a line or two: it fits the pipes, so reading after the exit cannot block.
-        let mut output = String::new();
-        if let Some(mut stdout) = child.stdout.take() {
-            let _ = stdout.read_to_string(&mut output);
-        }
-        if let Some(mut stderr) = child.stderr.take() {
-            let _ = stderr.read_to_string(&mut output);
-        }
+        let output: String = outputs.into_iter().filter_map(|reader| reader.join().ok()).collect();
         Err(TimeSliceError::Failed {
             program,
             args: shown,
@@ -135,6 +129,38 @@ impl NvidiaSmi {
             output: output.trim().to_string(),
         })
     }
+}
+
+/// Reads a pipe to its end on a thread of its own.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(mut pipe) = pipe {
+            let _ = pipe.read_to_string(&mut text);
+        }
+        text
+    })
+}
+
+/// The child's exit status, or `None` when it has not exited within `limit`.
+fn wait_at_most(child: &mut Child, limit: Duration) -> std::io::Result<Option<ExitStatus>> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        if started.elapsed() >= limit {
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Kills a child that overran and reaps it on a thread of its own: one stuck in the kernel (a wedged GPU) may not
+/// die at once, and the caller holds the prepare lock.
+fn give_up(mut child: Child) {
+    let _ = child.kill();
+    std::thread::spawn(move || child.wait());
 }
 
 impl TimeSliceControl for NvidiaSmi {
@@ -190,7 +216,7 @@ mod tests {
     #[test]
     fn a_failing_nvidia_smi_is_reported_with_its_output() {
         let gpu = test_gpu(0, "0000:01:00.0");
-        let failing = NvidiaSmi::with_program("/bin/sh".into());
+        let failing = NvidiaSmi::with_program("/bin/sh".into(), Duration::from_secs(10));
         // `sh compute-policy …` fails: no such script; its message is part of the error.
         let error = failing.set(&gpu, TimeSliceInterval::Long).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(
@@ -199,9 +225,24 @@ mod tests {
         );
         assert!(error.contains("failed (exit status"), "{error}");
         assert!(error.contains("compute-policy"), "{error}");
-        let missing = NvidiaSmi::with_program("/nonexistent/nvidia-smi".into());
+        let missing = NvidiaSmi::with_program("/nonexistent/nvidia-smi".into(), Duration::from_secs(10));
         let error = missing.set(&gpu, TimeSliceInterval::Short).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(error.contains("Is the NVIDIA driver's nvidia-smi under --driver-root?"), "{error}");
+    }
+
+    #[test]
+    fn a_hung_nvidia_smi_is_given_up_on_in_time() -> Result<(), Box<dyn std::error::Error>> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir()?;
+        let hung = dir.path().join("nvidia-smi");
+        std::fs::write(&hung, "#!/bin/sh\nexec sleep 30\n")?;
+        std::fs::set_permissions(&hung, std::fs::Permissions::from_mode(0o755))?;
+        let started = Instant::now();
+        let outcome = NvidiaSmi::with_program(hung, Duration::from_millis(300))
+            .set(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long);
+        assert!(matches!(outcome, Err(TimeSliceError::TimedOut { .. })), "{outcome:?}");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
+        Ok(())
     }
 
     #[test]

@@ -50,6 +50,15 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     let long = allocated_claim(&ctx, "long", &node, &["gpu-0"], nvidia_time_slicing("Long")).await?;
     let plain = allocated_claim(&ctx, "plain", &node, &["gpu-1"], json!([])).await?;
     let claims = [(ns, "long", long.as_str()), (ns, "plain", plain.as_str())];
+    // The GPU refuses the setting (the simulated GPUs' file cannot be written): the prepare fails saying so and
+    // leaves nothing; the kubelet's retry succeeds once the GPU takes it.
+    let simulated = dirs.state().join("simulated-time-slices.json");
+    std::fs::create_dir_all(&simulated)?;
+    let refused = Kubelet::register(&dirs).await?.prepare(&claims[..1]).await?;
+    let error = &refused.get(&long).context("no answer")?.error;
+    ensure!(error.contains("set the time slice of device \"gpu-0\"") && error.contains("to Long"), "{error:?}");
+    ensure!(!dirs.cdi_spec(&long).exists() && !checkpoint(&dirs, "boot-1")?.claims.contains_key(&long), "left");
+    std::fs::remove_dir(&simulated)?;
     let answers = Kubelet::register(&dirs).await?.prepare(&claims).await?;
     ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
     ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after prepare: {:?}", time_slices(&dirs)?);
@@ -59,7 +68,7 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     // The driver is reloaded while the agent is down (the GPU's settings are gone): start-up sets it again.
     agent.kill()?;
     std::fs::write(dirs.state().join("simulated-time-slices.json"), "{}")?;
-    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after restart: {:?}", time_slices(&dirs)?);
     let mut kubelet = Kubelet::register(&dirs).await?;
     let again = kubelet.prepare(&claims).await?;
@@ -71,6 +80,21 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced.is_empty(), "gpu-0 still listed as time-sliced");
     let unprepared = kubelet.unprepare(&claims[1..]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+
+    // The checkpoint is lost to a truncated write while the claim is prepared: the rebuilt record adopts its spec
+    // without knowing what it asked, so its GPU is left as it is while it runs and set back once it is unprepared.
+    let answers = kubelet.prepare(&claims[..1]).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    agent.terminate()?;
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after the rebuild: {:?}", time_slices(&dirs)?);
+    ensure!(checkpoint(&dirs, "boot-1")?.time_sliced == listed, "the rebuilt checkpoint does not list gpu-0");
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let unprepared = kubelet.unprepare(&claims[..1]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    ensure!(time_slices(&dirs)?.is_empty(), "the adopted claim went: {:?}", time_slices(&dirs)?);
+    ensure!(checkpoint(&dirs, "boot-1")?.time_sliced.is_empty(), "gpu-0 still listed after the adopted claim");
     Ok(())
 }
 
