@@ -30,6 +30,10 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "GPU health: simulated GPUs have no NVML events",
         "inject-faults",
         "Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json",
+        "NVIDIA H100 80GB HBM3 (NVIDIA's documented table):",
+        "1g.10gb     profile  0: 1 compute / 1 memory slice(s), up to 7, placements {0,1,2,3,4,5,6}:1",
+        "3g.40gb     profile  2: 3 compute / 4 memory slice(s), up to 2, placements {0,4}:4",
+        "7g.80gb     profile  4: 7 compute / 8 memory slice(s), up to 1, placements {0}:8",
     ] {
         assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
     }

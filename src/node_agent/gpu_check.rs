@@ -1,7 +1,8 @@
 //! `gpu-dra gpu-check`: the node agent's discovery and prepare path on this machine, without a cluster. It prints
 //! the GPUs found, the ResourceSlice spec the agent would publish, and prepares one sample claim into a scratch CDI
 //! directory (validated by loading it back with the CDI crate), then watches NVML's health events for a few seconds
-//! and reports what the health monitor would see, so a GPU machine can be checked in one command.
+//! and reports what the health monitor would see, so a GPU machine can be checked in one command. It also lists the
+//! MIG profiles and placements of each GPU model (NVML's, checked against NVIDIA's documented table, in MIG mode).
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -10,7 +11,7 @@ use serde_json::json;
 
 use super::gpu::Gpu;
 use super::health::{classify, inject, nvml_events};
-use super::{discovery, plugin, slices};
+use super::{discovery, mig, plugin, slices};
 use crate::cdi::{self, CdiKind};
 use crate::cli::{GpuBackend, GpuCheckArgs};
 
@@ -72,6 +73,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         let state = if Path::new(&node).exists() { "present" } else { "MISSING on this machine" };
         println!("  device node {node}: {state}");
     }
+    mig_profiles(args, &gpus)?;
     if args.check_time_slice {
         check_time_slice(args, &claim[0])?;
     }
@@ -79,6 +81,73 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         watch_health(args, &gpus)?;
     }
     Ok(())
+}
+
+/// Prints the MIG profiles and placements of each GPU model found: NVIDIA's documented table, and for a GPU in MIG
+/// mode NVML's own answer, each profile checked against the table.
+fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> {
+    println!("\nMIG profiles (placements as {{memory slice starts}}:size, of {} slices):", mig::MEMORY_SLICES);
+    let mut seen = std::collections::BTreeSet::new();
+    for gpu in gpus {
+        let Some(table) = mig::profiles(gpu) else {
+            if seen.insert((gpu.product_name.clone(), false)) {
+                println!("  {}: no MIG profiles known for this model", gpu.product_name);
+            }
+            continue;
+        };
+        let nvml = args.gpu.gpu_backend == GpuBackend::Nvml && gpu.mig_enabled;
+        if !nvml {
+            if seen.insert((gpu.product_name.clone(), true)) {
+                let why = if args.gpu.gpu_backend == GpuBackend::Nvml { "MIG mode off; " } else { "" };
+                println!("  {} ({why}NVIDIA's documented table):", gpu.product_name);
+                for profile in &table {
+                    println!("    {}", profile_line(profile));
+                }
+            }
+            continue;
+        }
+        let root = args.gpu.driver_root_to_read().unwrap_or(Path::new("/"));
+        let found = discovery::nvml::NvmlDiscovery::new(root).gpu_instance_profiles(gpu.index)?;
+        println!("  {} {} (MIG mode on; from NVML):", gpu.device_name(), gpu.product_name);
+        for profile in &found {
+            let documented = table.iter().find(|p| p.nvml_id == profile.nvml_id);
+            let starts: Vec<u32> = profile.placements.iter().map(|(start, _)| *start).collect();
+            let size = profile.placements.first().map_or(0, |(_, size)| *size);
+            let verdict = match documented {
+                Some(p)
+                    if p.placement_starts == starts
+                        && p.memory_slices == size
+                        && p.max_instances == profile.instance_count =>
+                {
+                    format!("{}: as documented", p.name)
+                }
+                Some(p) => format!("DIFFERS from the documented {}", profile_line(p)),
+                None => "not in the documented table".to_string(),
+            };
+            println!(
+                "    profile {:>2}: {} compute slice(s), {} MiB, {} SMs, up to {}, placements {} — {verdict}",
+                profile.nvml_id,
+                profile.slice_count,
+                profile.memory_mib,
+                profile.multiprocessors,
+                profile.instance_count,
+                mig::placements_text(&starts, size)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn profile_line(profile: &mig::Profile) -> String {
+    format!(
+        "{:<11} profile {:>2}: {} compute / {} memory slice(s), up to {}, placements {}",
+        profile.name,
+        profile.nvml_id,
+        profile.compute_slices,
+        profile.memory_slices,
+        profile.max_instances,
+        mig::placements_text(profile.placement_starts, profile.memory_slices)
+    )
 }
 
 /// Sets `gpu`'s time slice to Long and back to Default the way a prepare and an unprepare do, and prints each

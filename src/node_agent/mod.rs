@@ -15,6 +15,7 @@ pub mod discovery;
 pub mod gpu;
 pub mod gpu_check;
 pub mod health;
+pub mod mig;
 mod plugin;
 pub mod slices;
 pub mod time_slice_control;

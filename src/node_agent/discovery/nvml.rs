@@ -77,3 +77,62 @@ impl Discovery for NvmlDiscovery {
         Ok(gpus)
     }
 }
+
+/// One GPU instance profile as NVML reports it for a GPU, with its possible placements (start, size).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmlProfile {
+    pub nvml_id: u32,
+    pub slice_count: u32,
+    pub instance_count: u32,
+    pub memory_mib: u64,
+    pub multiprocessors: u32,
+    pub placements: Vec<(u32, u32)>,
+}
+
+impl NvmlDiscovery {
+    /// The GPU instance profiles NVML offers on GPU `index` (NVML answers only with MIG mode on; a profile the GPU
+    /// does not have is skipped).
+    pub fn gpu_instance_profiles(&self, index: u32) -> Result<Vec<NvmlProfile>, DiscoveryError> {
+        let nvml = Nvml::builder().lib_path(&self.library).init().map_err(|source| {
+            DiscoveryError::NvmlUnavailable { library: self.library.to_string_lossy().into_owned(), source }
+        })?;
+        let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
+        let mut found = Vec::new();
+        for id in 0..nvml_wrapper_sys::bindings::NVML_GPU_INSTANCE_PROFILE_COUNT {
+            let info = match device.profile_info(id) {
+                Ok(info) => info,
+                Err(NvmlError::NotSupported | NvmlError::InvalidArg) => continue,
+                Err(source) => return Err(DiscoveryError::Nvml { what: format!("MIG profile {id}"), source }),
+            };
+            found.push(NvmlProfile {
+                nvml_id: id,
+                slice_count: info.slice_count,
+                instance_count: info.instance_count,
+                memory_mib: info.memory_size_mb,
+                multiprocessors: info.multiprocessor_count,
+                placements: query("the MIG placements", placements(&nvml, &device, info.id))?,
+            });
+        }
+        Ok(found)
+    }
+}
+
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` called directly: nvml-wrapper 0.13's `possible_placements`
+/// never sets the length of the vector NVML fills, so it always answers none. The crate's only `unsafe`.
+#[allow(unsafe_code)]
+fn placements(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, profile_id: u32) -> Result<Vec<(u32, u32)>, NvmlError> {
+    use nvml_wrapper::error::{nvml_sym, nvml_try};
+    use nvml_wrapper_sys::bindings::nvmlGpuInstancePlacement_t;
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstancePossiblePlacements_v2.as_ref())?;
+    // SAFETY: the handle belongs to `device`, which borrows the initialised `nvml`; NVML writes at most `count`
+    // placements into a buffer of `count` elements, and reports how many it wrote in `count`.
+    unsafe {
+        let handle = device.handle();
+        let mut count: std::os::raw::c_uint = 0;
+        nvml_try(sym(handle, profile_id, std::ptr::null_mut(), &mut count))?;
+        let mut buffer = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        nvml_try(sym(handle, profile_id, buffer.as_mut_ptr(), &mut count))?;
+        buffer.truncate(count as usize);
+        Ok(buffer.into_iter().map(|p| (p.start, p.size)).collect())
+    }
+}
