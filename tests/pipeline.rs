@@ -656,13 +656,6 @@ async fn shares_ask_one_time_slice(
     class: &str,
 ) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
-    let time_slices = || -> anyhow::Result<BTreeMap<String, String>> {
-        match std::fs::read(dirs.state().join("simulated-time-slices.json")) {
-            Ok(bytes) => Ok(serde_json::from_slice(&bytes)?),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-            Err(e) => Err(e.into()),
-        }
-    };
     let asking = |parameters: Value| json!([{"opaque": {"driver": DRIVER, "parameters": parameters}}]);
     let long = asking(json!({"apiVersion": format!("{DRIVER}/v1alpha1"), "kind": "GpuConfig",
         "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}));
@@ -670,7 +663,7 @@ async fn shares_ask_one_time_slice(
         "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Short"}}}));
     pod_with_configured_share(ctx, ns, "slow", node, class, "8Gi", long).await?;
     kubelet.wait_for("prepared", &format!("{ns}/slow"), PREPARE_TIMEOUT).await?;
-    ensure!(time_slices()? == BTreeMap::from([("gpu-0".into(), "Long".into())]), "{:?}", time_slices()?);
+    ensure!(dirs.time_slices()? == BTreeMap::from([("gpu-0".into(), "Long".into())]), "{:?}", dirs.time_slices()?);
     pod_with_configured_share(ctx, other, "fast", node, class, "8Gi", short).await?;
     let failed = kubelet.wait_for("prepare-failed", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
     let error = failed["error"].as_str().unwrap_or_default();
@@ -680,11 +673,11 @@ async fn shares_ask_one_time_slice(
     kubelet.wait_for("unprepared", &format!("{ns}/slow"), PREPARE_TIMEOUT).await?;
     objects::claims(ctx).delete("slow", &DeleteParams::default()).await?;
     kubelet.wait_for("prepared", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
-    ensure!(time_slices()? == BTreeMap::from([("gpu-0".into(), "Short".into())]), "{:?}", time_slices()?);
+    ensure!(dirs.time_slices()? == BTreeMap::from([("gpu-0".into(), "Short".into())]), "{:?}", dirs.time_slices()?);
     Api::<Pod>::namespaced(ctx.client.clone(), other).delete("fast", &now).await?;
     kubelet.wait_for("unprepared", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
     Api::<ResourceClaim>::namespaced(ctx.client.clone(), other).delete("fast", &DeleteParams::default()).await?;
-    ensure!(time_slices()?.is_empty(), "the last claim asking a time slice went: {:?}", time_slices()?);
+    ensure!(dirs.time_slices()?.is_empty(), "the last claim asking a time slice went: {:?}", dirs.time_slices()?);
     eprintln!("shares of gpu-0 asking Long then Short: the second waited ({error}), then got its own");
     Ok(())
 }

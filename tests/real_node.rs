@@ -515,9 +515,14 @@ async fn share_one_gpu(ctx: &TestContext, node: &RealNode, other: &str) -> anyho
             "deviceClassName": "gpu.gpu-dra.dev", "capacity": {"requests": {"memory": memory}}}}]}}})
     };
     let ns = ctx.namespace.as_str();
-    for namespace in [ns, other] {
-        objects::create_template_in(&ctx.client, namespace, "gpu-40gi", share("40Gi")).await?;
-    }
+    // The trainer's share asks for a long time slice, in NVIDIA's spelling (a manifest written for NVIDIA's driver);
+    // the notebook's asks nothing and takes the GPU as it is.
+    let mut time_sliced = share("40Gi");
+    time_sliced["spec"]["devices"]["config"] = json!([{"opaque": {"driver": "gpu.gpu-dra.dev", "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}}]);
+    objects::create_template_in(&ctx.client, ns, "gpu-40gi", time_sliced).await?;
+    objects::create_template_in(&ctx.client, other, "gpu-40gi", share("40Gi")).await?;
     objects::create_template_in(&ctx.client, ns, "gpu-8gi", share("8Gi")).await?;
     workload_in(ctx, ns, "trainer", n, Some("gpu-40gi")).await?;
     workload_in(ctx, other, "notebook", n, Some("gpu-40gi")).await?;
@@ -525,13 +530,23 @@ async fn share_one_gpu(ctx: &TestContext, node: &RealNode, other: &str) -> anyho
     let notebook = seen_by_in(ctx, other, "notebook").await?;
     ensure!(trainer.minors.len() == 1 && trainer.uuids.len() == 1, "the trainer sees {trainer:?}");
     ensure!(trainer == notebook, "one GPU shared, but the trainer sees {trainer:?} and the notebook {notebook:?}");
+    let time_slices = node.agent_state_dir()?.join("simulated-time-slices.json");
+    let slices_now =
+        || std::fs::read_to_string(&time_slices).unwrap_or_default().split_whitespace().collect::<String>();
+    ensure!(slices_now() == r#"{"gpu-0":"Long"}"#, "while the trainer runs: {}", slices_now());
 
     workload_in(ctx, ns, "late", n, Some("gpu-8gi")).await?;
     let why = objects::unschedulable(&ctx.client, ns, "late", WAIT).await?;
     delete_and_wait(ctx, "trainer").await?;
+    wait::until("the GPU's time slice to be set back", WAIT, || async { Ok((slices_now() == "{}").then_some(())) })
+        .await?;
     let late = seen_by(ctx, "late").await?;
     ensure!(late == notebook, "the late pod sees {late:?}, not the shared GPU {notebook:?}");
-    eprintln!("trainer and notebook shared {:?}; late waited ({why}), then got it too", notebook.uuids);
+    eprintln!(
+        "trainer (time slice Long) and notebook shared {:?}; late waited ({why}), then got it too; the slice was set \
+         back",
+        notebook.uuids
+    );
     delete_and_wait(ctx, "late").await?;
     let notebooks = Api::<Pod>::namespaced(ctx.client.clone(), other);
     notebooks.delete("notebook", &DeleteParams::default()).await?;

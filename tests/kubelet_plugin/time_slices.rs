@@ -12,15 +12,6 @@ use super::support::node::{DRIVER, Kubelet, NodeDirs};
 use super::support::{TestContext, cluster};
 use super::{allocated_claim, allocated_claim_with, checkpoint, node_name, ready_agent};
 
-/// What each simulated GPU's time slice is now (absent: `Default`).
-fn time_slices(dirs: &NodeDirs) -> anyhow::Result<BTreeMap<String, String>> {
-    match std::fs::read(dirs.state().join("simulated-time-slices.json")) {
-        Ok(bytes) => Ok(serde_json::from_slice(&bytes)?),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
-        Err(e) => Err(e.into()),
-    }
-}
-
 fn set_to(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
     pairs.iter().map(|(device, interval)| (device.to_string(), interval.to_string())).collect()
 }
@@ -61,7 +52,7 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     std::fs::remove_dir(&simulated)?;
     let answers = Kubelet::register(&dirs).await?.prepare(&claims).await?;
     ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
-    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after prepare: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "after prepare: {:?}", dirs.time_slices()?);
     let listed: BTreeSet<String> = ["gpu-0".to_string()].into();
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced == listed, "the checkpoint does not list gpu-0");
 
@@ -69,14 +60,14 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     agent.kill()?;
     std::fs::write(dirs.state().join("simulated-time-slices.json"), "{}")?;
     let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after restart: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "after restart: {:?}", dirs.time_slices()?);
     let mut kubelet = Kubelet::register(&dirs).await?;
     let again = kubelet.prepare(&claims).await?;
     ensure!(again.values().all(|a| a.error.is_empty()), "a repeated prepare: {again:?}");
 
     let unprepared = kubelet.unprepare(&claims[..1]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(time_slices(&dirs)?.is_empty(), "after unprepare: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()?.is_empty(), "after unprepare: {:?}", dirs.time_slices()?);
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced.is_empty(), "gpu-0 still listed as time-sliced");
     let unprepared = kubelet.unprepare(&claims[1..]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
@@ -88,12 +79,12 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     agent.terminate()?;
     std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
     let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "after the rebuild: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "after the rebuild: {:?}", dirs.time_slices()?);
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced == listed, "the rebuilt checkpoint does not list gpu-0");
     let mut kubelet = Kubelet::register(&dirs).await?;
     let unprepared = kubelet.unprepare(&claims[..1]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(time_slices(&dirs)?.is_empty(), "the adopted claim went: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()?.is_empty(), "the adopted claim went: {:?}", dirs.time_slices()?);
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced.is_empty(), "gpu-0 still listed after the adopted claim");
     Ok(())
 }
@@ -134,17 +125,17 @@ pub(super) async fn claims_sharing_a_gpu_must_ask_the_same_time_slice(ctx: TestC
     } else {
         ensure!(reason.contains(&format!("is already prepared for claim {ns}/long")), "{reason:?}");
     }
-    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Long")]), "{:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "{:?}", dirs.time_slices()?);
 
     let unprepared = kubelet.unprepare(&[(ns, "long", &long)]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(time_slices(&dirs)?.is_empty(), "the last claim asking Long went: {:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()?.is_empty(), "the last claim asking Long went: {:?}", dirs.time_slices()?);
     let second = kubelet.prepare(&[(ns, "short", &short)]).await?;
     ensure!(second.get(&short).is_some_and(|a| a.error.is_empty()), "{second:?}");
-    ensure!(time_slices(&dirs)? == set_to(&[("gpu-0", "Short")]), "{:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Short")]), "{:?}", dirs.time_slices()?);
     let all = [(ns, "short", short.as_str()), (ns, "plain", plain.as_str())];
     let unprepared = kubelet.unprepare(&all).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(time_slices(&dirs)?.is_empty(), "{:?}", time_slices(&dirs)?);
+    ensure!(dirs.time_slices()?.is_empty(), "{:?}", dirs.time_slices()?);
     Ok(())
 }

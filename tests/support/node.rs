@@ -66,6 +66,14 @@ impl NodeDirs {
         names.sort();
         Ok(names)
     }
+    /// What each simulated GPU's time slice is now, by device name (absent: `Default`).
+    pub fn time_slices(&self) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        match std::fs::read(self.state().join("simulated-time-slices.json")) {
+            Ok(bytes) => Ok(serde_json::from_slice(&bytes)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
+            Err(e) => Err(e.into()),
+        }
+    }
     /// The spec file of claim `uid`.
     pub fn cdi_spec(&self, uid: &str) -> PathBuf {
         self.cdi().join(format!("{DRIVER}-gpu_{uid}.json"))
