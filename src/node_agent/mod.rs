@@ -85,6 +85,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
     let discovery = discovery::backend(gpu, &node)?;
+    let boot_id = crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file);
     let settings = PluginSettings {
         driver: gpu.driver_name.clone(),
         node: node.clone(),
@@ -94,8 +95,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         driver_root: gpu.driver_root_to_read().map(std::path::Path::to_path_buf),
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),
-        boot_id: crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file),
-        time_slices: time_slice_control::backend(gpu, &args.state_dir),
+        time_slices: time_slice_control::backend(gpu, &args.state_dir, &boot_id),
+        boot_id,
     };
     let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
     let client =

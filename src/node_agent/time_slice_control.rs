@@ -39,10 +39,10 @@ pub enum TimeSliceError {
     },
 }
 
-/// The control for `gpu`'s backend: simulated GPUs keep theirs under `state_dir`.
-pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path) -> std::sync::Arc<dyn TimeSliceControl> {
+/// The control for `gpu`'s backend: simulated GPUs keep theirs under `state_dir`, for the boot `boot_id`.
+pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path, boot_id: &str) -> std::sync::Arc<dyn TimeSliceControl> {
     match gpu.gpu_backend {
-        crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedTimeSlices::new(state_dir)),
+        crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedTimeSlices::for_boot(state_dir, boot_id)),
         crate::cli::GpuBackend::Nvml => std::sync::Arc::new(NvidiaSmi::new(
             gpu.driver_root_to_read().unwrap_or(Path::new("/")),
             &gpu.nvml_library(),
@@ -181,6 +181,20 @@ impl SimulatedTimeSlices {
         Self { path: state_dir.join(SIMULATED_FILE) }
     }
 
+    /// As [`new`](Self::new), and like a real GPU after a reboot: settings recorded during another boot than
+    /// `boot_id` are gone (`<file>.boot` names the boot they belong to; an unreadable one counts as another boot).
+    pub fn for_boot(state_dir: &Path, boot_id: &str) -> Self {
+        let control = Self::new(state_dir);
+        let boot_file = state_dir.join(format!("{SIMULATED_FILE}.boot"));
+        let recorded = std::fs::read_to_string(&boot_file).unwrap_or_default();
+        if recorded.trim() != boot_id.trim() {
+            // Best effort: a file left behind only keeps simulated settings a reboot would have cleared.
+            let _ = crate::fsutil::remove_if_exists(&control.path);
+            let _ = crate::fsutil::write_atomic(&boot_file, boot_id.trim().as_bytes());
+        }
+        control
+    }
+
     /// What each simulated GPU is set to (device name → interval); an unreadable file reads as all `Default`.
     pub fn read(path: &Path) -> BTreeMap<String, TimeSliceInterval> {
         std::fs::read(path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
@@ -254,6 +268,15 @@ mod tests {
         control.set(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Default)?;
         let now = SimulatedTimeSlices::read(&dir.path().join(SIMULATED_FILE));
         assert_eq!(now, [("gpu-0".to_string(), TimeSliceInterval::Long)].into());
+        // An agent start in the same boot keeps them; one after a reboot finds them gone, as on a real GPU.
+        let file = dir.path().join(SIMULATED_FILE);
+        SimulatedTimeSlices::for_boot(dir.path(), "boot-1")
+            .set(&test_gpu(2, "0000:03:00.0"), TimeSliceInterval::Short)?;
+        assert_eq!(SimulatedTimeSlices::read(&file).len(), 1, "the first start of a boot");
+        SimulatedTimeSlices::for_boot(dir.path(), "boot-1");
+        assert_eq!(SimulatedTimeSlices::read(&file).len(), 1, "the same boot");
+        SimulatedTimeSlices::for_boot(dir.path(), "boot-2");
+        assert!(SimulatedTimeSlices::read(&file).is_empty(), "after a reboot");
         Ok(())
     }
 }

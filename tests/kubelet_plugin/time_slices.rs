@@ -78,7 +78,7 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
     agent.terminate()?;
     std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
-    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "after the rebuild: {:?}", dirs.time_slices()?);
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced == listed, "the rebuilt checkpoint does not list gpu-0");
     let mut kubelet = Kubelet::register(&dirs).await?;
@@ -86,6 +86,17 @@ pub(super) async fn a_time_slice_is_set_while_its_claim_is_prepared_and_set_back
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(dirs.time_slices()?.is_empty(), "the adopted claim went: {:?}", dirs.time_slices()?);
     ensure!(checkpoint(&dirs, "boot-1")?.time_sliced.is_empty(), "gpu-0 still listed after the adopted claim");
+
+    // A reboot while the claim is prepared: the GPU comes back at the default, and nothing is listed or set.
+    let answers = kubelet.prepare(&claims[..1]).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    ensure!(dirs.time_slices()? == set_to(&[("gpu-0", "Long")]), "{:?}", dirs.time_slices()?);
+    agent.kill()?;
+    std::fs::write(dirs.boot_id_file(), "boot-2\n")?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(dirs.time_slices()?.is_empty(), "after the reboot: {:?}", dirs.time_slices()?);
+    let after = checkpoint(&dirs, "boot-2")?;
+    ensure!(after.claims.is_empty() && after.time_sliced.is_empty(), "after the reboot: {after:?}");
     Ok(())
 }
 
