@@ -174,25 +174,29 @@ impl TimeSliceControl for NvidiaSmi {
 #[derive(Debug, Clone)]
 pub struct SimulatedTimeSlices {
     path: PathBuf,
+    /// `<file>.boot` and the boot it is to name: written with the first setting, so an agent that never sets one
+    /// leaves no file behind.
+    boot: Option<(PathBuf, String)>,
 }
 
 impl SimulatedTimeSlices {
     pub fn new(state_dir: &Path) -> Self {
-        Self { path: state_dir.join(SIMULATED_FILE) }
+        Self { path: state_dir.join(SIMULATED_FILE), boot: None }
     }
 
     /// As [`new`](Self::new), and like a real GPU after a reboot: settings recorded during another boot than
-    /// `boot_id` are gone (`<file>.boot` names the boot they belong to; an unreadable one counts as another boot).
+    /// `boot_id` (named by `<file>.boot`) are gone.
     pub fn for_boot(state_dir: &Path, boot_id: &str) -> Self {
-        let control = Self::new(state_dir);
         let boot_file = state_dir.join(format!("{SIMULATED_FILE}.boot"));
-        let recorded = std::fs::read_to_string(&boot_file).unwrap_or_default();
-        if recorded.trim() != boot_id.trim() {
+        let path = state_dir.join(SIMULATED_FILE);
+        if let Ok(recorded) = std::fs::read_to_string(&boot_file)
+            && recorded.trim() != boot_id.trim()
+        {
             // Best effort: a file left behind only keeps simulated settings a reboot would have cleared.
-            let _ = crate::fsutil::remove_if_exists(&control.path);
-            let _ = crate::fsutil::write_atomic(&boot_file, boot_id.trim().as_bytes());
+            let _ = crate::fsutil::remove_if_exists(&path);
+            let _ = crate::fsutil::remove_if_exists(&boot_file);
         }
-        control
+        Self { path, boot: Some((boot_file, boot_id.trim().to_string())) }
     }
 
     /// What each simulated GPU is set to (device name → interval); an unreadable file reads as all `Default`.
@@ -210,6 +214,12 @@ impl TimeSliceControl for SimulatedTimeSlices {
         };
         let bytes = serde_json::to_vec_pretty(&all)
             .map_err(|e| TimeSliceError::Simulated { path: self.path.clone(), source: std::io::Error::other(e) })?;
+        if let Some((boot_file, boot_id)) = &self.boot
+            && !boot_file.exists()
+        {
+            crate::fsutil::write_atomic(boot_file, boot_id.as_bytes())
+                .map_err(|source| TimeSliceError::Simulated { path: boot_file.clone(), source })?;
+        }
         crate::fsutil::write_atomic(&self.path, &bytes)
             .map_err(|source| TimeSliceError::Simulated { path: self.path.clone(), source })
     }
@@ -270,13 +280,15 @@ mod tests {
         assert_eq!(now, [("gpu-0".to_string(), TimeSliceInterval::Long)].into());
         // An agent start in the same boot keeps them; one after a reboot finds them gone, as on a real GPU.
         let file = dir.path().join(SIMULATED_FILE);
-        SimulatedTimeSlices::for_boot(dir.path(), "boot-1")
-            .set(&test_gpu(2, "0000:03:00.0"), TimeSliceInterval::Short)?;
-        assert_eq!(SimulatedTimeSlices::read(&file).len(), 1, "the first start of a boot");
+        let boot_file = dir.path().join(format!("{SIMULATED_FILE}.boot"));
+        let started = SimulatedTimeSlices::for_boot(dir.path(), "boot-1");
+        assert!(!boot_file.exists(), "nothing set in this boot yet, no file");
+        started.set(&test_gpu(2, "0000:03:00.0"), TimeSliceInterval::Short)?;
+        assert_eq!(SimulatedTimeSlices::read(&file).len(), 2);
         SimulatedTimeSlices::for_boot(dir.path(), "boot-1");
-        assert_eq!(SimulatedTimeSlices::read(&file).len(), 1, "the same boot");
+        assert_eq!(SimulatedTimeSlices::read(&file).len(), 2, "the same boot");
         SimulatedTimeSlices::for_boot(dir.path(), "boot-2");
-        assert!(SimulatedTimeSlices::read(&file).is_empty(), "after a reboot");
+        assert!(SimulatedTimeSlices::read(&file).is_empty() && !boot_file.exists(), "after a reboot");
         Ok(())
     }
 }
