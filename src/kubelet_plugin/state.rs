@@ -350,14 +350,11 @@ impl DriverState {
                 continue;
             }
             let devices = self.prepared_devices(&claim, &planned);
-            let asks = time_slice::claim_asks(&claim, &planned).and_then(|asks| {
-                match time_slice::conflict(checkpoint, &self.pool, &claim, &asks) {
-                    Some(reason) => Err(reason),
-                    None => Ok(asks),
-                }
-            });
-            let refusal = conflict(checkpoint, &claim, &planned, &devices).map_or(asks, Err);
-            let asks = match refusal {
+            let checked = match conflict(checkpoint, &claim, &planned, &devices) {
+                Some(reason) => Err(reason),
+                None => time_slice::checked_asks(checkpoint, &self.pool, &claim, &planned),
+            };
+            let asks = match checked {
                 Ok(asks) => asks,
                 Err(reason) => {
                     warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
@@ -396,9 +393,8 @@ impl DriverState {
             return results;
         }
         let mut written = Vec::new();
-        let mut set_in_batch = BTreeMap::new();
         for Todo { claim, gpus, previous, asks } in todo {
-            let write = self.set_time_slices(checkpoint, &claim, &gpus, &asks, &mut set_in_batch).and_then(|()| {
+            let write = self.set_time_slices(checkpoint, &claim, &gpus, &asks).and_then(|()| {
                 cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
                     .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec))
                     .map_err(|e| e.to_string())
@@ -494,20 +490,17 @@ impl DriverState {
         results
     }
 
-    /// Sets the intervals `claim` asks of its GPUs, except where a prepared claim (or one earlier in this batch)
-    /// already had the same set.
+    /// Sets the intervals `claim` asks of its GPUs, except where a completed claim already had the same set (one
+    /// earlier in this batch counts: its entry is completed before the next claim's GPUs are set).
     fn set_time_slices(
         &self,
         checkpoint: &Checkpoint,
         claim: &ClaimRef,
         gpus: &[Gpu],
         asks: &BTreeMap<String, TimeSliceInterval>,
-        set_in_batch: &mut BTreeMap<String, TimeSliceInterval>,
     ) -> Result<(), String> {
         for (device, interval) in asks {
-            if set_in_batch.get(device) == Some(interval)
-                || time_slice::already_set(checkpoint, &self.pool, &claim.uid, device, *interval)
-            {
+            if time_slice::already_set(checkpoint, &self.pool, &claim.uid, device, *interval) {
                 continue;
             }
             let Some(gpu) = gpus.iter().find(|gpu| gpu.device_name() == *device) else { continue };
@@ -518,7 +511,6 @@ impl DriverState {
                 )
             })?;
             info!(claim = %claim, uid = %claim.uid, device, ?interval, "set the GPU's time slice");
-            set_in_batch.insert(device.clone(), *interval);
         }
         Ok(())
     }

@@ -59,6 +59,20 @@ pub fn claim_asks(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<BTreeMa
     Ok(asks.into_iter().map(|(device, (interval, _))| (device, interval)).collect())
 }
 
+/// [`claim_asks`], refused when another claim holding one of those GPUs asked a different interval ([`conflict`]).
+pub fn checked_asks(
+    checkpoint: &Checkpoint,
+    pool: &str,
+    claim: &ClaimRef,
+    planned: &[PlannedDevice],
+) -> Result<BTreeMap<String, TimeSliceInterval>, String> {
+    let asks = claim_asks(claim, planned)?;
+    match conflict(checkpoint, pool, claim, &asks) {
+        Some(reason) => Err(reason),
+        None => Ok(asks),
+    }
+}
+
 /// Why `claim` cannot have its asks: another claim holding one of those GPUs of `pool` asked a different interval.
 /// Recovered entries (what they asked is unknown) never conflict.
 pub fn conflict(

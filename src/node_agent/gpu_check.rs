@@ -159,13 +159,8 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
         println!("\nTime slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json (see the README)");
         return Ok(());
     }
-    let control = NvidiaSmi::new(args.gpu.driver_root_to_read().unwrap_or(Path::new("/")), &args.gpu.nvml_library());
-    println!(
-        "
-Time slice of {} ({}), as a claim asking TimeSlicing would set it:",
-        gpu.device_name(),
-        gpu.uuid
-    );
+    let control = NvidiaSmi::of(&args.gpu);
+    println!("\nTime slice of {} ({}), as a claim asking TimeSlicing would set it:", gpu.device_name(), gpu.uuid);
     let mut first_failure = None;
     for interval in [TimeSliceInterval::Long, TimeSliceInterval::Default] {
         match control.set(gpu, interval) {

@@ -43,10 +43,7 @@ pub enum TimeSliceError {
 pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path, boot_id: &str) -> std::sync::Arc<dyn TimeSliceControl> {
     match gpu.gpu_backend {
         crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedTimeSlices::for_boot(state_dir, boot_id)),
-        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(NvidiaSmi::new(
-            gpu.driver_root_to_read().unwrap_or(Path::new("/")),
-            &gpu.nvml_library(),
-        )),
+        crate::cli::GpuBackend::Nvml => std::sync::Arc::new(NvidiaSmi::of(gpu)),
     }
 }
 
@@ -85,6 +82,11 @@ impl NvidiaSmi {
             .unwrap_or_else(|| PathBuf::from("nvidia-smi"));
         let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
         Self { program, library_dir, timeout: NVIDIA_SMI_TIMEOUT }
+    }
+
+    /// The `nvidia-smi` of the driver `gpu` names (its driver root, `/` unless given, and NVML library).
+    pub fn of(gpu: &crate::cli::GpuArgs) -> Self {
+        Self::new(gpu.driver_root_to_read().unwrap_or(Path::new("/")), &gpu.nvml_library())
     }
 
     /// A given program and time limit (tests of the process handling).
