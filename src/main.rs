@@ -1,11 +1,19 @@
 //! The `gpu-dra` binary: parse the command line, set up logging, hand over to the chosen component.
 
+use anyhow::Context as _;
 use clap::Parser;
 use gpu_dra::cli::{Cli, Command};
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let mut runtime = tokio::runtime::Builder::new_multi_thread();
+    if let Command::Controller(args) = &cli.command {
+        runtime.worker_threads(args.threads.into());
+    }
+    runtime.enable_all().build().context("start the async runtime")?.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     gpu_dra::telemetry::init_logging(&cli.log)?;
     match cli.command {
         Command::Controller(args) => {

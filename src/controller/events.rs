@@ -24,7 +24,8 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
-use kube::api::{Api, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams, PostParams};
+use serde::de::IgnoredAny;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::warn;
@@ -260,8 +261,11 @@ impl Sender {
         let key = SeriesKey::new(&queued.regarding, queued.related.as_ref(), queued.type_, queued.reason);
         if let Some(sent) = self.recent.repeat(&key, now) {
             let patch = json!({"series": {"count": sent.count, "lastObservedTime": MicroTime(now)}});
-            let events = Api::<Event>::namespaced(self.client.clone(), &sent.namespace);
-            match events.patch(&sent.name, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            let request = events_request(&sent.namespace)
+                .patch(&sent.name, &PatchParams::default(), &Patch::Merge(&patch))
+                .map_err(kube::Error::BuildRequest)
+                .map(|r| (r, "patch"));
+            match self.send_unread(request).await {
                 Ok(_) => return,
                 // Deleted meanwhile (events expire on the server too): start a new one.
                 Err(kube::Error::Api(status)) if status.code == 404 => self.recent.forget(&key),
@@ -271,10 +275,24 @@ impl Sender {
         let event = self.event(&queued, now);
         let namespace = event.metadata.namespace.clone().unwrap_or_default();
         let name = event.metadata.name.clone().unwrap_or_default();
-        match Api::<Event>::namespaced(self.client.clone(), &namespace).create(&PostParams::default(), &event).await {
+        let request = serde_json::to_vec(&event)
+            .map_err(kube::Error::SerdeError)
+            .and_then(|body| {
+                events_request(&namespace).create(&PostParams::default(), body).map_err(kube::Error::BuildRequest)
+            })
+            .map(|r| (r, "create"));
+        match self.send_unread(request).await {
             Ok(_) => self.recent.insert(key, Sent { namespace, name, count: 1, last: now }),
             Err(err) => log_failure(&queued, &err),
         }
+    }
+
+    /// Sends a request and skips its answer unread: the Event the API server returns (managed fields and all)
+    /// is of no use here, and decoding it was a good part of the sender's CPU.
+    async fn send_unread(&self, request: kube::Result<(http::Request<Vec<u8>>, &'static str)>) -> kube::Result<()> {
+        let (mut request, verb) = request?;
+        request.extensions_mut().insert(verb);
+        self.client.request::<IgnoredAny>(request).await.map(|_| ())
     }
 
     fn event(&self, queued: &Queued, now: Timestamp) -> Event {
@@ -299,6 +317,11 @@ impl Sender {
             ..Default::default()
         }
     }
+}
+
+/// Requests on events.k8s.io/v1 Events in `namespace`.
+fn events_request(namespace: &str) -> kube::core::Request {
+    kube::core::Request::new(Event::url_path(&(), Some(namespace)))
 }
 
 /// The API limits an Event's note to 1 kB.

@@ -197,24 +197,27 @@ pub(super) async fn post_claim(
     owner: (&'static str, &'static str),
 ) -> Result<Arc<ResourceClaim>, SyncError> {
     let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
-    let desired: DynamicObject = serde_json::from_value(desired).map_err(SyncError::DecodeClaim)?;
-    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), namespace, &claim_resource());
-    let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
-    let created = api.create(&params, &desired).await;
+    let created = post_claim_json(ctx, namespace, &desired).await;
     ctx.metrics.claim_created_for_owner(created.is_ok(), admin_access, owner.0, owner.1);
-    let created = created.map_err(|source| SyncError::CreateClaim {
-        pod_claim: claim_name.to_string(),
-        template: template_name.to_string(),
-        source,
+    let created = created.map_err(|source| match source {
+        // Created, but the answer is not a claim: not a failed create (the informer brings the claim).
+        kube::Error::SerdeError(err) => SyncError::DecodeClaim(err),
+        source => {
+            SyncError::CreateClaim { pod_claim: claim_name.to_string(), template: template_name.to_string(), source }
+        }
     })?;
-    let created: ResourceClaim =
-        serde_json::to_value(&created).and_then(serde_json::from_value).map_err(SyncError::DecodeClaim)?;
     Ok(Arc::new(created))
 }
 
-/// The ResourceClaim API resource, for untyped creates.
-fn claim_resource() -> kube::api::ApiResource {
-    kube::api::ApiResource::erase::<ResourceClaim>(&())
+/// POSTs the claim as built (fields unknown to this build included) and decodes the answer straight into the
+/// cached form: no typed or untyped copy of the whole claim is made on the way in or out.
+async fn post_claim_json(ctx: &Context, namespace: &str, desired: &serde_json::Value) -> kube::Result<ResourceClaim> {
+    let body = serde_json::to_vec(desired).map_err(kube::Error::SerdeError)?;
+    let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
+    let path = ResourceClaim::url_path(&(), Some(namespace));
+    let mut request = kube::core::Request::new(path).create(&params, body).map_err(kube::Error::BuildRequest)?;
+    request.extensions_mut().insert("create");
+    ctx.client.request::<ResourceClaim>(request).await
 }
 
 /// ONE server-side apply of the pod's complete, sorted `resourceClaimStatuses` (existing entries merged with new
