@@ -271,6 +271,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn controller_threads_default_to_one_and_stay_between_1_and_256() {
+        let threads = |extra: &[&str]| -> Result<u16, String> {
+            let args = ["gpu-dra", "controller"].iter().chain(extra).copied();
+            match Cli::try_parse_from(args).map_err(|e| e.to_string())?.command {
+                Command::Controller(args) => Ok(args.threads),
+                other => Err(format!("parsed as {other:?}")),
+            }
+        };
+        assert_eq!(threads(&[]), Ok(1));
+        assert_eq!(threads(&["--threads", "4"]), Ok(4));
+        assert_eq!(threads(&["--threads", "256"]), Ok(256));
+        for bad in ["0", "257", "two"] {
+            let err = threads(&["--threads", bad]).expect_err(bad);
+            assert!(err.contains("--threads"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
     fn resync_periods_between_a_second_and_an_hour() {
         let cases = [
             ("1s", Ok(Duration::from_secs(1))),

@@ -25,7 +25,6 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
 use kube::api::{Patch, PatchParams, PostParams};
-use serde::de::IgnoredAny;
 use serde_json::json;
 use tokio::sync::mpsc;
 use tracing::warn;
@@ -287,12 +286,13 @@ impl Sender {
         }
     }
 
-    /// Sends a request and skips its answer unread: the Event the API server returns (managed fields and all)
-    /// is of no use here, and decoding it was a good part of the sender's CPU.
+    /// Sends a request and leaves its answer undecoded: the Event the API server returns (managed fields and all)
+    /// is of no use here, and decoding it was a good part of the sender's CPU. (Errors are still decoded: kube
+    /// turns a failure's Status into `kube::Error::Api`.)
     async fn send_unread(&self, request: kube::Result<(http::Request<Vec<u8>>, &'static str)>) -> kube::Result<()> {
         let (mut request, verb) = request?;
         request.extensions_mut().insert(verb);
-        self.client.request::<IgnoredAny>(request).await.map(|_| ())
+        self.client.request_text(request).await.map(drop)
     }
 
     fn event(&self, queued: &Queued, now: Timestamp) -> Event {

@@ -198,7 +198,9 @@ pub(super) async fn post_claim(
 ) -> Result<Arc<ResourceClaim>, SyncError> {
     let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
     let created = post_claim_json(ctx, namespace, &desired).await;
-    ctx.metrics.claim_created_for_owner(created.is_ok(), admin_access, owner.0, owner.1);
+    // An answer that does not decode still means the claim was created.
+    let made = matches!(&created, Ok(_) | Err(kube::Error::SerdeError(_)));
+    ctx.metrics.claim_created_for_owner(made, admin_access, owner.0, owner.1);
     let created = created.map_err(|source| match source {
         // Created, but the answer is not a claim: not a failed create (the informer brings the claim).
         kube::Error::SerdeError(err) => SyncError::DecodeClaim(err),
