@@ -262,9 +262,8 @@ impl Sender {
             let patch = json!({"series": {"count": sent.count, "lastObservedTime": MicroTime(now)}});
             let request = events_request(&sent.namespace)
                 .patch(&sent.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .map_err(kube::Error::BuildRequest)
-                .map(|r| (r, "patch"));
-            match self.send_unread(request).await {
+                .map_err(kube::Error::BuildRequest);
+            match self.send_unread(request, "patch").await {
                 Ok(_) => return,
                 // Deleted meanwhile (events expire on the server too): start a new one.
                 Err(kube::Error::Api(status)) if status.code == 404 => self.recent.forget(&key),
@@ -274,13 +273,10 @@ impl Sender {
         let event = self.event(&queued, now);
         let namespace = event.metadata.namespace.clone().unwrap_or_default();
         let name = event.metadata.name.clone().unwrap_or_default();
-        let request = serde_json::to_vec(&event)
-            .map_err(kube::Error::SerdeError)
-            .and_then(|body| {
-                events_request(&namespace).create(&PostParams::default(), body).map_err(kube::Error::BuildRequest)
-            })
-            .map(|r| (r, "create"));
-        match self.send_unread(request).await {
+        let request = serde_json::to_vec(&event).map_err(kube::Error::SerdeError).and_then(|body| {
+            events_request(&namespace).create(&PostParams::default(), body).map_err(kube::Error::BuildRequest)
+        });
+        match self.send_unread(request, "create").await {
             Ok(_) => self.recent.insert(key, Sent { namespace, name, count: 1, last: now }),
             Err(err) => log_failure(&queued, &err),
         }
@@ -289,8 +285,8 @@ impl Sender {
     /// Sends a request and leaves its answer undecoded: the Event the API server returns (managed fields and all)
     /// is of no use here, and decoding it was a good part of the sender's CPU. (Errors are still decoded: kube
     /// turns a failure's Status into `kube::Error::Api`.)
-    async fn send_unread(&self, request: kube::Result<(http::Request<Vec<u8>>, &'static str)>) -> kube::Result<()> {
-        let (mut request, verb) = request?;
+    async fn send_unread(&self, request: kube::Result<http::Request<Vec<u8>>>, verb: &'static str) -> kube::Result<()> {
+        let mut request = request?;
         request.extensions_mut().insert(verb);
         self.client.request_text(request).await.map(drop)
     }

@@ -197,18 +197,20 @@ pub(super) async fn post_claim(
     owner: (&'static str, &'static str),
 ) -> Result<Arc<ResourceClaim>, SyncError> {
     let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
-    let created = post_claim_json(ctx, namespace, &desired).await;
-    // An answer that does not decode still means the claim was created.
-    let made = matches!(&created, Ok(_) | Err(kube::Error::SerdeError(_)));
+    let created = match post_claim_json(ctx, namespace, &desired).await {
+        Ok(claim) => Ok(Arc::new(claim)),
+        // Created, but the answer is not a claim: not a failed create. The informer brings the claim; a retry
+        // before it does may create a second one, which syncClaim deletes as a duplicate.
+        Err(kube::Error::SerdeError(err)) => Err(SyncError::DecodeClaim(err)),
+        Err(source) => Err(SyncError::CreateClaim {
+            pod_claim: claim_name.to_string(),
+            template: template_name.to_string(),
+            source,
+        }),
+    };
+    let made = !matches!(created, Err(SyncError::CreateClaim { .. }));
     ctx.metrics.claim_created_for_owner(made, admin_access, owner.0, owner.1);
-    let created = created.map_err(|source| match source {
-        // Created, but the answer is not a claim: not a failed create (the informer brings the claim).
-        kube::Error::SerdeError(err) => SyncError::DecodeClaim(err),
-        source => {
-            SyncError::CreateClaim { pod_claim: claim_name.to_string(), template: template_name.to_string(), source }
-        }
-    })?;
-    Ok(Arc::new(created))
+    created
 }
 
 /// POSTs the claim as built (fields unknown to this build included) and decodes the answer straight into the
