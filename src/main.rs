@@ -6,10 +6,17 @@ use gpu_dra::cli::{Cli, Command};
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    let mut runtime = tokio::runtime::Builder::new_multi_thread();
-    if let Command::Controller(args) = &cli.command {
-        runtime.worker_threads(args.threads.into());
-    }
+    // The controller mostly waits on the API server: with one thread its tasks run on this one (no scheduler
+    // handing work between threads), which costs the least CPU; the node agent serves gRPC beside its loops.
+    let mut runtime = match &cli.command {
+        Command::Controller(args) if args.threads == 1 => tokio::runtime::Builder::new_current_thread(),
+        Command::Controller(args) => {
+            let mut runtime = tokio::runtime::Builder::new_multi_thread();
+            runtime.worker_threads(args.threads.into());
+            runtime
+        }
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
     runtime.enable_all().build().context("start the async runtime")?.block_on(run(cli))
 }
 

@@ -310,6 +310,10 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
         &[("allocated", "false"), ("source", "resource_claim_template")],
     );
     ensure!(gauge == Some(1.0), "claims gauge {gauge:?}");
+    // One thread runs every task by default (`--threads 1`), whatever the machine's cores; the runtime may add
+    // one blocking thread (name resolution), never a worker per core.
+    let threads = std::fs::read_dir(format!("/proc/{}/task", controller.pid()))?.count();
+    ensure!(threads <= 2, "the controller runs {threads} threads with --threads 1 (expected the main thread only)");
     let _ = (Patch::<()>::Merge(()), PatchParams::default());
     Ok(())
 }
