@@ -53,6 +53,7 @@ fn main() {
             test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
             test!(deleted_claim_is_deallocated_and_released),
             test!(rejected_claim_warns_once_and_backs_off),
+            test!(deleted_warning_event_is_created_again),
             test!(forbidden_create_names_verb_and_resource),
         ],
     )
@@ -603,14 +604,7 @@ async fn deleted_claim_is_deallocated_and_released(ctx: TestContext) -> anyhow::
 /// The API server rejects the generated claim (admin access without the namespace label): the server's message
 /// reaches ONE aggregated Warning event, and retries back off exponentially.
 async fn rejected_claim_warns_once_and_backs_off(ctx: TestContext) -> anyhow::Result<()> {
-    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(ctx.client.clone());
-    let label =
-        |value: serde_json::Value| json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": value}}});
-    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(json!("true")))).await?;
-    let admin = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS, "adminAccess": true}}]}}});
-    create_template(&ctx, "admin", admin).await?;
-    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(serde_json::Value::Null))).await?;
-
+    create_rejected_admin_template(&ctx).await?;
     let controller = Component::controller(&ctx, &[]).await?;
     create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "admin"}])).await?;
     tokio::time::sleep(Duration::from_secs(6)).await;
@@ -641,6 +635,64 @@ async fn rejected_claim_warns_once_and_backs_off(ctx: TestContext) -> anyhow::Re
         .map(|s| s.count);
     ensure!(series.is_some_and(|count| count >= 2), "the repeats were not aggregated: series count {series:?}");
     ensure!(list_claims(&ctx).await?.is_empty(), "no claim may exist");
+    Ok(())
+}
+
+/// Template "admin": a claim with admin access, created while the namespace allowed it; the label is removed again,
+/// so the API server rejects every claim generated from it.
+async fn create_rejected_admin_template(ctx: &TestContext) -> anyhow::Result<()> {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(ctx.client.clone());
+    let label =
+        |value: serde_json::Value| json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": value}}});
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(json!("true")))).await?;
+    let admin = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": CLASS, "adminAccess": true}}]}}});
+    create_template(ctx, "admin", admin).await?;
+    namespaces.patch(&ctx.namespace, &PatchParams::default(), &Patch::Merge(label(serde_json::Value::Null))).await?;
+    Ok(())
+}
+
+/// The Warning an operator (or the server's event TTL) deleted while its failure keeps repeating: the next repeat
+/// finds the series' Event gone (404 on the series patch) and starts a new Event, so the warning stays visible.
+async fn deleted_warning_event_is_created_again(ctx: TestContext) -> anyhow::Result<()> {
+    create_rejected_admin_template(&ctx).await?;
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "admin"}])).await?;
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let warnings = || async {
+        let list = events.list(&Default::default()).await?.items;
+        anyhow::Ok(
+            list.into_iter()
+                .filter(|e| e.reason.as_deref() == Some("FailedResourceClaimCreation"))
+                .filter_map(|e| Some((e.metadata.name?, e.series.map_or(1, |s| s.count))))
+                .collect::<Vec<_>>(),
+        )
+    };
+    // Wait until the first Event has taken a repeat into its series: the sender now patches it on a repeat.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let first = loop {
+        if let [(name, count)] = warnings().await?.as_slice()
+            && *count >= 2
+        {
+            break name.clone();
+        }
+        ensure!(tokio::time::Instant::now() < deadline, "no repeated warning within 30 s: {:?}", warnings().await?);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    events.delete(&first, &Default::default()).await?;
+    // A change to the pod syncs it at once (no back-off wait): the create fails again and repeats the warning.
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    for round in 0.. {
+        let touch = json!({"metadata": {"labels": {"touched": round.to_string()}}});
+        pods.patch("p", &PatchParams::default(), &Patch::Merge(touch)).await?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = warnings().await?;
+        if now.iter().any(|(name, _)| *name != first) {
+            ensure!(now.len() == 1, "expected the one new warning, got {now:?}");
+            return Ok(());
+        }
+        ensure!(tokio::time::Instant::now() < deadline, "no new warning after {first} was deleted: {now:?}");
+    }
     Ok(())
 }
 
