@@ -68,10 +68,10 @@ pub struct ControllerArgs {
     /// Concurrent syncs (kube-controller-manager's --concurrent-resourceclaim-syncs, also 50 by default).
     #[arg(long, env = "GPU_DRA_CONTROLLER_WORKERS", default_value_t = 50, value_parser = clap::value_parser!(u16).range(1..))]
     pub workers: u16,
-    /// OS threads running the controller's tasks. One is the default: every task then runs on the process's main
-    /// thread (no scheduler handing work between threads), and the controller mostly waits on the API server; it
-    /// spent 10–25 % less CPU than two threads on a 2-core machine (see the README's controller cost). Raise it only
-    /// if the controller's one thread is busy.
+    /// Threads running the controller's tasks: with 1 (the default) the process's main thread runs them all; with
+    /// N > 1, N worker threads do (the main thread only waits). The controller mostly waits on the API server, and
+    /// one worker thread spent 10–25 % less CPU than two on a 2-core machine (see the README's controller cost).
+    /// Raise it only if the controller's one thread is busy.
     #[arg(long, env = "GPU_DRA_CONTROLLER_THREADS", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=256))]
     pub threads: u16,
     /// Elect a leader through a Lease so that only one replica writes. `false` only for a single process.

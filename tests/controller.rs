@@ -287,7 +287,9 @@ async fn missing_recorded_claim_is_recreated(ctx: TestContext) -> anyhow::Result
 }
 
 async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
-    let controller = Component::controller(&ctx, &[]).await?;
+    // `--threads 1` is the default; named here so that a GPU_DRA_CONTROLLER_THREADS in the environment cannot
+    // change what the thread count below checks.
+    let controller = Component::controller(&ctx, &["--threads", "1"]).await?;
     ensure!(controller.get("/healthz").await? == (200, "ok".into()), "healthz");
     ensure!(controller.get("/readyz").await?.0 == 200, "readyz");
     create_template(&ctx, "one-gpu", one_gpu()).await?;
@@ -311,10 +313,14 @@ async fn health_and_metrics_endpoints(ctx: TestContext) -> anyhow::Result<()> {
         &[("allocated", "false"), ("source", "resource_claim_template")],
     );
     ensure!(gauge == Some(1.0), "claims gauge {gauge:?}");
-    // One thread runs every task by default (`--threads 1`), whatever the machine's cores; the runtime may add
-    // one blocking thread (name resolution), never a worker per core.
-    let threads = std::fs::read_dir(format!("/proc/{}/task", controller.pid()))?.count();
-    ensure!(threads <= 2, "the controller runs {threads} threads with --threads 1 (expected the main thread only)");
+    // With `--threads 1` the main thread runs every task, whatever the machine's cores (no worker thread; the
+    // API server is an IP address, so no thread resolves names either); `--threads 2` adds two workers.
+    let threads = |pid: u32| std::fs::read_dir(format!("/proc/{pid}/task")).map(Iterator::count);
+    let one = threads(controller.pid())?;
+    ensure!(one == 1, "the controller runs {one} threads with --threads 1 (expected the main thread only)");
+    let two_workers = Component::controller(&ctx, &["--threads", "2"]).await?;
+    let three = threads(two_workers.pid())?;
+    ensure!(three == 3, "the controller runs {three} threads with --threads 2 (expected main + 2 workers)");
     let _ = (Patch::<()>::Merge(()), PatchParams::default());
     Ok(())
 }

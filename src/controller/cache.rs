@@ -10,9 +10,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
+use super::store::{Cache, CacheWriter, WriterDropped};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
-use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,11 +35,11 @@ pub fn template_resource() -> ApiResource {
 
 /// Informer caches and indexes.
 pub struct Caches {
-    pub pods: Store<Pod>,
-    pub claims: Store<ResourceClaim>,
-    pub templates: Store<DynamicObject>,
+    pub pods: Cache<Pod>,
+    pub claims: Cache<ResourceClaim>,
+    pub templates: Cache<DynamicObject>,
     /// PodGroups (`scheduling.k8s.io/v1beta1`); stays empty when the API server does not serve them.
-    pub pod_groups: Store<PodGroup>,
+    pub pod_groups: Cache<PodGroup>,
     /// Whether PodGroups are handled: served, listable and listed ([`super::group_api`]); until then pods that
     /// name none are handled as before.
     groups_served: AtomicBool,
@@ -65,25 +65,23 @@ impl std::fmt::Debug for Caches {
 }
 
 /// The writers that feed [`Caches`]; handed to [`run_informers`].
-#[allow(missing_debug_implementations)] // reflector writers are not Debug
+#[derive(Debug)]
 pub struct Writers {
-    pods: reflector::store::Writer<Pod>,
-    claims: reflector::store::Writer<ResourceClaim>,
-    templates: reflector::store::Writer<DynamicObject>,
-    pod_groups: reflector::store::Writer<PodGroup>,
+    pods: CacheWriter<Pod>,
+    claims: CacheWriter<ResourceClaim>,
+    templates: CacheWriter<DynamicObject>,
+    pod_groups: CacheWriter<PodGroup>,
 }
 
 impl Caches {
     pub fn new() -> (Self, Writers) {
-        let (pods, pods_writer) = reflector::store();
-        let (claims, claims_writer) = reflector::store();
-        let templates_writer = reflector::store::Writer::new(template_resource());
-        let (pod_groups, pod_groups_writer) = reflector::store();
+        let (pods_writer, claims_writer) = (CacheWriter::new(), CacheWriter::new());
+        let (templates_writer, pod_groups_writer) = (CacheWriter::new(), CacheWriter::new());
         let caches = Self {
-            pods,
-            claims,
+            pods: pods_writer.as_reader(),
+            claims: claims_writer.as_reader(),
             templates: templates_writer.as_reader(),
-            pod_groups,
+            pod_groups: pod_groups_writer.as_reader(),
             groups_served: AtomicBool::new(false),
             claims_by_owner: Index::new(|claim: &ResourceClaim| {
                 owner_uid(claim).map(str::to_string).into_iter().collect()
@@ -118,7 +116,7 @@ impl Caches {
     }
 
     /// Waits until all informers have listed once.
-    pub async fn wait_synced(&self) -> Result<(), reflector::store::WriterDropped> {
+    pub async fn wait_synced(&self) -> Result<(), WriterDropped> {
         self.pods.wait_until_ready().await?;
         self.claims.wait_until_ready().await?;
         if self.groups_served() {
@@ -138,7 +136,7 @@ impl Caches {
     }
 
     pub fn pod_group(&self, namespace: &str, name: &str) -> Option<Arc<PodGroup>> {
-        self.pod_groups.get(&ObjectRef::new(name).within(namespace))
+        self.pod_groups.get(namespace, name)
     }
 
     /// The claim generated for `group`'s claim `group_claim` (upstream `findPodGroupResourceClaim`): owned by the
@@ -151,15 +149,15 @@ impl Caches {
     }
 
     pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
-        self.pods.get(&ObjectRef::new(&key.name).within(&key.namespace))
+        self.pods.get(&key.namespace, &key.name)
     }
 
     pub fn claim(&self, namespace: &str, name: &str) -> Option<Arc<ResourceClaim>> {
-        self.claims.get(&ObjectRef::new(name).within(namespace))
+        self.claims.get(namespace, name)
     }
 
     pub fn template(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
-        self.templates.get(&ObjectRef::new_with(name, template_resource()).within(namespace))
+        self.templates.get(namespace, name)
     }
 
     /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet.
@@ -358,7 +356,7 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
     let namespace = namespace.as_deref();
     let pods = watcher(api::<Pod>(&client, namespace), watcher::Config::default())
         .default_backoff()
-        .reflect(writers.pods)
+        .map(feed(writers.pods))
         .for_each(|event| {
             on_event("pods", event, |e| on_pod_event(&ctx, e));
             futures::future::ready(())
@@ -368,7 +366,7 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
         .default_backoff()
         // Claims arrive reduced (slim_claim): managed fields are already down to the list of writers.
         .modify(move |claim| inspecting.foreign.inspect(&inspecting, claim))
-        .reflect(writers.claims)
+        .map(feed(writers.claims))
         .for_each(|event| {
             on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
             futures::future::ready(())
@@ -380,13 +378,25 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
     };
     let templates = watcher(templates_api, watcher::Config::default())
         .default_backoff()
-        .reflect(writers.templates)
+        .map(feed(writers.templates))
         .for_each(|event| {
             on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
             futures::future::ready(())
         });
     let pod_groups = super::group_api::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx);
     tokio::join!(pods, claims, templates, pod_groups);
+}
+
+/// Feeds every event a watch yields into `writer` before passing it on, as kube's `reflect` does.
+pub(super) fn feed<K: kube::Resource + Clone, E>(
+    mut writer: CacheWriter<K>,
+) -> impl FnMut(Result<watcher::Event<K>, E>) -> Result<watcher::Event<K>, E> {
+    move |event| {
+        if let Ok(event) = &event {
+            writer.apply_watcher_event(event);
+        }
+        event
+    }
 }
 
 pub(super) fn on_event<K>(

@@ -241,8 +241,12 @@ impl RecentEvents {
         self.by_key.insert(key, sent);
     }
 
+    /// Forgets a series whose Event is gone, from both maps: a key left behind in `created` would stand for the
+    /// new series that reuses it, and evicting it early would drop the newest series instead of the oldest.
+    /// (Rare: a 404 on a series patch; the scan is bounded by [`MAX_SERIES`].)
     fn forget(&mut self, key: &SeriesKey) {
         self.by_key.remove(key);
+        self.created.retain(|created| created != key);
     }
 }
 
@@ -432,6 +436,27 @@ mod tests {
         assert_eq!(recent.by_key.len(), MAX_SERIES);
         assert!(recent.repeat(&key(0), now).is_none(), "the oldest are forgotten first");
         assert!(recent.repeat(&key(MAX_SERIES + 9), now).is_some());
+    }
+
+    #[test]
+    fn a_series_whose_event_was_deleted_starts_over_as_the_newest() {
+        let now = Timestamp::UNIX_EPOCH;
+        let mut recent = RecentEvents::default();
+        let key =
+            |i: usize| SeriesKey::new(&pod(&format!("p{i}")), None, EventType::Normal, Reason::ResourceClaimCreated);
+        recent.insert(key(0), sent("p0.1", now));
+        for i in 1..MAX_SERIES {
+            recent.insert(key(i), sent(&format!("p{i}.1"), now));
+        }
+        // The oldest series' Event was deleted (404 on its patch): it is forgotten and sent anew.
+        recent.forget(&key(0));
+        recent.insert(key(0), sent("p0.2", now));
+        assert_eq!(recent.created.iter().filter(|k| **k == key(0)).count(), 1, "one place in the creation order");
+        // One more series: the oldest now is p1, not the new p0.
+        recent.insert(key(MAX_SERIES), sent("p-new.1", now));
+        recent.expire(now);
+        assert_eq!(recent.repeat(&key(0), now).map(|s| s.name), Some("p0.2".into()), "the new series is kept");
+        assert!(recent.repeat(&key(1), now).is_none(), "the oldest is forgotten");
     }
 
     #[test]

@@ -16,9 +16,9 @@
 
 use std::time::Duration;
 
+use super::store::CacheWriter;
 use kube::Client;
 use kube::api::{Api, ListParams};
-use kube::runtime::reflector::store::Writer;
 use tokio::sync::Notify;
 use tracing::{info, warn};
 
@@ -143,7 +143,7 @@ async fn serves_pod_groups(client: &Client, version: &str) -> Result<bool, kube:
 
 /// Runs the PodGroup informer: at once when PodGroups were handled at start, else once discovery finds them.
 /// Never returns while the controller runs.
-pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Writer<PodGroup>, ctx: &Context) {
+pub async fn run_informer(client: Client, namespace: Option<&str>, writer: CacheWriter<PodGroup>, ctx: &Context) {
     if ctx.caches.groups_served() {
         return super::podgroup::run_informer(client, namespace, writer, ctx).await;
     }

@@ -68,6 +68,7 @@ pub mod queue;
 pub mod slim_claim;
 pub mod slim_pod;
 pub mod slim_pod_group;
+pub mod store;
 pub mod wire_meta;
 
 use std::sync::Arc;

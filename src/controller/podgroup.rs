@@ -10,9 +10,9 @@
 
 use std::sync::Arc;
 
+use super::store::CacheWriter;
 use futures::StreamExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::reflector::store::Writer;
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -31,14 +31,14 @@ use super::slim_pod_group::{GROUP, PodGroup, VERSION};
 use super::{Context, POD_STATUS_FIELD_MANAGER};
 
 /// Watches PodGroups into the cache; events enqueue the group and its member pods.
-pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Writer<PodGroup>, ctx: &Context) {
+pub async fn run_informer(client: Client, namespace: Option<&str>, writer: CacheWriter<PodGroup>, ctx: &Context) {
     let api = match namespace {
         Some(ns) => Api::<PodGroup>::namespaced(client, ns),
         None => Api::<PodGroup>::all(client),
     };
     watcher(api, watcher::Config::default())
         .default_backoff()
-        .reflect(writer)
+        .map(super::cache::feed(writer))
         .for_each(|event| {
             super::cache::on_event("podgroups", event, |e| on_event(ctx, e));
             futures::future::ready(())
