@@ -126,7 +126,7 @@ impl<K: Resource> Index<K> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Applies one watch event, exactly as the reflector applies it to the store.
+    /// Applies one watch event, exactly as [`super::store::CacheWriter`] applies it to the store.
     pub fn apply(&self, event: &watcher::Event<K>) {
         let mut state = self.lock();
         match event {

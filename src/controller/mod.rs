@@ -23,8 +23,8 @@
 //! - beside another active claim controller (evidence a tenant cannot forge) it warns, and turns observe-only
 //!   when started with `--on-another-claim-controller=observe-only` ([`foreign`]).
 
-/// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API, watcher
-/// and reflector, exactly like the full k8s-openapi type it reduces.
+/// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API and watcher
+/// (and so for the informer store, [`store`]), exactly like the full k8s-openapi type it reduces.
 macro_rules! slim_resource {
     ($ty:ident, api_version: $api_version:literal, group: $group:literal, kind: $kind:literal, version: $version:literal,
      plural: $plural:literal) => {

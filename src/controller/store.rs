@@ -105,7 +105,11 @@ impl<K: Resource + Clone> CacheWriter<K> {
     /// watch was down disappear and readers never see a half-listed store.
     pub fn apply_watcher_event(&mut self, event: &watcher::Event<K>) {
         match event {
-            watcher::Event::Apply(obj) => insert(&mut self.write(), obj),
+            watcher::Event::Apply(obj) => {
+                // Cloned before the lock is taken: readers never wait for a copy.
+                let obj = Arc::new(obj.clone());
+                insert(&mut self.write(), obj);
+            }
             watcher::Event::Delete(obj) => {
                 let (namespace, name) = key(obj);
                 let mut objects = self.write();
@@ -117,7 +121,9 @@ impl<K: Resource + Clone> CacheWriter<K> {
                 }
             }
             watcher::Event::Init => self.relisting = Some(Objects::new()),
-            watcher::Event::InitApply(obj) => insert(self.relisting.get_or_insert_with(Objects::new), obj),
+            watcher::Event::InitApply(obj) => {
+                insert(self.relisting.get_or_insert_with(Objects::new), Arc::new(obj.clone()));
+            }
             watcher::Event::InitDone => {
                 let listed = self.relisting.take().unwrap_or_default();
                 // The old store is dropped after the lock is released.
@@ -138,16 +144,17 @@ fn key<K: Resource>(obj: &K) -> (&str, &str) {
     (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default())
 }
 
-fn insert<K: Resource + Clone>(objects: &mut Objects<K>, obj: &K) {
-    let (namespace, name) = key(obj);
+fn insert<K: Resource>(objects: &mut Objects<K>, obj: Arc<K>) {
+    let (namespace, name) = key(&*obj);
     let names = match objects.get_mut(namespace) {
         Some(names) => names,
         None => objects.entry(namespace.into()).or_default(),
     };
     match names.get_mut(name) {
-        Some(existing) => *existing = Arc::new(obj.clone()),
+        Some(existing) => *existing = obj,
         None => {
-            names.insert(name.into(), Arc::new(obj.clone()));
+            let name: Box<str> = name.into();
+            names.insert(name, obj);
         }
     }
 }
@@ -215,10 +222,17 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn waiting_for_a_store_whose_writer_is_gone_fails() {
+    async fn waiting_for_a_store_whose_writer_is_gone_fails_unless_it_was_ready() {
         let writer = CacheWriter::<ConfigMap>::new();
         let cache = writer.as_reader();
         drop(writer);
-        assert!(cache.wait_until_ready().await.is_err());
+        assert!(cache.wait_until_ready().await.is_err(), "the first list never completed");
+
+        let mut writer = CacheWriter::<ConfigMap>::new();
+        let cache = writer.as_reader();
+        writer.apply_watcher_event(&watcher::Event::Init);
+        writer.apply_watcher_event(&watcher::Event::InitDone);
+        drop(writer);
+        assert!(cache.wait_until_ready().await.is_ok(), "ready once, ready for good");
     }
 }
