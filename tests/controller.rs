@@ -674,32 +674,30 @@ async fn deleted_warning_event_is_created_again(ctx: TestContext) -> anyhow::Res
         )
     };
     // Wait until the first Event has taken a repeat into its series: the sender now patches it on a repeat.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    let first = loop {
-        if let [(name, count)] = warnings().await?.as_slice()
-            && *count >= 2
-        {
-            break name.clone();
-        }
-        ensure!(tokio::time::Instant::now() < deadline, "no repeated warning within 30 s: {:?}", warnings().await?);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let first = wait::until("the warning to repeat on one Event", Duration::from_secs(30), || async {
+        Ok(match warnings().await?.as_slice() {
+            [(name, count)] if *count >= 2 => Some(name.clone()),
+            _ => None,
+        })
+    })
+    .await?;
     events.delete(&first, &Default::default()).await?;
     // A change to the pod syncs it at once (no back-off wait): the create fails again and repeats the warning.
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    for round in 0.. {
-        let touch = json!({"metadata": {"labels": {"touched": round.to_string()}}});
+    let round = std::sync::atomic::AtomicU32::new(0);
+    wait::until(&format!("a new warning after {first} was deleted"), Duration::from_secs(30), || async {
+        let n = round.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let touch = json!({"metadata": {"labels": {"touched": n.to_string()}}});
         pods.patch("p", &PatchParams::default(), &Patch::Merge(touch)).await?;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let now = warnings().await?;
-        if now.iter().any(|(name, _)| *name != first) {
-            ensure!(now.len() == 1, "expected the one new warning, got {now:?}");
-            return Ok(());
+        if !now.iter().any(|(name, _)| *name != first) {
+            return Ok(None);
         }
-        ensure!(tokio::time::Instant::now() < deadline, "no new warning after {first} was deleted: {now:?}");
-    }
-    Ok(())
+        ensure!(now.len() == 1, "expected the one new warning, got {now:?}");
+        Ok(Some(()))
+    })
+    .await
 }
 
 /// Without permission to create claims: a log line naming the verb and resource, and a Warning event.

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
-use super::store::{Cache, CacheWriter, WriterDropped};
+use super::store::{Cache, CacheWriter, WriterDropped, feed};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -385,18 +385,6 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
         });
     let pod_groups = super::group_api::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx);
     tokio::join!(pods, claims, templates, pod_groups);
-}
-
-/// Feeds every event a watch yields into `writer` before passing it on, as kube's `reflect` does.
-pub(super) fn feed<K: kube::Resource + Clone, E>(
-    mut writer: CacheWriter<K>,
-) -> impl FnMut(Result<watcher::Event<K>, E>) -> Result<watcher::Event<K>, E> {
-    move |event| {
-        if let Ok(event) = &event {
-            writer.apply_watcher_event(event);
-        }
-        event
-    }
 }
 
 pub(super) fn on_event<K>(

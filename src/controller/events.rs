@@ -361,6 +361,11 @@ mod tests {
         }
     }
 
+    /// The series of claim creations about pod `p<i>`.
+    fn key(i: usize) -> SeriesKey {
+        SeriesKey::new(&pod(&format!("p{i}")), None, EventType::Normal, Reason::ResourceClaimCreated)
+    }
+
     fn sent(name: &str, last: Timestamp) -> Sent {
         Sent { namespace: "ns".into(), name: name.into(), count: 1, last }
     }
@@ -426,8 +431,6 @@ mod tests {
     fn remembers_at_most_max_series() {
         let now = Timestamp::UNIX_EPOCH;
         let mut recent = RecentEvents::default();
-        let key =
-            |i: usize| SeriesKey::new(&pod(&format!("p{i}")), None, EventType::Normal, Reason::ResourceClaimCreated);
         for i in 0..MAX_SERIES + 10 {
             recent.expire(now);
             recent.insert(key(i), sent(&format!("p{i}.1"), now));
@@ -442,8 +445,6 @@ mod tests {
     fn a_series_whose_event_was_deleted_starts_over_as_the_newest() {
         let now = Timestamp::UNIX_EPOCH;
         let mut recent = RecentEvents::default();
-        let key =
-            |i: usize| SeriesKey::new(&pod(&format!("p{i}")), None, EventType::Normal, Reason::ResourceClaimCreated);
         recent.insert(key(0), sent("p0.1", now));
         for i in 1..MAX_SERIES {
             recent.insert(key(i), sent(&format!("p{i}.1"), now));

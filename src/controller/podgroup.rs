@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use super::store::CacheWriter;
+use super::store::{CacheWriter, feed};
 use futures::StreamExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -38,7 +38,7 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
     };
     watcher(api, watcher::Config::default())
         .default_backoff()
-        .map(super::cache::feed(writer))
+        .map(feed(writer))
         .for_each(|event| {
             super::cache::on_event("podgroups", event, |e| on_event(ctx, e));
             futures::future::ready(())

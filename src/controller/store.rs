@@ -73,7 +73,6 @@ pub struct CacheWriter<K> {
     /// What a relist has shown so far; replaces the store when it completes.
     relisting: Option<Objects<K>>,
     ready: watch::Sender<bool>,
-    reader: Cache<K>,
 }
 
 impl<K> std::fmt::Debug for CacheWriter<K> {
@@ -90,14 +89,12 @@ impl<K: Resource + Clone> Default for CacheWriter<K> {
 
 impl<K: Resource + Clone> CacheWriter<K> {
     pub fn new() -> Self {
-        let objects = Arc::new(RwLock::new(Objects::new()));
-        let (ready, ready_rx) = watch::channel(false);
-        let reader = Cache { objects: objects.clone(), ready: ready_rx };
-        Self { objects, relisting: None, ready, reader }
+        let (ready, _) = watch::channel(false);
+        Self { objects: Arc::default(), relisting: None, ready }
     }
 
     pub fn as_reader(&self) -> Cache<K> {
-        self.reader.clone()
+        Cache { objects: self.objects.clone(), ready: self.ready.subscribe() }
     }
 
     /// Applies one watch event, as kube's reflector does: an object shown replaces the one of its name, a relist
@@ -139,6 +136,19 @@ impl<K: Resource + Clone> CacheWriter<K> {
     }
 }
 
+/// Feeds every event a watch yields into `writer` before passing it on (`stream.map(feed(writer))`), as kube's
+/// `reflect` does: handlers further down the stream see the store already updated.
+pub fn feed<K: Resource + Clone, E>(
+    mut writer: CacheWriter<K>,
+) -> impl FnMut(Result<watcher::Event<K>, E>) -> Result<watcher::Event<K>, E> {
+    move |event| {
+        if let Ok(event) = &event {
+            writer.apply_watcher_event(event);
+        }
+        event
+    }
+}
+
 fn key<K: Resource>(obj: &K) -> (&str, &str) {
     let meta = obj.meta();
     (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default())
@@ -153,8 +163,7 @@ fn insert<K: Resource>(objects: &mut Objects<K>, obj: Arc<K>) {
     match names.get_mut(name) {
         Some(existing) => *existing = obj,
         None => {
-            let name: Box<str> = name.into();
-            names.insert(name, obj);
+            names.insert(name.into(), obj);
         }
     }
 }
