@@ -207,7 +207,16 @@ async fn measure(cluster: &Cluster, contender: Contender, pods: usize, qps: u32,
     let mut raw = None;
     match contender {
         Contender::GpuDra => {
-            let args = ["controller", "--leader-elect=false", "--kube-api-qps", &qps_s, "--kube-api-burst", &burst_s];
+            // Production logging (info): the test harness's debug lines are not what an operator runs.
+            let args = [
+                "controller",
+                "--leader-elect=false",
+                "--log-filter=info",
+                "--kube-api-qps",
+                &qps_s,
+                "--kube-api-burst",
+                &burst_s,
+            ];
             let c = Component::start(&cluster.kubeconfig(), "bench-gpu-dra", &args)?;
             c.wait_ready().await?;
             component = Some(c);

@@ -206,7 +206,17 @@ async fn start(contender: Contender, cluster: &Cluster, s: &Settings) -> anyhow:
     let (qps, burst) = (s.qps.to_string(), s.burst.to_string());
     match contender {
         Contender::GpuDra => {
-            let args = ["controller", "--leader-elect=false", "--kube-api-qps", &qps, "--kube-api-burst", &burst];
+            // Production logging (info), as KCM runs at its default verbosity: the test harness's debug lines would
+            // be counted as controller cost.
+            let args = [
+                "controller",
+                "--leader-elect=false",
+                "--log-filter=info",
+                "--kube-api-qps",
+                &qps,
+                "--kube-api-burst",
+                &burst,
+            ];
             let c = Component::start(&cluster.kubeconfig(), "cost-gpu-dra", &args)?;
             c.wait_ready().await?;
             Ok(Running::GpuDra(c))
