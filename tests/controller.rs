@@ -40,6 +40,7 @@ fn main() {
             test!(long_names_are_truncated_in_proportion),
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
+            test!(recorded_claim_and_template_deleted_come_back_with_the_template),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),
             test!(metrics_match_kube_controller_manager_after_real_work),
@@ -283,6 +284,46 @@ async fn missing_recorded_claim_is_recreated(ctx: TestContext) -> anyhow::Result
     .await?;
     let names: Vec<String> = list_claims(&ctx).await?.iter().map(|c| c.name_any()).collect();
     ensure!(names == [second.clone()], "claims {names:?}, recorded {second}");
+    Ok(())
+}
+
+/// A user deletes a pod's generated claim and its template, then re-creates the template (a redeploy of the
+/// manifest): the template's return brings the pod back at once, as kube-controller-manager's template index does
+/// (every pod using a template is indexed by it, recorded or not), instead of after the grown back-off.
+async fn recorded_claim_and_template_deleted_come_back_with_the_template(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(&ctx, "p", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let first = claim_statuses(&wait_recorded(&ctx, "p", 1).await?)[0].1.clone().context("no name")?;
+    let templates = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &ctx.namespace,
+        &objects::template_resource(),
+    );
+    templates.delete("one-gpu", &DeleteParams::default()).await?;
+    wait::until("the template to be gone", SETTLE, || async {
+        Ok(templates.get_opt("one-gpu").await?.is_none().then_some(()))
+    })
+    .await?;
+    objects::claims(&ctx).delete(&first, &DeleteParams::default()).await?;
+    wait::until("the FailedResourceClaimCreation warning", SETTLE, || async {
+        let events = events_about(&ctx, "p").await?;
+        Ok(events.into_iter().find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
+    })
+    .await?;
+    // Let the retry back-off grow well past a second (5 ms doubling: ~5 s after 10 failures).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+
+    let created = Instant::now();
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let pods = objects::pods(&ctx);
+    wait::until("a new claim to be recorded", SETTLE, || async {
+        let p = pods.get("p").await?;
+        Ok(claim_statuses(&p)[0].1.clone().filter(|n| *n != first))
+    })
+    .await?;
+    let took = created.elapsed();
+    ensure!(took < Duration::from_secs(2), "claim took {took:?} after the template came back");
     Ok(())
 }
 

@@ -50,10 +50,7 @@ pub struct Caches {
     /// Pods by `namespace/claim-name` of every claim they name directly (`resourceClaimName`). A claim generated
     /// from a template leads to its pod through its owner reference instead, so the common case costs no entry.
     pods_by_named_claim: Index<Pod>,
-    /// Pods by `namespace/template-name` of the templates they wait for (template claims their status does not
-    /// record yet): a template that appears or changes brings them back at once. A pod whose recorded claim was
-    /// deleted and whose template is missing too is retried with back-off instead, as kube-controller-manager
-    /// retries every pod whose template is missing.
+    /// Pods by `namespace/template-name` of every template they use.
     pods_by_template: Index<Pod>,
     deleted_pods: Mutex<RecentSet>,
     created: Mutex<CreatedClaims>,
@@ -99,7 +96,11 @@ impl Caches {
             }),
             pods_by_template: Index::new(|pod: &Pod| {
                 let ns = pod.namespace().unwrap_or_default();
-                decide::awaited_templates(pod).into_iter().map(|template| format!("{ns}/{template}")).collect()
+                decide::pod_claims(pod)
+                    .iter()
+                    .filter_map(|pc| pc.resource_claim_template_name.as_ref())
+                    .map(|template| format!("{ns}/{template}"))
+                    .collect()
             }),
             deleted_pods: Mutex::default(),
             created: Mutex::default(),

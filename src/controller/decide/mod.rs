@@ -136,19 +136,6 @@ pub fn has_claims(pod: &Pod) -> bool {
     !pod_claims(pod).is_empty() || pod.status.as_ref().is_some_and(|s| s.extended_resource_claim_status.is_some())
 }
 
-/// Templates of the pod claims whose claim the pod's status does not record yet: the templates the pod waits
-/// for. A pod whose template claims are all recorded needs no template any more, so it is not indexed by
-/// template (a backlog of 10,000 such pods would otherwise hold 10,000 index entries nobody reads).
-pub fn awaited_templates(pod: &Pod) -> Vec<&str> {
-    pod_claims(pod)
-        .iter()
-        .filter_map(|pc| match claim_source(pod, pc) {
-            ClaimSource::Template { template, recorded: Recorded::Missing } => Some(template),
-            _ => None,
-        })
-        .collect()
-}
-
 /// Names of the claims a pod names directly (`resourceClaimName`): claims it shares, or that others made for it.
 pub fn named_claim_names(pod: &Pod) -> Vec<&str> {
     pod_claims(pod).iter().filter_map(|pc| pc.resource_claim_name.as_deref()).collect()

@@ -157,20 +157,6 @@ fn needs_work() {
 }
 
 #[test]
-fn only_unrecorded_template_claims_wait_for_their_template() {
-    // Waiting: nothing recorded for the template claim (the named claim never waits for a template).
-    assert_eq!(awaited_templates(&pod(json!({}))), ["tmpl"]);
-    // Recorded, with a claim or as needing none: the template is not needed any more.
-    let recorded = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "pod-gpu-x"}]}});
-    assert!(awaited_templates(&pod(recorded)).is_empty());
-    let no_claim = json!({"status": {"resourceClaimStatuses": [{"name": "gpu"}]}});
-    assert!(awaited_templates(&pod(no_claim)).is_empty());
-    // An entry for another pod claim does not count.
-    let other = json!({"status": {"resourceClaimStatuses": [{"name": "shared", "resourceClaimName": "shared-claim"}]}});
-    assert_eq!(awaited_templates(&pod(other)), ["tmpl"]);
-}
-
-#[test]
 fn a_done_pod_needs_nothing() {
     // Its claim deleted (recorded claim missing), never recorded, or allocated and unreserved: nothing to do,
     // else every deletion of a finished pod's claim would create the next one.
