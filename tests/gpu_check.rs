@@ -23,7 +23,7 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "2 GPU(s) found",
         "ResourceSlice 1 spec",
         "\"productName\"",
-        "Prepared a sample claim with 2 GPU(s)",
+        "Prepared a sample claim with 2 device(s)",
         "CDI device gpu.gpu-dra.dev/gpu=0c4ec4ec-0000-4000-8000-000000000001-gpu-1",
         "\"path\": \"/dev/nvidia1\"",
         "NVIDIA_VISIBLE_DEVICES=void",
@@ -31,12 +31,41 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "inject-faults",
         "Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json",
         "NVIDIA H100 80GB HBM3 (NVIDIA's documented table):",
-        "1g.10gb     profile  0: 1 compute / 1 memory slice(s), up to 7, placements {0,1,2,3,4,5,6}:1",
-        "3g.40gb     profile  2: 3 compute / 4 memory slice(s), up to 2, placements {0,4}:4",
-        "7g.80gb     profile  4: 7 compute / 8 memory slice(s), up to 1, placements {0}:8",
+        "1g.10gb     profile  0 (ID 19): 1 compute / 1 memory slice(s), up to 7, placements {0,1,2,3,4,5,6}:1",
+        "3g.40gb     profile  2 (ID  9): 3 compute / 4 memory slice(s), up to 2, placements {0,4}:4",
+        "7g.80gb     profile  4 (ID  0): 7 compute / 8 memory slice(s), up to 1, placements {0}:8",
     ] {
         assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
     }
+}
+
+#[test]
+fn a_simulated_gpu_in_mig_mode_is_published_and_prepared_as_its_mig_devices() {
+    let (ok, out) = gpu_check(&[
+        "--gpu-backend",
+        "simulated",
+        "--simulated-gpus",
+        "1xH100-80GB/mig=3g.40gb+1g.10gb",
+        "--claim-gpus",
+        "2",
+    ]);
+    assert!(ok, "{out}");
+    for expected in [
+        "1 GPU(s) found",
+        ", MIG mode on",
+        "MIG 3g.40gb   MIG-",
+        "GPU instance 1 compute instance 0, memory slices 0..4, 40960 MiB, 48 SMs",
+        "\"name\": \"gpu-0-mig-19-4-1\"",
+        "\"profile\"",
+        "Prepared a sample claim with 2 device(s)",
+        "CDI device gpu.gpu-dra.dev/gpu=0c4ec4ec-0000-4000-8000-000000000001-gpu-0-mig-9-0-4",
+        // The driver's numbering: GPU 0's instance 1 is nvidia-cap12 (its compute instance 0: 13), instance 2 is 21.
+        "device node /dev/nvidia-caps/nvidia-cap12",
+        "device node /dev/nvidia-caps/nvidia-cap22",
+    ] {
+        assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
+    }
+    assert!(!out.contains("\"name\": \"gpu-0\""), "a GPU in MIG mode is never published whole:\n{out}");
 }
 
 #[test]
@@ -56,4 +85,6 @@ fn bad_input_is_named() {
     assert!(!ok && out.contains("needs --simulated-gpus"), "{out}");
     let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "2xZ999"]);
     assert!(!ok && out.contains("Z999"), "{out}");
+    let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "1xL4-24GB/mig=1g.10gb"]);
+    assert!(!ok && out.contains("NVIDIA L4 has no documented MIG profiles"), "{out}");
 }

@@ -9,6 +9,9 @@
 
 mod support;
 
+#[path = "pipeline/mig.rs"]
+mod mig;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
@@ -16,6 +19,7 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use mig::a_node_in_mig_mode_hands_out_its_mig_devices;
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
@@ -38,6 +42,7 @@ fn main() {
             test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
             test!(pods_of_two_namespaces_share_one_gpu_by_memory),
+            test!(a_node_in_mig_mode_hands_out_its_mig_devices),
         ],
     )
 }
@@ -170,25 +175,19 @@ async fn claim_of(ctx: &TestContext, pod: &str, name: &str) -> anyhow::Result<St
 
 /// A device's attribute (string) from its node's ResourceSlices.
 async fn attribute(ctx: &TestContext, node: &str, device: &str, attr: &str) -> anyhow::Result<String> {
-    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
-        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-        .await?;
-    let device = slices
-        .items
-        .iter()
-        .flat_map(|s| s.spec.devices.iter().flatten())
-        .find(|d| d.name == device)
-        .with_context(|| format!("{device} not published for {node}"))?;
+    let devices = objects::published_devices(&ctx.client, node).await?;
+    let device =
+        devices.iter().find(|d| d.name == device).with_context(|| format!("{device} not published for {node}"))?;
     let value = device.attributes.as_ref().and_then(|a| a.get(attr)).and_then(|a| a.string.clone());
     value.with_context(|| format!("{device:?} has no string attribute {attr}"))
 }
 
 /// Resolves `ids` with the CDI crate from the node's CDI directory, as a runtime does, and injects them into an
 /// empty OCI spec: (device node paths, environment).
-fn inject(node: &Node, ids: &[String]) -> anyhow::Result<(BTreeSet<String>, Vec<String>)> {
+fn inject(dirs: &NodeDirs, ids: &[String]) -> anyhow::Result<(BTreeSet<String>, Vec<String>)> {
     use container_device_interface::cache::{new_cache, with_auto_refresh};
     use container_device_interface::spec_dirs::with_spec_dirs;
-    let dir = node.dirs.cdi().to_string_lossy().into_owned();
+    let dir = dirs.cdi().to_string_lossy().into_owned();
     let cache = new_cache(vec![with_spec_dirs(&[&dir]), with_auto_refresh(false)]);
     let mut cache = cache.lock().map_err(|_| anyhow::anyhow!("CDI cache lock poisoned"))?;
     let mut spec = oci_spec::runtime::Spec::default();
@@ -228,7 +227,7 @@ async fn a_template_pod_gets_two_h100s_prepared_and_released(ctx: TestContext) -
     ensure!(ids.len() == 2, "CDI ids {ids:?}");
 
     let node = bed.node(&node_name)?;
-    let (device_nodes, env) = inject(node, ids)?;
+    let (device_nodes, env) = inject(&node.dirs, ids)?;
     let mut expected: BTreeSet<String> =
         devices.iter().map(|(_, d)| format!("/dev/nvidia{}", d.trim_start_matches("gpu-"))).collect();
     expected.extend(["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"].map(String::from));
@@ -326,7 +325,7 @@ async fn two_containers_with_two_claims_get_different_gpus(ctx: TestContext) -> 
     ensure!(a.len() == 1 && b.len() == 1 && a != b, "allocations {a:?} {b:?}");
     let node = bed.node(&node)?;
     for id in [first, second] {
-        let (devices, _) = inject(node, std::slice::from_ref(id))?;
+        let (devices, _) = inject(&node.dirs, std::slice::from_ref(id))?;
         let minor = gpu(id).unwrap_or_default();
         ensure!(devices.contains(&format!("/dev/nvidia{minor}")), "{id} injects {devices:?}");
     }

@@ -26,6 +26,10 @@ use support::{TestContext, objects, wait};
 
 #[path = "real_node/host.rs"]
 mod host;
+#[path = "real_node/mig.rs"]
+mod mig;
+
+use mig::containers_get_exactly_their_mig_devices;
 
 fn main() {
     support::run_on_real_node_cluster(
@@ -35,6 +39,7 @@ fn main() {
             test!(helm_install_gives_real_containers_their_gpus_and_uninstall_leaves_nothing),
             test!(taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet),
             test!(containers_of_two_namespaces_share_one_gpu_by_memory),
+            test!(containers_get_exactly_their_mig_devices),
         ],
     )
 }
@@ -188,16 +193,7 @@ async fn seen_by(ctx: &TestContext, pod: &str) -> anyhow::Result<Seen> {
 
 /// [`seen_by`] for a pod in `namespace`.
 async fn seen_by_in(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<Seen> {
-    let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
-    let log = wait::until(&format!("pod {pod} to run and list its GPUs"), WAIT, || async {
-        let phase = pods.get(pod).await?.status.and_then(|s| s.phase).unwrap_or_default();
-        if phase != "Running" {
-            return Ok(None);
-        }
-        let log = pods.logs(pod, &LogParams::default()).await?;
-        Ok(log.contains("listed").then_some(log))
-    })
-    .await?;
+    let log = listing(ctx, namespace, pod).await?;
     let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
     for line in log.lines() {
         if let Some(uuids) = line.strip_prefix("GPU_DRA_GPU_UUIDS=") {
@@ -211,19 +207,29 @@ async fn seen_by_in(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Re
     Ok(seen)
 }
 
+/// The log of `pod` in `namespace` once it runs and has listed its devices (`echo listed`).
+async fn listing(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<String> {
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
+    wait::until(&format!("pod {pod} to run and list its devices"), WAIT, || async {
+        let phase = pods.get(pod).await?.status.and_then(|s| s.phase).unwrap_or_default();
+        if phase != "Running" {
+            return Ok(None);
+        }
+        let log = pods.logs(pod, &LogParams::default()).await?;
+        Ok(log.contains("listed").then_some(log))
+    })
+    .await
+}
+
 /// What the scheduler allocated to `claim`: the minors and UUIDs the node agent published for those devices.
 async fn allocated(ctx: &TestContext, node: &str, claim: &str) -> anyhow::Result<Seen> {
     let claim = objects::claims(ctx).get(claim).await?;
     let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
-    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
-        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-        .await?;
+    let devices = objects::published_devices(&ctx.client, node).await?;
     let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
     for result in results.unwrap_or_default() {
-        let device = slices
-            .items
+        let device = devices
             .iter()
-            .flat_map(|s| s.spec.devices.iter().flatten())
             .find(|d| d.name == result.device)
             .with_context(|| format!("device {} not published for {node}", result.device))?;
         let attributes = device.attributes.as_ref().context("device without attributes")?;

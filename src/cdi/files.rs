@@ -72,14 +72,14 @@ pub fn list_claim_specs(dir: &Path, kind: &CdiKind) -> Result<Vec<String>, CdiEr
     Ok(uids)
 }
 
-/// The GPU minors a claim's spec on disk names (its devices are `<claimUID>-gpu-<minor>`), so the spec can be adopted
-/// when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
-pub fn claim_spec_gpu_minors(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<u32>> {
+/// The ResourceSlice devices a claim's spec on disk names (its CDI devices are `<claimUID>-<device>`), so the spec
+/// can be adopted when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
+pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<String>> {
     let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
     let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
-    let prefix = format!("{claim_uid}-gpu-");
+    let prefix = format!("{claim_uid}-");
     let names = spec["devices"].as_array().into_iter().flatten().filter_map(|d| d["name"].as_str());
-    Ok(names.filter_map(|name| name.strip_prefix(&prefix)?.parse().ok()).collect())
+    Ok(names.filter_map(|name| name.strip_prefix(&prefix)).filter(|d| !d.is_empty()).map(str::to_string).collect())
 }
 
 /// Removes the temporary spec files of this kind that a killed writer left behind (see
@@ -94,6 +94,7 @@ pub fn remove_abandoned_spec_temporaries(dir: &Path, kind: &CdiKind) -> Result<u
 mod tests {
     use super::*;
     use crate::cdi::{DriverFiles, build_claim_spec, device_name};
+    use crate::node_agent::device::Device;
     use crate::node_agent::gpu::test_gpu;
     use container_device_interface::schema::{compile_cdi_schema, validate_cdi};
     use container_device_interface::spec::read_spec;
@@ -135,7 +136,7 @@ mod tests {
         fs::write(root.join("usr/bin/nvidia-smi"), b"elf")?;
         let files = DriverFiles::discover(&root)?;
         assert_eq!(files.mounts()?.len(), 3);
-        let gpus = [test_gpu(3, "0000:3b:00.0"), test_gpu(1, "0000:86:00.0")];
+        let gpus = [test_gpu(3, "0000:3b:00.0"), test_gpu(1, "0000:86:00.0")].map(|g| Device::whole(&g));
         Ok(build_claim_spec(&kind()?, UID, &gpus, &files)?)
     }
 
@@ -166,7 +167,7 @@ mod tests {
 
         let mut loaded = read_spec(&path, 0).map_err(|err| format!("{err:#}"))?;
         let names: Vec<String> = loaded.validate().map_err(|err| format!("{err:#}"))?.into_keys().collect();
-        assert_eq!(names, [device_name(UID, 1), device_name(UID, 3)]);
+        assert_eq!(names, [device_name(UID, "gpu-1"), device_name(UID, "gpu-3")]);
         assert_eq!(loaded.cdi_spec, spec);
         Ok(())
     }
@@ -186,7 +187,7 @@ mod tests {
         fs::write(dir.join("gpu.gpu-dra.dev-gpu_bad-.json"), b"{}")?;
         assert_eq!(list_claim_specs(&dir, &kind)?, ["a-uid", "b-uid"]);
         write_claim_spec(&dir, &kind, UID, &spec)?;
-        assert_eq!(claim_spec_gpu_minors(&dir, &kind, UID)?, [1, 3], "the GPUs its device names name");
+        assert_eq!(claim_spec_devices(&dir, &kind, UID)?, ["gpu-1", "gpu-3"], "the devices its device names name");
         remove_claim_spec(&dir, &kind, UID)?;
         assert!(claim_spec_exists(&dir, &kind, "a-uid"));
         assert!(!claim_spec_exists(&dir, &kind, "a/uid"));

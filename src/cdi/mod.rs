@@ -21,7 +21,7 @@ use std::path::PathBuf;
 
 pub use driver_files::{DriverFiles, DriverMount};
 pub use files::{
-    claim_spec_exists, claim_spec_gpu_minors, list_claim_specs, remove_abandoned_spec_temporaries, remove_claim_spec,
+    claim_spec_devices, claim_spec_exists, list_claim_specs, remove_abandoned_spec_temporaries, remove_claim_spec,
     spec_file_name, write_claim_spec,
 };
 pub use spec::{build_claim_spec, validate_claim_spec};
@@ -150,16 +150,17 @@ impl fmt::Display for CdiKind {
     }
 }
 
-/// The CDI device name of one GPU of a claim: `<claimUID>-gpu-<minor>`. The claim UID makes the name unique per
-/// claim, so a runtime's stale cache of an earlier claim's spec can never match it.
-pub fn device_name(claim_uid: &str, minor: u32) -> String {
-    format!("{claim_uid}-gpu-{minor}")
+/// The CDI device name of one device of a claim: `<claimUID>-<ResourceSlice device name>` (`<uid>-gpu-3`,
+/// `<uid>-gpu-0-mig-0-4-1`). The claim UID makes the name unique per claim, so a runtime's stale cache of an earlier
+/// claim's spec can never match it.
+pub fn device_name(claim_uid: &str, device: &str) -> String {
+    format!("{claim_uid}-{device}")
 }
 
-/// The fully qualified CDI id of one GPU of a claim (`vendor/class=<claimUID>-gpu-<minor>`), what
+/// The fully qualified CDI id of one device of a claim (`vendor/class=<claimUID>-<device>`), what
 /// NodePrepareResources returns to the kubelet.
-pub fn device_id(kind: &CdiKind, claim_uid: &str, minor: u32) -> String {
-    kind.qualified_name(&device_name(claim_uid, minor))
+pub fn device_id(kind: &CdiKind, claim_uid: &str, device: &str) -> String {
+    kind.qualified_name(&device_name(claim_uid, device))
 }
 
 /// Which characters a CDI name may hold.
@@ -210,8 +211,9 @@ mod tests {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         assert_eq!((kind.vendor(), kind.class()), ("gpu.gpu-dra.dev", "gpu"));
         assert_eq!(kind.to_string(), "gpu.gpu-dra.dev/gpu");
-        assert_eq!(device_name("uid-1", 3), "uid-1-gpu-3");
-        assert_eq!(device_id(&kind, "uid-1", 3), "gpu.gpu-dra.dev/gpu=uid-1-gpu-3");
+        assert_eq!(device_name("uid-1", "gpu-3"), "uid-1-gpu-3");
+        assert_eq!(device_id(&kind, "uid-1", "gpu-3"), "gpu.gpu-dra.dev/gpu=uid-1-gpu-3");
+        assert_eq!(device_id(&kind, "uid-1", "gpu-0-mig-19-4-1"), "gpu.gpu-dra.dev/gpu=uid-1-gpu-0-mig-19-4-1");
         Ok(())
     }
 

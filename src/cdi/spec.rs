@@ -7,7 +7,7 @@ use container_device_interface::{spec::new_spec, version::minimum_required_versi
 use serde_json::{Value, json};
 
 use super::{CdiError, CdiKind, DriverFiles, check_claim_uid, check_name, device_name, files::spec_file_name};
-use crate::node_agent::gpu::Gpu;
+use crate::node_agent::device::Device;
 
 /// Driver files are read-only in the container, and nothing mounted from the driver tree may bring set-uid
 /// binaries or device files with it.
@@ -23,51 +23,63 @@ const NVIDIA_MAJOR: u32 = 195;
 /// `nvidia-uvm`'s major is assigned at load time; simulated specs use a typical value.
 const UVM_MAJOR: u32 = 510;
 
-/// The CDI spec that gives a container the claim's `gpus`: one device per GPU (its `/dev/nvidia<minor>`), named
-/// [`device_name`]`(claim_uid, minor)`, and spec-wide edits that every container with any of them gets: the shared
-/// device nodes, the driver files, and the environment:
+/// The CDI spec that gives a container the claim's `devices`: one CDI device per device, named
+/// [`device_name`]`(claim_uid, <device name>)` — a whole GPU is its `/dev/nvidia<minor>`; a MIG device is its
+/// parent's node plus the `/dev/nvidia-caps/nvidia-cap<N>` nodes of its GPU and compute instance (CUDA shows a
+/// process exactly the MIG devices whose capabilities it can open) — and spec-wide edits that every container with
+/// any of them gets: the shared device nodes, the driver files, and the environment:
 ///
 /// - `NVIDIA_VISIBLE_DEVICES=void`: a node's legacy `nvidia-container-runtime` hook would otherwise inject every
 ///   GPU of the node into the container as well (the double-allocation problem).
 /// - `CUDA_DEVICE_ORDER=PCI_BUS_ID`: CUDA numbers the devices the way `nvidia-smi` and `GPU_DRA_GPU_UUIDS` list them.
-/// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's GPUs by PCI bus id, so a workload can see exactly what it got.
+/// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's devices (`MIG-…` for MIG devices) by PCI bus id, so a workload
+///   can see exactly what it got.
 ///
 /// `cdiVersion` is the lowest version that covers the fields used: runtimes refuse versions newer than they know.
-/// The output depends only on the input (GPUs in any order give the same spec) and the driver files as they are
+/// The output depends only on the input (devices in any order give the same spec) and the driver files as they are
 /// now: the only I/O is [`DriverFiles::mounts`]' check that they are still the driver's (a driver upgraded in place
 /// is discovered again, so no spec names the removed files of the old version).
 pub fn build_claim_spec(
     kind: &CdiKind,
     claim_uid: &str,
-    gpus: &[Gpu],
+    claim_devices: &[Device],
     driver_files: &DriverFiles,
 ) -> Result<Spec, CdiError> {
     check_claim_uid(claim_uid)?;
-    if gpus.is_empty() {
+    if claim_devices.is_empty() {
         return Err(CdiError::NoGpus { claim_uid: claim_uid.to_string() });
     }
-    let mut by_minor: Vec<&Gpu> = gpus.iter().collect();
-    by_minor.sort_by_key(|gpu| gpu.minor);
-    if let Some(pair) = by_minor.windows(2).find(|pair| pair[0].minor == pair[1].minor) {
-        let reason = format!("multiple devices for GPU minor {}", pair[0].minor);
+    let mut by_name: Vec<(String, &Device)> = claim_devices.iter().map(|d| (d.name(), d)).collect();
+    by_name.sort_by_key(|(name, device)| (device.gpu.minor, name.clone()));
+    if let Some(pair) = by_name.windows(2).find(|pair| pair[0].0 == pair[1].0) {
+        let reason = format!("multiple devices named {}", pair[0].0);
         return Err(CdiError::InvalidSpec {
             claim_uid: claim_uid.to_string(),
             reason: reason.clone(),
             source: reason.into(),
         });
     }
-    let mut devices = Vec::with_capacity(by_minor.len());
-    for gpu in by_minor {
-        let name = device_name(claim_uid, gpu.minor);
+    let mut devices = Vec::with_capacity(by_name.len());
+    for (device, claim_device) in &by_name {
+        let name = device_name(claim_uid, device);
         check_name("device name", &name, super::DEVICE)?;
-        devices.push(json!({
-            "name": name,
-            "containerEdits": { "deviceNodes": [device_node(&format!("/dev/nvidia{}", gpu.minor), NVIDIA_MAJOR, gpu.minor, driver_files)] },
-        }));
+        let minor = claim_device.gpu.minor;
+        let mut nodes = vec![device_node(&format!("/dev/nvidia{minor}"), NVIDIA_MAJOR, minor, driver_files)];
+        if let Some(mig) = &claim_device.mig {
+            for cap in [mig.gi_cap_minor, mig.ci_cap_minor] {
+                let path = format!("/dev/nvidia-caps/nvidia-cap{cap}");
+                // Fully described whenever the major is known: the host may have no such node to read it from.
+                nodes.push(match mig.caps_major {
+                    Some(major) => json!({ "path": path, "type": "c", "major": major, "minor": cap }),
+                    None => json!({ "path": path }),
+                });
+            }
+        }
+        devices.push(json!({ "name": name, "containerEdits": { "deviceNodes": nodes } }));
     }
-    let mut by_bus: Vec<&Gpu> = gpus.iter().collect();
-    by_bus.sort_by(|a, b| (&a.pci_bus_id, &a.uuid).cmp(&(&b.pci_bus_id, &b.uuid)));
-    let uuids: Vec<&str> = by_bus.iter().map(|gpu| gpu.uuid.as_str()).collect();
+    let mut by_bus: Vec<&Device> = claim_devices.iter().collect();
+    by_bus.sort_by(|a, b| (&a.gpu.pci_bus_id, a.uuid()).cmp(&(&b.gpu.pci_bus_id, b.uuid())));
+    let uuids: Vec<&str> = by_bus.iter().map(|device| device.uuid()).collect();
     let mut edits = json!({
         "env": [
             "NVIDIA_VISIBLE_DEVICES=void",
@@ -138,7 +150,11 @@ fn typed(claim_uid: &str, document: Value) -> Result<Spec, CdiError> {
 mod tests {
     use super::*;
     use crate::cdi::device_id;
-    use crate::node_agent::gpu::test_gpu as gpu;
+    use crate::node_agent::gpu::test_gpu;
+
+    fn gpu(minor: u32, bus: &str) -> Device {
+        Device::whole(&test_gpu(minor, bus))
+    }
 
     fn to_json(spec: &Spec) -> Value {
         serde_json::to_value(spec).unwrap_or_default()
@@ -177,7 +193,49 @@ mod tests {
         let real = to_json(&real);
         assert_eq!(real["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
         assert_eq!(real["containerEdits"]["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
-        assert_eq!(device_id(&kind, "abc-1", 0), format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0"));
+        assert_eq!(
+            device_id(&kind, "abc-1", "gpu-0"),
+            format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0")
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_mig_device_is_its_parent_and_its_instance_capabilities() -> Result<(), CdiError> {
+        use crate::node_agent::discovery::{Discovery, simulated::Simulated};
+        let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
+        let gpus = Simulated::new("node", "1xH100-80GB,1xH100-80GB/mig=3g.40gb+1g.10gb").map_err(|e| {
+            CdiError::InvalidSpec { claim_uid: String::new(), reason: e.to_string(), source: e.to_string().into() }
+        })?;
+        let all = crate::node_agent::device::devices(&gpus.discover().unwrap_or_default());
+        let names: Vec<String> = all.iter().map(Device::name).collect();
+        assert_eq!(names, ["gpu-0", "gpu-1-mig-9-0-4", "gpu-1-mig-19-4-1"]);
+        let built = build_claim_spec(&kind, "abc-1", &all, &DriverFiles::simulated())?;
+        validate_claim_spec(&kind, "abc-1", &built)?;
+        let spec = to_json(&built);
+        let (gi, ci) = crate::node_agent::mig::cap_minors(1, 2, 0);
+        assert_eq!(spec["devices"][1]["name"], "abc-1-gpu-1-mig-19-4-1", "devices by GPU, then name");
+        assert_eq!(
+            spec["devices"][1]["containerEdits"]["deviceNodes"],
+            json!([
+                { "path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1 },
+                { "path": format!("/dev/nvidia-caps/nvidia-cap{gi}"), "type": "c", "major": 508, "minor": gi },
+                { "path": format!("/dev/nvidia-caps/nvidia-cap{ci}"), "type": "c", "major": 508, "minor": ci },
+            ])
+        );
+        let mig_uuids = [&all[1], &all[2]].map(|d| d.uuid().to_string());
+        assert!(mig_uuids.iter().all(|u| u.starts_with("MIG-")));
+        let env = spec["containerEdits"]["env"][2].as_str().unwrap_or_default();
+        assert!(env.contains(&mig_uuids[0]) && env.contains(&mig_uuids[1]) && env.contains(all[0].uuid()), "{env}");
+        let mut unknown_major = all[2].clone();
+        if let Some(mig) = &mut unknown_major.mig {
+            mig.caps_major = None;
+        }
+        let real = to_json(&build_claim_spec(&kind, "abc-1", &[unknown_major], &DriverFiles::default())?);
+        assert_eq!(
+            real["devices"][0]["containerEdits"]["deviceNodes"],
+            json!([{ "path": "/dev/nvidia1" }, { "path": format!("/dev/nvidia-caps/nvidia-cap{gi}") }, { "path": format!("/dev/nvidia-caps/nvidia-cap{ci}") }])
+        );
         Ok(())
     }
 
@@ -218,7 +276,10 @@ mod tests {
         let err = build_claim_spec(&kind, "u", &[gpus[0].clone(), gpus[0].clone()], &DriverFiles::simulated()).err();
         assert!(matches!(err, Some(CdiError::InvalidSpec { .. })), "{err:?}");
         let text = err.map(|e| e.to_string()).unwrap_or_default();
-        assert!(text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple devices"), "{text}");
+        assert!(
+            text.starts_with("validate the CDI spec of claim u: ") && text.contains("multiple devices named gpu-0"),
+            "{text}"
+        );
         Ok(())
     }
 }

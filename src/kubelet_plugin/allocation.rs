@@ -10,11 +10,11 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::resource::v1::ResourceClaim;
 
-use super::config::{ConfigEntry, GpuConfig, effective_config};
-use crate::node_agent::gpu::Gpu;
+use super::config::{ConfigEntry, GpuConfig, SharingStrategy, TimeSliceInterval, effective_config};
+use crate::node_agent::device::Device;
 
-/// This node's GPUs by ResourceSlice device name (`gpu-<minor>`).
-pub type Inventory = BTreeMap<String, Gpu>;
+/// This node's devices by ResourceSlice device name (`gpu-<minor>`, `gpu-<minor>-mig-…`).
+pub type Inventory = BTreeMap<String, Device>;
 
 /// The claim kubelet asked for.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,13 +30,13 @@ impl std::fmt::Display for ClaimRef {
     }
 }
 
-/// One allocated GPU, ready to be prepared.
+/// One allocated device, ready to be prepared.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedDevice {
     /// The request as the allocation names it (`gpus` or `gpus/h100` for a subrequest).
     pub request: String,
     pub pool: String,
-    pub gpu: Gpu,
+    pub device: Device,
     pub share_id: Option<String>,
     pub admin_access: bool,
     pub config: GpuConfig,
@@ -92,7 +92,7 @@ pub fn plan(
                 result.request, result.device, result.pool
             ));
         }
-        let Some(gpu) = inventory.get(&result.device) else {
+        let Some(device) = inventory.get(&result.device) else {
             return Err(format!(
                 "claim {wanted}: request {:?} is allocated device {:?}, which this node does not have (it has {})",
                 result.request,
@@ -101,10 +101,22 @@ pub fn plan(
             ));
         };
         let config = effective_config(driver, &result.request, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
+        let interval = config.sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default();
+        if device.mig.is_some()
+            && config.sharing.strategy == SharingStrategy::TimeSlicing
+            && interval != TimeSliceInterval::Default
+        {
+            return Err(format!(
+                "claim {wanted}: request {:?} asks time slice {interval:?} of MIG device {:?}; a time slice is set \
+                 on whole GPUs only (a MIG device is isolated from its siblings). Drop timeSlicingConfig for MIG \
+                 devices",
+                result.request, result.device
+            ));
+        }
         planned.push(PlannedDevice {
             request: result.request.clone(),
             pool: result.pool.clone(),
-            gpu: gpu.clone(),
+            device: device.clone(),
             share_id: result.share_id.clone(),
             admin_access: result.admin_access.unwrap_or(false),
             config,
@@ -122,7 +134,17 @@ mod tests {
     const DRIVER: &str = "gpu.gpu-dra.dev";
 
     fn inventory() -> Inventory {
-        [0, 1].into_iter().map(|m| (format!("gpu-{m}"), test_gpu(m, &format!("0000:{m:02x}:00.0")))).collect()
+        let gpus = [0, 1].map(|m| test_gpu(m, &format!("0000:{m:02x}:00.0")));
+        let mut inventory: Inventory = gpus.iter().map(|g| (g.device_name(), Device::whole(g))).collect();
+        // GPU 2 in MIG mode, with one 1g.10gb.
+        let simulated =
+            crate::node_agent::discovery::simulated::Simulated::new("n", "2xL4-24GB,1xH100-80GB/mig=1g.10gb");
+        let gpus = simulated.map(|s| crate::node_agent::discovery::Discovery::discover(&s).unwrap_or_default());
+        for mig in crate::node_agent::device::devices(&gpus.unwrap_or_default()).into_iter().filter(|d| d.mig.is_some())
+        {
+            inventory.insert(mig.name(), mig);
+        }
+        inventory
     }
 
     fn wanted() -> ClaimRef {
@@ -157,7 +179,7 @@ mod tests {
         );
         let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory()).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(planned.len(), 1);
-        assert_eq!((planned[0].base_request(), planned[0].gpu.minor), ("gpus", 1));
+        assert_eq!((planned[0].base_request(), planned[0].device.gpu.minor), ("gpus", 1));
     }
 
     #[test]
@@ -172,11 +194,28 @@ mod tests {
             json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
                 "apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "GpuConfig", "sharing": {"strategy": "Nope"}}}}]),
         );
+        let time_sliced_mig = |interval: &str| {
+            allocated(
+                json!([result("g", "node-a", "gpu-2-mig-19-0-1")]),
+                json!([{"source": "FromClass", "opaque": {"driver": DRIVER, "parameters": {
+                    "apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "GpuConfig",
+                    "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": interval}}}}}]),
+            )
+        };
+        let planned = plan(&wanted(), &time_sliced_mig("Default"), DRIVER, "node-a", &inventory());
+        assert!(
+            planned.as_ref().is_ok_and(|p| p[0].device.mig.is_some()),
+            "the default time slice is no ask: {planned:?}"
+        );
         let cases = [
+            (time_sliced_mig("Long"), "asks time slice Long of MIG device \"gpu-2-mig-19-0-1\""),
             (other_uid, "deleted and re-created"),
             (claim(json!({})), "is not allocated"),
             (allocated(json!([result("g", "node-b", "gpu-0")]), json!([])), "this node's pool is \"node-a\""),
-            (allocated(json!([result("g", "node-a", "gpu-7")]), json!([])), "does not have (it has gpu-0, gpu-1)"),
+            (
+                allocated(json!([result("g", "node-a", "gpu-7")]), json!([])),
+                "does not have (it has gpu-0, gpu-1, gpu-2-mig-19-0-1)",
+            ),
             (bad_config, "config #1 (FromClaim): sharing.strategy: unknown variant `Nope`"),
         ];
         for (claim, expected) in cases {

@@ -122,12 +122,15 @@ impl Checkpoint {
         self.holders(pool, device).map(|(uid, _)| uid).next()
     }
 
-    /// Every claim holding `device` of `pool` (any state, shared or with admin access: all of them use the GPU), as
-    /// `(claim UID, entry)`, each once: whom a fault of that GPU affects.
+    /// Every claim holding `device` of `pool` or one of its MIG devices (`<device>-mig-…`) (any state, shared or
+    /// with admin access: all of them use the GPU), as `(claim UID, entry)`, each once: whom a fault of that GPU
+    /// affects.
     pub fn claims_holding(&self, pool: &str, device: &str) -> Vec<(&str, &ClaimEntry)> {
+        let on_gpu =
+            |name: &str| name == device || name.strip_prefix(device).is_some_and(|rest| rest.starts_with("-mig-"));
         self.claims
             .iter()
-            .filter(|(_, entry)| entry.devices.iter().any(|d| d.pool == pool && d.device == device))
+            .filter(|(_, entry)| entry.devices.iter().any(|d| d.pool == pool && on_gpu(&d.device)))
             .map(|(uid, entry)| (uid.as_str(), entry))
             .collect()
     }
@@ -436,6 +439,12 @@ mod tests {
         assert_eq!(held, ["uid-b", "uid-c"]);
         assert!(checkpoint.claims_holding("node2", "gpu-1").is_empty());
         assert!(checkpoint.claims_holding("node1", "gpu-7").is_empty());
+        let d = entry("d", PrepareState::PrepareCompleted, vec![device("node1", "gpu-1-mig-19-4-1", None)]);
+        checkpoint.claims.insert("uid-d".to_owned(), d);
+        let held: Vec<&str> = checkpoint.claims_holding("node1", "gpu-1").into_iter().map(|(uid, _)| uid).collect();
+        assert_eq!(held, ["uid-b", "uid-c", "uid-d"], "a GPU's fault affects the claims on its MIG devices");
+        assert!(checkpoint.claims_holding("node1", "gpu-1-mig-19-4-1").iter().all(|(uid, _)| *uid == "uid-d"));
+        assert!(checkpoint.claims_holding("node1", "gpu-10").is_empty(), "gpu-1's prefix is no match");
     }
 
     fn sample(boot: &str) -> Checkpoint {

@@ -2,8 +2,9 @@
 //! `opaque: {driver: <driver>, parameters: {apiVersion: <driver>/v1alpha1, kind: GpuConfig, …}}`.
 //!
 //! NVIDIA's spelling is accepted too (`apiVersion: resource.nvidia.com/v1beta1`, `kind: GpuConfig`, `sharing.strategy`,
-//! `sharing.timeSlicingConfig.interval`), so claims written for NVIDIA's DRA driver work once the driver and class
-//! names are swapped; what this driver cannot do yet (MPS, MIG devices) is refused by name, never ignored.
+//! `sharing.timeSlicingConfig.interval`; `kind: MigDeviceConfig` for MIG devices), so claims written for NVIDIA's DRA
+//! driver work once the driver and class names are swapped; what this driver cannot do yet (MPS) is refused by name,
+//! never ignored.
 //!
 //! Decoding is strict (an unknown or misspelt field is an error naming it, never silently ignored), then
 //! validated; configuration from the class applies first, then the claim's (the claim wins), each to the requests it
@@ -16,6 +17,8 @@ pub const GPU_CONFIG_VERSION: &str = "v1alpha1";
 pub const GPU_CONFIG_KIND: &str = "GpuConfig";
 /// NVIDIA's DRA driver's configuration API, accepted as an alternative spelling.
 pub const NVIDIA_CONFIG_API_VERSION: &str = "resource.nvidia.com/v1beta1";
+/// NVIDIA's configuration of MIG devices.
+pub const NVIDIA_MIG_CONFIG_KIND: &str = "MigDeviceConfig";
 
 /// How the GPUs of one request are prepared.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -98,10 +101,8 @@ impl GpuConfig {
                 GpuConfig { sharing: document.sharing }
             }
             (NVIDIA_CONFIG_API_VERSION, GPU_CONFIG_KIND) => strict::<NvidiaDocument>(parameters)?.into_config()?,
-            (NVIDIA_CONFIG_API_VERSION, "MigDeviceConfig") => {
-                return Err(
-                    "kind \"MigDeviceConfig\": this driver publishes whole GPUs only, no MIG devices yet".into()
-                );
+            (NVIDIA_CONFIG_API_VERSION, NVIDIA_MIG_CONFIG_KIND) => {
+                strict::<NvidiaMigDocument>(parameters)?.into_config()?
             }
             (version, kind) => {
                 return Err(format!(
@@ -189,6 +190,43 @@ impl NvidiaDocument {
                 Err("sharing.timeSlicingConfig: only allowed with sharing.strategy TimeSlicing".into())
             }
             (NvidiaStrategy::Mps, None, _) => {
+                Err("sharing.strategy MPS: this driver does not run MPS yet; use TimeSlicing or leave sharing out"
+                    .into())
+            }
+        }
+    }
+}
+
+/// NVIDIA's `MigDeviceConfig`, field for field: MIG devices have no time slice of their own (NVIDIA's API has no
+/// `timeSlicingConfig` here), so `TimeSlicing` leaves the device as it is.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaMigDocument {
+    #[allow(dead_code)]
+    api_version: String,
+    #[allow(dead_code)]
+    kind: String,
+    #[serde(default)]
+    sharing: Option<NvidiaMigSharing>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct NvidiaMigSharing {
+    strategy: NvidiaStrategy,
+    #[serde(default)]
+    mps_config: Option<serde_json::Value>,
+}
+
+impl NvidiaMigDocument {
+    fn into_config(self) -> Result<GpuConfig, String> {
+        let Some(sharing) = self.sharing else { return Ok(GpuConfig::default()) };
+        match (sharing.strategy, sharing.mps_config) {
+            (NvidiaStrategy::TimeSlicing, Some(_)) => {
+                Err("sharing.mpsConfig: only allowed with sharing.strategy MPS".into())
+            }
+            (NvidiaStrategy::TimeSlicing, None) => Ok(GpuConfig::default()),
+            (NvidiaStrategy::Mps, _) => {
                 Err("sharing.strategy MPS: this driver does not run MPS yet; use TimeSlicing or leave sharing out"
                     .into())
             }
@@ -301,6 +339,13 @@ mod tests {
                 nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}})),
                 time_slicing(TimeSliceInterval::Default),
             ),
+            // A MIG device has no time slice of its own: TimeSlicing leaves it as it is.
+            (
+                json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                       "sharing": {"strategy": "TimeSlicing"}}),
+                Ok(GpuConfig::default()),
+            ),
+            (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig"}), Ok(GpuConfig::default())),
         ];
         for (input, want) in cases {
             assert_eq!(GpuConfig::decode(DRIVER, &input), want, "{input}");
@@ -309,7 +354,7 @@ mod tests {
 
     #[test]
     fn nvidias_spelling_refuses_what_this_driver_cannot_do_by_name() {
-        let mig = json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig"});
+        let mig = |sharing: serde_json::Value| json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig", "sharing": sharing});
         let cases = [
             (nvidia(json!({"strategy": "MPS"})), "sharing.strategy MPS: this driver does not run MPS yet"),
             (
@@ -328,7 +373,12 @@ mod tests {
                 "sharing.timeSlicingConfig.interval: unknown variant `Forever`",
             ),
             (nvidia(json!({"strategy": "TimeSlicing", "replicas": 4})), "sharing.replicas: unknown field `replicas`"),
-            (mig, "no MIG devices yet"),
+            (mig(json!({"strategy": "MPS"})), "sharing.strategy MPS: this driver does not run MPS yet"),
+            (
+                mig(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})),
+                "sharing.timeSlicingConfig: unknown field `timeSlicingConfig`",
+            ),
+            (mig(json!({"strategy": "TimeSlicing", "mpsConfig": {}})), "sharing.mpsConfig: only allowed with"),
             (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "ComputeDomain"}), "NVIDIA's"),
         ];
         for (input, expected) in cases {

@@ -34,7 +34,7 @@ pub use super::metrics::Operation;
 use super::metrics::PluginMetrics;
 use super::time_slice;
 use crate::cdi::{self, CdiKind, DriverFiles};
-use crate::node_agent::gpu::Gpu;
+use crate::node_agent::device::{self, Device};
 use crate::node_agent::time_slice_control::TimeSliceControl;
 
 /// A claim's outcome: its devices, or why it was refused.
@@ -376,7 +376,7 @@ impl DriverState {
                 recovered: false,
             };
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
-            todo.push(Todo { gpus: unique_gpus(&planned), claim, previous, asks });
+            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks });
         }
         if todo.is_empty() {
             return results;
@@ -393,9 +393,9 @@ impl DriverState {
             return results;
         }
         let mut written = Vec::new();
-        for Todo { claim, gpus, previous, asks } in todo {
-            let write = self.set_time_slices(checkpoint, &claim, &gpus, &asks).and_then(|()| {
-                cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &gpus, &self.driver_files)
+        for Todo { claim, devices, previous, asks } in todo {
+            let write = self.set_time_slices(checkpoint, &claim, &devices, &asks).and_then(|()| {
+                cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &devices, &self.driver_files)
                     .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec))
                     .map_err(|e| e.to_string())
             });
@@ -496,14 +496,14 @@ impl DriverState {
         &self,
         checkpoint: &Checkpoint,
         claim: &ClaimRef,
-        gpus: &[Gpu],
+        devices: &[Device],
         asks: &BTreeMap<String, TimeSliceInterval>,
     ) -> Result<(), String> {
         for (device, interval) in asks {
             if time_slice::already_set(checkpoint, &self.pool, &claim.uid, device, *interval) {
                 continue;
             }
-            let Some(gpu) = gpus.iter().find(|gpu| gpu.device_name() == *device) else { continue };
+            let Some(gpu) = devices.iter().find(|d| d.name() == *device).map(|d| &d.gpu) else { continue };
             self.time_slices.set(gpu, *interval).map_err(|e| {
                 format!(
                     "claim {claim}: set the time slice of device {device:?} (GPU {}) to {interval:?}: {e}",
@@ -527,8 +527,13 @@ impl DriverState {
             .filter(|d| !time_slice::held_by_recovered(checkpoint, &self.pool, d))
             .collect();
         for device in listed {
+            if device::is_mig_device_name(device) {
+                // Never set for a MIG device (a checkpoint of an older agent may list one): nothing to set back.
+                checkpoint.time_sliced.remove(device);
+                continue;
+            }
             let wanted = time_slice::wanted(checkpoint, &self.pool, device);
-            let Some(gpu) = inventory.get(device) else {
+            let Some(gpu) = inventory.get(device).map(|d| &d.gpu) else {
                 warn!(device, "a time-sliced GPU is gone from this node; its time slice is set when it is back");
                 continue;
             };
@@ -555,8 +560,8 @@ impl DriverState {
             .map(|p| PreparedDevice {
                 request_names: vec![p.base_request().to_string()],
                 pool: p.pool.clone(),
-                device: p.gpu.device_name(),
-                cdi_device_ids: vec![cdi::device_id(&self.cdi_kind, &claim.uid, p.gpu.minor)],
+                device: p.device.name(),
+                cdi_device_ids: vec![cdi::device_id(&self.cdi_kind, &claim.uid, &p.device.name())],
                 share_id: p.share_id.clone(),
                 admin_access: p.admin_access,
                 time_slice: time_slice::asked(p),
@@ -580,8 +585,10 @@ impl DriverState {
                 devices,
                 recovered: true,
             };
-            // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared.
-            checkpoint.time_sliced.extend(entry.devices.iter().map(|d| d.device.clone()));
+            // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
+            // device never is (its parent's time slice is not changed for it).
+            let whole = entry.devices.iter().map(|d| d.device.clone()).filter(|d| !device::is_mig_device_name(d));
+            checkpoint.time_sliced.extend(whole);
             checkpoint.claims.insert(uid.clone(), entry);
         }
         let moved_to = self.store.replace_corrupt(&checkpoint)?;
@@ -604,13 +611,14 @@ impl DriverState {
             if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
                 continue;
             }
-            let gpus: Option<Vec<Gpu>> = entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
-            let Some(gpus) = gpus else {
-                warn!(%uid, "a prepared claim's GPU is gone from this node; its CDI spec cannot be re-written");
+            let devices: Option<Vec<Device>> =
+                entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
+            let Some(devices) = devices else {
+                warn!(%uid, "a prepared claim's device is gone from this node; its CDI spec cannot be re-written");
                 continue;
             };
-            let gpus = unique_gpus_of(gpus);
-            match cdi::build_claim_spec(&self.cdi_kind, uid, &gpus, &self.driver_files)
+            let devices = unique_devices_of(devices);
+            match cdi::build_claim_spec(&self.cdi_kind, uid, &devices, &self.driver_files)
                 .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec))
             {
                 Ok(_) => {
@@ -669,7 +677,7 @@ impl super::group_commit::ForClaim for (ClaimRef, Plan) {
 /// A claim of a batch, recorded as started, to be prepared.
 struct Todo {
     claim: ClaimRef,
-    gpus: Vec<Gpu>,
+    devices: Vec<Device>,
     /// The entry it replaces (a recovered one), put back if this prepare fails.
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.
@@ -706,17 +714,17 @@ fn conflict(
 /// The devices a claim's spec on disk names, as recovered-entry devices (no requests, shares or admin access known).
 /// An unreadable spec is adopted with none: it is still kept, and unprepare still removes it.
 fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<PreparedDevice> {
-    let minors = cdi::claim_spec_gpu_minors(dir, kind, uid).unwrap_or_else(|e| {
+    let devices = cdi::claim_spec_devices(dir, kind, uid).unwrap_or_else(|e| {
         warn!(%uid, error = %e, "the CDI spec of a recovered claim is unreadable; keeping it without devices");
         Vec::new()
     });
-    minors
+    devices
         .into_iter()
-        .map(|minor| PreparedDevice {
+        .map(|device| PreparedDevice {
             request_names: Vec::new(),
             pool: pool.to_string(),
-            device: format!("gpu-{minor}"),
-            cdi_device_ids: vec![cdi::device_id(kind, uid, minor)],
+            cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],
+            device,
             share_id: None,
             admin_access: false,
             time_slice: None,
@@ -732,12 +740,12 @@ fn restore(checkpoint: &mut Checkpoint, uid: &str, previous: Option<ClaimEntry>)
     };
 }
 
-/// One GPU per device, whatever the number of requests that share it.
-fn unique_gpus(planned: &[PlannedDevice]) -> Vec<Gpu> {
-    unique_gpus_of(planned.iter().map(|p| p.gpu.clone()).collect())
+/// Each device once, whatever the number of requests that share it.
+fn unique_devices(planned: &[PlannedDevice]) -> Vec<Device> {
+    unique_devices_of(planned.iter().map(|p| p.device.clone()).collect())
 }
 
-fn unique_gpus_of(gpus: Vec<Gpu>) -> Vec<Gpu> {
+fn unique_devices_of(devices: Vec<Device>) -> Vec<Device> {
     let mut seen = BTreeSet::new();
-    gpus.into_iter().filter(|g| seen.insert(g.minor)).collect()
+    devices.into_iter().filter(|d| seen.insert(d.name())).collect()
 }

@@ -24,10 +24,12 @@ use super::allocation::{ClaimRef, PlannedDevice};
 use super::checkpoint::Checkpoint;
 use super::config::{SharingStrategy, TimeSliceInterval};
 
-/// The interval one allocated device asks: its configuration's, when it is time-sliced and not admin access.
+/// The interval one allocated device asks: its configuration's, when it is time-sliced and not admin access. A MIG
+/// device asks none (a time slice is its parent GPU's, which MIG mode keeps from being shared in time; planning
+/// refuses an explicit interval).
 pub fn asked(device: &PlannedDevice) -> Option<TimeSliceInterval> {
     let sharing = &device.config.sharing;
-    match (sharing.strategy, device.admin_access) {
+    match (sharing.strategy, device.admin_access || device.device.mig.is_some()) {
         (SharingStrategy::TimeSlicing, false) => {
             Some(sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default())
         }
@@ -41,18 +43,18 @@ pub fn claim_asks(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<BTreeMa
     let mut asks: BTreeMap<String, (TimeSliceInterval, &str)> = BTreeMap::new();
     for device in planned {
         let Some(interval) = asked(device) else { continue };
-        match asks.get(&device.gpu.device_name()) {
+        match asks.get(&device.device.name()) {
             Some((first, request)) if *first != interval => {
                 return Err(format!(
                     "claim {claim}: requests {request:?} and {:?} ask different time slices ({first:?} and \
                      {interval:?}) of device {:?}; a GPU has one",
                     device.request,
-                    device.gpu.device_name()
+                    device.device.name()
                 ));
             }
             Some(_) => {}
             None => {
-                asks.insert(device.gpu.device_name(), (interval, &device.request));
+                asks.insert(device.device.name(), (interval, &device.request));
             }
         }
     }
@@ -157,7 +159,7 @@ mod tests {
         PlannedDevice {
             request: request.into(),
             pool: "node-a".into(),
-            gpu: test_gpu(minor, "0000:01:00.0"),
+            device: crate::node_agent::device::Device::whole(&test_gpu(minor, "0000:01:00.0")),
             share_id: None,
             admin_access,
             config: GpuConfig { sharing },

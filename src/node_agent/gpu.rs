@@ -20,8 +20,38 @@ pub struct Gpu {
     /// `0000:3b:00.0` (lower case, domain included).
     pub pci_bus_id: String,
     pub memory_bytes: u64,
-    /// MIG mode is on: the GPU is published whole, with `migEnabled` set, never as partitions too.
+    /// MIG mode is on: the GPU is published as its MIG devices, never whole (CUDA cannot use a GPU in MIG mode
+    /// whole).
     pub mig_enabled: bool,
+    /// The MIG devices that exist on it (MIG mode on), in placement order.
+    pub mig_devices: Vec<MigDevice>,
+}
+
+/// One MIG device that exists on a GPU in MIG mode: a GPU instance with one compute instance using all of it (the
+/// static layout an administrator made with `nvidia-smi mig -cgi … -C`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MigDevice {
+    /// `MIG-<uuid>`.
+    pub uuid: String,
+    /// NVIDIA's profile name, e.g. `1g.10gb`.
+    pub profile: String,
+    /// NVML's GPU instance profile ID (`NVML_GPU_INSTANCE_PROFILE_*`).
+    pub profile_id: u32,
+    pub gpu_instance: u32,
+    pub compute_instance: u32,
+    /// First memory slice and number of memory slices the GPU instance spans.
+    pub placement_start: u32,
+    pub placement_size: u32,
+    pub memory_bytes: u64,
+    pub multiprocessors: u32,
+    /// The `nvidia-caps` minors of the GPU instance's and the compute instance's access capabilities: a container
+    /// sees the MIG device only through `/dev/nvidia-caps/nvidia-cap<minor>` nodes for both.
+    pub gi_cap_minor: u32,
+    pub ci_cap_minor: u32,
+    /// `nvidia-caps`' character-device major (`/proc/devices`; assigned when the driver loads). Known, the CDI spec
+    /// describes the capability nodes fully and the runtime creates them in the container, whether or not
+    /// `nvidia-modprobe` made them on the host.
+    pub caps_major: Option<u32>,
 }
 
 impl Gpu {
@@ -47,6 +77,7 @@ pub(crate) fn test_gpu(minor: u32, bus: &str) -> Gpu {
         pci_bus_id: bus.into(),
         memory_bytes: 80 << 30,
         mig_enabled: false,
+        mig_devices: Vec::new(),
     }
 }
 

@@ -9,6 +9,7 @@ use std::path::Path;
 
 use serde_json::json;
 
+use super::device::{self, Device};
 use super::gpu::Gpu;
 use super::health::{classify, inject, nvml_events};
 use super::{discovery, mig, plugin, slices};
@@ -22,6 +23,10 @@ pub enum GpuCheckError {
     Discovery(#[from] discovery::DiscoveryError),
     #[error("no GPU found: nothing to publish or prepare")]
     NoGpus,
+    #[error(
+        "every GPU is in MIG mode without a MIG device: nothing to prepare (create some with nvidia-smi mig -cgi … -C)"
+    )]
+    NoDevices,
     #[error(transparent)]
     Cdi(#[from] cdi::CdiError),
     #[error("load the written CDI spec {path} back with the CDI crate: {reason}")]
@@ -44,7 +49,8 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     }
     print!("{}", gpu_table(&gpus));
 
-    let devices: Vec<_> = gpus.iter().map(|g| slices::device(g, gpu.gpu_sharing)).collect();
+    let all = device::devices(&gpus);
+    let devices: Vec<_> = all.iter().map(|d| slices::device(d, gpu.gpu_sharing)).collect();
     for (i, devices) in slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE).iter().enumerate() {
         let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,
             "pool": {"name": args.node_name, "generation": 1}, "devices": devices});
@@ -55,15 +61,20 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let simulated = gpu.gpu_backend == GpuBackend::Simulated;
     let driver_files = plugin::driver_files(gpu.driver_root_to_read(), None, simulated)?;
     let kind = CdiKind::from_driver_name(&gpu.driver_name)?;
-    let claim: Vec<Gpu> = gpus.iter().take(args.claim_gpus.max(1)).cloned().collect();
+    let claim: Vec<Device> = all.iter().take(args.claim_gpus.max(1)).cloned().collect();
+    if claim.is_empty() {
+        // The profiles are what an administrator needs to make MIG devices.
+        mig_profiles(args, &gpus)?;
+        return Err(GpuCheckError::NoDevices);
+    }
     let spec = cdi::build_claim_spec(&kind, SAMPLE_CLAIM_UID, &claim, &driver_files)?;
     let path = cdi::write_claim_spec(&args.cdi_dir, &kind, SAMPLE_CLAIM_UID, &spec)?;
     let mut loaded = container_device_interface::spec::read_spec(&path, 0)
         .and_then(|mut s| s.validate().map(|_| s))
         .map_err(|e| GpuCheckError::LoadSpec { path: path.display().to_string(), reason: format!("{e:#}") })?;
-    println!("\nPrepared a sample claim with {} GPU(s): {}", claim.len(), path.display());
-    for gpu in &claim {
-        println!("  CDI device {}", cdi::device_id(&kind, SAMPLE_CLAIM_UID, gpu.minor));
+    println!("\nPrepared a sample claim with {} device(s): {}", claim.len(), path.display());
+    for device in &claim {
+        println!("  CDI device {}", cdi::device_id(&kind, SAMPLE_CLAIM_UID, &device.name()));
     }
     println!("  {} driver files mounted read-only (libraries, utilities, firmware)", driver_files.mounts()?.len());
     let edits = loaded.edits().map(|e| e.container_edits);
@@ -75,7 +86,11 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     }
     mig_profiles(args, &gpus)?;
     if args.check_time_slice {
-        check_time_slice(args, &claim[0])?;
+        // A time slice is a whole GPU's: a GPU in MIG mode has none to set.
+        match gpus.iter().find(|g| !g.mig_enabled) {
+            Some(whole) => check_time_slice(args, whole)?,
+            None => println!("\nTime slice: every GPU is in MIG mode, where a time slice cannot be set; not checked"),
+        }
     }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
@@ -115,7 +130,8 @@ fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
             let size = profile.placements.first().map_or(0, |(_, size)| *size);
             let verdict = match documented {
                 Some(p)
-                    if p.placement_starts == starts
+                    if p.id == profile.id
+                        && p.placement_starts == starts
                         && p.memory_slices == size
                         && p.max_instances == profile.instance_count =>
                 {
@@ -125,8 +141,9 @@ fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
                 None => "not in the documented table".to_string(),
             };
             println!(
-                "    profile {:>2}: {} compute slice(s), {} MiB, {} SMs, up to {}, placements {} — {verdict}",
+                "    profile {:>2} (ID {:>2}): {} compute slice(s), {} MiB, {} SMs, up to {}, placements {} — {verdict}",
                 profile.nvml_id,
+                profile.id,
                 profile.slice_count,
                 profile.memory_mib,
                 profile.multiprocessors,
@@ -140,9 +157,10 @@ fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
 
 fn profile_line(profile: &mig::Profile) -> String {
     format!(
-        "{:<11} profile {:>2}: {} compute / {} memory slice(s), up to {}, placements {}",
+        "{:<11} profile {:>2} (ID {:>2}): {} compute / {} memory slice(s), up to {}, placements {}",
         profile.name,
         profile.nvml_id,
+        profile.id,
         profile.compute_slices,
         profile.memory_slices,
         profile.max_instances,
@@ -207,8 +225,14 @@ fn watch_health(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
     Ok(())
 }
 
-fn device_nodes(gpus: &[Gpu]) -> Vec<String> {
-    let mut nodes: Vec<String> = gpus.iter().map(|g| format!("/dev/nvidia{}", g.minor)).collect();
+fn device_nodes(devices: &[Device]) -> Vec<String> {
+    let mut nodes: Vec<String> = Vec::new();
+    for d in devices {
+        nodes.push(format!("/dev/nvidia{}", d.gpu.minor));
+        if let Some(mig) = &d.mig {
+            nodes.extend([mig.gi_cap_minor, mig.ci_cap_minor].map(|m| format!("/dev/nvidia-caps/nvidia-cap{m}")));
+        }
+    }
     nodes.extend(["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"].map(String::from));
     nodes
 }
@@ -229,6 +253,20 @@ fn gpu_table(gpus: &[Gpu]) -> String {
             g.pci_bus_id,
             if g.mig_enabled { ", MIG mode on" } else { "" }
         );
+        for m in &g.mig_devices {
+            let _ = writeln!(
+                out,
+                "    MIG {:<9} {} GPU instance {} compute instance {}, memory slices {}..{}, {} MiB, {} SMs",
+                m.profile,
+                m.uuid,
+                m.gpu_instance,
+                m.compute_instance,
+                m.placement_start,
+                m.placement_start + m.placement_size,
+                m.memory_bytes >> 20,
+                m.multiprocessors
+            );
+        }
     }
     out
 }

@@ -19,8 +19,11 @@ pub const COMPUTE_SLICES: u32 = 7;
 pub struct Profile {
     /// NVIDIA's name, e.g. `1g.10gb` (compute slices, memory in GB).
     pub name: &'static str,
-    /// NVML's profile ID (`NVML_GPU_INSTANCE_PROFILE_*`).
+    /// NVML's profile index (`NVML_GPU_INSTANCE_PROFILE_*`), what `nvmlDeviceGetGpuInstanceProfileInfo` takes.
     pub nvml_id: u32,
+    /// NVML's profile ID (`nvmlGpuInstanceProfileInfo_t.id`): what a GPU instance reports as its `profileId` and
+    /// what MIG device names carry (`nvidia-smi mig -lgip` lists it).
+    pub id: u32,
     pub compute_slices: u32,
     pub memory_slices: u32,
     /// How many such instances fit at once.
@@ -29,17 +32,28 @@ pub struct Profile {
     pub placement_starts: &'static [u32],
 }
 
-/// The shape every documented model shares: (NVML profile ID, compute slices, memory slices, max instances,
-/// placement starts), in NVIDIA's order of the table.
-const SHAPE: [(u32, u32, u32, u32, &[u32]); 7] = [
-    (0, 1, 1, 7, &[0, 1, 2, 3, 4, 5, 6]), // NVML_GPU_INSTANCE_PROFILE_1_SLICE
-    (7, 1, 1, 1, &[0, 1, 2, 3, 4, 5, 6]), // 1_SLICE_REV1: with the media engines
-    (9, 1, 2, 4, &[0, 2, 4, 6]),          // 1_SLICE_REV2: twice the memory
-    (1, 2, 2, 3, &[0, 2, 4]),             // 2_SLICE
-    (2, 3, 4, 2, &[0, 4]),                // 3_SLICE
-    (3, 4, 4, 1, &[0]),                   // 4_SLICE
-    (4, 7, 8, 1, &[0]),                   // 7_SLICE
+/// The shape every documented model shares, in NVIDIA's order of the table (names come from [`MODELS`]).
+const SHAPE: [Profile; 7] = [
+    shape(0, 19, 1, 1, 7, &[0, 1, 2, 3, 4, 5, 6]), // NVML_GPU_INSTANCE_PROFILE_1_SLICE
+    shape(7, 20, 1, 1, 1, &[0, 1, 2, 3, 4, 5, 6]), // 1_SLICE_REV1: with the media engines
+    shape(9, 15, 1, 2, 4, &[0, 2, 4, 6]),          // 1_SLICE_REV2: twice the memory
+    shape(1, 14, 2, 2, 3, &[0, 2, 4]),             // 2_SLICE
+    shape(2, 9, 3, 4, 2, &[0, 4]),                 // 3_SLICE
+    shape(3, 5, 4, 4, 1, &[0]),                    // 4_SLICE
+    shape(4, 0, 7, 8, 1, &[0]),                    // 7_SLICE
 ];
+
+/// (profile index, profile ID, compute slices, memory slices, max instances, placement starts) as a nameless profile.
+const fn shape(
+    nvml_id: u32,
+    id: u32,
+    compute_slices: u32,
+    memory_slices: u32,
+    max_instances: u32,
+    placement_starts: &'static [u32],
+) -> Profile {
+    Profile { name: "", nvml_id, id, compute_slices, memory_slices, max_instances, placement_starts }
+}
 
 /// The documented models: (family in the product name, memory GiB the driver reports at most, profile names in
 /// the order of [`SHAPE`]).
@@ -59,20 +73,108 @@ pub fn profiles(gpu: &Gpu) -> Option<Vec<Profile>> {
         // Drivers report a little less than the nominal size (an H200: 140.4 GiB), never more.
         gpu.product_name.contains(family) && gib <= *memory && gib + 4 > *memory
     })?;
-    Some(
-        SHAPE
-            .iter()
-            .zip(names)
-            .map(|(&(nvml_id, compute_slices, memory_slices, max_instances, placement_starts), name)| Profile {
-                name,
-                nvml_id,
-                compute_slices,
-                memory_slices,
-                max_instances,
-                placement_starts,
-            })
-            .collect(),
-    )
+    Some(SHAPE.iter().zip(names).map(|(shape, name)| Profile { name, ..*shape }).collect())
+}
+
+/// Why a MIG layout cannot exist on a GPU.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LayoutError {
+    #[error("{product} has no documented MIG profiles (MIG-capable: A100 40/80 GB, H100 80 GB, H200, B200)")]
+    NotMigCapable { product: String },
+    #[error("{product} has no MIG profile {profile:?}; its profiles: {known}")]
+    UnknownProfile { product: String, profile: String, known: String },
+    #[error(
+        "MIG profiles {asked} do not fit on one {product} together (8 memory and 7 compute slices, each profile at \
+         its documented placements and instance count)"
+    )]
+    DoesNotFit { product: String, asked: String },
+}
+
+/// Where a layout of `names` goes on `gpu`, as (profile, first memory slice), ordered by placement: the first
+/// layout found trying profiles largest first, each at its placements lowest first (a search: `3g+2g+1g+1g` fits
+/// only with the `3g` at the top, since a `1g` cannot start on the last slice). Pure; the simulated backend's MIG
+/// devices come from it.
+pub fn layout(gpu: &Gpu, names: &[&str]) -> Result<Vec<(Profile, u32)>, LayoutError> {
+    let product = gpu.product_name.clone();
+    let all = profiles(gpu).ok_or_else(|| LayoutError::NotMigCapable { product: product.clone() })?;
+    let mut wanted = Vec::with_capacity(names.len());
+    for name in names {
+        let profile =
+            all.iter().find(|p| p.name.eq_ignore_ascii_case(name)).ok_or_else(|| LayoutError::UnknownProfile {
+                product: product.clone(),
+                profile: (*name).to_string(),
+                known: all.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
+            })?;
+        wanted.push(*profile);
+    }
+    wanted.sort_by_key(|p| std::cmp::Reverse((p.memory_slices, p.compute_slices)));
+    let fits_counts =
+        wanted.iter().all(|p| wanted.iter().filter(|q| q.nvml_id == p.nvml_id).count() as u32 <= p.max_instances)
+            && wanted.iter().map(|p| p.compute_slices).sum::<u32>() <= COMPUTE_SLICES;
+    let mut placed = Vec::with_capacity(wanted.len());
+    if !(fits_counts && place(&wanted, &mut [false; MEMORY_SLICES as usize], &mut placed)) {
+        return Err(LayoutError::DoesNotFit { product, asked: names.join("+") });
+    }
+    placed.sort_by_key(|(_, start)| *start);
+    Ok(placed)
+}
+
+/// Places `rest` on the free memory slices, depth first; true when all found a placement.
+fn place(rest: &[Profile], used: &mut [bool; MEMORY_SLICES as usize], placed: &mut Vec<(Profile, u32)>) -> bool {
+    let Some((profile, rest)) = rest.split_first() else { return true };
+    for &start in profile.placement_starts {
+        let span = start as usize..(start + profile.memory_slices) as usize;
+        if used[span.clone()].iter().any(|u| *u) {
+            continue;
+        }
+        used[span.clone()].fill(true);
+        placed.push((*profile, start));
+        if place(rest, used, placed) {
+            return true;
+        }
+        placed.pop();
+        used[span].fill(false);
+    }
+    false
+}
+
+/// GPU instance IDs per GPU and compute instance IDs per GPU instance that the driver numbers `nvidia-caps` minors
+/// for (`/proc/driver/nvidia-caps/mig-minors`: `config 1`, `monitor 2`, then `gpu<N>/gi<I>/access` and
+/// `gpu<N>/gi<I>/ci<C>/access` in order).
+const CAP_GPU_INSTANCES: u32 = 15;
+const CAP_COMPUTE_INSTANCES: u32 = 8;
+
+/// The `nvidia-caps` minors of GPU instance `gi` and its compute instance `ci` on the GPU with device minor
+/// `gpu_minor`, as the driver's `mig-minors` table numbers them. Simulated GPUs use it; real ones read the minors
+/// the driver reports (`/proc/driver/nvidia/capabilities/gpu<N>/mig/gi<I>/access`).
+pub fn cap_minors(gpu_minor: u32, gi: u32, ci: u32) -> (u32, u32) {
+    let per_gi = 1 + CAP_COMPUTE_INSTANCES;
+    let gi_minor = 3 + gpu_minor * CAP_GPU_INSTANCES * per_gi + gi * per_gi;
+    (gi_minor, gi_minor + 1 + ci)
+}
+
+/// The `nvidia-caps` major simulated GPUs report (a real driver's is assigned at load time; this is a typical one).
+pub const SIMULATED_CAPS_MAJOR: u32 = 508;
+
+/// The major of character device `name` in `/proc/devices` text (`Character devices:` section, `508 nvidia-caps`).
+pub fn char_device_major(proc_devices: &str, name: &str) -> Option<u32> {
+    proc_devices
+        .lines()
+        .skip_while(|line| line.trim() != "Character devices:")
+        .take_while(|line| line.trim() != "Block devices:")
+        .find_map(|line| {
+            let (major, device) = line.trim().split_once(' ')?;
+            (device.trim() == name).then(|| major.parse().ok()).flatten()
+        })
+}
+
+/// The minor in a driver capability file (`DeviceFileMinor: 21` among its lines); `None` when unreadable.
+pub fn read_cap_minor(path: &std::path::Path) -> Option<u32> {
+    parse_cap_minor(&std::fs::read_to_string(path).ok()?)
+}
+
+fn parse_cap_minor(text: &str) -> Option<u32> {
+    text.lines().find_map(|line| line.strip_prefix("DeviceFileMinor:")?.trim().parse().ok())
 }
 
 /// `{0,2,4}:2`, as `nvidia-smi mig -lgipp` writes a profile's placements.
@@ -109,6 +211,25 @@ mod tests {
     }
 
     #[test]
+    fn profile_ids_are_nvmls_not_the_profile_index() {
+        // `nvidia-smi mig -lgip` on an H100 80GB: what a GPU instance reports as its profile ID.
+        let Some(h100) = profiles(&gpu("NVIDIA H100 80GB HBM3", 81_559)) else { panic!("H100 not recognised") };
+        let ids: Vec<(&str, u32, u32)> = h100.iter().map(|p| (p.name, p.nvml_id, p.id)).collect();
+        assert_eq!(
+            ids,
+            [
+                ("1g.10gb", 0, 19),
+                ("1g.10gb+me", 7, 20),
+                ("1g.20gb", 9, 15),
+                ("2g.20gb", 1, 14),
+                ("3g.40gb", 2, 9),
+                ("4g.40gb", 3, 5),
+                ("7g.80gb", 4, 0)
+            ]
+        );
+    }
+
+    #[test]
     fn placements_fit_the_gpu_and_the_instance_counts() {
         for (family, memory, _) in MODELS {
             let Some(all) = profiles(&gpu(&format!("NVIDIA {family}"), memory << 10)) else {
@@ -127,6 +248,56 @@ mod tests {
                 assert!(profile.name.starts_with(&format!("{}g.", profile.compute_slices)), "{profile:?}");
             }
         }
+    }
+
+    #[test]
+    fn layouts_pack_largest_first_and_refuse_what_does_not_fit() {
+        let h100 = gpu("NVIDIA H100 80GB HBM3", 81_559);
+        let placed = |names: &[&str]| {
+            layout(&h100, names).map(|l| l.iter().map(|(p, start)| format!("{}@{start}", p.name)).collect::<Vec<_>>())
+        };
+        type Case<'a> = (&'a [&'a str], Result<&'a [&'a str], &'a str>);
+        let cases: [Case<'_>; 8] = [
+            (&["7g.80gb"], Ok(&["7g.80gb@0"])),
+            (&["1g.10gb", "3g.40gb", "2g.20gb"], Ok(&["3g.40gb@0", "2g.20gb@4", "1g.10gb@6"])),
+            (&["3g.40gb", "2g.20gb", "1g.10gb", "1g.10gb"], Ok(&["2g.20gb@0", "1g.10gb@2", "1g.10gb@3", "3g.40gb@4"])),
+            (
+                &["1g.10gb"; 7],
+                Ok(&["1g.10gb@0", "1g.10gb@1", "1g.10gb@2", "1g.10gb@3", "1g.10gb@4", "1g.10gb@5", "1g.10gb@6"]),
+            ),
+            (&["4g.40gb", "3g.40gb"], Ok(&["4g.40gb@0", "3g.40gb@4"])),
+            (&["1g.10gb"; 8], Err("do not fit")),
+            (&["4g.40gb", "4g.40gb"], Err("do not fit on one NVIDIA H100 80GB HBM3 together")),
+            (&["1g.10gb+me", "1g.10gb+me"], Err("do not fit")),
+        ];
+        for (names, want) in cases {
+            match (placed(names), want) {
+                (Ok(got), Ok(want)) => assert_eq!(got, want, "{names:?}"),
+                (Err(e), Err(want)) => assert!(e.to_string().contains(want), "{names:?}: {e}"),
+                (got, want) => panic!("{names:?}: got {got:?}, want {want:?}"),
+            }
+        }
+        let unknown = layout(&h100, &["1g.5gb"]).map_err(|e| e.to_string());
+        assert!(
+            unknown.as_ref().is_err_and(|e| e.contains("no MIG profile \"1g.5gb\"") && e.contains("1g.10gb")),
+            "{unknown:?}"
+        );
+        assert!(matches!(layout(&gpu("NVIDIA L4", 23_034), &["1g.10gb"]), Err(LayoutError::NotMigCapable { .. })));
+    }
+
+    #[test]
+    fn cap_minors_follow_the_drivers_table() {
+        // /proc/driver/nvidia-caps/mig-minors: gpu0/gi0/access 3, gpu0/gi0/ci0/access 4, gpu0/gi1/access 12, …
+        assert_eq!(cap_minors(0, 0, 0), (3, 4));
+        assert_eq!(cap_minors(0, 1, 0), (12, 13));
+        assert_eq!(cap_minors(0, 14, 7), (129, 137));
+        assert_eq!(cap_minors(1, 0, 0), (138, 139));
+        assert_eq!(parse_cap_minor("DeviceFileMinor: 21\nDeviceFileMode: 292\nDeviceFileModify: 1\n"), Some(21));
+        assert_eq!(parse_cap_minor("DeviceFileMode: 292\n"), None);
+        let devices = "Character devices:\n  1 mem\n195 nvidia\n508 nvidia-caps\n510 nvidia-uvm\n\nBlock devices:\n  8 nvidia-caps\n";
+        assert_eq!(char_device_major(devices, "nvidia-caps"), Some(508));
+        assert_eq!(char_device_major(devices, "nvidia-uv"), None);
+        assert_eq!(char_device_major("Block devices:\n  8 nvidia-caps\n", "nvidia-caps"), None);
     }
 
     #[test]

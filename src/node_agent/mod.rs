@@ -11,6 +11,7 @@
 //! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing,
 //! does not register with the kubelet, and retries with back-off: never a crash loop.
 
+pub mod device;
 pub mod discovery;
 pub mod gpu;
 pub mod gpu_check;
@@ -150,12 +151,12 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         let round = async {
             if health_only && let Some(gpus) = &known {
                 let outcome = publish(gpus, sharing.current, &publisher, &monitor).await?;
-                return Ok::<_, String>((gpus.len(), outcome));
+                return Ok::<_, String>((device::devices(gpus).len(), outcome));
             }
             sharing.refresh(&client, &node, &gpu.driver_name).await;
             let gpus = discover(discovery.clone()).await?;
             known = Some(gpus.clone());
-            inventory.send_replace(Arc::new(gpus.iter().map(|g| (g.device_name(), g.clone())).collect()));
+            inventory.send_replace(Arc::new(device::devices(&gpus).into_iter().map(|d| (d.name(), d)).collect()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
             if plugin_task.is_none() {
@@ -174,7 +175,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 monitor.set_holders(state);
                 plugin_task = Some(task);
             }
-            let count = gpus.len();
+            let count = inventory.borrow().len();
             let outcome = publish(&gpus, sharing.current, &publisher, &monitor).await?;
             Ok::<_, String>((count, outcome))
         }
@@ -277,25 +278,29 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
         .map_err(|e| e.to_string())
 }
 
-/// Builds the node's slices from `gpus`, with the taints of faulted GPUs, and publishes them.
+/// Builds the node's slices from `gpus`' devices, with the taints of faulted GPUs (a MIG device has its GPU's), and
+/// publishes them.
 async fn publish(
     gpus: &[Gpu],
     sharing: slices::Sharing,
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, String> {
-    let devices: Vec<_> = gpus
+    let taints: std::collections::HashMap<&str, Vec<serde_json::Value>> =
+        gpus.iter().map(|gpu| (gpu.uuid.as_str(), monitor.taints(gpu))).collect();
+    let all = device::devices(gpus);
+    let devices: Vec<_> = all
         .iter()
-        .map(|gpu| {
-            let mut device = slices::device(gpu, sharing);
-            let taints = monitor.taints(gpu);
-            if !taints.is_empty() {
-                device["taints"] = serde_json::Value::Array(taints);
+        .map(|d| {
+            let mut device = slices::device(d, sharing);
+            match taints.get(d.gpu.uuid.as_str()) {
+                Some(taints) if !taints.is_empty() => device["taints"] = serde_json::Value::Array(taints.clone()),
+                _ => {}
             }
             device
         })
         .collect();
-    monitor.update_health(gpus);
+    monitor.update_health(&all);
     let max = slices::max_devices_per_slice(&devices);
     let split = slices::split_into_slices(devices, max);
     publisher.publish(&split).await.map_err(|e| e.to_string())

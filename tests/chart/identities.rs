@@ -5,7 +5,7 @@ use super::*;
 pub(super) async fn controller_works_under_its_service_account_and_is_refused_the_rest(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let sets = ["nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false"];
+    let sets = ["nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false", "deviceClasses.mig.enabled=false"];
     with_chart_applied(&ctx, &sets, async |applied| controller_under_its_account(&ctx, applied).await).await
 }
 
@@ -136,11 +136,13 @@ pub(super) async fn with_simulated_agent_chart(
 ) -> anyhow::Result<()> {
     let class = ctx.namespace.clone();
     let class_set = format!("deviceClasses.gpu.name={class}");
+    let mig_class_set = format!("deviceClasses.mig.name={class}-mig");
     let sets = [
         "controller.enabled=false",
         "nodeAgent.gpuBackend=simulated",
         "nodeAgent.simulatedGpus=2xH100-80GB",
         &class_set,
+        &mig_class_set,
     ];
     with_chart_applied(ctx, &sets, async |applied| check(applied, &class).await).await
 }

@@ -4,7 +4,7 @@ use super::identities::{node_bound_token, policy_in_force, slice};
 use super::*;
 
 pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: TestContext) -> anyhow::Result<()> {
-    let sets = ["controller.enabled=false", "deviceClasses.gpu.enabled=false"];
+    let sets = ["controller.enabled=false", "deviceClasses.gpu.enabled=false", "deviceClasses.mig.enabled=false"];
     with_chart_applied(&ctx, &sets, async |applied| policy_refusals(&ctx, applied).await).await
 }
 

@@ -18,7 +18,7 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         ("ClusterRoleBinding", 2),
         ("DaemonSet", 1),
         ("Deployment", 1),
-        ("DeviceClass", 1),
+        ("DeviceClass", 2),
         ("PodDisruptionBudget", 1),
         ("Role", 1),
         ("RoleBinding", 1),
@@ -34,13 +34,19 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
     let all_on = kinds(&render("gpu-dra", "gpu-dra", true, &[])?);
     let mut expected_all_on = expected.clone();
     expected_all_on.insert("ServiceMonitor".into(), 2);
-    expected_all_on.insert("DeviceClass".into(), 2);
+    // The GPU, MIG and extra classes, and one MIG class per profile listed.
+    expected_all_on.insert("DeviceClass".into(), 5);
     ensure!(all_on == expected_all_on, "all-on values render {all_on:?}");
     let off = kinds(&render(
         "gpu-dra",
         "gpu-dra",
         false,
-        &["controller.enabled=false", "nodeAgent.enabled=false", "deviceClasses.gpu.enabled=false"],
+        &[
+            "controller.enabled=false",
+            "nodeAgent.enabled=false",
+            "deviceClasses.gpu.enabled=false",
+            "deviceClasses.mig.enabled=false",
+        ],
     )?);
     ensure!(off.is_empty(), "everything off still renders {off:?}");
 
@@ -90,6 +96,9 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("controller.resources.requests.memory=lots", "at '/controller/resources/requests/memory'"),
         ("nodeAgent.tolerations[0].operator=Maybe", "at '/nodeAgent/tolerations/0/operator'"),
         ("deviceClasses.gpu.extendedResourceName=gpu", "at '/deviceClasses/gpu/extendedResourceName'"),
+        ("deviceClasses.mig.name=MIG_class", "at '/deviceClasses/mig/name'"),
+        ("deviceClasses.mig.profile=1g.10gb", "at '/deviceClasses/mig': additional properties 'profile' not allowed"),
+        ("deviceClasses.mig.profiles={1g.10gb+me}", "at '/deviceClasses/mig/profiles/0'"),
     ] {
         let output = helm(&["template", "gpu-dra", chart, "--set", set])?;
         let stderr = text(&output.stderr);
@@ -213,6 +222,27 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         .context("no DeviceClass named after the driver")?;
     let selector = format!("device.driver == '{driver}' && device.attributes['{driver}'].type == 'gpu'");
     ensure!(class["spec"]["selectors"][0]["cel"]["expression"] == selector.as_str(), "{class}");
+    // The MIG class: "mig." in place of the driver's first label (default-abc.gpu-dra.dev has no "gpu." to swap).
+    let mig_name = format!("mig.{}", driver.strip_prefix("gpu.").unwrap_or(driver));
+    let mig = applied
+        .iter()
+        .find(|o| o["kind"] == "DeviceClass" && o["metadata"]["name"] == mig_name.as_str())
+        .with_context(|| format!("no MIG DeviceClass {mig_name}"))?;
+    let selector = format!("device.driver == '{driver}' && device.attributes['{driver}'].type == 'mig'");
+    ensure!(mig["spec"]["selectors"][0]["cel"]["expression"] == selector.as_str(), "{mig}");
+    if all_on {
+        // A class per listed profile, serving the NVIDIA device plugin's resource name for it.
+        let domain = mig_name.trim_start_matches("mig.");
+        let profile = applied
+            .iter()
+            .find(|o| o["kind"] == "DeviceClass" && o["metadata"]["name"] == format!("mig-1g.10gb.{domain}").as_str())
+            .context("no DeviceClass for MIG profile 1g.10gb")?;
+        let selects = format!("device.attributes['{driver}'].profile == '1g.10gb'");
+        ensure!(profile["spec"]["selectors"][1]["cel"]["expression"] == selects.as_str(), "{profile}");
+        let served = profile["spec"].get("extendedResourceName");
+        let expected = (support::cluster::kubernetes_minor()? >= 36).then(|| json!("nvidia.com/mig-1g.10gb"));
+        ensure!(served == expected.as_ref(), "extendedResourceName of the 1g.10gb class: {profile}");
+    }
     if all_on && support::cluster::kubernetes_minor()? < 36 {
         // Before 1.36 (DRAExtendedResource off) the server drops it, as the README's version table says.
         ensure!(class["spec"].get("extendedResourceName").is_none(), "extendedResourceName kept before 1.36: {class}");

@@ -2,7 +2,7 @@
 //! compiled types) can be set.
 
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
+use k8s_openapi::api::resource::v1::{Device, DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
 use serde_json::{Value, json};
 
@@ -189,7 +189,6 @@ pub struct FakeGpuNode {
 }
 
 pub async fn fake_gpu_node(ctx: &TestContext, gpus: usize) -> anyhow::Result<FakeGpuNode> {
-    use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
     let name = format!("{}-node", ctx.namespace);
     ctx.cluster.add_node(&name)?;
     let driver = "gpu.test.gpu-dra.dev".to_string();
@@ -209,6 +208,14 @@ pub async fn fake_gpu_node(ctx: &TestContext, gpus: usize) -> anyhow::Result<Fak
     }))?;
     Api::<ResourceSlice>::all(ctx.client.clone()).create(&PostParams::default(), &slice).await?;
     Ok(FakeGpuNode { name, class, driver })
+}
+
+/// Every device `node`'s ResourceSlices publish, in slice order.
+pub async fn published_devices(client: &kube::Client, node: &str) -> anyhow::Result<Vec<Device>> {
+    let slices = Api::<ResourceSlice>::all(client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    Ok(slices.items.into_iter().flat_map(|s| s.spec.devices.unwrap_or_default()).collect())
 }
 
 /// Waits until the scheduler has said why `pod` in `namespace` cannot be placed; returns its message.

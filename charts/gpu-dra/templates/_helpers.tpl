@@ -84,6 +84,17 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra.nodeAgent.ser
 device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.driverName }}'].type == 'gpu'
 {{- end }}
 
+{{- define "gpu-dra.migSelector" -}}
+device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.driverName }}'].type == 'mig'
+{{- end }}
+
+{{/* The MIG class: deviceClasses.mig.name, else the driver name with "mig." for its first label's "gpu."
+     (gpu.gpu-dra.dev -> mig.gpu-dra.dev, like NVIDIA's gpu.nvidia.com and mig.nvidia.com), else "mig." before it. */}}
+{{- define "gpu-dra.migClassName" -}}
+{{- $driver := .Values.driverName }}
+{{- default (printf "mig.%s" (trimPrefix "gpu." $driver)) .Values.deviceClasses.mig.name }}
+{{- end }}
+
 {{/* An address for host:port: IPv6 addresses in brackets. */}}
 {{- define "gpu-dra.hostPort" -}}
 {{- if contains ":" . }}[{{ . }}]{{ else }}{{ . }}{{ end }}

@@ -2,6 +2,7 @@
 //! downstream (ResourceSlices, the kubelet plugin, CDI) is the same code for both.
 
 pub mod nvml;
+mod nvml_mig;
 pub mod simulated;
 
 use super::gpu::Gpu;

@@ -59,9 +59,10 @@ impl Discovery for NvmlDiscovery {
                 Err(NvmlError::NotSupported) => false,
                 Err(source) => return Err(DiscoveryError::Nvml { what: "the MIG mode".into(), source }),
             };
-            gpus.push(Gpu {
+            let minor = query("the minor number", device.minor_number())?;
+            let mut gpu = Gpu {
                 index,
-                minor: query("the minor number", device.minor_number())?,
+                minor,
                 uuid: query("the UUID", device.uuid())?,
                 product_name: query("the product name", device.name())?,
                 brand: format!("{:?}", query("the brand", device.brand())?),
@@ -72,7 +73,12 @@ impl Discovery for NvmlDiscovery {
                 pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
                 memory_bytes: query("the memory size", device.memory_info())?.total,
                 mig_enabled,
-            });
+                mig_devices: Vec::new(),
+            };
+            if mig_enabled {
+                gpu.mig_devices = super::nvml_mig::mig_devices(&nvml, &device, &gpu)?;
+            }
+            gpus.push(gpu);
         }
         Ok(gpus)
     }
@@ -82,6 +88,8 @@ impl Discovery for NvmlDiscovery {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NvmlProfile {
     pub nvml_id: u32,
+    /// The profile ID (`nvmlGpuInstanceProfileInfo_t.id`).
+    pub id: u32,
     pub slice_count: u32,
     pub instance_count: u32,
     pub memory_mib: u64,
@@ -106,33 +114,14 @@ impl NvmlDiscovery {
             };
             found.push(NvmlProfile {
                 nvml_id: id,
+                id: info.id,
                 slice_count: info.slice_count,
                 instance_count: info.instance_count,
                 memory_mib: info.memory_size_mb,
                 multiprocessors: info.multiprocessor_count,
-                placements: query("the MIG placements", placements(&nvml, &device, info.id))?,
+                placements: query("the MIG placements", super::nvml_mig::placements(&nvml, &device, info.id))?,
             });
         }
         Ok(found)
-    }
-}
-
-/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2` called directly: nvml-wrapper 0.13's `possible_placements`
-/// never sets the length of the vector NVML fills, so it always answers none. The crate's only `unsafe`.
-#[allow(unsafe_code)]
-fn placements(nvml: &Nvml, device: &nvml_wrapper::Device<'_>, profile_id: u32) -> Result<Vec<(u32, u32)>, NvmlError> {
-    use nvml_wrapper::error::{nvml_sym, nvml_try};
-    use nvml_wrapper_sys::bindings::nvmlGpuInstancePlacement_t;
-    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstancePossiblePlacements_v2.as_ref())?;
-    // SAFETY: the handle belongs to `device`, which borrows the initialised `nvml`; NVML writes at most `count`
-    // placements into a buffer of `count` elements, and reports how many it wrote in `count`.
-    unsafe {
-        let handle = device.handle();
-        let mut count: std::os::raw::c_uint = 0;
-        nvml_try(sym(handle, profile_id, std::ptr::null_mut(), &mut count))?;
-        let mut buffer = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
-        nvml_try(sym(handle, profile_id, buffer.as_mut_ptr(), &mut count))?;
-        buffer.truncate(count as usize);
-        Ok(buffer.into_iter().map(|p| (p.start, p.size)).collect())
     }
 }

@@ -2,10 +2,13 @@
 //! UUIDs and PCI addresses stable per node and index.
 //!
 //! Spec: a comma-separated list of `<count>x<model>`, e.g. `4xH100-80GB` or `2xA100-40GB,2xH100-80GB`; or
-//! `@<path>` naming a file that holds such a spec.
+//! `@<path>` naming a file that holds such a spec. `<count>x<model>/mig=<profile>+<profile>…` puts those GPUs in
+//! MIG mode with those MIG devices (e.g. `1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb`), laid out as
+//! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet.
 
 use super::{Discovery, DiscoveryError};
-use crate::node_agent::gpu::{Gpu, stable_hash};
+use crate::node_agent::gpu::{Gpu, MigDevice, stable_hash};
+use crate::node_agent::mig::{self, LayoutError};
 
 /// What the simulated driver reports.
 const DRIVER_VERSION: &str = "570.133.20";
@@ -19,11 +22,14 @@ struct Model {
     architecture: &'static str,
     compute_capability: &'static str,
     memory_gib: u64,
+    /// Streaming multiprocessors per MIG compute slice (the simulated MIG devices' `multiprocessors`).
+    sms_per_slice: u32,
 }
 
 const MODELS: &[Model] = &[
     Model {
         key: "A100-40GB",
+        sms_per_slice: 14,
         product: "NVIDIA A100-SXM4-40GB",
         architecture: "Ampere",
         compute_capability: "8.0",
@@ -31,6 +37,7 @@ const MODELS: &[Model] = &[
     },
     Model {
         key: "A100-80GB",
+        sms_per_slice: 14,
         product: "NVIDIA A100-SXM4-80GB",
         architecture: "Ampere",
         compute_capability: "8.0",
@@ -38,6 +45,7 @@ const MODELS: &[Model] = &[
     },
     Model {
         key: "L4-24GB",
+        sms_per_slice: 0,
         product: "NVIDIA L4",
         architecture: "Ada Lovelace",
         compute_capability: "8.9",
@@ -45,6 +53,7 @@ const MODELS: &[Model] = &[
     },
     Model {
         key: "H100-80GB",
+        sms_per_slice: 16,
         product: "NVIDIA H100 80GB HBM3",
         architecture: "Hopper",
         compute_capability: "9.0",
@@ -52,6 +61,7 @@ const MODELS: &[Model] = &[
     },
     Model {
         key: "H200-141GB",
+        sms_per_slice: 16,
         product: "NVIDIA H200",
         architecture: "Hopper",
         compute_capability: "9.0",
@@ -59,6 +69,7 @@ const MODELS: &[Model] = &[
     },
     Model {
         key: "B200-180GB",
+        sms_per_slice: 18,
         product: "NVIDIA B200",
         architecture: "Blackwell",
         compute_capability: "10.0",
@@ -79,6 +90,12 @@ pub enum SpecError {
     TooMany { count: u32 },
     #[error("read --simulated-gpus file {path}: {message}")]
     File { path: String, message: String },
+    #[error("--simulated-gpus entry {entry:?}: {source}")]
+    Mig {
+        entry: String,
+        #[source]
+        source: LayoutError,
+    },
 }
 
 /// Simulated GPUs for one node.
@@ -97,8 +114,12 @@ impl Simulated {
         };
         let mut gpus = Vec::new();
         for entry in spec.split([',', '\n']).map(str::trim).filter(|e| !e.is_empty()) {
+            let (gpus_part, mig_part) = match entry.split_once("/mig=") {
+                Some((gpus_part, profiles)) => (gpus_part, Some(profiles)),
+                None => (entry, None),
+            };
             let (count, model_key) =
-                entry.split_once(['x', 'X']).ok_or_else(|| SpecError::Malformed { entry: entry.into() })?;
+                gpus_part.split_once(['x', 'X']).ok_or_else(|| SpecError::Malformed { entry: entry.into() })?;
             let count: u32 = count.trim().parse().map_err(|_| SpecError::Malformed { entry: entry.into() })?;
             let model = MODELS.iter().find(|m| m.key.eq_ignore_ascii_case(model_key.trim())).ok_or_else(|| {
                 SpecError::UnknownModel {
@@ -111,9 +132,17 @@ impl Simulated {
             if total > MAX_GPUS {
                 return Err(SpecError::TooMany { count: total });
             }
+            let profiles: Option<Vec<String>> = mig_part.map(profile_names);
             for _ in 0..count {
                 let index = gpus.len() as u32;
-                gpus.push(simulated_gpu(node, index, model));
+                let mut gpu = simulated_gpu(node, index, model);
+                if let Some(profiles) = &profiles {
+                    let names: Vec<&str> = profiles.iter().map(String::as_str).collect();
+                    gpu.mig_devices = simulated_mig_devices(node, &gpu, model, &names)
+                        .map_err(|source| SpecError::Mig { entry: entry.into(), source })?;
+                    gpu.mig_enabled = true;
+                }
+                gpus.push(gpu);
             }
         }
         if gpus.is_empty() {
@@ -153,7 +182,61 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
         pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + index * 8 % 0xe0),
         memory_bytes: model.memory_gib << 30,
         mig_enabled: false,
+        mig_devices: Vec::new(),
     }
+}
+
+/// `3g.40gb+1g.10gb+me+1g.10gb` → the profiles, `+` separating them except before `me` (the media-engine profiles).
+fn profile_names(text: &str) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for piece in text.split('+').map(str::trim).filter(|p| !p.is_empty()) {
+        match names.last_mut() {
+            Some(last) if piece.eq_ignore_ascii_case("me") => last.push_str("+me"),
+            _ => names.push(piece.to_string()),
+        }
+    }
+    names
+}
+
+/// The MIG devices of a simulated GPU laid out with `profiles`: one GPU instance per profile (IDs from 1 in placement
+/// order), each with one compute instance (ID 0) using all of it, UUIDs stable per node, GPU and placement.
+fn simulated_mig_devices(
+    node: &str,
+    gpu: &Gpu,
+    model: &Model,
+    profiles: &[&str],
+) -> Result<Vec<MigDevice>, LayoutError> {
+    let placed = mig::layout(gpu, profiles)?;
+    Ok(placed
+        .into_iter()
+        .zip(1..)
+        .map(|((profile, start), gpu_instance)| {
+            let h = mixed_hash(&format!("{node}/{}/mig/{start}/{}", gpu.index, profile.id));
+            let (gi_cap_minor, ci_cap_minor) = mig::cap_minors(gpu.minor, gpu_instance, 0);
+            MigDevice {
+                uuid: format!(
+                    "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+                    h >> 32,
+                    (h >> 16) & 0xffff,
+                    h & 0xffff,
+                    (h >> 40) & 0xffff,
+                    h & 0xffff_ffff_ffff
+                ),
+                profile: profile.name.to_string(),
+                profile_id: profile.id,
+                gpu_instance,
+                compute_instance: 0,
+                placement_start: start,
+                placement_size: profile.memory_slices,
+                memory_bytes: (gpu.memory_bytes / u64::from(mig::MEMORY_SLICES) * u64::from(profile.memory_slices))
+                    & !((1 << 20) - 1),
+                multiprocessors: model.sms_per_slice * profile.compute_slices,
+                gi_cap_minor,
+                ci_cap_minor,
+                caps_major: Some(mig::SIMULATED_CAPS_MAJOR),
+            }
+        })
+        .collect())
 }
 
 /// [`stable_hash`], then splitmix64's finaliser so that similar inputs give unrelated outputs.
@@ -203,5 +286,33 @@ mod tests {
         assert!(unknown.contains("unknown model \"V100\"") && unknown.contains("H100-80GB"), "{unknown}");
         assert_eq!(Simulated::new("n", "2000xL4-24GB").err(), Some(SpecError::TooMany { count: 2000 }));
         assert!(matches!(Simulated::new("n", "@/no/such/file").err(), Some(SpecError::File { .. })));
+        let no_mig = Simulated::new("n", "1xL4-24GB/mig=1g.10gb").expect_err("L4 has no MIG").to_string();
+        assert!(no_mig.contains("\"1xL4-24GB/mig=1g.10gb\"") && no_mig.contains("no documented MIG"), "{no_mig}");
+        let too_many = Simulated::new("n", "1xH100-80GB/mig=4g.40gb+4g.40gb").expect_err("does not fit").to_string();
+        assert!(too_many.contains("do not fit on one NVIDIA H100 80GB HBM3"), "{too_many}");
+    }
+
+    #[test]
+    fn mig_gpus_carry_their_mig_devices() {
+        let gpus = Simulated::new("node-a", "1xH100-80GB/mig=1g.10gb+3g.40gb, 1xA100-40GB/mig=, 1xH100-80GB")
+            .expect("spec")
+            .gpus;
+        assert!(gpus[0].mig_enabled && gpus[1].mig_enabled && !gpus[2].mig_enabled);
+        assert!(gpus[1].mig_devices.is_empty() && gpus[2].mig_devices.is_empty());
+        let migs = &gpus[0].mig_devices;
+        let summary: Vec<_> = migs
+            .iter()
+            .map(|m| (m.profile.as_str(), m.profile_id, m.gpu_instance, m.placement_start, m.placement_size))
+            .collect();
+        assert_eq!(summary, [("3g.40gb", 9, 1, 0, 4), ("1g.10gb", 19, 2, 4, 1)]);
+        assert_eq!((migs[0].memory_bytes, migs[0].multiprocessors), (40 << 30, 48));
+        assert!(migs.iter().all(|m| m.uuid.len() == 40 && m.uuid.starts_with("MIG-")), "{migs:?}");
+        assert_ne!(migs[0].uuid, migs[1].uuid);
+        let again = Simulated::new("node-a", "1xH100-80GB/mig=3g.40gb+1g.10gb").expect("spec").gpus;
+        assert_eq!(again[0].mig_devices, *migs, "the same layout gives the same devices");
+        assert_eq!(profile_names("3g.40gb+1g.10gb+me+ 1g.10gb+"), ["3g.40gb", "1g.10gb+me", "1g.10gb"]);
+        let media = Simulated::new("n", "1xA100-40GB/mig=1g.5gb+me+2g.10gb").expect("a +me profile").gpus;
+        let profiles: Vec<&str> = media[0].mig_devices.iter().map(|m| m.profile.as_str()).collect();
+        assert_eq!(profiles, ["2g.10gb", "1g.5gb+me"]);
     }
 }

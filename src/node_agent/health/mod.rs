@@ -38,6 +38,7 @@ use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::device::Device;
 use super::gpu::Gpu;
 use crate::kubelet_plugin::allocation::Inventory;
 use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
@@ -152,19 +153,21 @@ impl Monitor {
         self.health.subscribe()
     }
 
-    /// Sets the health of `gpus`' devices for the kubelet's stream (wakes it only when something changed).
-    pub fn update_health(&self, gpus: &[Gpu]) {
+    /// Sets the health of `devices` for the kubelet's stream (a MIG device has its GPU's; wakes the stream only when
+    /// something changed).
+    pub fn update_health(&self, devices: &[Device]) {
         let report: Vec<DeviceHealth> = {
             let book = self.book();
-            gpus.iter()
-                .map(|gpu| {
-                    let state = book.get(&gpu.uuid);
+            devices
+                .iter()
+                .map(|device| {
+                    let state = book.get(&device.gpu.uuid);
                     let message = state.map_or_else(String::new, |s| {
                         let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
                         let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
                         format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str())
                     });
-                    DeviceHealth { device: gpu.device_name(), healthy: state.is_none(), message }
+                    DeviceHealth { device: device.name(), healthy: state.is_none(), message }
                 })
                 .collect()
         };
@@ -210,7 +213,14 @@ impl Monitor {
     }
 
     fn apply(&self, report: &Injection, inventory: &Inventory, events: &events::NodeEvents) {
-        let Some(gpu) = inventory.values().find(|g| g.device_name() == report.gpu || g.uuid == report.gpu) else {
+        // A report may name a MIG device (by name or UUID): the fault is its GPU's.
+        let found = inventory.values().find(|d| {
+            d.name() == report.gpu
+                || d.uuid() == report.gpu
+                || d.gpu.device_name() == report.gpu
+                || d.gpu.uuid == report.gpu
+        });
+        let Some(gpu) = found.map(|d| &d.gpu) else {
             warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
             return;
         };

@@ -8,6 +8,7 @@ pub mod publisher;
 use serde_json::{Map, Value, json};
 use tracing::warn;
 
+use super::device::Device;
 use super::gpu::{Gpu, normalize_version, pcie_root};
 
 /// The API's limit on devices per slice (without taints or counters).
@@ -31,36 +32,19 @@ pub enum Sharing {
 /// The smallest memory share a claim may ask of a shared GPU (1 GiB): below it a share is a mistake, not a workload.
 pub const MIN_SHARED_MEMORY_BYTES: u64 = 1 << 30;
 
-/// The ResourceSlice device for `gpu`, with the attribute names NVIDIA's DRA driver publishes, so existing
-/// DeviceClasses and CEL selectors keep working.
-pub fn device(gpu: &Gpu, sharing: Sharing) -> Value {
-    let mut attributes = Map::new();
-    let mut string = |name: &str, value: &str| {
-        let value: String = value.chars().take(MAX_STRING_ATTRIBUTE).collect();
-        attributes.insert(name.into(), json!({"string": value}));
-    };
-    string("type", "gpu");
-    string("uuid", &gpu.uuid);
-    string("productName", &gpu.product_name);
-    string("brand", &gpu.brand);
-    string("architecture", &gpu.architecture);
-    string("resource.kubernetes.io/pciBusID", &gpu.pci_bus_id);
-    if let Some(root) = pcie_root(&gpu.pci_bus_id) {
-        string("resource.kubernetes.io/pcieRoot", &root);
+/// The ResourceSlice device for `device`, with the attribute names NVIDIA's DRA driver publishes, so existing
+/// DeviceClasses and CEL selectors keep working. A MIG device is always published whole (`sharing` is for GPUs).
+pub fn device(device: &Device, sharing: Sharing) -> Value {
+    match &device.mig {
+        None => gpu_device(&device.gpu, sharing),
+        Some(mig) => mig_device(device, mig),
     }
-    for (name, raw) in [
-        ("cudaComputeCapability", &gpu.cuda_compute_capability),
-        ("driverVersion", &gpu.driver_version),
-        ("cudaDriverVersion", &gpu.cuda_driver_version),
-    ] {
-        // An attribute the API would reject is left out rather than losing the whole slice.
-        match normalize_version(raw) {
-            Some(version) => {
-                attributes.insert(name.into(), json!({"version": version}));
-            }
-            None => warn!(gpu = %gpu.uuid, attribute = name, value = %raw, "not a version; attribute left out"),
-        }
-    }
+}
+
+fn gpu_device(gpu: &Gpu, sharing: Sharing) -> Value {
+    let mut attributes = common_attributes(gpu);
+    attributes.insert("type".into(), json!({"string": "gpu"}));
+    attributes.insert("uuid".into(), json!({"string": gpu.uuid}));
     attributes.insert("index".into(), json!({"int": gpu.index}));
     attributes.insert("minor".into(), json!({"int": gpu.minor}));
     attributes.insert("migEnabled".into(), json!({"bool": gpu.mig_enabled}));
@@ -87,6 +71,59 @@ pub fn device(gpu: &Gpu, sharing: Sharing) -> Value {
             }},
         }),
     }
+}
+
+/// A MIG device: NVIDIA's `mig` type, its own UUID and profile, its parent GPU's identity (`parentUUID`,
+/// `parentIndex`, `parentMinor`), instance IDs and model attributes, and what it has of the GPU as capacity, with
+/// NVIDIA's names: `memory`, `multiprocessors`, and `memorySlice<i>` (1) for each memory slice it spans.
+fn mig_device(device: &Device, mig: &crate::node_agent::gpu::MigDevice) -> Value {
+    let gpu = &device.gpu;
+    let mut attributes = common_attributes(gpu);
+    attributes.insert("type".into(), json!({"string": "mig"}));
+    attributes.insert("uuid".into(), json!({"string": mig.uuid}));
+    attributes.insert("profile".into(), json!({"string": mig.profile}));
+    attributes.insert("parentUUID".into(), json!({"string": gpu.uuid}));
+    attributes.insert("parentIndex".into(), json!({"int": gpu.index}));
+    attributes.insert("parentMinor".into(), json!({"int": gpu.minor}));
+    attributes.insert("gpuInstance".into(), json!({"int": mig.gpu_instance}));
+    attributes.insert("computeInstance".into(), json!({"int": mig.compute_instance}));
+    let mut capacity = Map::new();
+    capacity.insert("memory".into(), json!({"value": memory_quantity(mig.memory_bytes)}));
+    capacity.insert("multiprocessors".into(), json!({"value": mig.multiprocessors.to_string()}));
+    for slice in mig.placement_start..mig.placement_start + mig.placement_size {
+        capacity.insert(format!("memorySlice{slice}"), json!({"value": "1"}));
+    }
+    json!({"name": device.name(), "attributes": attributes, "capacity": capacity})
+}
+
+/// The attributes a GPU and its MIG devices share: model, driver and PCI identity.
+fn common_attributes(gpu: &Gpu) -> Map<String, Value> {
+    let mut attributes = Map::new();
+    let mut string = |name: &str, value: &str| {
+        let value: String = value.chars().take(MAX_STRING_ATTRIBUTE).collect();
+        attributes.insert(name.into(), json!({"string": value}));
+    };
+    string("productName", &gpu.product_name);
+    string("brand", &gpu.brand);
+    string("architecture", &gpu.architecture);
+    string("resource.kubernetes.io/pciBusID", &gpu.pci_bus_id);
+    if let Some(root) = pcie_root(&gpu.pci_bus_id) {
+        string("resource.kubernetes.io/pcieRoot", &root);
+    }
+    for (name, raw) in [
+        ("cudaComputeCapability", &gpu.cuda_compute_capability),
+        ("driverVersion", &gpu.driver_version),
+        ("cudaDriverVersion", &gpu.cuda_driver_version),
+    ] {
+        // An attribute the API would reject is left out rather than losing the whole slice.
+        match normalize_version(raw) {
+            Some(version) => {
+                attributes.insert(name.into(), json!({"version": version}));
+            }
+            None => warn!(gpu = %gpu.uuid, attribute = name, value = %raw, "not a version; attribute left out"),
+        }
+    }
+    attributes
 }
 
 /// The most devices a slice of `devices` may hold: the API allows fewer once any device has taints.
@@ -135,7 +172,7 @@ mod tests {
     fn device_carries_nvidia_compatible_attributes() {
         let mut gpu = gpus("1xH100-80GB").remove(0);
         gpu.driver_version = "535.104.05".into();
-        let d = device(&gpu, Sharing::Whole);
+        let d = device(&Device::whole(&gpu), Sharing::Whole);
         assert_eq!(d["name"], "gpu-0");
         assert_eq!(d["attributes"]["type"], json!({"string": "gpu"}));
         assert_eq!(d["attributes"]["productName"], json!({"string": "NVIDIA H100 80GB HBM3"}));
@@ -150,10 +187,10 @@ mod tests {
     #[test]
     fn a_shared_gpu_lets_claims_consume_its_memory() {
         let gpu = gpus("1xH100-80GB").remove(0);
-        let whole = device(&gpu, Sharing::Whole);
+        let whole = device(&Device::whole(&gpu), Sharing::Whole);
         assert!(whole.get("allowMultipleAllocations").is_none());
         assert!(whole["capacity"]["memory"].get("requestPolicy").is_none());
-        let shared = device(&gpu, Sharing::ByMemory);
+        let shared = device(&Device::whole(&gpu), Sharing::ByMemory);
         assert_eq!(shared["allowMultipleAllocations"], true);
         assert_eq!(
             shared["capacity"]["memory"],
@@ -163,17 +200,52 @@ mod tests {
     }
 
     #[test]
+    fn a_mig_device_is_published_with_its_profile_and_parent() {
+        let gpus = gpus("1xH100-80GB/mig=3g.40gb+1g.10gb");
+        let devices = crate::node_agent::device::devices(&gpus);
+        assert_eq!(devices.len(), 2, "a GPU in MIG mode is its MIG devices only");
+        // Sharing by memory is for whole GPUs: a MIG device is always one claim's.
+        let d = device(&devices[1], Sharing::ByMemory);
+        assert_eq!(d["name"], "gpu-0-mig-19-4-1");
+        assert!(d.get("allowMultipleAllocations").is_none());
+        let a = &d["attributes"];
+        assert_eq!(a["type"], json!({"string": "mig"}));
+        assert_eq!(a["profile"], json!({"string": "1g.10gb"}));
+        assert_eq!(a["uuid"], json!({"string": gpus[0].mig_devices[1].uuid}));
+        assert_eq!(a["parentUUID"], json!({"string": gpus[0].uuid}));
+        assert_eq!((&a["parentIndex"], &a["parentMinor"]), (&json!({"int": 0}), &json!({"int": 0})));
+        assert_eq!(a["productName"], json!({"string": "NVIDIA H100 80GB HBM3"}));
+        assert!(a.get("migEnabled").is_none() && a.get("minor").is_none());
+        assert_eq!(
+            d["capacity"],
+            json!({"memory": {"value": "10240Mi"}, "multiprocessors": {"value": "16"}, "memorySlice4": {"value": "1"}})
+        );
+        let big = device(&devices[0], Sharing::Whole);
+        let slices: Vec<&String> = big["capacity"].as_object().into_iter().flat_map(|c| c.keys()).collect();
+        assert_eq!(
+            slices,
+            ["memory", "memorySlice0", "memorySlice1", "memorySlice2", "memorySlice3", "multiprocessors"]
+        );
+        let counted = |d: &Value| {
+            d["attributes"].as_object().map_or(0, |a| a.len()) + d["capacity"].as_object().map_or(0, |c| c.len())
+        };
+        // A 7g device spans all 8 slices: the most capacities a MIG device has.
+        assert!(counted(&big) + 4 <= 32, "API limit: 32 attributes+capacities");
+    }
+
+    #[test]
     fn an_odd_version_drops_only_that_attribute() {
         let mut gpu = gpus("1xL4-24GB").remove(0);
         gpu.driver_version = "unknown".into();
-        let d = device(&gpu, Sharing::Whole);
+        let d = device(&Device::whole(&gpu), Sharing::Whole);
         assert!(d["attributes"].get("driverVersion").is_none());
         assert!(d["attributes"].get("cudaDriverVersion").is_some());
     }
 
     #[test]
     fn splits_at_the_api_limit_in_natural_order() {
-        let devices: Vec<Value> = gpus("300xL4-24GB").iter().rev().map(|g| device(g, Sharing::Whole)).collect();
+        let devices: Vec<Value> =
+            gpus("300xL4-24GB").iter().rev().map(|g| device(&Device::whole(g), Sharing::Whole)).collect();
         let slices = split_into_slices(devices, MAX_DEVICES_PER_SLICE);
         assert_eq!(slices.iter().map(Vec::len).collect::<Vec<_>>(), [128, 128, 44]);
         assert_eq!(slices[0][9]["name"], "gpu-9");
@@ -183,7 +255,8 @@ mod tests {
 
     #[test]
     fn a_tainted_device_halves_the_slice_size() {
-        let mut devices: Vec<Value> = gpus("100xL4-24GB").iter().map(|g| device(g, Sharing::Whole)).collect();
+        let mut devices: Vec<Value> =
+            gpus("100xL4-24GB").iter().map(|g| device(&Device::whole(g), Sharing::Whole)).collect();
         assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);
         devices[7]["taints"] = json!([]);
         assert_eq!(max_devices_per_slice(&devices), MAX_DEVICES_PER_SLICE);

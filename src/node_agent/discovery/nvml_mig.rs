@@ -1,0 +1,151 @@
+//! The NVML calls for MIG that `nvml-wrapper` 0.13 lacks or gets wrong, made directly through `nvml-wrapper-sys`:
+//! the crate's only `unsafe`, kept in this file. Each call passes handles that belong to a `Device` borrowing the
+//! initialised `Nvml`, and buffers NVML writes at most their given length into.
+
+#![allow(unsafe_code)]
+
+use std::path::Path;
+
+use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
+use nvml_wrapper::{Device, Nvml};
+use nvml_wrapper_sys::bindings::{nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t};
+
+use tracing::warn;
+
+use super::DiscoveryError;
+use crate::node_agent::gpu::{Gpu, MigDevice};
+use crate::node_agent::mig;
+
+/// `nvmlDeviceGetGpuInstancePossiblePlacements_v2`: nvml-wrapper 0.13's `possible_placements` never sets the length
+/// of the vector NVML fills, so it always answers none.
+pub(super) fn placements(nvml: &Nvml, device: &Device<'_>, profile_id: u32) -> Result<Vec<(u32, u32)>, NvmlError> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstancePossiblePlacements_v2.as_ref())?;
+    // SAFETY: see the module documentation; NVML reports in `count` how many placements it wrote.
+    unsafe {
+        let handle = device.handle();
+        let mut count: std::os::raw::c_uint = 0;
+        nvml_try(sym(handle, profile_id, std::ptr::null_mut(), &mut count))?;
+        let mut buffer = vec![nvmlGpuInstancePlacement_t { start: 0, size: 0 }; count as usize];
+        nvml_try(sym(handle, profile_id, buffer.as_mut_ptr(), &mut count))?;
+        buffer.truncate(count as usize);
+        Ok(buffer.into_iter().map(|p| (p.start, p.size)).collect())
+    }
+}
+
+/// The MIG devices that exist on `gpu` (MIG mode on): each one's UUID, GPU and compute instance, the GPU instance's
+/// profile and placement, its memory and multiprocessors, and the `nvidia-caps` minors a container needs. A MIG
+/// device whose compute instance uses only part of its GPU instance (several compute instances per GPU instance:
+/// NVIDIA's `1c.3g.40gb` kind) is left out with a warning, as is one NVML cannot describe (e.g. torn down while it is
+/// read): the node's other devices are still published.
+pub(super) fn mig_devices(nvml: &Nvml, device: &Device<'_>, gpu: &Gpu) -> Result<Vec<MigDevice>, DiscoveryError> {
+    let max = device
+        .mig_device_count()
+        .map_err(|source| DiscoveryError::Nvml { what: format!("the MIG device count of GPU {}", gpu.uuid), source })?;
+    let profiles = mig::profiles(gpu).unwrap_or_default();
+    let caps_major = std::fs::read_to_string("/proc/devices")
+        .ok()
+        .and_then(|devices| mig::char_device_major(&devices, "nvidia-caps"));
+    let mut found = Vec::new();
+    for index in 0..max {
+        let mig = match device.mig_device_by_index(index) {
+            Ok(mig) => mig,
+            // Indexes without a MIG device answer "not found".
+            Err(NvmlError::NotFound | NvmlError::InvalidArg) => continue,
+            Err(error) => {
+                warn!(gpu = %gpu.uuid, index, %error, "cannot read a MIG device; it is not published");
+                continue;
+            }
+        };
+        match mig_device(nvml, device, &mig, gpu, &profiles, caps_major) {
+            Ok(Some(found_device)) => found.push(found_device),
+            Ok(None) => {}
+            Err((what, error)) => {
+                warn!(gpu = %gpu.uuid, index, what, %error, "cannot read a MIG device; it is not published");
+            }
+        }
+    }
+    found.sort_by_key(|m| (m.placement_start, m.compute_instance));
+    Ok(found)
+}
+
+/// One MIG device, `None` when it is a compute instance using part of its GPU instance; the error says what could
+/// not be read.
+fn mig_device(
+    nvml: &Nvml,
+    parent: &Device<'_>,
+    mig: &Device<'_>,
+    gpu: &Gpu,
+    profiles: &[mig::Profile],
+    caps_major: Option<u32>,
+) -> Result<Option<MigDevice>, (&'static str, NvmlError)> {
+    let uuid = mig.uuid().map_err(|e| ("its UUID", e))?;
+    let attributes = mig.attributes().map_err(|e| ("its attributes", e))?;
+    let (gpu_instance, compute_instance) = instance_ids(nvml, mig).map_err(|e| ("its instance IDs", e))?;
+    if attributes.compute_instance_slice_count < attributes.gpu_instance_slice_count {
+        warn!(
+            gpu = %gpu.uuid, mig = %uuid, gpu_instance, compute_instance,
+            "a compute instance using {} of its GPU instance's {} slices is not published: only MIG devices whose \
+             compute instance spans the whole GPU instance are (nvidia-smi mig -cgi <profile> -C)",
+            attributes.compute_instance_slice_count, attributes.gpu_instance_slice_count
+        );
+        return Ok(None);
+    }
+    let info = gpu_instance_info(nvml, parent, gpu_instance).map_err(|e| ("its GPU instance", e))?;
+    // Matched by NVML's profile ID (what a GPU instance reports), not by the profile index.
+    let profile = profiles.iter().find(|p| p.id == info.profileId).map_or_else(
+        // A profile the table does not know is named the way NVIDIA names profiles.
+        || format!("{}g.{}gb", attributes.gpu_instance_slice_count, attributes.memory_size_mb.div_ceil(1024)),
+        |p| p.name.to_string(),
+    );
+    let (gi_cap_minor, ci_cap_minor) = cap_minors(gpu.minor, gpu_instance, compute_instance);
+    Ok(Some(MigDevice {
+        uuid,
+        profile,
+        profile_id: info.profileId,
+        gpu_instance,
+        compute_instance,
+        placement_start: info.placement.start,
+        placement_size: info.placement.size,
+        memory_bytes: attributes.memory_size_mb << 20,
+        multiprocessors: attributes.multiprocessor_count,
+        gi_cap_minor,
+        ci_cap_minor,
+        caps_major,
+    }))
+}
+
+fn instance_ids(nvml: &Nvml, mig: &Device<'_>) -> Result<(u32, u32), NvmlError> {
+    let gi_sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceId.as_ref())?;
+    let ci_sym = nvml_sym(nvml.lib().nvmlDeviceGetComputeInstanceId.as_ref())?;
+    let (mut gi, mut ci): (std::os::raw::c_uint, std::os::raw::c_uint) = (0, 0);
+    // SAFETY: see the module documentation.
+    unsafe {
+        nvml_try(gi_sym(mig.handle(), &mut gi))?;
+        nvml_try(ci_sym(mig.handle(), &mut ci))?;
+    }
+    Ok((gi, ci))
+}
+
+fn gpu_instance_info(nvml: &Nvml, device: &Device<'_>, id: u32) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
+    let by_id = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+    let get_info = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
+    // SAFETY: see the module documentation; both structures are plain C data NVML fills in.
+    unsafe {
+        let mut instance: nvmlGpuInstance_t = std::mem::zeroed();
+        nvml_try(by_id(device.handle(), id, &mut instance))?;
+        let mut info: nvmlGpuInstanceInfo_t = std::mem::zeroed();
+        nvml_try(get_info(instance, &mut info))?;
+        Ok(info)
+    }
+}
+
+/// The `nvidia-caps` minors of a GPU instance and its compute instance, from the driver's
+/// `/proc/driver/nvidia/capabilities/gpu<minor>/mig/gi<I>[/ci<C>]/access` (`DeviceFileMinor: N`); where the driver
+/// does not expose them, its fixed numbering ([`mig::cap_minors`]).
+fn cap_minors(gpu_minor: u32, gi: u32, ci: u32) -> (u32, u32) {
+    let base = Path::new("/proc/driver/nvidia/capabilities").join(format!("gpu{gpu_minor}/mig/gi{gi}"));
+    let table = mig::cap_minors(gpu_minor, gi, ci);
+    let gi_minor = mig::read_cap_minor(&base.join("access")).unwrap_or(table.0);
+    let ci_minor = mig::read_cap_minor(&base.join(format!("ci{ci}/access"))).unwrap_or(table.1);
+    (gi_minor, ci_minor)
+}
