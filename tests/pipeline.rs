@@ -19,7 +19,7 @@ use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use mig::a_node_in_mig_mode_hands_out_its_mig_devices;
+use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
@@ -43,6 +43,7 @@ fn main() {
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
             test!(pods_of_two_namespaces_share_one_gpu_by_memory),
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
+            test!(nvidias_mig_quickstart_runs_as_a_deployment),
         ],
     )
 }

@@ -32,8 +32,11 @@ const UVM_MAJOR: u32 = 510;
 /// - `NVIDIA_VISIBLE_DEVICES=void`: a node's legacy `nvidia-container-runtime` hook would otherwise inject every
 ///   GPU of the node into the container as well (the double-allocation problem).
 /// - `CUDA_DEVICE_ORDER=PCI_BUS_ID`: CUDA numbers the devices the way `nvidia-smi` and `GPU_DRA_GPU_UUIDS` list them.
-/// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's devices (`MIG-…` for MIG devices) by PCI bus id, so a workload
-///   can see exactly what it got.
+/// - `GPU_DRA_GPU_UUIDS`: the UUIDs of the claim's devices (`MIG-…` for MIG devices) by PCI bus id. Spec-wide, so
+///   every container using any device of the claim sees all of them, also where each container names one request.
+/// - `GPU_DRA_DEVICE_<DEVICE>=<uuid>` per device (`GPU_DRA_DEVICE_GPU_0_MIG_19_2_1`): only in the containers given
+///   that device — what a container of a pod whose containers ask different requests of one claim really got (one
+///   variable per device, since runtimes keep only the last value of a repeated variable).
 ///
 /// `cdiVersion` is the lowest version that covers the fields used: runtimes refuse versions newer than they know.
 /// The output depends only on the input (devices in any order give the same spec) and the driver files as they are
@@ -75,7 +78,8 @@ pub fn build_claim_spec(
                 });
             }
         }
-        devices.push(json!({ "name": name, "containerEdits": { "deviceNodes": nodes } }));
+        let env = format!("{}={}", device_env_name(device), claim_device.uuid());
+        devices.push(json!({ "name": name, "containerEdits": { "deviceNodes": nodes, "env": [env] } }));
     }
     let mut by_bus: Vec<&Device> = claim_devices.iter().collect();
     by_bus.sort_by(|a, b| (&a.gpu.pci_bus_id, a.uuid()).cmp(&(&b.gpu.pci_bus_id, b.uuid())));
@@ -118,6 +122,11 @@ pub fn validate_claim_spec(kind: &CdiKind, claim_uid: &str, spec: &Spec) -> Resu
         reason: format!("{source:#}"),
         source: source.into(),
     })
+}
+
+/// `GPU_DRA_DEVICE_` and the device name in upper case with `_` for `-` (device names are DNS labels).
+fn device_env_name(device: &str) -> String {
+    format!("GPU_DRA_DEVICE_{}", device.to_ascii_uppercase().replace('-', "_"))
 }
 
 /// A device node. For real GPUs only its path: the runtime reads type and numbers from the host's node, which is
@@ -173,7 +182,10 @@ mod tests {
         assert_eq!(spec["devices"][0]["name"], "abc-1-gpu-0");
         assert_eq!(
             spec["devices"][1]["containerEdits"],
-            json!({ "deviceNodes": [{ "path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1 }] }),
+            json!({
+                "deviceNodes": [{ "path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1 }],
+                "env": ["GPU_DRA_DEVICE_GPU_1=GPU-00000001-0000-0000-0000-000000000000"],
+            }),
             "simulated device nodes carry their numbers: the host has none to look at"
         );
         let edits = &spec["containerEdits"];
@@ -191,7 +203,7 @@ mod tests {
         let real = build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default())?;
         validate_claim_spec(&kind, "abc-1", &real)?;
         let real = to_json(&real);
-        assert_eq!(real["devices"][1]["containerEdits"], json!({ "deviceNodes": [{ "path": "/dev/nvidia1" }] }));
+        assert_eq!(real["devices"][1]["containerEdits"]["deviceNodes"], json!([{ "path": "/dev/nvidia1" }]));
         assert_eq!(real["containerEdits"]["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
         assert_eq!(
             device_id(&kind, "abc-1", "gpu-0"),
@@ -224,6 +236,11 @@ mod tests {
             ])
         );
         let mig_uuids = [&all[1], &all[2]].map(|d| d.uuid().to_string());
+        assert_eq!(
+            spec["devices"][1]["containerEdits"]["env"],
+            json!([format!("GPU_DRA_DEVICE_GPU_1_MIG_19_4_1={}", all[2].uuid())]),
+            "each device names its own UUID, for the containers given it"
+        );
         assert!(mig_uuids.iter().all(|u| u.starts_with("MIG-")));
         let env = spec["containerEdits"]["env"][2].as_str().unwrap_or_default();
         assert!(env.contains(&mig_uuids[0]) && env.contains(&mig_uuids[1]) && env.contains(all[0].uuid()), "{env}");

@@ -2,12 +2,13 @@
 //! them (never the GPU whole), the real scheduler allocates mixed profiles by CEL on `profile`, and the kubelet's DRA
 //! code prepares CDI devices that give a container the parent GPU's node and its instances' `nvidia-caps` nodes.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{Context as _, ensure};
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim};
-use kube::api::{Api, DeleteParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 
 use super::support::harness::KubeletHarness;
@@ -25,29 +26,161 @@ const GPUS: &str = "1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb+1g.10gb,1xH100-80GB"
 /// until that pod is gone; a whole-GPU claim gets GPU 1. A claim asking a time slice of a MIG device is refused at
 /// prepare naming the device; NVIDIA's `MigDeviceConfig` with `TimeSlicing` is accepted.
 pub(super) async fn a_node_in_mig_mode_hands_out_its_mig_devices(ctx: TestContext) -> anyhow::Result<()> {
-    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
-    let node = format!("e2e-{suffix}-mig");
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let agent = start_agent(&ctx, &node, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", GPUS])?;
-    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
-    agent.wait_ready().await?;
-    kubelet.wait_for("registered", "", std::time::Duration::from_secs(60)).await?;
-    let (gpu_class, mig_class) = (format!("{}-gpu", ctx.namespace), format!("{}-mig", ctx.namespace));
-    for (name, kind) in [(&gpu_class, "gpu"), (&mig_class, "mig")] {
-        // The chart's classes: one per device type.
-        let class: DeviceClass = serde_json::from_value(json!({
-            "metadata": {"name": name},
-            "spec": {"selectors": [{"cel": {"expression": format!(
-                "device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == '{kind}'")}}]}
-        }))?;
-        Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
-    }
-    let result = hand_out(&ctx, &node, &dirs, &kubelet, &gpu_class, &mig_class).await;
-    for class in [&gpu_class, &mig_class] {
-        let _ = Api::<DeviceClass>::all(ctx.client.clone()).delete(class, &DeleteParams::default()).await;
-    }
+    let bed = MigNode::start(&ctx, "mig", GPUS).await?;
+    let result = hand_out(&ctx, &bed.name, &bed.dirs, &bed.kubelet, &bed.gpu_class, &bed.mig_class).await;
+    bed.remove_classes(&ctx).await;
     result
+}
+
+/// A node of the test's own with simulated GPUs `gpus` (its agent and kubelet side), and the chart's two classes.
+struct MigNode {
+    name: String,
+    dirs: NodeDirs,
+    _agent: Component,
+    kubelet: KubeletHarness,
+    gpu_class: String,
+    mig_class: String,
+}
+
+impl MigNode {
+    async fn start(ctx: &TestContext, name: &str, gpus: &str) -> anyhow::Result<Self> {
+        let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+        let node = format!("e2e-{suffix}-{name}");
+        ctx.cluster.add_node(&node)?;
+        let dirs = NodeDirs::new()?;
+        let agent = start_agent(ctx, &node, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+        let kubelet = KubeletHarness::start(ctx, &node, &dirs)?;
+        agent.wait_ready().await?;
+        kubelet.wait_for("registered", "", std::time::Duration::from_secs(60)).await?;
+        let (gpu_class, mig_class) = (format!("{}-gpu", ctx.namespace), format!("{}-mig", ctx.namespace));
+        for (name, kind) in [(&gpu_class, "gpu"), (&mig_class, "mig")] {
+            // The chart's classes: one per device type.
+            let class: DeviceClass = serde_json::from_value(json!({
+                "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": format!(
+                    "device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].type == '{kind}'")}}]}
+            }))?;
+            Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+        }
+        Ok(Self { name: node, dirs, _agent: agent, kubelet, gpu_class, mig_class })
+    }
+
+    async fn remove_classes(&self, ctx: &TestContext) {
+        for class in [&self.gpu_class, &self.mig_class] {
+            let _ = Api::<DeviceClass>::all(ctx.client.clone()).delete(class, &DeleteParams::default()).await;
+        }
+    }
+}
+
+/// NVIDIA's DRA driver quickstart "gpu-test4" (one pod, four containers, each its own MIG device of one GPU: two
+/// 1g.5gb, a 2g.10gb and a 3g.20gb, kept on one parent by a `matchAttribute` constraint on `parentUUID`; a
+/// Deployment of such pods), translated to this driver's names, on a node of two A100-40GB laid out for it. Three
+/// replicas: two run, each on one GPU, every container with exactly its own MIG device; the third waits.
+pub(super) async fn nvidias_mig_quickstart_runs_as_a_deployment(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = MigNode::start(&ctx, "migdemo", "2xA100-40GB/mig=1g.5gb+1g.5gb+2g.10gb+3g.20gb").await?;
+    let result = quickstart(&ctx, &bed).await;
+    bed.remove_classes(&ctx).await;
+    result
+}
+
+async fn quickstart(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
+    let _controller = Component::controller(ctx, &[]).await?;
+    let requests = [
+        ("mig-1g-5gb-0", "1g.5gb"),
+        ("mig-1g-5gb-1", "1g.5gb"),
+        ("mig-2g-10gb", "2g.10gb"),
+        ("mig-3g-20gb", "3g.20gb"),
+    ];
+    let asked: Vec<Value> = requests
+        .iter()
+        .map(|(name, profile)| {
+            let selector = format!("device.attributes['{DRIVER}'].profile == '{profile}'");
+            json!({"name": name, "exactly": {"deviceClassName": bed.mig_class, "selectors": [{"cel": {"expression": selector}}]}})
+        })
+        .collect();
+    let constraint = json!({"requests": [], "matchAttribute": format!("{DRIVER}/parentUUID")});
+    objects::create_template(
+        ctx,
+        "mig-devices",
+        json!({"spec": {"devices": {"requests": asked, "constraints": [constraint]}}}),
+    )
+    .await?;
+    let containers: Vec<Value> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, (request, _))| {
+            json!({"name": format!("ctr{i}"), "image": "registry.k8s.io/pause:3.10",
+                   "resources": {"claims": [{"name": "mig-devices", "request": request}]}})
+        })
+        .collect();
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "pod"},
+        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "pod"}}, "template": {
+            "metadata": {"labels": {"app": "pod"}},
+            "spec": {"resourceClaims": [{"name": "mig-devices", "resourceClaimTemplateName": "mig-devices"}],
+                     "containers": containers, "nodeSelector": {"kubernetes.io/hostname": bed.name},
+                     "terminationGracePeriodSeconds": 0}}}
+    }))?;
+    Api::<Deployment>::namespaced(ctx.client.clone(), &ctx.namespace)
+        .create(&PostParams::default(), &deployment)
+        .await?;
+
+    // Two replicas are prepared (one per GPU); the third is unschedulable.
+    let pods = wait::until("three replicas, two of them prepared", PREPARE_TIMEOUT, || async {
+        let pods = objects::pods(ctx).list(&ListParams::default().labels("app=pod")).await?.items;
+        let prepared: Vec<String> = pods
+            .iter()
+            .filter_map(|p| p.metadata.name.clone())
+            .filter(|name| bed.kubelet.count("prepared", &format!("{}/{name}", ctx.namespace)) > 0)
+            .collect();
+        Ok((pods.len() == 3 && prepared.len() == 2).then_some((pods, prepared)))
+    })
+    .await?;
+    let (pods, prepared) = pods;
+    let waiting =
+        pods.iter().filter_map(|p| p.metadata.name.clone()).find(|n| !prepared.contains(n)).context("no third pod")?;
+    let why = objects::unschedulable(&ctx.client, &ctx.namespace, &waiting, PREPARE_TIMEOUT).await?;
+
+    let published = published(ctx, &bed.name).await?;
+    let mut parents = BTreeSet::new();
+    for pod in &prepared {
+        let event = bed.kubelet.wait_for("prepared", &format!("{}/{pod}", ctx.namespace), PREPARE_TIMEOUT).await?;
+        let by_container: BTreeMap<String, Vec<String>> = serde_json::from_value(event["containers"].clone())?;
+        ensure!(by_container.len() == 4, "{pod}: containers {by_container:?}");
+        let mut uuids = BTreeSet::new();
+        let mut gpu_nodes = BTreeSet::new();
+        for (container, ids) in &by_container {
+            ensure!(ids.len() == 1, "{pod}/{container}: CDI ids {ids:?}");
+            let (nodes, env) = inject(&bed.dirs, ids)?;
+            let caps = nodes.iter().filter(|n| n.starts_with("/dev/nvidia-caps/")).count();
+            ensure!(caps == 2, "{pod}/{container}: device nodes {nodes:?}");
+            gpu_nodes.extend(nodes.into_iter().filter(|n| n.trim_start_matches("/dev/nvidia").parse::<u32>().is_ok()));
+            // Its own device by its own variable; the claim's four in GPU_DRA_GPU_UUIDS (spec-wide).
+            let own: Vec<&str> = env
+                .iter()
+                .filter(|e| e.starts_with("GPU_DRA_DEVICE_"))
+                .filter_map(|e| e.split_once('=').map(|(_, uuid)| uuid))
+                .collect();
+            ensure!(own.len() == 1 && own[0].starts_with("MIG-"), "{pod}/{container}: env {env:?}");
+            let claim =
+                env.iter().find_map(|e| e.strip_prefix("GPU_DRA_GPU_UUIDS=")).context("no GPU_DRA_GPU_UUIDS")?;
+            ensure!(claim.split(',').count() == 4 && claim.contains(own[0]), "{pod}/{container}: env {env:?}");
+            uuids.insert(own[0].to_string());
+        }
+        ensure!(uuids.len() == 4, "{pod}: its containers share a MIG device: {uuids:?}");
+        ensure!(
+            gpu_nodes.len() == 1,
+            "{pod}: MIG devices of several GPUs {gpu_nodes:?}, despite the parentUUID constraint"
+        );
+        ensure!(uuids.iter().all(|u| published.iter().any(|(_, p)| p == u)), "{pod}: unpublished UUIDs {uuids:?}");
+        parents.extend(gpu_nodes);
+    }
+    ensure!(parents.len() == 2, "the two replicas on GPUs {parents:?}, not one each");
+    eprintln!(
+        "NVIDIA's gpu-test4 as a Deployment: two replicas on {parents:?}, four MIG devices each; the third waited ({why})"
+    );
+    Api::<Deployment>::namespaced(ctx.client.clone(), &ctx.namespace).delete("pod", &DeleteParams::default()).await?;
+    Ok(())
 }
 
 async fn hand_out(
