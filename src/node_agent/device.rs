@@ -41,6 +41,19 @@ impl Device {
     }
 }
 
+/// The GPU that `name` names: its device name or UUID, or one of its MIG devices' (a fault NVML reports for a MIG
+/// device is its GPU's). A GPU in MIG mode without MIG devices is found by its own name or UUID too.
+pub fn gpu_named<'a>(gpus: &'a [Gpu], name: &str) -> Option<&'a Gpu> {
+    gpus.iter().find(|gpu| {
+        gpu.device_name() == name
+            || gpu.uuid == name
+            || gpu
+                .mig_devices
+                .iter()
+                .any(|mig| mig.uuid == name || Device { gpu: (*gpu).clone(), mig: Some(mig.clone()) }.name() == name)
+    })
+}
+
 /// Whether a ResourceSlice device name is a MIG device's (`gpu-<minor>-mig-…`), for records that keep names only.
 pub fn is_mig_device_name(name: &str) -> bool {
     name.strip_prefix("gpu-")
@@ -93,7 +106,7 @@ mod tests {
         partitioned.mig_devices = vec![mig("3g.40gb", 9, 1, 0, 4), mig("1g.10gb", 19, 7, 4, 1)];
         let mut empty = test_gpu(2, "0000:03:00.0");
         empty.mig_enabled = true;
-        let all = devices(&[whole, partitioned, empty]);
+        let all = devices(&[whole, partitioned, empty.clone()]);
         let names: Vec<String> = all.iter().map(Device::name).collect();
         assert_eq!(names, ["gpu-0", "gpu-1-mig-9-0-4", "gpu-1-mig-19-4-1"]);
         assert_eq!(all[0].uuid(), all[0].gpu.uuid);
@@ -103,5 +116,15 @@ mod tests {
         for not_mig in ["gpu-1", "gpu--mig-1", "gpux-mig-1", "nic-0-mig-1", "gpu-1-mi"] {
             assert!(!is_mig_device_name(not_mig), "{not_mig}");
         }
+        let gpus = [test_gpu(0, "0000:01:00.0"), all[1].gpu.clone(), empty.clone()];
+        let mut gpus = gpus.to_vec();
+        gpus[1].mig_devices = vec![mig("3g.40gb", 9, 1, 0, 4), mig("1g.10gb", 19, 7, 4, 1)];
+        let found = |name: &str| gpu_named(&gpus, name).map(|g| g.minor);
+        assert_eq!(found("gpu-0"), Some(0));
+        assert_eq!(found("gpu-1-mig-19-4-1"), Some(1), "a MIG device's name is its GPU's");
+        assert_eq!(found("MIG-00000007-0000-0000-0000-000000000000"), Some(1), "and its UUID");
+        assert_eq!(found(&empty.uuid), Some(2), "a GPU in MIG mode without MIG devices is still found");
+        assert_eq!(found("gpu-1"), Some(1));
+        assert_eq!(found("gpu-7"), None);
     }
 }

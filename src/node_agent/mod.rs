@@ -136,7 +136,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     info!(%node, driver = %gpu.driver_name, backend = ?gpu.gpu_backend, "node agent started");
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
-    health::sources::start(&args, monitor.clone(), client.clone(), inventory_rx.clone(), stop.clone());
+    let (discovered, discovered_rx) = watch::channel(Arc::new(Vec::new()));
+    health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
     let mut plugin_task = None;
     let mut backoff = BACKOFF_START;
     // The GPUs of the last discovery: a health change republishes them with new taints at once, without waiting
@@ -157,6 +158,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             let gpus = discover(discovery.clone()).await?;
             known = Some(gpus.clone());
             inventory.send_replace(Arc::new(device::devices(&gpus).into_iter().map(|d| (d.name(), d)).collect()));
+            discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
             if plugin_task.is_none() {

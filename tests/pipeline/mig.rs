@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use super::support::harness::KubeletHarness;
 use super::support::node::{DRIVER, NodeDirs, start_agent};
 use super::support::process::Component;
-use super::support::{TestContext, objects, wait};
+use super::support::{self, TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, inject, pod_using};
 
 /// GPU 0 in MIG mode with four MIG devices, GPU 1 whole.
@@ -27,7 +27,7 @@ const GPUS: &str = "1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb+1g.10gb,1xH100-80GB"
 /// prepare naming the device; NVIDIA's `MigDeviceConfig` with `TimeSlicing` is accepted.
 pub(super) async fn a_node_in_mig_mode_hands_out_its_mig_devices(ctx: TestContext) -> anyhow::Result<()> {
     let bed = MigNode::start(&ctx, "mig", GPUS).await?;
-    let result = hand_out(&ctx, &bed.name, &bed.dirs, &bed.kubelet, &bed.gpu_class, &bed.mig_class).await;
+    let result = hand_out(&ctx, &bed).await;
     bed.remove_classes(&ctx).await;
     result
 }
@@ -36,7 +36,7 @@ pub(super) async fn a_node_in_mig_mode_hands_out_its_mig_devices(ctx: TestContex
 struct MigNode {
     name: String,
     dirs: NodeDirs,
-    _agent: Component,
+    agent: Component,
     kubelet: KubeletHarness,
     gpu_class: String,
     mig_class: String,
@@ -62,7 +62,7 @@ impl MigNode {
             }))?;
             Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
         }
-        Ok(Self { name: node, dirs, _agent: agent, kubelet, gpu_class, mig_class })
+        Ok(Self { name: node, dirs, agent, kubelet, gpu_class, mig_class })
     }
 
     async fn remove_classes(&self, ctx: &TestContext) {
@@ -183,14 +183,9 @@ async fn quickstart(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn hand_out(
-    ctx: &TestContext,
-    node: &str,
-    dirs: &NodeDirs,
-    kubelet: &KubeletHarness,
-    gpu_class: &str,
-    mig_class: &str,
-) -> anyhow::Result<()> {
+async fn hand_out(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
+    let (node, dirs, kubelet) = (bed.name.as_str(), &bed.dirs, &bed.kubelet);
+    let (gpu_class, mig_class) = (bed.gpu_class.as_str(), bed.mig_class.as_str());
     let ns = ctx.namespace.as_str();
     let expected_names =
         BTreeSet::from(["gpu-0-mig-14-0-2", "gpu-0-mig-19-2-1", "gpu-0-mig-19-3-1", "gpu-0-mig-9-4-4", "gpu-1"]);
@@ -304,6 +299,15 @@ async fn hand_out(
         Ok(())
     };
     inject("gpu-0-mig-19-2-1 xid 79")?;
+    if support::cluster::kubernetes_minor()? < 36 {
+        // Device taints are off before 1.36: the server drops them and the agent says so (README's version table).
+        let warning = "the API server dropped the devices' taints (feature gate DRADeviceTaints off)";
+        wait::until("the agent to warn that the taints were dropped", PREPARE_TIMEOUT, || async {
+            Ok(bed.agent.log_text().contains(warning).then_some(()))
+        })
+        .await?;
+        return Ok(());
+    }
     let gpu0: BTreeSet<String> =
         expected_names.iter().filter(|d| d.starts_with("gpu-0-")).map(|d| d.to_string()).collect();
     wait::until("the MIG devices of the faulted GPU to be tainted", PREPARE_TIMEOUT, || async {

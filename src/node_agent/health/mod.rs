@@ -40,7 +40,6 @@ use tracing::{info, warn};
 
 use super::device::Device;
 use super::gpu::Gpu;
-use crate::kubelet_plugin::allocation::Inventory;
 use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
 use crate::kubelet_plugin::state::DriverState;
 use inject::{Action, Injection};
@@ -180,12 +179,13 @@ impl Monitor {
         });
     }
 
-    /// Applies reports until `stop`; GPUs are named by device name or UUID and looked up in `inventory`.
+    /// Applies reports until `stop`; GPUs are named by device name or UUID (a MIG device's too) and looked up in the
+    /// last discovered `gpus`.
     pub async fn run(
         self: Arc<Self>,
         client: Client,
         mut reports: mpsc::UnboundedReceiver<Injection>,
-        inventory: watch::Receiver<Arc<Inventory>>,
+        gpus: watch::Receiver<Arc<Vec<Gpu>>>,
         stop: CancellationToken,
     ) {
         let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
@@ -195,8 +195,8 @@ impl Monitor {
                 () = stop.cancelled() => return,
                 report = reports.recv() => match report {
                     Some(report) => {
-                        let inventory = inventory.borrow().clone();
-                        self.apply(&report, &inventory, &events);
+                        let gpus = gpus.borrow().clone();
+                        self.apply(&report, &gpus, &events);
                     }
                     None => return,
                 },
@@ -212,15 +212,10 @@ impl Monitor {
         })
     }
 
-    fn apply(&self, report: &Injection, inventory: &Inventory, events: &events::NodeEvents) {
-        // A report may name a MIG device (by name or UUID): the fault is its GPU's.
-        let found = inventory.values().find(|d| {
-            d.name() == report.gpu
-                || d.uuid() == report.gpu
-                || d.gpu.device_name() == report.gpu
-                || d.gpu.uuid == report.gpu
-        });
-        let Some(gpu) = found.map(|d| &d.gpu) else {
+    fn apply(&self, report: &Injection, gpus: &[Gpu], events: &events::NodeEvents) {
+        // A report may name a MIG device (by name or UUID): the fault is its GPU's, also one in MIG mode that has
+        // no MIG device yet (the devices made later are published with the fault's taint).
+        let Some(gpu) = super::device::gpu_named(gpus, &report.gpu) else {
             warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
             return;
         };

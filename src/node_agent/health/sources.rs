@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use super::inject::{self, Injection};
 use super::{Monitor, nvml_events};
 use crate::cli::{GpuBackend, NodeAgentArgs};
-use crate::kubelet_plugin::allocation::Inventory;
+use crate::node_agent::gpu::Gpu;
 
 /// How often the simulated backend looks for `<state-dir>/inject-faults`.
 const INJECT_POLL: Duration = Duration::from_millis(100);
@@ -23,11 +23,11 @@ pub fn start(
     args: &NodeAgentArgs,
     monitor: Arc<Monitor>,
     client: kube::Client,
-    inventory: watch::Receiver<Arc<Inventory>>,
+    gpus: watch::Receiver<Arc<Vec<Gpu>>>,
     stop: CancellationToken,
 ) {
     let (reports, received) = mpsc::unbounded_channel();
-    tokio::spawn(monitor.run(client, received, inventory, stop.clone()));
+    tokio::spawn(monitor.run(client, received, gpus, stop.clone()));
     match args.gpu.gpu_backend {
         GpuBackend::Simulated => {
             tokio::spawn(watch_injections(args.state_dir.clone(), reports, stop));
