@@ -53,7 +53,7 @@ pub fn build_claim_spec(
         return Err(CdiError::NoGpus { claim_uid: claim_uid.to_string() });
     }
     let mut by_name: Vec<(String, &Device)> = claim_devices.iter().map(|d| (d.name(), d)).collect();
-    by_name.sort_by_key(|(name, device)| (device.gpu.minor, name.clone()));
+    by_name.sort_by(|(a, x), (b, y)| (x.gpu.minor, a).cmp(&(y.gpu.minor, b)));
     if let Some(pair) = by_name.windows(2).find(|pair| pair[0].0 == pair[1].0) {
         let reason = format!("multiple devices named {}", pair[0].0);
         return Err(CdiError::InvalidSpec {

@@ -126,8 +126,7 @@ impl Checkpoint {
     /// with admin access: all of them use the GPU), as `(claim UID, entry)`, each once: whom a fault of that GPU
     /// affects.
     pub fn claims_holding(&self, pool: &str, device: &str) -> Vec<(&str, &ClaimEntry)> {
-        let on_gpu =
-            |name: &str| name == device || name.strip_prefix(device).is_some_and(|rest| rest.starts_with("-mig-"));
+        let on_gpu = |name: &str| name == device || crate::node_agent::device::mig_parent_name(name) == Some(device);
         self.claims
             .iter()
             .filter(|(_, entry)| entry.devices.iter().any(|d| d.pool == pool && on_gpu(&d.device)))

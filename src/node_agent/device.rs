@@ -25,13 +25,7 @@ impl Device {
     pub fn name(&self) -> String {
         match &self.mig {
             None => self.gpu.device_name(),
-            Some(mig) => format!(
-                "{}-mig-{}-{}-{}",
-                self.gpu.device_name(),
-                mig.profile_id,
-                mig.placement_start,
-                mig.placement_size
-            ),
+            Some(mig) => mig_device_name(&self.gpu, mig),
         }
     }
 
@@ -41,24 +35,32 @@ impl Device {
     }
 }
 
+/// The name of `mig` on `gpu` (see [`Device::name`]).
+fn mig_device_name(gpu: &Gpu, mig: &MigDevice) -> String {
+    format!("{}-mig-{}-{}-{}", gpu.device_name(), mig.profile_id, mig.placement_start, mig.placement_size)
+}
+
 /// The GPU that `name` names: its device name or UUID, or one of its MIG devices' (a fault NVML reports for a MIG
 /// device is its GPU's). A GPU in MIG mode without MIG devices is found by its own name or UUID too.
 pub fn gpu_named<'a>(gpus: &'a [Gpu], name: &str) -> Option<&'a Gpu> {
     gpus.iter().find(|gpu| {
         gpu.device_name() == name
             || gpu.uuid == name
-            || gpu
-                .mig_devices
-                .iter()
-                .any(|mig| mig.uuid == name || Device { gpu: (*gpu).clone(), mig: Some(mig.clone()) }.name() == name)
+            || gpu.mig_devices.iter().any(|mig| mig.uuid == name || mig_device_name(gpu, mig) == name)
     })
 }
 
-/// Whether a ResourceSlice device name is a MIG device's (`gpu-<minor>-mig-…`), for records that keep names only.
+/// The GPU device name of a MIG device's name (`gpu-3` for `gpu-3-mig-…`), `None` for any other name: for records
+/// that keep names only.
+pub fn mig_parent_name(name: &str) -> Option<&str> {
+    let (parent, _) = name.split_once("-mig-")?;
+    let minor = parent.strip_prefix("gpu-")?;
+    (!minor.is_empty() && minor.bytes().all(|b| b.is_ascii_digit())).then_some(parent)
+}
+
+/// Whether a ResourceSlice device name is a MIG device's (`gpu-<minor>-mig-…`).
 pub fn is_mig_device_name(name: &str) -> bool {
-    name.strip_prefix("gpu-")
-        .and_then(|rest| rest.split_once("-mig-"))
-        .is_some_and(|(minor, _)| !minor.is_empty() && minor.bytes().all(|b| b.is_ascii_digit()))
+    mig_parent_name(name).is_some()
 }
 
 /// The devices of `gpus`: each GPU whole, or its MIG devices when MIG mode is on (none when no MIG device exists
@@ -116,6 +118,7 @@ mod tests {
         for not_mig in ["gpu-1", "gpu--mig-1", "gpux-mig-1", "nic-0-mig-1", "gpu-1-mi"] {
             assert!(!is_mig_device_name(not_mig), "{not_mig}");
         }
+        assert_eq!(mig_parent_name("gpu-12-mig-19-4-1"), Some("gpu-12"));
         let gpus = [test_gpu(0, "0000:01:00.0"), all[1].gpu.clone(), empty.clone()];
         let mut gpus = gpus.to_vec();
         gpus[1].mig_devices = vec![mig("3g.40gb", 9, 1, 0, 4), mig("1g.10gb", 19, 7, 4, 1)];

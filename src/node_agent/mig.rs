@@ -168,12 +168,8 @@ pub fn char_device_major(proc_devices: &str, name: &str) -> Option<u32> {
         })
 }
 
-/// The minor in a driver capability file (`DeviceFileMinor: 21` among its lines); `None` when unreadable.
-pub fn read_cap_minor(path: &std::path::Path) -> Option<u32> {
-    parse_cap_minor(&std::fs::read_to_string(path).ok()?)
-}
-
-fn parse_cap_minor(text: &str) -> Option<u32> {
+/// The minor in a driver capability file's text (`DeviceFileMinor: 21` among its lines).
+pub fn parse_cap_minor(text: &str) -> Option<u32> {
     text.lines().find_map(|line| line.strip_prefix("DeviceFileMinor:")?.trim().parse().ok())
 }
 

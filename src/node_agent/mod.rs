@@ -140,9 +140,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
     let mut plugin_task = None;
     let mut backoff = BACKOFF_START;
-    // The GPUs of the last discovery: a health change republishes them with new taints at once, without waiting
-    // for NVML to answer about a GPU that may have just fallen off the bus.
-    let mut known: Option<Vec<Gpu>> = None;
+    // The GPUs of the last discovery and their devices: a health change republishes them with new taints at once,
+    // without waiting for NVML to answer about a GPU that may have just fallen off the bus.
+    let mut known: Option<(Vec<Gpu>, Vec<device::Device>)> = None;
     let mut health_only = false;
     let mut sharing = SharingChoice::new(gpu.gpu_sharing);
     // When the next full round is due: health-only rounds leave it, so a GPU whose health keeps changing never
@@ -150,14 +150,15 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut next_full = tokio::time::Instant::now();
     loop {
         let round = async {
-            if health_only && let Some(gpus) = &known {
-                let outcome = publish(gpus, sharing.current, &publisher, &monitor).await?;
-                return Ok::<_, String>((device::devices(gpus).len(), outcome));
+            if health_only && let Some((gpus, devices)) = &known {
+                let outcome = publish(gpus, devices, sharing.current, &publisher, &monitor).await?;
+                return Ok::<_, String>((devices.len(), outcome));
             }
             sharing.refresh(&client, &node, &gpu.driver_name).await;
             let gpus = discover(discovery.clone()).await?;
-            known = Some(gpus.clone());
-            inventory.send_replace(Arc::new(device::devices(&gpus).into_iter().map(|d| (d.name(), d)).collect()));
+            let devices = device::devices(&gpus);
+            let (gpus, devices) = &*known.insert((gpus, devices));
+            inventory.send_replace(Arc::new(devices.iter().map(|d| (d.name(), d.clone())).collect()));
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -177,9 +178,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 monitor.set_holders(state);
                 plugin_task = Some(task);
             }
-            let count = inventory.borrow().len();
-            let outcome = publish(&gpus, sharing.current, &publisher, &monitor).await?;
-            Ok::<_, String>((count, outcome))
+            let outcome = publish(gpus, devices, sharing.current, &publisher, &monitor).await?;
+            Ok::<_, String>((devices.len(), outcome))
         }
         .await;
         let full = !health_only;
@@ -280,18 +280,18 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
         .map_err(|e| e.to_string())
 }
 
-/// Builds the node's slices from `gpus`' devices, with the taints of faulted GPUs (a MIG device has its GPU's), and
-/// publishes them.
+/// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its
+/// GPU's), and publishes them.
 async fn publish(
     gpus: &[Gpu],
+    devices: &[device::Device],
     sharing: slices::Sharing,
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, String> {
     let taints: std::collections::HashMap<&str, Vec<serde_json::Value>> =
         gpus.iter().map(|gpu| (gpu.uuid.as_str(), monitor.taints(gpu))).collect();
-    let all = device::devices(gpus);
-    let devices: Vec<_> = all
+    let published: Vec<_> = devices
         .iter()
         .map(|d| {
             let mut device = slices::device(d, sharing);
@@ -302,9 +302,9 @@ async fn publish(
             device
         })
         .collect();
-    monitor.update_health(&all);
-    let max = slices::max_devices_per_slice(&devices);
-    let split = slices::split_into_slices(devices, max);
+    monitor.update_health(devices);
+    let max = slices::max_devices_per_slice(&published);
+    let split = slices::split_into_slices(published, max);
     publisher.publish(&split).await.map_err(|e| e.to_string())
 }
 

@@ -145,7 +145,8 @@ fn gpu_instance_info(nvml: &Nvml, device: &Device<'_>, id: u32) -> Result<nvmlGp
 fn cap_minors(gpu_minor: u32, gi: u32, ci: u32) -> (u32, u32) {
     let base = Path::new("/proc/driver/nvidia/capabilities").join(format!("gpu{gpu_minor}/mig/gi{gi}"));
     let table = mig::cap_minors(gpu_minor, gi, ci);
-    let gi_minor = mig::read_cap_minor(&base.join("access")).unwrap_or(table.0);
-    let ci_minor = mig::read_cap_minor(&base.join(format!("ci{ci}/access"))).unwrap_or(table.1);
+    let read = |path: &Path| std::fs::read_to_string(path).ok().and_then(|text| mig::parse_cap_minor(&text));
+    let gi_minor = read(&base.join("access")).unwrap_or(table.0);
+    let ci_minor = read(&base.join(format!("ci{ci}/access"))).unwrap_or(table.1);
     (gi_minor, ci_minor)
 }

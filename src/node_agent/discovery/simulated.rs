@@ -133,12 +133,12 @@ impl Simulated {
                 return Err(SpecError::TooMany { count: total });
             }
             let profiles: Option<Vec<String>> = mig_part.map(profile_names);
+            let profiles: Option<Vec<&str>> = profiles.as_ref().map(|p| p.iter().map(String::as_str).collect());
             for _ in 0..count {
                 let index = gpus.len() as u32;
                 let mut gpu = simulated_gpu(node, index, model);
                 if let Some(profiles) = &profiles {
-                    let names: Vec<&str> = profiles.iter().map(String::as_str).collect();
-                    gpu.mig_devices = simulated_mig_devices(node, &gpu, model, &names)
+                    gpu.mig_devices = simulated_mig_devices(node, &gpu, model, profiles)
                         .map_err(|source| SpecError::Mig { entry: entry.into(), source })?;
                     gpu.mig_enabled = true;
                 }
