@@ -374,8 +374,9 @@ async fn create_at_rate(
 
 /// Waits until `pid` has finished the work a phase left behind (Events still being sent at the Event client's QPS,
 /// a garbage collection): until its CPU time grows by at most one clock tick in [`SETTLED`]. Without it that work
-/// is billed to the next phase — a burst of 2,000 pods leaves about 40 s of Events at 50/s, which had doubled
-/// gpu-dra's CPU per pod at 20 pods/s — and the burst looks cheaper than it is.
+/// is billed to the next phase — a burst of 2,000 pods leaves up to 20 s of queued Events at 50/s, which had raised
+/// gpu-dra's CPU per pod at 20 pods/s from 1.2–1.4 to 2.2 ms — and the burst looks cheaper than it is. A process
+/// still busy after 300 s is read anyway, with a warning, so that the run's other figures are not lost.
 async fn settle(pid: u32, ticks: f64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut last = cpu_seconds(pid, ticks)?;
@@ -386,10 +387,12 @@ async fn settle(pid: u32, ticks: f64) -> anyhow::Result<()> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!(
-                "process {pid} was still busy 300 s after its phase ended ({:.2} CPU s in the last {SETTLED:?})",
+            eprintln!(
+                "    warning: process {pid} still busy 300 s after its phase ended ({:.2} CPU s in the last \
+                 {SETTLED:?}); read as it is",
                 now - last
             );
+            return Ok(());
         }
         last = now;
     }
