@@ -171,20 +171,20 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
         create_pods(&client, "warm", 1).await?;
         recorded.wait_all("warm", 1, Duration::from_secs(60)).await.context("warm-up pod never got its claim")?;
 
-        settle(process.pid(), ticks).await?;
-        let before = cpu_seconds(process.pid(), ticks)?;
+        let mut before = settle(process.pid(), ticks).await?;
         create_pods(&client, "burst", s.burst_pods).await?;
         recorded.wait_all("burst", s.burst_pods, Duration::from_secs(900)).await?;
-        settle(process.pid(), ticks).await?;
-        f.burst_cpu_per_1000 = (cpu_seconds(process.pid(), ticks)? - before) / s.burst_pods as f64 * 1000.0;
+        let after = settle(process.pid(), ticks).await?;
+        f.burst_cpu_per_1000 = (after - before) / s.burst_pods as f64 * 1000.0;
+        before = after;
 
         for &rate in &s.rates {
             let prefix = format!("rate{rate}");
-            let before = cpu_seconds(process.pid(), ticks)?;
             let created = create_at_rate(&client, &prefix, rate, s.seconds).await?;
             recorded.wait_all(&prefix, created.len(), Duration::from_secs(300)).await?;
-            settle(process.pid(), ticks).await?;
-            let cpu = (cpu_seconds(process.pid(), ticks)? - before) / created.len() as f64 * 1000.0;
+            let after = settle(process.pid(), ticks).await?;
+            let cpu = (after - before) / created.len() as f64 * 1000.0;
+            before = after;
             let mut latencies: Vec<f64> = created
                 .iter()
                 .filter_map(|(name, at)| Some(recorded.at(name)?.saturating_duration_since(*at).as_secs_f64() * 1e3))
@@ -205,8 +205,7 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
         let process = start(contender, &cluster, s).await?;
         recorded.wait_all("backlog", s.backlog, Duration::from_secs(1800)).await?;
         f.backlog_seconds = started.elapsed().as_secs_f64();
-        settle(process.pid(), ticks).await?;
-        f.backlog_cpu_per_1000 = cpu_seconds(process.pid(), ticks)? / s.backlog as f64 * 1000.0;
+        f.backlog_cpu_per_1000 = settle(process.pid(), ticks).await? / s.backlog as f64 * 1000.0;
         f.backlog_rss_mib = peak_rss_mib(process.pid())?;
         drop(process);
         cluster.stop()?;
@@ -376,23 +375,24 @@ async fn create_at_rate(
 /// a garbage collection): until its CPU time grows by at most one clock tick in [`SETTLED`]. Without it that work
 /// is billed to the next phase — a burst of 2,000 pods leaves up to 20 s of queued Events at 50/s, which had raised
 /// gpu-dra's CPU per pod at 20 pods/s from 1.2–1.4 to 2.2 ms — and the burst looks cheaper than it is. A process
-/// still busy after 300 s is read anyway, with a warning, so that the run's other figures are not lost.
-async fn settle(pid: u32, ticks: f64) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(300);
+/// still busy after [`SETTLE_LIMIT`] is read anyway, with a warning, so that the run's other figures are not lost.
+/// Returns the process's CPU seconds as last read.
+async fn settle(pid: u32, ticks: f64) -> anyhow::Result<f64> {
+    let deadline = Instant::now() + SETTLE_LIMIT;
     let mut last = cpu_seconds(pid, ticks)?;
     loop {
         tokio::time::sleep(SETTLED).await;
         let now = cpu_seconds(pid, ticks)?;
         if now - last <= 1.5 / ticks {
-            return Ok(());
+            return Ok(now);
         }
         if Instant::now() > deadline {
             eprintln!(
-                "    warning: process {pid} still busy 300 s after its phase ended ({:.2} CPU s in the last \
-                 {SETTLED:?}); read as it is",
+                "    warning: process {pid} still busy {SETTLE_LIMIT:?} after its phase ended ({:.2} CPU s in the \
+                 last {SETTLED:?}); read as it is",
                 now - last
             );
-            return Ok(());
+            return Ok(now);
         }
         last = now;
     }
@@ -401,6 +401,8 @@ async fn settle(pid: u32, ticks: f64) -> anyhow::Result<()> {
 /// How long a contender must stay (almost) idle to count as settled: long enough that a drain at 50 Events/s (about
 /// 8 ms of CPU a second) shows as more than one 10 ms clock tick.
 const SETTLED: Duration = Duration::from_secs(3);
+/// How long [`settle`] waits at most.
+const SETTLE_LIMIT: Duration = Duration::from_secs(300);
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {
