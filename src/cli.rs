@@ -202,8 +202,8 @@ pub struct GpuArgs {
     #[arg(long, env = "GPU_DRA_DRIVER_ROOT")]
     pub driver_root: Option<PathBuf>,
     /// How the scheduler may hand out this node's GPUs: `whole` (one claim per GPU) or `by-memory` (several claims
-    /// share a GPU, each consuming the memory it asks for; one that asks for none takes all of it). Not enforced on
-    /// the GPU: see the README's "Shared GPUs".
+    /// share a GPU, each consuming the memory it asks for, one that asks for none taking all of it, and the percent
+    /// of its `compute` it asks for, none unless named). Not enforced on the GPU: see the README's "Shared GPUs".
     #[arg(long, env = "GPU_DRA_GPU_SHARING", value_enum, default_value_t = crate::node_agent::slices::Sharing::Whole)]
     pub gpu_sharing: crate::node_agent::slices::Sharing,
 }

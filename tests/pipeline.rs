@@ -9,6 +9,8 @@
 
 mod support;
 
+#[path = "pipeline/compute.rs"]
+mod compute;
 #[path = "pipeline/mig.rs"]
 mod mig;
 
@@ -16,6 +18,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
+use compute::inference_pods_share_one_gpu_by_compute;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -42,6 +45,7 @@ fn main() {
             test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
             test!(pods_of_two_namespaces_share_one_gpu_by_memory),
+            test!(inference_pods_share_one_gpu_by_compute),
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
             test!(nvidias_mig_quickstart_runs_as_a_deployment),
         ],

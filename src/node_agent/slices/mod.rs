@@ -25,9 +25,15 @@ pub enum Sharing {
     Whole,
     /// Several claims share the GPU (`allowMultipleAllocations`, KEP-5075 consumable capacity), each consuming the
     /// `memory` it requests (at least [`MIN_SHARED_MEMORY_BYTES`]); a request that names no memory consumes all of it, so
-    /// a claim written for whole GPUs still gets one to itself.
+    /// a claim written for whole GPUs still gets one to itself. Claims may also ask a share of the GPU's
+    /// [`COMPUTE`] (none unless they name one), so inference pods can be packed by the compute they declare.
     ByMemory,
 }
+
+/// The capacity a shared GPU publishes for its compute: percent of the GPU, 100 in all. A request that names none
+/// consumes none (its default is 0): memory alone decides whether a claim gets the GPU to itself, as before this
+/// capacity existed, and a claim that names compute gets at most what is left of 100.
+pub const COMPUTE: &str = "compute";
 
 /// The smallest memory share a claim may ask of a shared GPU (1 GiB): below it a share is a mistake, not a workload.
 pub const MIN_SHARED_MEMORY_BYTES: u64 = 1 << 30;
@@ -65,10 +71,16 @@ fn gpu_device(gpu: &Gpu, sharing: Sharing) -> Value {
             "name": gpu.device_name(),
             "attributes": attributes,
             "allowMultipleAllocations": true,
-            "capacity": {"memory": {
-                "value": memory,
-                "requestPolicy": {"default": memory, "validRange": {"min": memory_quantity(MIN_SHARED_MEMORY_BYTES), "max": memory}},
-            }},
+            "capacity": {
+                "memory": {
+                    "value": memory,
+                    "requestPolicy": {"default": memory, "validRange": {"min": memory_quantity(MIN_SHARED_MEMORY_BYTES), "max": memory}},
+                },
+                COMPUTE: {
+                    "value": "100",
+                    "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}},
+                },
+            },
         }),
     }
 }
@@ -196,7 +208,15 @@ mod tests {
             shared["capacity"]["memory"],
             json!({"value": "81920Mi", "requestPolicy": {"default": "81920Mi", "validRange": {"min": "1024Mi", "max": "81920Mi"}}})
         );
+        assert_eq!(
+            shared["capacity"]["compute"],
+            json!({"value": "100", "requestPolicy": {"default": "0", "validRange": {"min": "0", "max": "100", "step": "1"}}}),
+            "a claim naming no compute takes none of it"
+        );
+        assert!(whole["capacity"].get("compute").is_none(), "a GPU not shared has no compute to split");
         assert_eq!(shared["attributes"], whole["attributes"]);
+        let counted = shared["attributes"].as_object().map_or(0, |a| a.len()) + 2;
+        assert!(counted <= 32, "API limit: 32 attributes+capacities, {counted}");
     }
 
     #[test]

@@ -1,0 +1,99 @@
+//! Inference pods packed onto one shared GPU by the compute they declare: a node publishing its H100 for sharing
+//! (`--gpu-sharing by-memory`) offers `compute`, percent of the GPU, beside its memory. The real scheduler adds up
+//! what the claims ask and the kubelet's DRA code prepares every share it allocates.
+
+use std::time::Duration;
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{Api, DeleteParams, PostParams};
+use serde_json::{Value, json};
+
+use super::support::harness::KubeletHarness;
+use super::support::node::{NodeDirs, start_agent};
+use super::support::process::Component;
+use super::support::{self, TestContext, objects};
+use super::{PREPARE_TIMEOUT, pod_using};
+
+/// Three inference pods ask 20Gi each of one 80GB H100, two of them 60 % of its compute: the second of those waits as
+/// unschedulable though memory is left, while a pod asking 40 % fits beside the first and one naming no compute
+/// takes none of it. Once the first pod and its claim are gone, the waiting pod gets its 60 %. Before 1.36 consumable
+/// capacity is off: the GPU goes to one claim, and the second pod waits for that reason.
+pub(super) async fn inference_pods_share_one_gpu_by_compute(ctx: TestContext) -> anyhow::Result<()> {
+    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+    let node = format!("e2e-{suffix}-compute");
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
+    let agent = start_agent(&ctx, &node, &dirs, &gpus)?;
+    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
+    agent.wait_ready().await?;
+    kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+    objects::driver_device_class(&ctx).await?;
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let ns = ctx.namespace.as_str();
+    let prepared = async |name: &str| kubelet.wait_for("prepared", &format!("{ns}/{name}"), PREPARE_TIMEOUT).await;
+
+    pod_asking(&ctx, "chat", &node, json!({"memory": "20Gi", "compute": 60})).await?;
+    prepared("chat").await?;
+    pod_asking(&ctx, "search", &node, json!({"memory": "20Gi", "compute": 60})).await?;
+    let why = objects::unschedulable(&ctx.client, ns, "search", PREPARE_TIMEOUT).await?;
+    if support::cluster::kubernetes_minor()? < 36 {
+        eprintln!("before 1.36 a GPU is never shared: {why}");
+        return Ok(());
+    }
+    pod_asking(&ctx, "embed", &node, json!({"memory": "20Gi", "compute": 40})).await?;
+    prepared("embed").await?;
+    pod_asking(&ctx, "batch", &node, json!({"memory": "20Gi"})).await?;
+    prepared("batch").await?;
+    for (name, compute) in [("chat", "60"), ("embed", "40"), ("batch", "0")] {
+        let consumed = consumed(&ctx, name).await?;
+        ensure!(
+            consumed == [("gpu-0".to_string(), "20Gi".to_string(), compute.to_string())],
+            "{name} consumed {consumed:?}, asked 20Gi and {compute} % of gpu-0"
+        );
+    }
+    let waiting = consumed(&ctx, "search").await?;
+    ensure!(waiting.is_empty(), "100 % of gpu-0's compute is taken, yet search got {waiting:?}");
+
+    let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    objects::pods(&ctx).delete("chat", &now).await?;
+    kubelet.wait_for("unprepared", &format!("{ns}/chat"), PREPARE_TIMEOUT).await?;
+    objects::claims(&ctx).delete("chat", &DeleteParams::default()).await?;
+    prepared("search").await?;
+    let search = consumed(&ctx, "search").await?;
+    ensure!(search == [("gpu-0".into(), "20Gi".into(), "60".into())], "search consumed {search:?}");
+    ensure!(dirs.cdi_specs()?.len() == 3, "a CDI spec per share: {:?}", dirs.cdi_specs()?);
+    eprintln!("60 % + 40 % + none of gpu-0's compute shared; a second 60 % waited ({why}) until the first was gone");
+    Ok(())
+}
+
+/// Creates claim `name` asking `requests` (capacity) of one GPU of the test's class, and a pod on `node` using it.
+async fn pod_asking(ctx: &TestContext, name: &str, node: &str, requests: Value) -> anyhow::Result<()> {
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+            "deviceClassName": ctx.namespace, "capacity": {"requests": requests}}}]}}
+    }))?;
+    objects::claims(ctx).create(&PostParams::default(), &claim).await?;
+    Api::<Pod>::namespaced(ctx.client.clone(), &ctx.namespace)
+        .create(&PostParams::default(), &pod_using(name, node, name)?)
+        .await?;
+    Ok(())
+}
+
+/// (device, memory, compute) the allocation of claim `name` consumes.
+async fn consumed(ctx: &TestContext, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
+    let claim = objects::claims(ctx).get(name).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    Ok(results
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| {
+            let capacity = r.consumed_capacity.unwrap_or_default();
+            let get = |name: &str| capacity.get(name).map(|q| q.0.clone()).unwrap_or_default();
+            (r.device, get("memory"), get("compute"))
+        })
+        .collect())
+}
