@@ -39,7 +39,20 @@ pub(super) async fn inference_pods_share_one_gpu_by_compute(ctx: TestContext) ->
     prepared("chat").await?;
     pod_asking(&ctx, "search", &node, json!({"memory": "20Gi", "compute": 60})).await?;
     let why = objects::unschedulable(&ctx.client, ns, "search", PREPARE_TIMEOUT).await?;
+    ensure!(why.contains("cannot allocate all claims"), "search waits for another reason: {why}");
     if support::cluster::kubernetes_minor()? < 36 {
+        // The API server drops the claims' capacity requests and the devices' allowMultipleAllocations (gate off):
+        // chat holds gpu-0 whole, and the operator is told why.
+        let chat = consumed(&ctx, "chat").await?;
+        ensure!(chat == [("gpu-0".into(), String::new(), String::new())], "chat consumed {chat:?}");
+        let claim = objects::claims(&ctx).get("search").await?;
+        let requests = claim.spec.devices.and_then(|d| d.requests).unwrap_or_default();
+        ensure!(
+            requests.iter().all(|r| r.exactly.as_ref().is_some_and(|e| e.capacity.is_none())),
+            "capacity requests kept: {requests:?}"
+        );
+        let warning = "the API server dropped the devices' allowMultipleAllocations";
+        ensure!(agent.log_text().contains(warning), "no warning about the dropped field:\n{}", agent.log_tail());
         eprintln!("before 1.36 a GPU is never shared: {why}");
         return Ok(());
     }

@@ -215,7 +215,8 @@ mod tests {
         );
         assert!(whole["capacity"].get("compute").is_none(), "a GPU not shared has no compute to split");
         assert_eq!(shared["attributes"], whole["attributes"]);
-        let counted = shared["attributes"].as_object().map_or(0, |a| a.len()) + 2;
+        let counted = shared["attributes"].as_object().map_or(0, |a| a.len())
+            + shared["capacity"].as_object().map_or(0, |c| c.len());
         assert!(counted <= 32, "API limit: 32 attributes+capacities, {counted}");
     }
 
