@@ -256,6 +256,11 @@ pub struct GpuCheckArgs {
     /// claim asking `TimeSlicing` and its unprepare do (changes the GPU's setting for a moment; needs root).
     #[arg(long)]
     pub check_time_slice: bool,
+    /// Make a MIG device of the smallest profile on the first GPU in MIG mode with room for one, check that
+    /// discovery lists it, and destroy it again, as dynamic MIG does for a claim (changes the GPU for a moment;
+    /// needs root; not on a node running claims).
+    #[arg(long)]
+    pub check_mig_device: bool,
 }
 
 /// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.

@@ -88,3 +88,26 @@ fn bad_input_is_named() {
     let (ok, out) = gpu_check(&["--gpu-backend", "simulated", "--simulated-gpus", "1xL4-24GB/mig=1g.10gb"]);
     assert!(!ok && out.contains("NVIDIA L4 has no documented MIG profiles"), "{out}");
 }
+
+#[test]
+fn a_mig_device_is_made_and_destroyed_where_there_is_room() {
+    let simulated = ["--gpu-backend", "simulated", "--watch-health", "0s", "--check-mig-device", "--simulated-gpus"];
+    // 3g.40gb on memory slices 0-3 and 1g.10gb on 4: the lowest free 1g placement is slice 5, instance 3.
+    let (ok, out) = gpu_check(&[&simulated[..], &["1xH100-80GB,1xH100-80GB/mig=3g.40gb+1g.10gb"]].concat());
+    assert!(ok, "{out}");
+    for expected in [
+        "MIG device: making a 1g.10gb at memory slice 5 of gpu-1",
+        "(GPU instance 3, compute instance 0, 10240 MiB, 16 SMs,",
+        "listed by discovery; published as gpu-1-mig-19-5-1",
+        "destroyed; discovery no longer lists it",
+    ] {
+        assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
+    }
+    for (gpus, why) in [("1xH100-80GB/mig=7g.80gb", "a full GPU"), ("2xH100-80GB", "no GPU in MIG mode")] {
+        let (ok, out) = gpu_check(&[&simulated[..], &[gpus]].concat());
+        assert!(
+            ok && out.contains("MIG device: no GPU in MIG mode with room for a 1g profile; not checked"),
+            "{why}:\n{out}"
+        );
+    }
+}

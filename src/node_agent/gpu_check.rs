@@ -33,6 +33,13 @@ pub enum GpuCheckError {
     LoadSpec { path: String, reason: String },
     #[error("set the GPU's time slice: {0} (run without --check-time-slice to skip)")]
     TimeSlice(#[source] crate::node_agent::time_slice_control::TimeSliceError),
+    #[error("make or destroy a MIG device: {0} (run without --check-mig-device to skip)")]
+    MigDevice(#[source] discovery::MigControlError),
+    #[error(
+        "MIG device {uuid} was {what}, yet discovery {listed} it (run without --check-mig-device to skip; check \
+         nvidia-smi mig -lgi)"
+    )]
+    MigDeviceListing { uuid: String, what: &'static str, listed: &'static str },
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
     HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
@@ -43,7 +50,8 @@ const SAMPLE_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000001";
 /// Runs the check and prints the report to stdout.
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let gpu = &args.gpu;
-    let gpus = discovery::backend(gpu, &args.node_name)?.discover()?;
+    let backend = discovery::backend(gpu, &args.node_name)?;
+    let gpus = backend.discover()?;
     if gpus.is_empty() {
         return Err(GpuCheckError::NoGpus);
     }
@@ -91,6 +99,9 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
             Some(whole) => check_time_slice(args, whole)?,
             None => println!("\nTime slice: every GPU is in MIG mode, where a time slice cannot be set; not checked"),
         }
+    }
+    if args.check_mig_device {
+        check_mig_device(backend.as_ref(), &gpus)?;
     }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
@@ -190,6 +201,53 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
         }
     }
     first_failure.map_or(Ok(()), |e| Err(GpuCheckError::TimeSlice(e)))
+}
+
+/// Makes a MIG device of the smallest profile (`1g`) at the lowest free placement of the first GPU in MIG mode with
+/// room for one, checks that discovery then lists it, destroys it and checks that discovery no longer does: the
+/// create/destroy pair dynamic MIG prepares and releases claims with.
+fn check_mig_device(backend: &dyn discovery::Discovery, gpus: &[Gpu]) -> Result<(), GpuCheckError> {
+    let room = gpus.iter().filter(|g| g.mig_enabled).find_map(|gpu| {
+        let smallest = *mig::profiles(gpu)?.first()?;
+        Some((gpu, smallest, mig::free_placement(gpu, &smallest)?))
+    });
+    let Some((gpu, profile, start)) = room else {
+        println!("\nMIG device: no GPU in MIG mode with room for a 1g profile; not checked");
+        return Ok(());
+    };
+    println!(
+        "\nMIG device: making a {} at memory slice {start} of {} ({}):",
+        profile.name,
+        gpu.device_name(),
+        gpu.uuid
+    );
+    let made = backend.create_mig_device(gpu.index, &profile, start).map_err(GpuCheckError::MigDevice)?;
+    println!(
+        "  made {} (GPU instance {}, compute instance {}, {} MiB, {} SMs, /dev/nvidia-caps/nvidia-cap{} and {})",
+        made.uuid,
+        made.gpu_instance,
+        made.compute_instance,
+        made.memory_bytes >> 20,
+        made.multiprocessors,
+        made.gi_cap_minor,
+        made.ci_cap_minor
+    );
+    let listed = |gpus: &[Gpu]| gpus.iter().flat_map(|g| &g.mig_devices).any(|m| m.uuid == made.uuid);
+    let seen = backend.discover().map(|gpus| listed(&gpus));
+    // Destroyed whatever discovery said: the check must not leave the GPU changed.
+    backend
+        .destroy_mig_device(gpu.index, made.gpu_instance, made.compute_instance)
+        .map_err(GpuCheckError::MigDevice)?;
+    if !seen? {
+        return Err(GpuCheckError::MigDeviceListing { uuid: made.uuid, what: "made", listed: "did not list" });
+    }
+    let name = Device { gpu: gpu.clone(), mig: Some(made.clone()) }.name();
+    println!("  listed by discovery; published as {name}");
+    if listed(&backend.discover()?) {
+        return Err(GpuCheckError::MigDeviceListing { uuid: made.uuid, what: "destroyed", listed: "still lists" });
+    }
+    println!("  destroyed; discovery no longer lists it");
+    Ok(())
 }
 
 /// Watches NVML's health events for `--watch-health` and prints what the node agent's monitor would see: the

@@ -138,6 +138,63 @@ fn place(rest: &[Profile], used: &mut [bool; MEMORY_SLICES as usize], placed: &m
     false
 }
 
+/// Why a MIG device of a profile cannot be made at a placement of a GPU as the GPU is now.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("{profile} cannot start at memory slice {start}: its placements are {allowed}")]
+    NotAPlacement { profile: &'static str, start: u32, allowed: String },
+    #[error("{profile} at memory slice {start} overlaps MIG device {uuid} ({other} on slices {other_slices})")]
+    Overlaps { profile: &'static str, start: u32, uuid: String, other: String, other_slices: String },
+    #[error("{profile}: at most {max} at once on this GPU, and {max} exist")]
+    TooMany { profile: &'static str, max: u32 },
+    #[error("{profile} needs {needed} compute slices, {free} of {COMPUTE_SLICES} are free")]
+    NoCompute { profile: &'static str, needed: u32, free: u32 },
+}
+
+/// Whether a MIG device of `profile` (from [`profiles`] of `gpu`'s model) can be made at memory slice `start` of
+/// `gpu` beside the MIG devices it has now: an allowed placement, no memory slice taken, fewer than the profile's
+/// instance limit, enough compute slices left. Pure; the simulated backend enforces it as NVML does, and NVML's own
+/// refusal is then no surprise.
+pub fn check_placement(gpu: &Gpu, profile: &Profile, start: u32) -> Result<(), PlacementError> {
+    if !profile.placement_starts.contains(&start) {
+        let allowed = placements_text(profile.placement_starts, profile.memory_slices);
+        return Err(PlacementError::NotAPlacement { profile: profile.name, start, allowed });
+    }
+    let end = start + profile.memory_slices;
+    if let Some(other) =
+        gpu.mig_devices.iter().find(|m| m.placement_start < end && start < m.placement_start + m.placement_size)
+    {
+        return Err(PlacementError::Overlaps {
+            profile: profile.name,
+            start,
+            uuid: other.uuid.clone(),
+            other: other.profile.clone(),
+            other_slices: format!("{}-{}", other.placement_start, other.placement_start + other.placement_size - 1),
+        });
+    }
+    if gpu.mig_devices.iter().filter(|m| m.profile_id == profile.id).count() as u32 >= profile.max_instances {
+        return Err(PlacementError::TooMany { profile: profile.name, max: profile.max_instances });
+    }
+    let table = profiles(gpu).unwrap_or_default();
+    // A device of a profile the table does not know counts one compute slice per memory slice, at most all seven.
+    let used: u32 = gpu
+        .mig_devices
+        .iter()
+        .map(|m| table.iter().find(|p| p.id == m.profile_id).map_or(m.placement_size, |p| p.compute_slices))
+        .sum::<u32>()
+        .min(COMPUTE_SLICES);
+    if used + profile.compute_slices > COMPUTE_SLICES {
+        let free = COMPUTE_SLICES - used;
+        return Err(PlacementError::NoCompute { profile: profile.name, needed: profile.compute_slices, free });
+    }
+    Ok(())
+}
+
+/// The lowest placement where a MIG device of `profile` can be made on `gpu` now, if any.
+pub fn free_placement(gpu: &Gpu, profile: &Profile) -> Option<u32> {
+    profile.placement_starts.iter().copied().find(|&start| check_placement(gpu, profile, start).is_ok())
+}
+
 /// GPU instance IDs per GPU and compute instance IDs per GPU instance that the driver numbers `nvidia-caps` minors
 /// for (`/proc/driver/nvidia-caps/mig-minors`: `config 1`, `monitor 2`, then `gpu<N>/gi<I>/access` and
 /// `gpu<N>/gi<I>/ci<C>/access` in order).
@@ -279,6 +336,62 @@ mod tests {
             "{unknown:?}"
         );
         assert!(matches!(layout(&gpu("NVIDIA L4", 23_034), &["1g.10gb"]), Err(LayoutError::NotMigCapable { .. })));
+    }
+
+    #[test]
+    fn a_placement_is_checked_against_the_devices_there() {
+        let mut h100 = gpu("NVIDIA H100 80GB HBM3", 81_559);
+        let Some(table) = profiles(&h100) else { panic!("H100 not recognised") };
+        let by_name = |name: &str| table.iter().find(|p| p.name == name).copied().expect(name);
+        let (one, three, seven) = (by_name("1g.10gb"), by_name("3g.40gb"), by_name("7g.80gb"));
+        assert_eq!(free_placement(&h100, &seven), Some(0), "an empty GPU takes any profile");
+        let made = |profile: &Profile, start: u32, uuid: &str| crate::node_agent::gpu::MigDevice {
+            uuid: uuid.into(),
+            profile: profile.name.into(),
+            profile_id: profile.id,
+            placement_start: start,
+            placement_size: profile.memory_slices,
+            gpu_instance: 1,
+            compute_instance: 0,
+            memory_bytes: 10 << 30,
+            multiprocessors: 16,
+            gi_cap_minor: 12,
+            ci_cap_minor: 13,
+            caps_major: None,
+        };
+        h100.mig_devices.push(made(&three, 4, "MIG-a"));
+        let refused =
+            |gpu: &Gpu, profile: &Profile, start: u32| check_placement(gpu, profile, start).map_err(|e| e.to_string());
+        assert_eq!(
+            refused(&h100, &one, 5),
+            Err("1g.10gb at memory slice 5 overlaps MIG device MIG-a (3g.40gb on slices 4-7)".into())
+        );
+        assert_eq!(
+            refused(&h100, &one, 7),
+            Err("1g.10gb cannot start at memory slice 7: its placements are {0,1,2,3,4,5,6}:1".into())
+        );
+        assert_eq!(refused(&h100, &seven, 0).map_err(|e| e.contains("overlaps")), Err(true));
+        assert_eq!(free_placement(&h100, &one), Some(0));
+        assert_eq!(free_placement(&h100, &three), Some(0));
+        h100.mig_devices.push(made(&three, 0, "MIG-b"));
+        assert_eq!(refused(&h100, &three, 0).map_err(|e| e.contains("overlaps")), Err(true));
+        assert_eq!(free_placement(&h100, &one), None, "six compute slices and every memory slice taken");
+        h100.mig_devices.remove(1);
+        for start in 0..4 {
+            h100.mig_devices.push(made(&one, start, &format!("MIG-{start}")));
+        }
+        // 3 + 4 compute slices taken, memory slices 0-7 all used: nothing more fits.
+        assert_eq!(free_placement(&h100, &one), None);
+        h100.mig_devices.truncate(4);
+        assert_eq!(refused(&h100, &by_name("1g.10gb+me"), 3), Ok(()));
+        h100.mig_devices.push(made(&by_name("1g.10gb+me"), 3, "MIG-me"));
+        assert_eq!(refused(&h100, &by_name("1g.10gb+me"), 3).map_err(|e| e.contains("overlaps")), Err(true));
+        let mut other = gpu("NVIDIA H100 80GB HBM3", 81_559);
+        other.mig_devices.push(made(&by_name("1g.10gb+me"), 0, "MIG-me"));
+        assert_eq!(
+            check_placement(&other, &by_name("1g.10gb+me"), 1).map_err(|e| e.to_string()),
+            Err("1g.10gb+me: at most 1 at once on this GPU, and 1 exist".into())
+        );
     }
 
     #[test]

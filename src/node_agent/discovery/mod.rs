@@ -5,7 +5,8 @@ pub mod nvml;
 mod nvml_mig;
 pub mod simulated;
 
-use super::gpu::Gpu;
+use super::gpu::{Gpu, MigDevice};
+use super::mig::{PlacementError, Profile};
 
 /// Why discovery failed. The agent stays up and retries; it publishes nothing until discovery works.
 #[derive(Debug, thiserror::Error)]
@@ -45,8 +46,55 @@ pub fn backend(gpu: &crate::cli::GpuArgs, node: &str) -> Result<std::sync::Arc<d
     })
 }
 
-/// A source of GPUs.
+/// Why a MIG device could not be made or destroyed.
+#[derive(Debug, thiserror::Error)]
+pub enum MigControlError {
+    #[error(transparent)]
+    Discovery(#[from] DiscoveryError),
+    #[error("this node has no GPU of index {index}")]
+    NoGpu { index: u32 },
+    #[error("GPU {uuid} is not in MIG mode: turn it on (nvidia-smi -i <index> -mig 1) before making MIG devices")]
+    MigModeOff { uuid: String },
+    #[error("GPU {uuid}: {source}")]
+    Placement {
+        uuid: String,
+        #[source]
+        source: PlacementError,
+    },
+    #[error("GPU {uuid} has no MIG device of GPU instance {gpu_instance} and compute instance {compute_instance}")]
+    NotFound { uuid: String, gpu_instance: u32, compute_instance: u32 },
+    #[error("{what} on GPU {uuid} through NVML: {source}")]
+    Nvml {
+        what: String,
+        uuid: String,
+        #[source]
+        source: ::nvml_wrapper::error::NvmlError,
+    },
+}
+
+/// A source of GPUs, which can also make and destroy MIG devices on GPUs in MIG mode (what `gpu-check` verifies on
+/// a GPU machine, and what dynamic MIG prepares claims with).
 pub trait Discovery: Send + Sync {
     /// The GPUs of this node now.
     fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError>;
+
+    /// Makes a MIG device on GPU `index`: a GPU instance of `profile` (from [`super::mig::profiles`] of the GPU's
+    /// model) at memory slice `start`, and one compute instance spanning it, checked first with
+    /// [`super::mig::check_placement`]. Answers the device as discovery now reports it.
+    fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError>;
+
+    /// Destroys the MIG device of GPU instance `gpu_instance` and compute instance `compute_instance` on GPU
+    /// `index`: the compute instance, then the GPU instance.
+    fn destroy_mig_device(&self, index: u32, gpu_instance: u32, compute_instance: u32) -> Result<(), MigControlError>;
+}
+
+/// GPU `index` of `gpus`, in MIG mode, with a MIG device of `profile` possible at `start`.
+fn placeable<'a>(gpus: &'a [Gpu], index: u32, profile: &Profile, start: u32) -> Result<&'a Gpu, MigControlError> {
+    let gpu = gpus.iter().find(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
+    if !gpu.mig_enabled {
+        return Err(MigControlError::MigModeOff { uuid: gpu.uuid.clone() });
+    }
+    super::mig::check_placement(gpu, profile, start)
+        .map_err(|source| MigControlError::Placement { uuid: gpu.uuid.clone(), source })?;
+    Ok(gpu)
 }

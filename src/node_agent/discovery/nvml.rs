@@ -7,8 +7,9 @@ use std::path::Path;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
-use super::{Discovery, DiscoveryError};
-use crate::node_agent::gpu::{Gpu, cuda_version_from_int, normalize_pci_bus_id};
+use super::{Discovery, DiscoveryError, MigControlError, placeable};
+use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id};
+use crate::node_agent::mig::Profile;
 
 /// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
 /// found on the next retry.
@@ -40,11 +41,18 @@ fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryErro
     result.map_err(|source| DiscoveryError::Nvml { what: what.to_string(), source })
 }
 
+impl NvmlDiscovery {
+    fn init(&self) -> Result<Nvml, DiscoveryError> {
+        Nvml::builder().lib_path(&self.library).init().map_err(|source| DiscoveryError::NvmlUnavailable {
+            library: self.library.to_string_lossy().into_owned(),
+            source,
+        })
+    }
+}
+
 impl Discovery for NvmlDiscovery {
     fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
-        let nvml = Nvml::builder().lib_path(&self.library).init().map_err(|source| {
-            DiscoveryError::NvmlUnavailable { library: self.library.to_string_lossy().into_owned(), source }
-        })?;
+        let nvml = self.init()?;
         let driver_version = query("the driver version", nvml.sys_driver_version())?;
         let cuda_driver_version =
             cuda_version_from_int(query("the CUDA driver version", nvml.sys_cuda_driver_version())?);
@@ -82,6 +90,36 @@ impl Discovery for NvmlDiscovery {
         }
         Ok(gpus)
     }
+
+    fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError> {
+        let gpus = self.discover()?;
+        let gpu = placeable(&gpus, index, profile, start)?;
+        let nvml = self.init()?;
+        let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
+        let nvml_error = |(what, source): (&str, NvmlError)| MigControlError::Nvml {
+            what: format!("{what} ({} at memory slice {start})", profile.name),
+            uuid: gpu.uuid.clone(),
+            source,
+        };
+        let (gpu_instance, compute_instance) =
+            super::nvml_mig::create_instance(&nvml, &device, profile, start).map_err(nvml_error)?;
+        super::nvml_mig::mig_devices(&nvml, &device, gpu)?
+            .into_iter()
+            .find(|m| (m.gpu_instance, m.compute_instance) == (gpu_instance, compute_instance))
+            .ok_or_else(|| MigControlError::NotFound { uuid: gpu.uuid.clone(), gpu_instance, compute_instance })
+    }
+
+    fn destroy_mig_device(&self, index: u32, gpu_instance: u32, compute_instance: u32) -> Result<(), MigControlError> {
+        let nvml = self.init()?;
+        let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
+        let uuid = query("the UUID", device.uuid())?;
+        super::nvml_mig::destroy_instance(&nvml, &device, gpu_instance, compute_instance).map_err(|(what, source)| {
+            match source {
+                NvmlError::NotFound => MigControlError::NotFound { uuid, gpu_instance, compute_instance },
+                source => MigControlError::Nvml { what: what.to_string(), uuid, source },
+            }
+        })
+    }
 }
 
 /// One GPU instance profile as NVML reports it for a GPU, with its possible placements (start, size).
@@ -101,9 +139,7 @@ impl NvmlDiscovery {
     /// The GPU instance profiles NVML offers on GPU `index` (NVML answers only with MIG mode on; a profile the GPU
     /// does not have is skipped).
     pub fn gpu_instance_profiles(&self, index: u32) -> Result<Vec<NvmlProfile>, DiscoveryError> {
-        let nvml = Nvml::builder().lib_path(&self.library).init().map_err(|source| {
-            DiscoveryError::NvmlUnavailable { library: self.library.to_string_lossy().into_owned(), source }
-        })?;
+        let nvml = self.init()?;
         let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
         let mut found = Vec::new();
         for id in 0..nvml_wrapper_sys::bindings::NVML_GPU_INSTANCE_PROFILE_COUNT {

@@ -8,7 +8,14 @@ use std::path::Path;
 
 use nvml_wrapper::error::{NvmlError, nvml_sym, nvml_try};
 use nvml_wrapper::{Device, Nvml};
-use nvml_wrapper_sys::bindings::{nvmlGpuInstance_t, nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t};
+use nvml_wrapper_sys::bindings::{
+    NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+    NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+    NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
+    NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE, nvmlComputeInstance_t,
+    nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
+    nvmlGpuInstancePlacement_t,
+};
 
 use tracing::warn;
 
@@ -30,6 +37,106 @@ pub(super) fn placements(nvml: &Nvml, device: &Device<'_>, profile_id: u32) -> R
         buffer.truncate(count as usize);
         Ok(buffer.into_iter().map(|p| (p.start, p.size)).collect())
     }
+}
+
+/// Makes a GPU instance of `profile` at memory slice `start` and one compute instance spanning it
+/// (`nvmlDeviceCreateGpuInstanceWithPlacement`, then `nvmlGpuInstanceCreateComputeInstance` with the compute profile
+/// of as many slices, engines shared); answers the two instance IDs. When the compute instance cannot be made, the
+/// GPU instance is destroyed again, so nothing half-made is left. The error says which step failed.
+pub(super) fn create_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    profile: &mig::Profile,
+    start: u32,
+) -> Result<(u32, u32), (&'static str, NvmlError)> {
+    let info = device.profile_info(profile.nvml_id).map_err(|e| ("read the GPU instance profile", e))?;
+    let create_gi = nvml_sym(nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
+        .map_err(|e| ("find the NVML function", e))?;
+    let placement = nvmlGpuInstancePlacement_t { start, size: profile.memory_slices };
+    // SAFETY: see the module documentation; the placement outlives the call, NVML writes one handle.
+    let gpu_instance = unsafe {
+        let mut instance: nvmlGpuInstance_t = std::mem::zeroed();
+        nvml_try(create_gi(device.handle(), info.id, &placement, &mut instance))
+            .map_err(|e| ("create the GPU instance", e))?;
+        instance
+    };
+    match compute_instance_in(nvml, gpu_instance, profile.compute_slices) {
+        Ok(ids) => Ok(ids),
+        Err(error) => {
+            if let Err(undo) = destroy_gpu_instance(nvml, gpu_instance) {
+                warn!(%undo, "could not destroy the GPU instance whose compute instance failed; destroy it by hand");
+            }
+            Err(error)
+        }
+    }
+}
+
+/// Makes the compute instance spanning `gpu_instance` (of `slices` compute slices) and answers both IDs.
+fn compute_instance_in(
+    nvml: &Nvml,
+    gpu_instance: nvmlGpuInstance_t,
+    slices: u32,
+) -> Result<(u32, u32), (&'static str, NvmlError)> {
+    let profile = match slices {
+        1 => NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
+        2 => NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE,
+        3 => NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
+        4 => NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE,
+        6 => NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
+        7 => NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE,
+        8 => NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE,
+        _ => return Err(("choose the compute instance profile", NvmlError::InvalidArg)),
+    };
+    let lib = nvml.lib();
+    let profile_info = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref())
+        .map_err(|e| ("find the NVML function", e))?;
+    let create_ci =
+        nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let gi_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let ci_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    // SAFETY: see the module documentation; every structure is plain C data NVML fills in.
+    unsafe {
+        let mut info: nvmlComputeInstanceProfileInfo_t = std::mem::zeroed();
+        nvml_try(profile_info(gpu_instance, profile, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut info))
+            .map_err(|e| ("read the compute instance profile", e))?;
+        let mut compute: nvmlComputeInstance_t = std::mem::zeroed();
+        nvml_try(create_ci(gpu_instance, info.id, &mut compute)).map_err(|e| ("create the compute instance", e))?;
+        let mut gi: nvmlGpuInstanceInfo_t = std::mem::zeroed();
+        nvml_try(gi_info(gpu_instance, &mut gi)).map_err(|e| ("read the GPU instance", e))?;
+        let mut ci: nvmlComputeInstanceInfo_t = std::mem::zeroed();
+        nvml_try(ci_info(compute, &mut ci)).map_err(|e| ("read the compute instance", e))?;
+        Ok((gi.id, ci.id))
+    }
+}
+
+/// Destroys compute instance `compute_instance` of GPU instance `gpu_instance` on `device`, then the GPU instance.
+pub(super) fn destroy_instance(
+    nvml: &Nvml,
+    device: &Device<'_>,
+    gpu_instance: u32,
+    compute_instance: u32,
+) -> Result<(), (&'static str, NvmlError)> {
+    let lib = nvml.lib();
+    let gi_by_id = nvml_sym(lib.nvmlDeviceGetGpuInstanceById.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let ci_by_id =
+        nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceById.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let destroy_ci = nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    // SAFETY: see the module documentation; the handles come from NVML for this device.
+    let gi = unsafe {
+        let mut gi: nvmlGpuInstance_t = std::mem::zeroed();
+        nvml_try(gi_by_id(device.handle(), gpu_instance, &mut gi)).map_err(|e| ("find the GPU instance", e))?;
+        let mut ci: nvmlComputeInstance_t = std::mem::zeroed();
+        nvml_try(ci_by_id(gi, compute_instance, &mut ci)).map_err(|e| ("find the compute instance", e))?;
+        nvml_try(destroy_ci(ci)).map_err(|e| ("destroy the compute instance", e))?;
+        gi
+    };
+    destroy_gpu_instance(nvml, gi).map_err(|e| ("destroy the GPU instance", e))
+}
+
+fn destroy_gpu_instance(nvml: &Nvml, gpu_instance: nvmlGpuInstance_t) -> Result<(), NvmlError> {
+    let destroy = nvml_sym(nvml.lib().nvmlGpuInstanceDestroy.as_ref())?;
+    // SAFETY: see the module documentation; the handle is NVML's.
+    unsafe { nvml_try(destroy(gpu_instance)) }
 }
 
 /// The MIG devices that exist on `gpu` (MIG mode on): each one's UUID, GPU and compute instance, the GPU instance's

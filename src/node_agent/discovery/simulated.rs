@@ -6,9 +6,11 @@
 //! MIG mode with those MIG devices (e.g. `1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb`), laid out as
 //! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet.
 
-use super::{Discovery, DiscoveryError};
+use std::sync::{Mutex, PoisonError};
+
+use super::{Discovery, DiscoveryError, MigControlError, placeable};
 use crate::node_agent::gpu::{Gpu, MigDevice, stable_hash};
-use crate::node_agent::mig::{self, LayoutError};
+use crate::node_agent::mig::{self, LayoutError, Profile};
 
 /// What the simulated driver reports.
 const DRIVER_VERSION: &str = "570.133.20";
@@ -98,10 +100,12 @@ pub enum SpecError {
     },
 }
 
-/// Simulated GPUs for one node.
-#[derive(Debug, Clone)]
+/// Simulated GPUs for one node. MIG devices made and destroyed through [`Discovery`] change what later discoveries
+/// report, for this process's lifetime (the spec's layout is what a restart finds, as a GPU after a reboot).
+#[derive(Debug)]
 pub struct Simulated {
-    gpus: Vec<Gpu>,
+    node: String,
+    gpus: Mutex<Vec<Gpu>>,
 }
 
 impl Simulated {
@@ -148,13 +152,41 @@ impl Simulated {
         if gpus.is_empty() {
             return Err(SpecError::Empty);
         }
-        Ok(Self { gpus })
+        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus) })
+    }
+
+    fn gpus(&self) -> std::sync::MutexGuard<'_, Vec<Gpu>> {
+        self.gpus.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
 impl Discovery for Simulated {
     fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
-        Ok(self.gpus.clone())
+        Ok(self.gpus().clone())
+    }
+
+    /// As NVML: refused where [`mig::check_placement`] refuses; the GPU instance gets the lowest ID not in use.
+    fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError> {
+        let mut gpus = self.gpus();
+        let gpu = placeable(&gpus, index, profile, start)?;
+        let model = MODELS.iter().find(|m| m.product == gpu.product_name).map_or(0, |m| m.sms_per_slice);
+        let gpu_instance = (1..).find(|id| gpu.mig_devices.iter().all(|m| m.gpu_instance != *id)).unwrap_or(1);
+        let made = simulated_mig_device(&self.node, gpu, model, profile, start, gpu_instance);
+        let gpu = gpus.iter_mut().find(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
+        gpu.mig_devices.push(made.clone());
+        gpu.mig_devices.sort_by_key(|m| (m.placement_start, m.compute_instance));
+        Ok(made)
+    }
+
+    fn destroy_mig_device(&self, index: u32, gpu_instance: u32, compute_instance: u32) -> Result<(), MigControlError> {
+        let mut gpus = self.gpus();
+        let gpu = gpus.iter_mut().find(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
+        let before = gpu.mig_devices.len();
+        gpu.mig_devices.retain(|m| (m.gpu_instance, m.compute_instance) != (gpu_instance, compute_instance));
+        if gpu.mig_devices.len() == before {
+            return Err(MigControlError::NotFound { uuid: gpu.uuid.clone(), gpu_instance, compute_instance });
+        }
+        Ok(())
     }
 }
 
@@ -211,32 +243,45 @@ fn simulated_mig_devices(
         .into_iter()
         .zip(1..)
         .map(|((profile, start), gpu_instance)| {
-            let h = mixed_hash(&format!("{node}/{}/mig/{start}/{}", gpu.index, profile.id));
-            let (gi_cap_minor, ci_cap_minor) = mig::cap_minors(gpu.minor, gpu_instance, 0);
-            MigDevice {
-                uuid: format!(
-                    "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-                    h >> 32,
-                    (h >> 16) & 0xffff,
-                    h & 0xffff,
-                    (h >> 40) & 0xffff,
-                    h & 0xffff_ffff_ffff
-                ),
-                profile: profile.name.to_string(),
-                profile_id: profile.id,
-                gpu_instance,
-                compute_instance: 0,
-                placement_start: start,
-                placement_size: profile.memory_slices,
-                memory_bytes: (gpu.memory_bytes / u64::from(mig::MEMORY_SLICES) * u64::from(profile.memory_slices))
-                    & !((1 << 20) - 1),
-                multiprocessors: model.sms_per_slice * profile.compute_slices,
-                gi_cap_minor,
-                ci_cap_minor,
-                caps_major: Some(mig::SIMULATED_CAPS_MAJOR),
-            }
+            simulated_mig_device(node, gpu, model.sms_per_slice, &profile, start, gpu_instance)
         })
         .collect())
+}
+
+/// A MIG device of `profile` at memory slice `start` of `gpu`, GPU instance `gpu_instance` with compute instance 0
+/// spanning it; its UUID stable per node, GPU, placement and profile.
+fn simulated_mig_device(
+    node: &str,
+    gpu: &Gpu,
+    sms_per_slice: u32,
+    profile: &Profile,
+    start: u32,
+    gpu_instance: u32,
+) -> MigDevice {
+    let h = mixed_hash(&format!("{node}/{}/mig/{start}/{}", gpu.index, profile.id));
+    let (gi_cap_minor, ci_cap_minor) = mig::cap_minors(gpu.minor, gpu_instance, 0);
+    MigDevice {
+        uuid: format!(
+            "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+            h >> 32,
+            (h >> 16) & 0xffff,
+            h & 0xffff,
+            (h >> 40) & 0xffff,
+            h & 0xffff_ffff_ffff
+        ),
+        profile: profile.name.to_string(),
+        profile_id: profile.id,
+        gpu_instance,
+        compute_instance: 0,
+        placement_start: start,
+        placement_size: profile.memory_slices,
+        memory_bytes: (gpu.memory_bytes / u64::from(mig::MEMORY_SLICES) * u64::from(profile.memory_slices))
+            & !((1 << 20) - 1),
+        multiprocessors: sms_per_slice * profile.compute_slices,
+        gi_cap_minor,
+        ci_cap_minor,
+        caps_major: Some(mig::SIMULATED_CAPS_MAJOR),
+    }
 }
 
 /// [`stable_hash`], then splitmix64's finaliser so that similar inputs give unrelated outputs.
@@ -252,8 +297,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn mig_devices_are_made_and_destroyed_as_nvml_allows() {
+        let simulated = Simulated::new("node-a", "1xH100-80GB/mig=3g.40gb,1xH100-80GB").expect("spec");
+        let gpus = simulated.discover().expect("discover");
+        let profile = |name: &str| mig::profiles(&gpus[0]).and_then(|p| p.into_iter().find(|p| p.name == name));
+        let (Some(one), Some(three)) = (profile("1g.10gb"), profile("3g.40gb")) else { panic!("H100 profiles") };
+        let made = simulated.create_mig_device(0, &one, 4).expect("room on slice 4");
+        assert_eq!((made.gpu_instance, made.placement_start, made.multiprocessors), (2, 4, 16));
+        let listed: Vec<u32> =
+            simulated.discover().expect("discover")[0].mig_devices.iter().map(|m| m.gpu_instance).collect();
+        assert_eq!(listed, [1, 2]);
+        let refused = |index: u32, profile: &Profile, start: u32| {
+            simulated.create_mig_device(index, profile, start).map(|m| m.uuid).map_err(|e| e.to_string())
+        };
+        assert!(refused(0, &three, 4).is_err_and(|e| e.contains("overlaps MIG device") && e.contains(&made.uuid)));
+        assert!(refused(1, &one, 0).is_err_and(|e| e.contains("is not in MIG mode")), "GPU 1 is whole");
+        assert!(refused(7, &one, 0).is_err_and(|e| e.contains("no GPU of index 7")));
+        simulated.destroy_mig_device(0, 2, 0).expect("destroy");
+        let again = simulated.destroy_mig_device(0, 2, 0).map_err(|e| e.to_string());
+        assert!(again.is_err_and(|e| e.contains("no MIG device of GPU instance 2 and compute instance 0")));
+        assert_eq!(simulated.discover().expect("discover")[0].mig_devices.len(), 1, "the spec's 3g.40gb stays");
+        let remade = simulated.create_mig_device(0, &three, 4).expect("room for a second 3g");
+        assert_eq!(remade.gpu_instance, 2, "the lowest free instance ID");
+    }
+
+    #[test]
     fn parses_specs() {
-        let gpus = Simulated::new("node-a", "2xA100-40GB, 2xh100-80gb").expect("spec").gpus;
+        let gpus = Simulated::new("node-a", "2xA100-40GB, 2xh100-80gb").expect("spec").discover().expect("discover");
         assert_eq!(gpus.len(), 4);
         assert_eq!(gpus[0].product_name, "NVIDIA A100-SXM4-40GB");
         assert_eq!(gpus[3].product_name, "NVIDIA H100 80GB HBM3");
@@ -263,9 +333,9 @@ mod tests {
 
     #[test]
     fn uuids_are_stable_per_node_and_index_and_distinct() {
-        let a = Simulated::new("node-a", "4xH100-80GB").expect("spec").gpus;
-        let again = Simulated::new("node-a", "4xH100-80GB").expect("spec").gpus;
-        let b = Simulated::new("node-b", "4xH100-80GB").expect("spec").gpus;
+        let a = Simulated::new("node-a", "4xH100-80GB").expect("spec").discover().expect("discover");
+        let again = Simulated::new("node-a", "4xH100-80GB").expect("spec").discover().expect("discover");
+        let b = Simulated::new("node-b", "4xH100-80GB").expect("spec").discover().expect("discover");
         assert_eq!(a, again);
         let mut all: Vec<&str> = a.iter().chain(&b).map(|g| g.uuid.as_str()).collect();
         assert!(all.iter().all(|u| u.len() == 40 && u.starts_with("GPU-")), "{all:?}");
@@ -296,7 +366,8 @@ mod tests {
     fn mig_gpus_carry_their_mig_devices() {
         let gpus = Simulated::new("node-a", "1xH100-80GB/mig=1g.10gb+3g.40gb, 1xA100-40GB/mig=, 1xH100-80GB")
             .expect("spec")
-            .gpus;
+            .discover()
+            .expect("discover");
         assert!(gpus[0].mig_enabled && gpus[1].mig_enabled && !gpus[2].mig_enabled);
         assert!(gpus[1].mig_devices.is_empty() && gpus[2].mig_devices.is_empty());
         let migs = &gpus[0].mig_devices;
@@ -308,10 +379,14 @@ mod tests {
         assert_eq!((migs[0].memory_bytes, migs[0].multiprocessors), (40 << 30, 48));
         assert!(migs.iter().all(|m| m.uuid.len() == 40 && m.uuid.starts_with("MIG-")), "{migs:?}");
         assert_ne!(migs[0].uuid, migs[1].uuid);
-        let again = Simulated::new("node-a", "1xH100-80GB/mig=3g.40gb+1g.10gb").expect("spec").gpus;
+        let again =
+            Simulated::new("node-a", "1xH100-80GB/mig=3g.40gb+1g.10gb").expect("spec").discover().expect("discover");
         assert_eq!(again[0].mig_devices, *migs, "the same layout gives the same devices");
         assert_eq!(profile_names("3g.40gb+1g.10gb+me+ 1g.10gb+"), ["3g.40gb", "1g.10gb+me", "1g.10gb"]);
-        let media = Simulated::new("n", "1xA100-40GB/mig=1g.5gb+me+2g.10gb").expect("a +me profile").gpus;
+        let media = Simulated::new("n", "1xA100-40GB/mig=1g.5gb+me+2g.10gb")
+            .expect("a +me profile")
+            .discover()
+            .expect("discover");
         let profiles: Vec<&str> = media[0].mig_devices.iter().map(|m| m.profile.as_str()).collect();
         assert_eq!(profiles, ["2g.10gb", "1g.5gb+me"]);
     }
