@@ -575,17 +575,7 @@ async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Resul
 /// the shares are released, and a share waits for it. Before 1.36 consumable capacity is off (the API server
 /// drops `allowMultipleAllocations`): the GPU is whole, the notebook waits, and the agent warns naming the gate.
 async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
-    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
-    let node = format!("e2e-{suffix}-shared");
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
-    let agent = start_agent(&ctx, &node, &dirs, &gpus)?;
-    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
-    agent.wait_ready().await?;
-    kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
-    objects::driver_device_class(&ctx).await?;
-    let _controller = Component::controller(&ctx, &[]).await?;
+    let SharedGpuNode { node, dirs, agent, kubelet, _controller } = SharedGpuNode::start(&ctx, "shared").await?;
     let other = support::create_namespace(&ctx.client, "notebooks").await?;
     let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
     let result = share_one_gpu(&ctx, &other, &node, &dirs, &kubelet).await;
@@ -598,6 +588,33 @@ async fn pods_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> any
         ensure!(agent.log_text().contains(warning), "no warning about the dropped field:\n{}", agent.log_tail());
     }
     Ok(())
+}
+
+/// A node of the test's own whose agent publishes its one H100 for sharing (`--gpu-sharing by-memory`), its kubelet
+/// harness registered, a DeviceClass of the driver's devices named after the test's namespace, and a controller.
+struct SharedGpuNode {
+    node: String,
+    dirs: NodeDirs,
+    agent: Component,
+    kubelet: KubeletHarness,
+    _controller: Component,
+}
+
+impl SharedGpuNode {
+    async fn start(ctx: &TestContext, name: &str) -> anyhow::Result<Self> {
+        let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+        let node = format!("e2e-{suffix}-{name}");
+        ctx.cluster.add_node(&node)?;
+        let dirs = NodeDirs::new()?;
+        let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
+        let agent = start_agent(ctx, &node, &dirs, &gpus)?;
+        let kubelet = KubeletHarness::start(ctx, &node, &dirs)?;
+        agent.wait_ready().await?;
+        kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+        objects::driver_device_class(ctx).await?;
+        let _controller = Component::controller(ctx, &[]).await?;
+        Ok(Self { node, dirs, agent, kubelet, _controller })
+    }
 }
 
 async fn share_one_gpu(

@@ -2,36 +2,21 @@
 //! (`--gpu-sharing by-memory`) offers `compute`, percent of the GPU, beside its memory. The real scheduler adds up
 //! what the claims ask and the kubelet's DRA code prepares every share it allocates.
 
-use std::time::Duration;
-
 use anyhow::ensure;
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
-use super::support::harness::KubeletHarness;
-use super::support::node::{NodeDirs, start_agent};
-use super::support::process::Component;
 use super::support::{self, TestContext, objects};
-use super::{PREPARE_TIMEOUT, pod_using};
+use super::{PREPARE_TIMEOUT, SharedGpuNode, pod_using};
 
 /// Three inference pods ask 20Gi each of one 80GB H100, two of them 60 % of its compute: the second of those waits as
 /// unschedulable though memory is left, while a pod asking 40 % fits beside the first and one naming no compute
 /// takes none of it. Once the first pod and its claim are gone, the waiting pod gets its 60 %. Before 1.36 consumable
 /// capacity is off: the GPU goes to one claim, and the second pod waits for that reason.
 pub(super) async fn inference_pods_share_one_gpu_by_compute(ctx: TestContext) -> anyhow::Result<()> {
-    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
-    let node = format!("e2e-{suffix}-compute");
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--gpu-sharing", "by-memory"];
-    let agent = start_agent(&ctx, &node, &dirs, &gpus)?;
-    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
-    agent.wait_ready().await?;
-    kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
-    objects::driver_device_class(&ctx).await?;
-    let _controller = Component::controller(&ctx, &[]).await?;
+    let SharedGpuNode { node, dirs, agent, kubelet, _controller } = SharedGpuNode::start(&ctx, "compute").await?;
     let ns = ctx.namespace.as_str();
     let prepared = async |name: &str| kubelet.wait_for("prepared", &format!("{ns}/{name}"), PREPARE_TIMEOUT).await;
 
