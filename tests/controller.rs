@@ -4,6 +4,8 @@
 
 mod support;
 
+#[path = "controller/garbled.rs"]
+mod garbled;
 #[path = "controller/workloads.rs"]
 mod workloads;
 
@@ -11,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use futures::{StreamExt, TryStreamExt};
+use garbled::a_claim_created_but_answered_garbled_is_recorded_once;
 use k8s_openapi::api::core::v1::Pod;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, WatchParams};
@@ -40,6 +43,7 @@ fn main() {
             test!(long_names_are_truncated_in_proportion),
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
+            test!(a_claim_created_but_answered_garbled_is_recorded_once),
             test!(recorded_claim_and_template_deleted_come_back_with_the_template),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),

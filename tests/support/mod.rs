@@ -9,6 +9,7 @@
 //! (`CI` set), where that is a failure.
 #![allow(dead_code, unreachable_pub)] // Each test binary uses a different part of this module.
 
+pub mod api_proxy;
 pub mod cluster;
 pub mod harness;
 pub mod measure;
