@@ -99,8 +99,17 @@ fn a_mig_device_is_made_and_destroyed_where_there_is_room() {
         "MIG device: making a 1g.10gb at memory slice 5 of gpu-1",
         "(GPU instance 3, compute instance 0, 10240 MiB, 16 SMs,",
         "listed by discovery; published as gpu-1-mig-19-5-1",
+        "a claim of it gets a valid CDI spec (",
+        "CDI spec gpu.gpu-dra.dev-gpu_0c4ec4ec-0000-4000-8000-000000000002.json:",
+        "device node /dev/nvidia-caps/nvidia-cap165:",
         "destroyed; discovery no longer lists it",
     ] {
+        assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
+    }
+    // A GPU in MIG mode without MIG devices (where dynamic MIG starts): nothing to prepare but the made device.
+    let (ok, out) = gpu_check(&[&simulated[..], &["1xH100-80GB/mig="]].concat());
+    assert!(ok, "{out}");
+    for expected in ["making a 1g.10gb at memory slice 0 of gpu-0", "(GPU instance 1,", "nvidia-cap12:", "destroyed"] {
         assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
     }
     for (gpus, why) in [("1xH100-80GB/mig=7g.80gb", "a full GPU"), ("2xH100-80GB", "no GPU in MIG mode")] {

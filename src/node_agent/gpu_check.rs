@@ -46,6 +46,8 @@ pub enum GpuCheckError {
 
 /// A fixed, recognisable claim UID for the sample claim.
 const SAMPLE_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000001";
+/// The same for the claim of the MIG device `--check-mig-device` makes.
+const SAMPLE_MIG_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000002";
 
 /// Runs the check and prints the report to stdout.
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
@@ -73,6 +75,10 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     if claim.is_empty() {
         // The profiles are what an administrator needs to make MIG devices.
         mig_profiles(args, &gpus)?;
+        if args.check_mig_device {
+            // A GPU in MIG mode without MIG devices is what dynamic MIG starts from: the made device is prepared.
+            return check_mig_device(args, backend.as_ref(), &gpus, &kind, &driver_files);
+        }
         return Err(GpuCheckError::NoDevices);
     }
     let spec = cdi::build_claim_spec(&kind, SAMPLE_CLAIM_UID, &claim, &driver_files)?;
@@ -101,7 +107,7 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         }
     }
     if args.check_mig_device {
-        check_mig_device(backend.as_ref(), &gpus)?;
+        check_mig_device(args, backend.as_ref(), &gpus, &kind, &driver_files)?;
     }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
@@ -204,9 +210,16 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
 }
 
 /// Makes a MIG device of the smallest profile (`1g`) at the lowest free placement of the first GPU in MIG mode with
-/// room for one, checks that discovery then lists it, destroys it and checks that discovery no longer does: the
-/// create/destroy pair dynamic MIG prepares and releases claims with.
-fn check_mig_device(backend: &dyn discovery::Discovery, gpus: &[Gpu]) -> Result<(), GpuCheckError> {
+/// room for one, checks that discovery then lists it and that a claim's CDI spec for it is valid (its capability
+/// nodes as the driver numbered them), destroys it and checks that discovery no longer lists it: the create/destroy
+/// pair dynamic MIG prepares and releases claims with.
+fn check_mig_device(
+    args: &GpuCheckArgs,
+    backend: &dyn discovery::Discovery,
+    gpus: &[Gpu],
+    kind: &CdiKind,
+    driver_files: &cdi::DriverFiles,
+) -> Result<(), GpuCheckError> {
     let room = gpus.iter().filter(|g| g.mig_enabled).find_map(|gpu| {
         let smallest = *mig::profiles(gpu)?.first()?;
         Some((gpu, smallest, mig::free_placement(gpu, &smallest)?))
@@ -234,6 +247,13 @@ fn check_mig_device(backend: &dyn discovery::Discovery, gpus: &[Gpu]) -> Result<
     );
     let listed = |gpus: &[Gpu]| gpus.iter().flat_map(|g| &g.mig_devices).any(|m| m.uuid == made.uuid);
     let seen = backend.discover().map(|gpus| listed(&gpus));
+    let device = Device { gpu: gpu.clone(), mig: Some(made.clone()) };
+    let spec = cdi::build_claim_spec(kind, SAMPLE_MIG_CLAIM_UID, std::slice::from_ref(&device), driver_files)
+        .and_then(|spec| cdi::validate_claim_spec(kind, SAMPLE_MIG_CLAIM_UID, &spec).map(|()| spec))
+        .and_then(|spec| cdi::write_claim_spec(&args.cdi_dir, kind, SAMPLE_MIG_CLAIM_UID, &spec));
+    // Looked at while the device exists.
+    let nodes: Vec<(String, bool)> =
+        device_nodes(std::slice::from_ref(&device)).into_iter().map(|n| (n.clone(), Path::new(&n).exists())).collect();
     // Destroyed whatever discovery said: the check must not leave the GPU changed.
     backend
         .destroy_mig_device(gpu.index, made.gpu_instance, made.compute_instance)
@@ -241,8 +261,12 @@ fn check_mig_device(backend: &dyn discovery::Discovery, gpus: &[Gpu]) -> Result<
     if !seen? {
         return Err(GpuCheckError::MigDeviceListing { uuid: made.uuid, what: "made", listed: "did not list" });
     }
-    let name = Device { gpu: gpu.clone(), mig: Some(made.clone()) }.name();
-    println!("  listed by discovery; published as {name}");
+    println!("  listed by discovery; published as {}", device.name());
+    let path = spec?;
+    println!("  a claim of it gets a valid CDI spec ({}) with:", path.display());
+    for (node, present) in nodes {
+        println!("    device node {node}: {}", if present { "present" } else { "MISSING on this machine" });
+    }
     if listed(&backend.discover()?) {
         return Err(GpuCheckError::MigDeviceListing { uuid: made.uuid, what: "destroyed", listed: "still lists" });
     }
