@@ -20,7 +20,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use compute::inference_pods_share_one_gpu_by_compute;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
-use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
+use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
 use serde_json::{Value, json};
@@ -163,9 +163,8 @@ impl Testbed {
 
 /// The allocated (pool, device) pairs of a claim.
 async fn allocated(ctx: &TestContext, claim: &str) -> anyhow::Result<BTreeSet<(String, String)>> {
-    let claim = objects::claims(ctx).get(claim).await?;
-    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
-    Ok(results.unwrap_or_default().into_iter().map(|r| (r.pool, r.device)).collect())
+    let results = allocation_results(ctx, &ctx.namespace, claim).await?;
+    Ok(results.into_iter().map(|r| (r.pool, r.device)).collect())
 }
 
 /// The claim the controller created for `pod`'s pod claim `name`.
@@ -556,16 +555,30 @@ async fn pod_with_configured_share(
 
 /// (device, share ID, memory consumed) of each device allocated to claim `name` in `namespace`.
 async fn shares(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
-    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(name).await?;
-    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
-    Ok(results
-        .unwrap_or_default()
+    Ok(allocation_results(ctx, namespace, name)
+        .await?
         .into_iter()
         .map(|r| {
-            let memory = r.consumed_capacity.and_then(|c| c.get("memory").map(|q| q.0.clone())).unwrap_or_default();
+            let memory = consumed(&r, "memory");
             (r.device, r.share_id.unwrap_or_default(), memory)
         })
         .collect())
+}
+
+/// The allocation results of claim `name` in `namespace` (none while it is not allocated).
+async fn allocation_results(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<Vec<DeviceRequestAllocationResult>> {
+    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(name).await?;
+    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    Ok(results.unwrap_or_default())
+}
+
+/// How much of capacity `capacity` an allocation result consumes, as the scheduler wrote it (empty when none).
+fn consumed(result: &DeviceRequestAllocationResult, capacity: &str) -> String {
+    result.consumed_capacity.as_ref().and_then(|c| c.get(capacity)).map(|q| q.0.clone()).unwrap_or_default()
 }
 
 /// A node whose agent publishes its one H100 for sharing by memory (`--gpu-sharing by-memory`): a training pod and

@@ -9,7 +9,7 @@ use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
 use super::support::{self, TestContext, objects};
-use super::{PREPARE_TIMEOUT, SharedGpuNode, pod_using};
+use super::{PREPARE_TIMEOUT, SharedGpuNode, allocation_results, pod_using};
 
 /// Three inference pods ask 20Gi each of one 80GB H100, two of them 60 % of its compute: the second of those waits as
 /// unschedulable though memory is left, while a pod asking 40 % fits beside the first and one naming no compute
@@ -83,15 +83,12 @@ async fn pod_asking(ctx: &TestContext, name: &str, node: &str, requests: Value) 
 
 /// (device, memory, compute) the allocation of claim `name` consumes.
 async fn consumed(ctx: &TestContext, name: &str) -> anyhow::Result<Vec<(String, String, String)>> {
-    let claim = objects::claims(ctx).get(name).await?;
-    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
-    Ok(results
-        .unwrap_or_default()
+    Ok(allocation_results(ctx, &ctx.namespace, name)
+        .await?
         .into_iter()
         .map(|r| {
-            let capacity = r.consumed_capacity.unwrap_or_default();
-            let get = |name: &str| capacity.get(name).map(|q| q.0.clone()).unwrap_or_default();
-            (r.device, get("memory"), get("compute"))
+            let (memory, compute) = (super::consumed(&r, "memory"), super::consumed(&r, "compute"));
+            (r.device, memory, compute)
         })
         .collect())
 }

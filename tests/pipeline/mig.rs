@@ -342,9 +342,8 @@ async fn published(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String,
 
 /// The (pool, device) pairs allocated to claim `name` in `namespace`.
 async fn allocated(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Result<BTreeSet<(String, String)>> {
-    let claim = Api::<ResourceClaim>::namespaced(ctx.client.clone(), namespace).get(name).await?;
-    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
-    Ok(results.unwrap_or_default().into_iter().map(|r| (r.pool, r.device)).collect())
+    let results = super::allocation_results(ctx, namespace, name).await?;
+    Ok(results.into_iter().map(|r| (r.pool, r.device)).collect())
 }
 
 /// Claim `name` with `requests` and `config`, and a pod of the same name on `node` using it.

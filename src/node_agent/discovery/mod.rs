@@ -88,13 +88,14 @@ pub trait Discovery: Send + Sync {
     fn destroy_mig_device(&self, index: u32, gpu_instance: u32, compute_instance: u32) -> Result<(), MigControlError>;
 }
 
-/// GPU `index` of `gpus`, in MIG mode, with a MIG device of `profile` possible at `start`.
-fn placeable<'a>(gpus: &'a [Gpu], index: u32, profile: &Profile, start: u32) -> Result<&'a Gpu, MigControlError> {
-    let gpu = gpus.iter().find(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
+/// Where in `gpus` GPU `index` is, when it is in MIG mode with a MIG device of `profile` possible at `start`.
+fn placeable(gpus: &[Gpu], index: u32, profile: &Profile, start: u32) -> Result<usize, MigControlError> {
+    let position = gpus.iter().position(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
+    let gpu = &gpus[position];
     if !gpu.mig_enabled {
         return Err(MigControlError::MigModeOff { uuid: gpu.uuid.clone() });
     }
     super::mig::check_placement(gpu, profile, start)
         .map_err(|source| MigControlError::Placement { uuid: gpu.uuid.clone(), source })?;
-    Ok(gpu)
+    Ok(position)
 }

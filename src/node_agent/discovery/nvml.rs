@@ -93,7 +93,7 @@ impl Discovery for NvmlDiscovery {
 
     fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError> {
         let gpus = self.discover()?;
-        let gpu = placeable(&gpus, index, profile, start)?;
+        let gpu = &gpus[placeable(&gpus, index, profile, start)?];
         let nvml = self.init()?;
         let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
         let nvml_error = |(what, source): (&str, NvmlError)| MigControlError::Nvml {

@@ -39,6 +39,14 @@ pub(super) fn placements(nvml: &Nvml, device: &Device<'_>, profile_id: u32) -> R
     }
 }
 
+/// Labels an NVML error with the step that failed (`what`), as the make and destroy calls report them.
+fn step(what: &'static str) -> impl FnOnce(NvmlError) -> (&'static str, NvmlError) {
+    move |error| (what, error)
+}
+
+/// The step label of a missing NVML function (a driver older than the call).
+const FIND_FUNCTION: &str = "find the NVML function";
+
 /// Makes a GPU instance of `profile` at memory slice `start` and one compute instance spanning it
 /// (`nvmlDeviceCreateGpuInstanceWithPlacement`, then `nvmlGpuInstanceCreateComputeInstance` with the compute profile
 /// of as many slices, engines shared); answers the two instance IDs. When the compute instance cannot be made, the
@@ -49,15 +57,15 @@ pub(super) fn create_instance(
     profile: &mig::Profile,
     start: u32,
 ) -> Result<(u32, u32), (&'static str, NvmlError)> {
-    let info = device.profile_info(profile.nvml_id).map_err(|e| ("read the GPU instance profile", e))?;
-    let create_gi = nvml_sym(nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref())
-        .map_err(|e| ("find the NVML function", e))?;
+    let info = device.profile_info(profile.nvml_id).map_err(step("read the GPU instance profile"))?;
+    let create_gi =
+        nvml_sym(nvml.lib().nvmlDeviceCreateGpuInstanceWithPlacement.as_ref()).map_err(step(FIND_FUNCTION))?;
     let placement = nvmlGpuInstancePlacement_t { start, size: profile.memory_slices };
     // SAFETY: see the module documentation; the placement outlives the call, NVML writes one handle.
     let gpu_instance = unsafe {
         let mut instance: nvmlGpuInstance_t = std::mem::zeroed();
         nvml_try(create_gi(device.handle(), info.id, &placement, &mut instance))
-            .map_err(|e| ("create the GPU instance", e))?;
+            .map_err(step("create the GPU instance"))?;
         instance
     };
     match compute_instance_in(nvml, gpu_instance, profile.compute_slices) {
@@ -88,23 +96,22 @@ fn compute_instance_in(
         _ => return Err(("choose the compute instance profile", NvmlError::InvalidArg)),
     };
     let lib = nvml.lib();
-    let profile_info = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref())
-        .map_err(|e| ("find the NVML function", e))?;
-    let create_ci =
-        nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref()).map_err(|e| ("find the NVML function", e))?;
-    let gi_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref()).map_err(|e| ("find the NVML function", e))?;
-    let ci_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let profile_info =
+        nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceProfileInfo.as_ref()).map_err(step(FIND_FUNCTION))?;
+    let create_ci = nvml_sym(lib.nvmlGpuInstanceCreateComputeInstance.as_ref()).map_err(step(FIND_FUNCTION))?;
+    let gi_info = nvml_sym(lib.nvmlGpuInstanceGetInfo.as_ref()).map_err(step(FIND_FUNCTION))?;
+    let ci_info = nvml_sym(lib.nvmlComputeInstanceGetInfo_v2.as_ref()).map_err(step(FIND_FUNCTION))?;
     // SAFETY: see the module documentation; every structure is plain C data NVML fills in.
     unsafe {
         let mut info: nvmlComputeInstanceProfileInfo_t = std::mem::zeroed();
         nvml_try(profile_info(gpu_instance, profile, NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, &mut info))
-            .map_err(|e| ("read the compute instance profile", e))?;
+            .map_err(step("read the compute instance profile"))?;
         let mut compute: nvmlComputeInstance_t = std::mem::zeroed();
-        nvml_try(create_ci(gpu_instance, info.id, &mut compute)).map_err(|e| ("create the compute instance", e))?;
+        nvml_try(create_ci(gpu_instance, info.id, &mut compute)).map_err(step("create the compute instance"))?;
         let mut gi: nvmlGpuInstanceInfo_t = std::mem::zeroed();
-        nvml_try(gi_info(gpu_instance, &mut gi)).map_err(|e| ("read the GPU instance", e))?;
+        nvml_try(gi_info(gpu_instance, &mut gi)).map_err(step("read the GPU instance"))?;
         let mut ci: nvmlComputeInstanceInfo_t = std::mem::zeroed();
-        nvml_try(ci_info(compute, &mut ci)).map_err(|e| ("read the compute instance", e))?;
+        nvml_try(ci_info(compute, &mut ci)).map_err(step("read the compute instance"))?;
         Ok((gi.id, ci.id))
     }
 }
@@ -117,20 +124,16 @@ pub(super) fn destroy_instance(
     compute_instance: u32,
 ) -> Result<(), (&'static str, NvmlError)> {
     let lib = nvml.lib();
-    let gi_by_id = nvml_sym(lib.nvmlDeviceGetGpuInstanceById.as_ref()).map_err(|e| ("find the NVML function", e))?;
-    let ci_by_id =
-        nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceById.as_ref()).map_err(|e| ("find the NVML function", e))?;
-    let destroy_ci = nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref()).map_err(|e| ("find the NVML function", e))?;
+    let ci_by_id = nvml_sym(lib.nvmlGpuInstanceGetComputeInstanceById.as_ref()).map_err(step(FIND_FUNCTION))?;
+    let destroy_ci = nvml_sym(lib.nvmlComputeInstanceDestroy.as_ref()).map_err(step(FIND_FUNCTION))?;
+    let gi = gpu_instance_by_id(nvml, device, gpu_instance).map_err(step("find the GPU instance"))?;
     // SAFETY: see the module documentation; the handles come from NVML for this device.
-    let gi = unsafe {
-        let mut gi: nvmlGpuInstance_t = std::mem::zeroed();
-        nvml_try(gi_by_id(device.handle(), gpu_instance, &mut gi)).map_err(|e| ("find the GPU instance", e))?;
+    unsafe {
         let mut ci: nvmlComputeInstance_t = std::mem::zeroed();
-        nvml_try(ci_by_id(gi, compute_instance, &mut ci)).map_err(|e| ("find the compute instance", e))?;
-        nvml_try(destroy_ci(ci)).map_err(|e| ("destroy the compute instance", e))?;
-        gi
-    };
-    destroy_gpu_instance(nvml, gi).map_err(|e| ("destroy the GPU instance", e))
+        nvml_try(ci_by_id(gi, compute_instance, &mut ci)).map_err(step("find the compute instance"))?;
+        nvml_try(destroy_ci(ci)).map_err(step("destroy the compute instance"))?;
+    }
+    destroy_gpu_instance(nvml, gi).map_err(step("destroy the GPU instance"))
 }
 
 fn destroy_gpu_instance(nvml: &Nvml, gpu_instance: nvmlGpuInstance_t) -> Result<(), NvmlError> {
@@ -185,9 +188,9 @@ fn mig_device(
     profiles: &[mig::Profile],
     caps_major: Option<u32>,
 ) -> Result<Option<MigDevice>, (&'static str, NvmlError)> {
-    let uuid = mig.uuid().map_err(|e| ("its UUID", e))?;
-    let attributes = mig.attributes().map_err(|e| ("its attributes", e))?;
-    let (gpu_instance, compute_instance) = instance_ids(nvml, mig).map_err(|e| ("its instance IDs", e))?;
+    let uuid = mig.uuid().map_err(step("its UUID"))?;
+    let attributes = mig.attributes().map_err(step("its attributes"))?;
+    let (gpu_instance, compute_instance) = instance_ids(nvml, mig).map_err(step("its instance IDs"))?;
     if attributes.compute_instance_slice_count < attributes.gpu_instance_slice_count {
         warn!(
             gpu = %gpu.uuid, mig = %uuid, gpu_instance, compute_instance,
@@ -197,7 +200,7 @@ fn mig_device(
         );
         return Ok(None);
     }
-    let info = gpu_instance_info(nvml, parent, gpu_instance).map_err(|e| ("its GPU instance", e))?;
+    let info = gpu_instance_info(nvml, parent, gpu_instance).map_err(step("its GPU instance"))?;
     // Matched by NVML's profile ID (what a GPU instance reports), not by the profile index.
     let profile = profiles.iter().find(|p| p.id == info.profileId).map_or_else(
         // A profile the table does not know is named the way NVIDIA names profiles.
@@ -234,15 +237,24 @@ fn instance_ids(nvml: &Nvml, mig: &Device<'_>) -> Result<(u32, u32), NvmlError> 
 }
 
 fn gpu_instance_info(nvml: &Nvml, device: &Device<'_>, id: u32) -> Result<nvmlGpuInstanceInfo_t, NvmlError> {
-    let by_id = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+    let instance = gpu_instance_by_id(nvml, device, id)?;
     let get_info = nvml_sym(nvml.lib().nvmlGpuInstanceGetInfo.as_ref())?;
-    // SAFETY: see the module documentation; both structures are plain C data NVML fills in.
+    // SAFETY: see the module documentation; the structure is plain C data NVML fills in.
     unsafe {
-        let mut instance: nvmlGpuInstance_t = std::mem::zeroed();
-        nvml_try(by_id(device.handle(), id, &mut instance))?;
         let mut info: nvmlGpuInstanceInfo_t = std::mem::zeroed();
         nvml_try(get_info(instance, &mut info))?;
         Ok(info)
+    }
+}
+
+/// The handle of GPU instance `id` on `device`.
+fn gpu_instance_by_id(nvml: &Nvml, device: &Device<'_>, id: u32) -> Result<nvmlGpuInstance_t, NvmlError> {
+    let by_id = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceById.as_ref())?;
+    // SAFETY: see the module documentation; NVML writes one handle.
+    unsafe {
+        let mut instance: nvmlGpuInstance_t = std::mem::zeroed();
+        nvml_try(by_id(device.handle(), id, &mut instance))?;
+        Ok(instance)
     }
 }
 

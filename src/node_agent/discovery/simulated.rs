@@ -168,11 +168,11 @@ impl Discovery for Simulated {
     /// As NVML: refused where [`mig::check_placement`] refuses; the GPU instance gets the lowest ID not in use.
     fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError> {
         let mut gpus = self.gpus();
-        let gpu = placeable(&gpus, index, profile, start)?;
+        let position = placeable(&gpus, index, profile, start)?;
+        let gpu = &mut gpus[position];
         let model = MODELS.iter().find(|m| m.product == gpu.product_name).map_or(0, |m| m.sms_per_slice);
         let gpu_instance = (1..).find(|id| gpu.mig_devices.iter().all(|m| m.gpu_instance != *id)).unwrap_or(1);
         let made = simulated_mig_device(&self.node, gpu, model, profile, start, gpu_instance);
-        let gpu = gpus.iter_mut().find(|g| g.index == index).ok_or(MigControlError::NoGpu { index })?;
         gpu.mig_devices.push(made.clone());
         gpu.mig_devices.sort_by_key(|m| (m.placement_start, m.compute_instance));
         Ok(made)
