@@ -206,6 +206,12 @@ pub struct GpuArgs {
     /// of its `compute` it asks for, none unless named). Not enforced on the GPU: see the README's "Shared GPUs".
     #[arg(long, env = "GPU_DRA_GPU_SHARING", value_enum, default_value_t = crate::node_agent::slices::Sharing::Whole)]
     pub gpu_sharing: crate::node_agent::slices::Sharing,
+    /// How GPUs in MIG mode are published: `static` (the MIG devices an administrator made) or `dynamic` (every
+    /// placement of every MIG profile plus the whole GPU, with counters so the scheduler picks placements that fit
+    /// together; NodePrepareResources makes the MIG device, NodeUnprepareResources destroys it). Dynamic needs
+    /// Kubernetes 1.36+ (DRAPartitionableDevices); see the README's "Dynamic MIG".
+    #[arg(long, env = "GPU_DRA_MIG_LAYOUT", value_enum, default_value_t = crate::node_agent::device::MigLayout::Static)]
+    pub mig_layout: crate::node_agent::device::MigLayout,
 }
 
 impl GpuArgs {

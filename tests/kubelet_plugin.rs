@@ -40,6 +40,7 @@ fn main() {
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
+            test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
         ],
@@ -676,6 +677,60 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
     ensure!(!spec.exists(), "the spec of the earlier boot was kept");
     let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
     ensure!(again.get(&uid).is_some_and(|a| a.error.is_empty()) && spec.exists(), "{again:?}");
+    Ok(())
+}
+
+/// Dynamic MIG, agent killed after making a claim's MIG device and before recording the prepare complete: start-up
+/// destroys that device; the MIG device of a completed prepare and the one an administrator made stay, and the
+/// published counters count the administrator's as used and the completed claim's as the claim's.
+async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let gpus = "1xH100-80GB/mig=1g.10gb";
+    let (half, done) = ("44444444-0000-4000-8000-000000000000", "55555555-0000-4000-8000-000000000000");
+    let mut state = Checkpoint::new("boot-1");
+    for (uid, name, phase, device) in
+        [(half, "half", "PrepareStarted", "gpu-0-mig-19-3-1"), (done, "done", "PrepareCompleted", "gpu-0-mig-14-4-2")]
+    {
+        let entry: ClaimEntry = serde_json::from_value(json!({
+            "namespace": ctx.namespace, "name": name, "state": phase,
+            "devices": [{"requestNames": ["gpus"], "pool": node, "device": device,
+                         "cdiDeviceIds": [format!("{DRIVER}/gpu={uid}-{device}")]}]
+        }))?;
+        state.claims.insert(uid.into(), entry);
+    }
+    CheckpointStore::new(&dirs.state()).save(&state)?;
+    // The simulated driver's record: the administrator's 1g.10gb (GPU instance 1), the interrupted prepare's
+    // 1g.10gb at slice 3 and the completed one's 2g.20gb at slice 4.
+    let layouts = |devices: Value| json!({"spec": gpus, "boot": "boot-1", "gpus": {"0": devices}}).to_string();
+    let kept = dirs.state().join("simulated-mig-devices.json");
+    std::fs::write(&kept, layouts(json!([[19, 0, 1], [19, 3, 2], [14, 4, 3]])))?;
+
+    let agent = start_agent(
+        &ctx,
+        &node,
+        &dirs,
+        &["--gpu-backend", "simulated", "--simulated-gpus", gpus, "--mig-layout", "dynamic"],
+    )?;
+    agent.wait_ready().await?;
+    let left: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
+    ensure!(left["gpus"]["0"] == json!([[19, 0, 1], [14, 4, 3]]), "MIG devices after start: {}", left["gpus"]);
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    ensure!(recorded.claims.keys().eq([done]), "checkpoint after start: {recorded:?}");
+    ensure!(dirs.cdi_spec(done).exists(), "the completed prepare's spec was not re-written");
+    let counters = wait::until("the counters to be published", Duration::from_secs(30), || async {
+        let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+            .await?;
+        Ok(slices.items.into_iter().find_map(|s| s.spec.shared_counters).and_then(|mut sets| sets.pop()))
+    })
+    .await?;
+    let value = |name: &str| counters.counters.get(name).map(|c| c.value.0.clone()).unwrap_or_default();
+    let values = [value("memory-slice-0"), value("memory-slice-3"), value("memory-slice-4"), value("compute-slices")];
+    ensure!(values == ["0", "1", "1", "6"], "counters {:?}", counters.counters);
     Ok(())
 }
 

@@ -11,6 +11,8 @@ mod support;
 
 #[path = "pipeline/compute.rs"]
 mod compute;
+#[path = "pipeline/dynamic_mig.rs"]
+mod dynamic_mig;
 #[path = "pipeline/mig.rs"]
 mod mig;
 
@@ -19,6 +21,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use compute::inference_pods_share_one_gpu_by_compute;
+use dynamic_mig::the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -48,6 +51,7 @@ fn main() {
             test!(inference_pods_share_one_gpu_by_compute),
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
             test!(nvidias_mig_quickstart_runs_as_a_deployment),
+            test!(the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices),
         ],
     )
 }

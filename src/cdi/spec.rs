@@ -219,7 +219,10 @@ mod tests {
         let gpus = Simulated::new("node", "1xH100-80GB,1xH100-80GB/mig=3g.40gb+1g.10gb").map_err(|e| {
             CdiError::InvalidSpec { claim_uid: String::new(), reason: e.to_string(), source: e.to_string().into() }
         })?;
-        let all = crate::node_agent::device::devices(&gpus.discover().unwrap_or_default());
+        let all = crate::node_agent::device::devices(
+            &gpus.discover().unwrap_or_default(),
+            crate::node_agent::device::MigLayout::Static,
+        );
         let names: Vec<String> = all.iter().map(Device::name).collect();
         assert_eq!(names, ["gpu-0", "gpu-1-mig-9-0-4", "gpu-1-mig-19-4-1"]);
         let built = build_claim_spec(&kind, "abc-1", &all, &DriverFiles::simulated())?;

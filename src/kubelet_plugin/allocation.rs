@@ -102,7 +102,7 @@ pub fn plan(
         };
         let config = effective_config(driver, &result.request, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
         let interval = config.sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default();
-        if device.mig.is_some()
+        if device.is_mig()
             && config.sharing.strategy == SharingStrategy::TimeSlicing
             && interval != TimeSliceInterval::Default
         {
@@ -140,7 +140,10 @@ mod tests {
         let simulated =
             crate::node_agent::discovery::simulated::Simulated::new("n", "2xL4-24GB,1xH100-80GB/mig=1g.10gb");
         let gpus = simulated.map(|s| crate::node_agent::discovery::Discovery::discover(&s).unwrap_or_default());
-        for mig in crate::node_agent::device::devices(&gpus.unwrap_or_default()).into_iter().filter(|d| d.mig.is_some())
+        for mig in
+            crate::node_agent::device::devices(&gpus.unwrap_or_default(), crate::node_agent::device::MigLayout::Static)
+                .into_iter()
+                .filter(|d| d.mig.is_some())
         {
             inventory.insert(mig.name(), mig);
         }

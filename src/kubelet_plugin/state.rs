@@ -32,9 +32,11 @@ use super::config::TimeSliceInterval;
 use super::group_commit::Queue;
 pub use super::metrics::Operation;
 use super::metrics::PluginMetrics;
+use super::partitions;
 use super::time_slice;
 use crate::cdi::{self, CdiKind, DriverFiles};
 use crate::node_agent::device::{self, Device};
+use crate::node_agent::discovery::Discovery;
 use crate::node_agent::time_slice_control::TimeSliceControl;
 
 /// A claim's outcome: its devices, or why it was refused.
@@ -90,6 +92,8 @@ pub struct StateConfig {
     pub boot_id: String,
     /// Sets the time slice a claim's `GpuConfig` asks of its GPUs.
     pub time_slices: Arc<dyn TimeSliceControl>,
+    /// Makes and destroys the MIG devices of dynamic MIG partitions ([`super::partitions`]).
+    pub mig_control: Arc<dyn Discovery>,
 }
 
 /// The plugin's state; shared by the gRPC service and start-up recovery.
@@ -102,6 +106,7 @@ pub struct DriverState {
     cdi_dir: PathBuf,
     driver_files: DriverFiles,
     time_slices: Arc<dyn TimeSliceControl>,
+    mig_control: Arc<dyn Discovery>,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
     prepares: Queue<(ClaimRef, Plan), Vec<PreparedDevice>>,
@@ -149,6 +154,7 @@ impl DriverState {
             cdi_dir: config.cdi_dir,
             driver_files: config.driver_files,
             time_slices: config.time_slices,
+            mig_control: config.mig_control,
             store,
             checkpoint: Mutex::new(loaded.checkpoint),
             prepares: Queue::new(metrics.waiting(Operation::Prepare)),
@@ -198,6 +204,12 @@ impl DriverState {
             .filter(|(_, entry)| !entry.recovered)
             .map(|(uid, entry)| (uid.to_owned(), entry.namespace.clone(), entry.name.clone()))
             .collect()
+    }
+
+    /// The device names of every claim the checkpoint lists (being prepared or prepared): the MIG devices of
+    /// dynamic MIG that are this agent's, not an administrator's. Takes the file lock: call it off the async threads.
+    pub fn held_devices(&self) -> BTreeSet<String> {
+        self.lock().claims.values().flat_map(|e| e.devices.iter().map(|d| d.device.clone())).collect()
     }
 
     /// Prepares each claim; one claim's refusal never affects another's answer (a failed checkpoint save fails every
@@ -376,7 +388,12 @@ impl DriverState {
                 recovered: false,
             };
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
-            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks });
+            let look_only = planned
+                .iter()
+                .map(|p| p.device.name())
+                .filter(|name| planned.iter().filter(|p| p.device.name() == *name).all(|p| p.admin_access))
+                .collect();
+            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, look_only });
         }
         if todo.is_empty() {
             return results;
@@ -393,8 +410,12 @@ impl DriverState {
             return results;
         }
         let mut written = Vec::new();
-        for Todo { claim, devices, previous, asks } in todo {
-            let write = self.set_time_slices(checkpoint, &claim, &devices, &asks).and_then(|()| {
+        for Todo { claim, mut devices, previous, asks, look_only } in todo {
+            let mut made = Vec::new();
+            let write = self
+                .make_partitions(&mut devices, &look_only, &mut made)
+                .and_then(|()| self.set_time_slices(checkpoint, &claim, &devices, &asks));
+            let write = write.and_then(|()| {
                 cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &devices, &self.driver_files)
                     .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec))
                     .map_err(|e| e.to_string())
@@ -411,6 +432,10 @@ impl DriverState {
                     // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
                     if previous.is_none() {
                         self.remove_spec_logged(&claim.uid);
+                    }
+                    // MIG devices made for it go, before its entry does: until then a crash leaves them listed.
+                    for device in &made {
+                        self.destroy_partition_logged(device);
                     }
                     restore(checkpoint, &claim.uid, previous);
                     // A GPU set for this claim before a later step failed goes back to what its holders ask.
@@ -447,13 +472,21 @@ impl DriverState {
                 results.push((claim.uid, Ok(())));
                 continue;
             }
-            match cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid) {
+            // Its MIG devices go before its entry: a crash in between leaves them listed, to be destroyed by the
+            // kubelet's next unprepare (the spec is gone already: no container starts with them).
+            let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
+                .map_err(|e| e.to_string())
+                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_partitions(e)));
+            match destroyed {
                 Ok(()) => {
                     if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
                         removed.push((claim, entry));
                     }
                 }
-                Err(e) => results.push((claim.uid, Err(e.to_string()))),
+                Err(e) => {
+                    warn!(claim = %claim, uid = %claim.uid, error = %e, "unpreparing the claim failed");
+                    results.push((claim.uid, Err(e)));
+                }
             }
         }
         if removed.is_empty() {
@@ -527,7 +560,7 @@ impl DriverState {
             .filter(|d| !time_slice::held_by_recovered(checkpoint, &self.pool, d))
             .collect();
         for device in listed {
-            if device::is_mig_device_name(device) {
+            if device::is_mig_device_name(device) || inventory.get(device).is_some_and(Device::is_mig) {
                 // Never set for a MIG device (a checkpoint of an older agent may list one): nothing to set back.
                 checkpoint.time_sliced.remove(device);
                 continue;
@@ -602,12 +635,19 @@ impl DriverState {
         let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
         for uid in &half_done {
             self.remove_spec_logged(uid);
+            if let Some(entry) = checkpoint.claims.get(uid)
+                && let Err(e) = self.destroy_partitions(entry)
+            {
+                // Left listed, so that it stays this agent's: the kubelet prepares the claim again.
+                warn!(%uid, error = %e, "a MIG device made for an interrupted prepare could not be destroyed");
+                continue;
+            }
             checkpoint.claims.remove(uid);
             info!(%uid, "cleaned up a prepare that was interrupted");
         }
         let inventory = self.inventory.borrow().clone();
         let mut rewritten = 0;
-        for (uid, entry) in &checkpoint.claims {
+        for (uid, entry) in checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted) {
             if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
                 continue;
             }
@@ -650,6 +690,45 @@ impl DriverState {
         Ok((half_done.len(), rewritten, orphans))
     }
 
+    /// Makes the MIG device of each dynamic MIG partition among `devices` (admin access, named in `look_only`, only
+    /// finds one that exists); those made are pushed to `made`, to be destroyed if a later step fails.
+    fn make_partitions(
+        &self,
+        devices: &mut [Device],
+        look_only: &BTreeSet<String>,
+        made: &mut Vec<Device>,
+    ) -> Result<(), String> {
+        for device in devices.iter_mut().filter(|d| d.partition.is_some()) {
+            let look = look_only.contains(&device.name());
+            partitions::make(&*self.mig_control, device, look)?;
+            if !look {
+                let uuid = device.mig.as_ref().map(|m| m.uuid.clone()).unwrap_or_default();
+                info!(device = %device.name(), mig = %uuid, "made a MIG device");
+                made.push(device.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Destroys the MIG devices made for `entry` (its dynamic MIG partitions; not those it held with admin access).
+    fn destroy_partitions(&self, entry: &ClaimEntry) -> Result<(), String> {
+        let inventory = self.inventory.borrow().clone();
+        for prepared in entry.devices.iter().filter(|d| !d.admin_access) {
+            let Some(device) = inventory.get(&prepared.device) else { continue };
+            if partitions::destroy(&*self.mig_control, device)? {
+                info!(device = %prepared.device, "destroyed a MIG device");
+            }
+        }
+        Ok(())
+    }
+
+    fn destroy_partition_logged(&self, device: &Device) {
+        match partitions::destroy(&*self.mig_control, device) {
+            Ok(_) => info!(device = %device.name(), "destroyed a MIG device made for a prepare that failed"),
+            Err(e) => warn!(device = %device.name(), error = %e, "destroying a MIG device failed"),
+        }
+    }
+
     fn remove_spec_logged(&self, uid: &str) {
         if let Err(e) = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, uid) {
             warn!(%uid, error = %e, "removing a CDI spec failed");
@@ -682,6 +761,8 @@ struct Todo {
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.
     asks: BTreeMap<String, TimeSliceInterval>,
+    /// Devices it holds with admin access only: a dynamic MIG partition is looked at, not made.
+    look_only: BTreeSet<String>,
 }
 
 /// A claim's plan after the API read.

@@ -1,32 +1,58 @@
-//! What the agent publishes and prepares: a whole GPU, or one MIG device of a GPU in MIG mode. Pure.
+//! What the agent publishes and prepares: a whole GPU, one MIG device of a GPU in MIG mode, or (dynamic MIG) a MIG
+//! device the agent makes when a claim of it is prepared. Pure.
 //!
-//! A GPU in MIG mode is never published whole: CUDA cannot use it whole while MIG is on, and publishing it beside
-//! its MIG devices would let the scheduler hand out both. Its health is its MIG devices' health.
+//! A GPU in MIG mode is never published whole as a GPU: CUDA cannot use it whole while MIG is on, and publishing it
+//! beside its MIG devices would let the scheduler hand out both. With dynamic MIG its whole is the MIG device that
+//! spans it, made on prepare like any other partition. Its health is its MIG devices' health.
 
 use super::gpu::{Gpu, MigDevice};
+use super::mig::{self, Profile};
 
 /// One publishable device.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Device {
     /// The physical GPU (the whole device, or the parent of `mig`).
     pub gpu: Gpu,
+    /// The MIG device, when it exists (for a partition: once made).
     pub mig: Option<MigDevice>,
+    /// Dynamic MIG: the MIG device prepare makes (and unprepare destroys) for the claim allocated this device.
+    pub partition: Option<Partition>,
+}
+
+/// A MIG device of a profile at a placement that dynamic MIG publishes before it exists: the scheduler picks one
+/// (the GPU's counters keep it from overlapping others), NodePrepareResources makes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Partition {
+    pub profile: Profile,
+    /// First memory slice.
+    pub start: u32,
+    /// Published as the GPU itself (`gpu-<minor>`, type `gpu`): the profile spanning every slice, so that claims
+    /// for whole GPUs still find one on a dynamic-MIG node.
+    pub whole: bool,
 }
 
 impl Device {
     /// The whole of `gpu`.
     pub fn whole(gpu: &Gpu) -> Self {
-        Self { gpu: gpu.clone(), mig: None }
+        Self { gpu: gpu.clone(), mig: None, partition: None }
     }
 
     /// The ResourceSlice device name: `gpu-<minor>`, or for a MIG device
     /// `gpu-<minor>-mig-<profile ID>-<placement start>-<placement size>` (NVIDIA's canonical form: the same
-    /// layout gets the same names after a reboot, whatever instance IDs the driver hands out).
+    /// layout gets the same names after a reboot, whatever instance IDs the driver hands out; a partition has the
+    /// name of the MIG device it becomes).
     pub fn name(&self) -> String {
-        match &self.mig {
-            None => self.gpu.device_name(),
-            Some(mig) => mig_device_name(&self.gpu, mig),
+        match (&self.partition, &self.mig) {
+            (Some(p), _) if p.whole => self.gpu.device_name(),
+            (Some(p), _) => placement_name(&self.gpu, p.profile.id, p.start, p.profile.memory_slices),
+            (None, None) => self.gpu.device_name(),
+            (None, Some(mig)) => mig_device_name(&self.gpu, mig),
         }
+    }
+
+    /// Whether CUDA sees a MIG device (a time slice is never set for one).
+    pub fn is_mig(&self) -> bool {
+        self.mig.is_some() || self.partition.is_some()
     }
 
     /// The UUID a CUDA program sees: the GPU's, or the MIG device's `MIG-…`.
@@ -36,8 +62,12 @@ impl Device {
 }
 
 /// The name of `mig` on `gpu` (see [`Device::name`]).
-fn mig_device_name(gpu: &Gpu, mig: &MigDevice) -> String {
-    format!("{}-mig-{}-{}-{}", gpu.device_name(), mig.profile_id, mig.placement_start, mig.placement_size)
+pub fn mig_device_name(gpu: &Gpu, mig: &MigDevice) -> String {
+    placement_name(gpu, mig.profile_id, mig.placement_start, mig.placement_size)
+}
+
+fn placement_name(gpu: &Gpu, profile_id: u32, start: u32, size: u32) -> String {
+    format!("{}-mig-{profile_id}-{start}-{size}", gpu.device_name())
 }
 
 /// The GPU that `name` names: its device name or UUID, or one of its MIG devices' (a fault NVML reports for a MIG
@@ -63,17 +93,48 @@ pub fn is_mig_device_name(name: &str) -> bool {
     mig_parent_name(name).is_some()
 }
 
-/// The devices of `gpus`: each GPU whole, or its MIG devices when MIG mode is on (none when no MIG device exists
-/// yet: such a GPU has nothing a container could use).
-pub fn devices(gpus: &[Gpu]) -> Vec<Device> {
+/// How GPUs in MIG mode are published.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum MigLayout {
+    /// As the MIG devices that exist on them (an administrator made them).
+    Static,
+    /// As every placement of every profile plus the whole, made on prepare ([`Partition`]); GPUs of a model
+    /// without a profile table stay static.
+    Dynamic,
+}
+
+/// The devices of `gpus`: each GPU whole, or when MIG mode is on its MIG devices (none when no MIG device exists
+/// yet: such a GPU has nothing a container could use) or, with [`MigLayout::Dynamic`], its partitions.
+pub fn devices(gpus: &[Gpu], layout: MigLayout) -> Vec<Device> {
     gpus.iter()
         .flat_map(|gpu| -> Vec<Device> {
-            if gpu.mig_enabled {
-                let parent = Gpu { mig_devices: Vec::new(), ..gpu.clone() };
-                gpu.mig_devices.iter().map(|mig| Device { gpu: parent.clone(), mig: Some(mig.clone()) }).collect()
-            } else {
-                vec![Device::whole(gpu)]
+            if !gpu.mig_enabled {
+                return vec![Device::whole(gpu)];
             }
+            let parent = Gpu { mig_devices: Vec::new(), ..gpu.clone() };
+            match (layout, mig::profiles(gpu)) {
+                (MigLayout::Dynamic, Some(profiles)) => partitions(gpu, &parent, &profiles),
+                _ => gpu
+                    .mig_devices
+                    .iter()
+                    .map(|mig| Device { gpu: parent.clone(), mig: Some(mig.clone()), partition: None })
+                    .collect(),
+            }
+        })
+        .collect()
+}
+
+/// Every placement of every profile of `gpu`, then the whole (the profile spanning all memory slices), each with
+/// the MIG device that exists there now, if any.
+fn partitions(gpu: &Gpu, parent: &Gpu, profiles: &[Profile]) -> Vec<Device> {
+    let placements = profiles.iter().flat_map(|p| p.placement_starts.iter().map(move |start| (*p, *start, false)));
+    let whole = profiles.iter().filter(|p| p.memory_slices == mig::MEMORY_SLICES).map(|p| (*p, 0, true));
+    placements
+        .chain(whole)
+        .map(|(profile, start, whole)| Device {
+            gpu: parent.clone(),
+            mig: gpu.mig_devices.iter().find(|m| m.profile_id == profile.id && m.placement_start == start).cloned(),
+            partition: Some(Partition { profile, start, whole }),
         })
         .collect()
 }
@@ -108,7 +169,7 @@ mod tests {
         partitioned.mig_devices = vec![mig("3g.40gb", 9, 1, 0, 4), mig("1g.10gb", 19, 7, 4, 1)];
         let mut empty = test_gpu(2, "0000:03:00.0");
         empty.mig_enabled = true;
-        let all = devices(&[whole, partitioned, empty.clone()]);
+        let all = devices(&[whole, partitioned, empty.clone()], MigLayout::Static);
         let names: Vec<String> = all.iter().map(Device::name).collect();
         assert_eq!(names, ["gpu-0", "gpu-1-mig-9-0-4", "gpu-1-mig-19-4-1"]);
         assert_eq!(all[0].uuid(), all[0].gpu.uuid);
@@ -129,5 +190,28 @@ mod tests {
         assert_eq!(found(&empty.uuid), Some(2), "a GPU in MIG mode without MIG devices is still found");
         assert_eq!(found("gpu-1"), Some(1));
         assert_eq!(found("gpu-7"), None);
+    }
+
+    #[test]
+    fn a_dynamic_mig_gpu_is_every_placement_and_its_whole() {
+        let mut gpu = test_gpu(1, "0000:02:00.0");
+        gpu.mig_enabled = true;
+        gpu.mig_devices = vec![mig("1g.10gb", 19, 2, 5, 1)];
+        let all = devices(std::slice::from_ref(&gpu), MigLayout::Dynamic);
+        // H100: 1g.10gb ×7, 1g.10gb+me ×7, 1g.20gb ×4, 2g.20gb ×3, 3g.40gb ×2, 4g.40gb, 7g.80gb, and the whole.
+        assert_eq!(all.len(), 26);
+        let names: Vec<String> = all.iter().map(Device::name).collect();
+        assert_eq!(names[..2], ["gpu-1-mig-19-0-1", "gpu-1-mig-19-1-1"]);
+        assert_eq!(names[24..], ["gpu-1-mig-0-0-8", "gpu-1"]);
+        assert!(all.iter().all(Device::is_mig), "the whole of a GPU in MIG mode is its 7g MIG device");
+        let made: Vec<String> = all.iter().filter(|d| d.mig.is_some()).map(Device::name).collect();
+        assert_eq!(made, ["gpu-1-mig-19-5-1"], "the MIG device that exists is its placement's");
+        assert!(all.iter().all(|d| d.gpu.mig_devices.is_empty()));
+        let mut unknown = gpu.clone();
+        unknown.product_name = "NVIDIA H100 NVL".into();
+        unknown.memory_bytes = 94 << 30;
+        let static_names: Vec<String> = devices(&[unknown], MigLayout::Dynamic).iter().map(Device::name).collect();
+        assert_eq!(static_names, ["gpu-1-mig-19-5-1"], "a model without a profile table stays static");
+        assert_eq!(devices(&[test_gpu(0, "0000:01:00.0")], MigLayout::Dynamic)[0].name(), "gpu-0");
     }
 }

@@ -52,18 +52,24 @@ const SAMPLE_MIG_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000002";
 /// Runs the check and prints the report to stdout.
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let gpu = &args.gpu;
-    let backend = discovery::backend(gpu, &args.node_name)?;
+    let backend = discovery::backend(gpu, &args.node_name, None)?;
     let gpus = backend.discover()?;
     if gpus.is_empty() {
         return Err(GpuCheckError::NoGpus);
     }
     print!("{}", gpu_table(&gpus));
 
-    let all = device::devices(&gpus);
+    let all = device::devices(&gpus, gpu.mig_layout);
     let devices: Vec<_> = all.iter().map(|d| slices::device(d, gpu.gpu_sharing)).collect();
-    for (i, devices) in slices::split_into_slices(devices, slices::MAX_DEVICES_PER_SLICE).iter().enumerate() {
+    // As the agent publishes them before any claim is prepared: every MIG device there is an administrator's.
+    let counter_sets = gpus
+        .iter()
+        .filter(|g| all.iter().any(|d| d.partition.is_some() && d.gpu.uuid == g.uuid))
+        .map(|g| slices::partitions::counter_set(g, &slices::partitions::foreign(g, &Default::default())))
+        .collect();
+    for (i, content) in slices::pool_slices(devices, counter_sets).iter().enumerate() {
         let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,
-            "pool": {"name": args.node_name, "generation": 1}, "devices": devices});
+            "pool": {"name": args.node_name, "generation": 1}, content.field(): content.items()});
         println!("\nResourceSlice {} spec (as the agent would publish it):", i + 1);
         println!("{}", serde_json::to_string_pretty(&spec).unwrap_or_default());
     }
@@ -247,7 +253,7 @@ fn check_mig_device(
     );
     let listed = |gpus: &[Gpu]| gpus.iter().flat_map(|g| &g.mig_devices).any(|m| m.uuid == made.uuid);
     let seen = backend.discover().map(|gpus| listed(&gpus));
-    let device = Device { gpu: gpu.clone(), mig: Some(made.clone()) };
+    let device = Device { gpu: gpu.clone(), mig: Some(made.clone()), partition: None };
     let spec = cdi::build_claim_spec(kind, SAMPLE_MIG_CLAIM_UID, std::slice::from_ref(&device), driver_files)
         .and_then(|spec| cdi::validate_claim_spec(kind, SAMPLE_MIG_CLAIM_UID, &spec).map(|()| spec))
         .and_then(|spec| cdi::write_claim_spec(&args.cdi_dir, kind, SAMPLE_MIG_CLAIM_UID, &spec));

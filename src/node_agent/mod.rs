@@ -85,8 +85,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if !is_dns_subdomain(&gpu.driver_name) {
         return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
-    let discovery = discovery::backend(gpu, &node)?;
     let boot_id = crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file);
+    let discovery = discovery::backend(gpu, &node, Some((&args.state_dir, &boot_id)))?;
     let settings = PluginSettings {
         driver: gpu.driver_name.clone(),
         node: node.clone(),
@@ -97,6 +97,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),
         time_slices: time_slice_control::backend(gpu, &args.state_dir, &boot_id),
+        mig_control: discovery.clone(),
         boot_id,
     };
     let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
@@ -139,6 +140,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let (discovered, discovered_rx) = watch::channel(Arc::new(Vec::new()));
     health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
     let mut plugin_task = None;
+    let mut plugin_state: Option<Arc<crate::kubelet_plugin::state::DriverState>> = None;
     let mut backoff = BACKOFF_START;
     // The GPUs of the last discovery and their devices: a health change republishes them with new taints at once,
     // without waiting for NVML to answer about a GPU that may have just fallen off the bus.
@@ -151,18 +153,18 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     loop {
         let round = async {
             if health_only && let Some((gpus, devices)) = &known {
-                let outcome = publish(gpus, devices, sharing.current, &publisher, &monitor).await?;
+                let held = held_devices(plugin_state.as_ref()).await;
+                let outcome = publish(gpus, devices, sharing.current, &held, &publisher, &monitor).await?;
                 return Ok::<_, String>((devices.len(), outcome));
             }
             sharing.refresh(&client, &node, &gpu.driver_name).await;
-            let gpus = discover(discovery.clone()).await?;
-            let devices = device::devices(&gpus);
-            let (gpus, devices) = &*known.insert((gpus, devices));
-            inventory.send_replace(Arc::new(devices.iter().map(|d| (d.name(), d.clone())).collect()));
+            let mut gpus = discover(discovery.clone()).await?;
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
             if plugin_task.is_none() {
+                let devices = device::devices(&gpus, mig_layout(gpu.mig_layout, &publisher));
+                inventory.send_replace(inventory_of(&devices));
                 let metrics = plugin_metrics.clone();
                 let (task, state) = plugin::start(
                     &settings,
@@ -175,11 +177,28 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 )
                 .await
                 .map_err(|e| format!("start the kubelet plugin: {e}"))?;
-                monitor.set_holders(state);
+                monitor.set_holders(state.clone());
+                plugin_state = Some(state);
                 plugin_task = Some(task);
+                // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
+                if devices.iter().any(|d| d.partition.is_some()) {
+                    gpus = discover(discovery.clone()).await?;
+                    discovered.send_replace(Arc::new(gpus.clone()));
+                }
             }
-            let outcome = publish(gpus, devices, sharing.current, &publisher, &monitor).await?;
-            Ok::<_, String>((devices.len(), outcome))
+            let held = held_devices(plugin_state.as_ref()).await;
+            loop {
+                let layout = mig_layout(gpu.mig_layout, &publisher);
+                let devices = device::devices(&gpus, layout);
+                inventory.send_replace(inventory_of(&devices));
+                let outcome = publish(&gpus, &devices, sharing.current, &held, &publisher, &monitor).await?;
+                let count = devices.len();
+                known = Some((gpus.clone(), devices));
+                // Unless the API server dropped the counters just now: then the MIG devices as they exist, at once.
+                if mig_layout(gpu.mig_layout, &publisher) == layout {
+                    return Ok::<_, String>((count, outcome));
+                }
+            }
         }
         .await;
         let full = !health_only;
@@ -272,6 +291,24 @@ impl SharingChoice {
     }
 }
 
+/// What the plugin prepares from: `devices` by name.
+fn inventory_of(devices: &[device::Device]) -> Arc<Inventory> {
+    Arc::new(devices.iter().map(|d| (d.name(), d.clone())).collect())
+}
+
+/// The MIG layout to publish: `--mig-layout`, or static once the API server dropped the counters dynamic MIG needs.
+fn mig_layout(asked: device::MigLayout, publisher: &Publisher) -> device::MigLayout {
+    if publisher.counters_dropped() { device::MigLayout::Static } else { asked }
+}
+
+/// The device names the plugin's checkpoint records (none before the plugin started), read off the async threads.
+async fn held_devices(
+    state: Option<&Arc<crate::kubelet_plugin::state::DriverState>>,
+) -> std::collections::BTreeSet<String> {
+    let Some(state) = state.cloned() else { return std::collections::BTreeSet::new() };
+    tokio::task::spawn_blocking(move || state.held_devices()).await.unwrap_or_default()
+}
+
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.
 async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, String> {
     tokio::task::spawn_blocking(move || discovery.discover())
@@ -281,11 +318,13 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
 }
 
 /// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its
-/// GPU's), and publishes them.
+/// GPU's) and, for GPUs published as partitions, their counter sets less what MIG devices no claim in `held` holds
+/// use; and publishes them.
 async fn publish(
     gpus: &[Gpu],
     devices: &[device::Device],
     sharing: slices::Sharing,
+    held: &std::collections::BTreeSet<String>,
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, String> {
@@ -303,9 +342,12 @@ async fn publish(
         })
         .collect();
     monitor.update_health(devices);
-    let max = slices::max_devices_per_slice(&published);
-    let split = slices::split_into_slices(published, max);
-    publisher.publish(&split).await.map_err(|e| e.to_string())
+    let counter_sets = gpus
+        .iter()
+        .filter(|gpu| devices.iter().any(|d| d.partition.is_some() && d.gpu.uuid == gpu.uuid))
+        .map(|gpu| slices::partitions::counter_set(gpu, &slices::partitions::foreign(gpu, held)))
+        .collect();
+    publisher.publish(&slices::pool_slices(published, counter_sets)).await.map_err(|e| e.to_string())
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

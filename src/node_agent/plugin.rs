@@ -39,6 +39,8 @@ pub(super) struct PluginSettings {
     pub(super) boot_id: String,
     /// Sets the time slices claims ask of their GPUs.
     pub(super) time_slices: Arc<dyn TimeSliceControl>,
+    /// Makes and destroys the MIG devices of dynamic MIG: the agent's discovery backend.
+    pub(super) mig_control: Arc<dyn crate::node_agent::discovery::Discovery>,
 }
 
 /// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
@@ -63,6 +65,7 @@ pub(super) async fn start(
         driver_files,
         boot_id: settings.boot_id.clone(),
         time_slices: settings.time_slices.clone(),
+        mig_control: settings.mig_control.clone(),
     };
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;

@@ -90,6 +90,7 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("nodeAgent.gpuBackend=cuda", "at '/nodeAgent/gpuBackend'"),
         ("nodeAgent.gpuBackend=simulated", "at '/nodeAgent/simulatedGpus'"),
         ("nodeAgent.gpuSharing=half", "at '/nodeAgent/gpuSharing'"),
+        ("nodeAgent.migLayout=auto", "at '/nodeAgent/migLayout'"),
         ("driverName=GPU_driver", "at '/driverName'"),
         ("nodeAgent.kubeletDir=var/lib/kubelet", "at '/nodeAgent/kubeletDir'"),
         ("controller.leaderElection.leaseDuration=15", "at '/controller/leaderElection/leaseDuration'"),
@@ -215,6 +216,8 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
     ensure!(env_value(container, "GPU_DRA_DRIVER_NAME") == Some(driver), "driver name: {}", container["env"]);
     let sharing = if all_on { "by-memory" } else { "whole" };
     ensure!(env_value(container, "GPU_DRA_GPU_SHARING") == Some(sharing), "GPU sharing: {}", container["env"]);
+    let mig = if all_on { "dynamic" } else { "static" };
+    ensure!(env_value(container, "GPU_DRA_MIG_LAYOUT") == Some(mig), "MIG layout: {}", container["env"]);
 
     let class = applied
         .iter()

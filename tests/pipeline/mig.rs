@@ -26,29 +26,31 @@ const GPUS: &str = "1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb+1g.10gb,1xH100-80GB"
 /// until that pod is gone; a whole-GPU claim gets GPU 1. A claim asking a time slice of a MIG device is refused at
 /// prepare naming the device; NVIDIA's `MigDeviceConfig` with `TimeSlicing` is accepted.
 pub(super) async fn a_node_in_mig_mode_hands_out_its_mig_devices(ctx: TestContext) -> anyhow::Result<()> {
-    let bed = MigNode::start(&ctx, "mig", GPUS).await?;
+    let bed = MigNode::start(&ctx, "mig", GPUS, &[]).await?;
     let result = hand_out(&ctx, &bed).await;
     bed.remove_classes(&ctx).await;
     result
 }
 
-/// A node of the test's own with simulated GPUs `gpus` (its agent and kubelet side), and the chart's two classes.
-struct MigNode {
-    name: String,
-    dirs: NodeDirs,
-    agent: Component,
-    kubelet: KubeletHarness,
-    gpu_class: String,
-    mig_class: String,
+/// A node of the test's own with simulated GPUs `gpus` (its agent, with `extra` arguments, and kubelet side), and
+/// the chart's two classes.
+pub(super) struct MigNode {
+    pub(super) name: String,
+    pub(super) dirs: NodeDirs,
+    pub(super) agent: Component,
+    pub(super) kubelet: KubeletHarness,
+    pub(super) gpu_class: String,
+    pub(super) mig_class: String,
 }
 
 impl MigNode {
-    async fn start(ctx: &TestContext, name: &str, gpus: &str) -> anyhow::Result<Self> {
+    pub(super) async fn start(ctx: &TestContext, name: &str, gpus: &str, extra: &[&str]) -> anyhow::Result<Self> {
         let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
         let node = format!("e2e-{suffix}-{name}");
         ctx.cluster.add_node(&node)?;
         let dirs = NodeDirs::new()?;
-        let agent = start_agent(ctx, &node, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+        let args = [&["--gpu-backend", "simulated", "--simulated-gpus", gpus], extra].concat();
+        let agent = start_agent(ctx, &node, &dirs, &args)?;
         let kubelet = KubeletHarness::start(ctx, &node, &dirs)?;
         agent.wait_ready().await?;
         kubelet.wait_for("registered", "", std::time::Duration::from_secs(60)).await?;
@@ -65,7 +67,7 @@ impl MigNode {
         Ok(Self { name: node, dirs, agent, kubelet, gpu_class, mig_class })
     }
 
-    async fn remove_classes(&self, ctx: &TestContext) {
+    pub(super) async fn remove_classes(&self, ctx: &TestContext) {
         for class in [&self.gpu_class, &self.mig_class] {
             let _ = Api::<DeviceClass>::all(ctx.client.clone()).delete(class, &DeleteParams::default()).await;
         }
@@ -77,7 +79,7 @@ impl MigNode {
 /// Deployment of such pods), translated to this driver's names, on a node of two A100-40GB laid out for it. Three
 /// replicas: two run, each on one GPU, every container with exactly its own MIG device; the third waits.
 pub(super) async fn nvidias_mig_quickstart_runs_as_a_deployment(ctx: TestContext) -> anyhow::Result<()> {
-    let bed = MigNode::start(&ctx, "migdemo", "2xA100-40GB/mig=1g.5gb+1g.5gb+2g.10gb+3g.20gb").await?;
+    let bed = MigNode::start(&ctx, "migdemo", "2xA100-40GB/mig=1g.5gb+1g.5gb+2g.10gb+3g.20gb", &[]).await?;
     let result = quickstart(&ctx, &bed).await;
     bed.remove_classes(&ctx).await;
     result
@@ -341,13 +343,17 @@ async fn published(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String,
 }
 
 /// The (pool, device) pairs allocated to claim `name` in `namespace`.
-async fn allocated(ctx: &TestContext, namespace: &str, name: &str) -> anyhow::Result<BTreeSet<(String, String)>> {
+pub(super) async fn allocated(
+    ctx: &TestContext,
+    namespace: &str,
+    name: &str,
+) -> anyhow::Result<BTreeSet<(String, String)>> {
     let results = super::allocation_results(ctx, namespace, name).await?;
     Ok(results.into_iter().map(|r| (r.pool, r.device)).collect())
 }
 
 /// Claim `name` with `requests` and `config`, and a pod of the same name on `node` using it.
-async fn claim_and_pod(
+pub(super) async fn claim_and_pod(
     ctx: &TestContext,
     name: &str,
     node: &str,

@@ -33,12 +33,22 @@ pub enum DiscoveryError {
 }
 
 /// The backend `gpu` chooses, for node `node` (simulated UUIDs are stable per node). A bad simulated spec is an
-/// error here, at start-up; NVML problems show only when discovering (the agent then retries).
-pub fn backend(gpu: &crate::cli::GpuArgs, node: &str) -> Result<std::sync::Arc<dyn Discovery>, DiscoveryError> {
+/// error here, at start-up; NVML problems show only when discovering (the agent then retries). Simulated GPUs keep
+/// the MIG devices made on them under `kept` (state directory, boot ID) when given, as a real GPU does.
+pub fn backend(
+    gpu: &crate::cli::GpuArgs,
+    node: &str,
+    kept: Option<(&std::path::Path, &str)>,
+) -> Result<std::sync::Arc<dyn Discovery>, DiscoveryError> {
     Ok(match gpu.gpu_backend {
         crate::cli::GpuBackend::Simulated => {
             let spec = gpu.simulated_gpus.as_deref().ok_or(DiscoveryError::SimulatedSpecMissing)?;
-            std::sync::Arc::new(simulated::Simulated::new(node, spec)?)
+            std::sync::Arc::new(match kept {
+                Some((state_dir, boot_id)) => {
+                    simulated::Simulated::keeping_mig_devices(node, spec, state_dir, boot_id)?
+                }
+                None => simulated::Simulated::new(node, spec)?,
+            })
         }
         crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(
             gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/")),
@@ -74,7 +84,7 @@ pub enum MigControlError {
 
 /// A source of GPUs, which can also make and destroy MIG devices on GPUs in MIG mode (what `gpu-check` verifies on
 /// a GPU machine, and what dynamic MIG prepares claims with).
-pub trait Discovery: Send + Sync {
+pub trait Discovery: Send + Sync + std::fmt::Debug {
     /// The GPUs of this node now.
     fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError>;
 

@@ -101,12 +101,30 @@ pub enum SpecError {
 }
 
 /// Simulated GPUs for one node. MIG devices made and destroyed through [`Discovery`] change what later discoveries
-/// report, for this process's lifetime (the spec's layout is what a restart finds, as a GPU after a reboot).
+/// report: for this process's lifetime, or with [`Simulated::keeping_mig_devices`] for the boot, as on a real GPU
+/// (an agent restarted finds the MIG devices it made; a reboot finds the spec's layout).
 #[derive(Debug)]
 pub struct Simulated {
     node: String,
     gpus: Mutex<Vec<Gpu>>,
+    /// Where the MIG layouts are kept across restarts, and the spec and boot they belong to.
+    kept: Option<KeptLayouts>,
 }
+
+/// The file that keeps simulated MIG layouts: `{"spec": …, "boot": …, "gpus": {"<index>": [[profile ID, first
+/// memory slice, GPU instance], …]}}`, written after every change.
+#[derive(Debug)]
+struct KeptLayouts {
+    path: std::path::PathBuf,
+    spec: String,
+    boot: String,
+}
+
+/// MIG layouts by GPU index: (profile ID, first memory slice, GPU instance) of each MIG device.
+type Layouts = std::collections::BTreeMap<String, Vec<(u32, u32, u32)>>;
+
+/// The file name under the state directory.
+pub const SIMULATED_MIG_FILE: &str = "simulated-mig-devices.json";
 
 impl Simulated {
     /// Parses `spec` for `node`.
@@ -152,7 +170,39 @@ impl Simulated {
         if gpus.is_empty() {
             return Err(SpecError::Empty);
         }
-        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus) })
+        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), kept: None })
+    }
+
+    /// As [`new`](Self::new), with the MIG devices made and destroyed kept in `<state_dir>/`[`SIMULATED_MIG_FILE`]
+    /// for the boot `boot_id`: a file of another spec or boot is ignored (and replaced at the next change), an
+    /// unreadable one too, with a warning.
+    pub fn keeping_mig_devices(
+        node: &str,
+        spec: &str,
+        state_dir: &std::path::Path,
+        boot_id: &str,
+    ) -> Result<Self, SpecError> {
+        let mut simulated = Self::new(node, spec)?;
+        let kept = KeptLayouts {
+            path: state_dir.join(SIMULATED_MIG_FILE),
+            spec: spec.trim().into(),
+            boot: boot_id.trim().into(),
+        };
+        if let Some(layouts) = kept.read() {
+            let gpus = simulated.gpus.get_mut().unwrap_or_else(PoisonError::into_inner);
+            for gpu in gpus.iter_mut().filter(|g| g.mig_enabled) {
+                let model = MODELS.iter().find(|m| m.product == gpu.product_name).map_or(0, |m| m.sms_per_slice);
+                let table = mig::profiles(gpu).unwrap_or_default();
+                let Some(devices) = layouts.get(&gpu.index.to_string()) else { continue };
+                let rebuilt = devices.iter().filter_map(|&(id, start, gpu_instance)| {
+                    let profile = table.iter().find(|p| p.id == id)?;
+                    Some(simulated_mig_device(node, gpu, model, profile, start, gpu_instance))
+                });
+                gpu.mig_devices = rebuilt.collect();
+            }
+        }
+        simulated.kept = Some(kept);
+        Ok(simulated)
     }
 
     fn gpus(&self) -> std::sync::MutexGuard<'_, Vec<Gpu>> {
@@ -175,6 +225,7 @@ impl Discovery for Simulated {
         let made = simulated_mig_device(&self.node, gpu, model, profile, start, gpu_instance);
         gpu.mig_devices.push(made.clone());
         gpu.mig_devices.sort_by_key(|m| (m.placement_start, m.compute_instance));
+        self.keep(&gpus);
         Ok(made)
     }
 
@@ -186,7 +237,46 @@ impl Discovery for Simulated {
         if gpu.mig_devices.len() == before {
             return Err(MigControlError::NotFound { uuid: gpu.uuid.clone(), gpu_instance, compute_instance });
         }
+        self.keep(&gpus);
         Ok(())
+    }
+}
+
+impl Simulated {
+    /// Writes the MIG layouts of `gpus` to the kept file, if any (a failure is a warning: only a restart loses them).
+    fn keep(&self, gpus: &[Gpu]) {
+        let Some(kept) = &self.kept else { return };
+        let layouts: Layouts = gpus
+            .iter()
+            .filter(|g| g.mig_enabled)
+            .map(|g| {
+                let devices = g.mig_devices.iter().map(|m| (m.profile_id, m.placement_start, m.gpu_instance)).collect();
+                (g.index.to_string(), devices)
+            })
+            .collect();
+        let text = serde_json::json!({"spec": kept.spec, "boot": kept.boot, "gpus": layouts}).to_string();
+        if let Err(e) = crate::fsutil::write_atomic(&kept.path, text.as_bytes()) {
+            tracing::warn!(path = %kept.path.display(), error = %e, "keeping the simulated MIG devices failed");
+        }
+    }
+}
+
+impl KeptLayouts {
+    /// The layouts by GPU index, when the file is this spec's and this boot's.
+    fn read(&self) -> Option<Layouts> {
+        let text = std::fs::read_to_string(&self.path).ok()?;
+        let parsed: Result<serde_json::Value, _> = serde_json::from_str(&text);
+        let value = match parsed {
+            Ok(value) => value,
+            Err(e) => {
+                tracing::warn!(path = %self.path.display(), error = %e, "unreadable simulated MIG devices; ignored");
+                return None;
+            }
+        };
+        if value["spec"] != self.spec.as_str() || value["boot"] != self.boot.as_str() {
+            return None;
+        }
+        serde_json::from_value(value["gpus"].clone()).ok()
     }
 }
 
@@ -319,6 +409,30 @@ mod tests {
         assert_eq!(simulated.discover().expect("discover")[0].mig_devices.len(), 1, "the spec's 3g.40gb stays");
         let remade = simulated.create_mig_device(0, &three, 4).expect("room for a second 3g");
         assert_eq!(remade.gpu_instance, 2, "the lowest free instance ID");
+    }
+
+    #[test]
+    fn made_mig_devices_outlive_a_restart_but_not_a_reboot() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let spec = "1xH100-80GB/mig=1g.10gb";
+        let first = Simulated::keeping_mig_devices("node-a", spec, dir.path(), "boot-1").expect("spec");
+        let gpus = first.discover().expect("discover");
+        let profile = mig::profiles(&gpus[0]).and_then(|p| p.into_iter().find(|p| p.name == "3g.40gb"));
+        let made = first.create_mig_device(0, &profile.expect("3g.40gb"), 4).expect("room at 4");
+        let layout = |s: &Simulated| s.discover().expect("discover")[0].mig_devices.clone();
+        let restarted = Simulated::keeping_mig_devices("node-a", spec, dir.path(), "boot-1").expect("spec");
+        assert_eq!(layout(&restarted), layout(&first), "a restarted agent finds the MIG device it made");
+        assert!(layout(&restarted).iter().any(|m| m.uuid == made.uuid));
+        let rebooted = Simulated::keeping_mig_devices("node-a", spec, dir.path(), "boot-2").expect("spec");
+        assert_eq!(layout(&rebooted).len(), 1, "a reboot finds the spec's layout");
+        let other = Simulated::keeping_mig_devices("node-a", "1xH100-80GB/mig=", dir.path(), "boot-1").expect("spec");
+        assert!(layout(&other).is_empty(), "another spec's file is not this one's");
+        restarted.destroy_mig_device(0, made.gpu_instance, 0).expect("destroy");
+        let again = Simulated::keeping_mig_devices("node-a", spec, dir.path(), "boot-1").expect("spec");
+        assert_eq!(layout(&again).len(), 1, "destroyed, it stays gone");
+        std::fs::write(dir.path().join(SIMULATED_MIG_FILE), "{").expect("write");
+        let garbled = Simulated::keeping_mig_devices("node-a", spec, dir.path(), "boot-1").expect("spec");
+        assert_eq!(layout(&garbled).len(), 1, "an unreadable file is ignored");
     }
 
     #[test]

@@ -14,6 +14,8 @@ pub enum DroppedField {
     Taints,
     /// `allowMultipleAllocations` (DRAConsumableCapacity): GPUs are not shared.
     AllowMultipleAllocations,
+    /// `consumesCounters` (DRAPartitionableDevices): dynamic MIG placements could overlap.
+    ConsumesCounters,
 }
 
 impl DroppedField {
@@ -22,6 +24,7 @@ impl DroppedField {
         match self {
             DroppedField::Taints => "taints",
             DroppedField::AllowMultipleAllocations => "allowMultipleAllocations",
+            DroppedField::ConsumesCounters => "consumesCounters",
         }
     }
 
@@ -30,6 +33,7 @@ impl DroppedField {
         match self {
             DroppedField::Taints => "DRADeviceTaints",
             DroppedField::AllowMultipleAllocations => "DRAConsumableCapacity",
+            DroppedField::ConsumesCounters => "DRAPartitionableDevices",
         }
     }
 
@@ -45,6 +49,11 @@ impl DroppedField {
                 "GPUs are not shared: each goes to one claim at a time (--gpu-sharing by-memory has no effect); \
                  enable the gate on kube-apiserver and kube-scheduler (on by default from Kubernetes 1.36), then \
                  restart the node agents to publish the field again; or use --gpu-sharing whole"
+            }
+            DroppedField::ConsumesCounters => {
+                "dynamic MIG is off: the agent publishes the MIG devices that exist instead, at once (--mig-layout \
+                 static); enable the gate on kube-apiserver and kube-scheduler (on by default from Kubernetes 1.36), \
+                 then restart the node agents"
             }
         }
     }
@@ -65,6 +74,10 @@ pub fn dropped_fields(sent: &[Value], stored: &ResourceSlice) -> Vec<DroppedFiel
         }
         if device["allowMultipleAllocations"] == Value::Bool(true) && kept.allow_multiple_allocations != Some(true) {
             dropped.push(DroppedField::AllowMultipleAllocations);
+        }
+        let sent_counters = device["consumesCounters"].as_array().is_some_and(|c| !c.is_empty());
+        if sent_counters && kept.consumes_counters.as_ref().is_none_or(Vec::is_empty) {
+            dropped.push(DroppedField::ConsumesCounters);
         }
     }
     dropped.sort();
@@ -123,6 +136,16 @@ mod tests {
     }
 
     #[test]
+    fn consumed_counters_the_server_dropped_are_named() {
+        let consumes = json!([{"counterSet": "gpu-0-counter-set", "counters": {"compute-slices": {"value": "1"}}}]);
+        let sent = [json!({"name": "gpu-0-mig-19-0-1", "consumesCounters": consumes})];
+        let lost = stored(json!([{"name": "gpu-0-mig-19-0-1"}]));
+        assert_eq!(dropped_fields(&sent, &lost), vec![DroppedField::ConsumesCounters]);
+        let kept = stored(json!([{"name": "gpu-0-mig-19-0-1", "consumesCounters": consumes}]));
+        assert_eq!(dropped_fields(&sent, &kept), vec![]);
+    }
+
+    #[test]
     fn fields_never_sent_are_never_missed() {
         let sent =
             [json!({"name": "gpu-0"}), json!({"name": "gpu-1", "taints": [], "allowMultipleAllocations": false})];
@@ -133,7 +156,7 @@ mod tests {
 
     #[test]
     fn every_field_names_its_gate_and_what_to_do() {
-        for field in [DroppedField::Taints, DroppedField::AllowMultipleAllocations] {
+        for field in [DroppedField::Taints, DroppedField::AllowMultipleAllocations, DroppedField::ConsumesCounters] {
             assert!(field.feature_gate().starts_with("DRA"));
             assert!(field.consequence().contains("enable the gate"), "{field:?}");
         }

@@ -1,8 +1,10 @@
 //! ResourceSlices: the devices the agent publishes (pure: built from discovered GPUs, split into slices of at most
-//! [`MAX_DEVICES_PER_SLICE`]) and the publisher that makes the API server hold exactly them.
+//! [`MAX_DEVICES_PER_SLICE`]; with dynamic MIG, counter sets in slices of their own) and the publisher that makes
+//! the API server hold exactly them.
 
 pub mod dropped;
 pub mod node_sharing;
+pub mod partitions;
 pub mod publisher;
 
 use serde_json::{Map, Value, json};
@@ -41,9 +43,10 @@ pub const MIN_SHARED_MEMORY_BYTES: u64 = 1 << 30;
 /// The ResourceSlice device for `device`, with the attribute names NVIDIA's DRA driver publishes, so existing
 /// DeviceClasses and CEL selectors keep working. A MIG device is always published whole (`sharing` is for GPUs).
 pub fn device(device: &Device, sharing: Sharing) -> Value {
-    match &device.mig {
-        None => gpu_device(&device.gpu, sharing),
-        Some(mig) => mig_device(device, mig),
+    match (&device.partition, &device.mig) {
+        (Some(partition), _) => partitions::device(device, partition),
+        (None, None) => gpu_device(&device.gpu, sharing),
+        (None, Some(mig)) => mig_device(device, mig),
     }
 }
 
@@ -152,6 +155,66 @@ fn memory_quantity(bytes: u64) -> String {
     if bytes.is_multiple_of(1 << 20) { format!("{}Mi", bytes >> 20) } else { bytes.to_string() }
 }
 
+/// What one ResourceSlice holds: devices, or the counter sets that devices in the pool's other slices consume (from
+/// Kubernetes 1.36 a slice holds one or the other).
+#[derive(Debug, Clone, PartialEq)]
+pub enum SliceContent {
+    Devices(Vec<Value>),
+    Counters(Vec<Value>),
+}
+
+impl SliceContent {
+    /// The spec field it fills: `devices` or `sharedCounters`.
+    pub fn field(&self) -> &'static str {
+        match self {
+            SliceContent::Devices(_) => "devices",
+            SliceContent::Counters(_) => "sharedCounters",
+        }
+    }
+
+    pub fn items(&self) -> &[Value] {
+        match self {
+            SliceContent::Devices(items) | SliceContent::Counters(items) => items,
+        }
+    }
+
+    /// Its devices (none in a counter slice).
+    pub fn devices(&self) -> &[Value] {
+        match self {
+            SliceContent::Devices(devices) => devices,
+            SliceContent::Counters(_) => &[],
+        }
+    }
+}
+
+/// The node's pool: devices that consume no counters split as [`split_into_slices`] does (at
+/// [`max_devices_per_slice`]), then one slice per counter set holding the devices that consume it (a GPU's
+/// partitions: 26 on an H100, within the API's 64), then the counter sets, [`partitions::MAX_COUNTER_SETS_PER_SLICE`]
+/// to a slice.
+pub fn pool_slices(devices: Vec<Value>, counter_sets: Vec<Value>) -> Vec<SliceContent> {
+    let (partitioned, plain): (Vec<Value>, Vec<Value>) =
+        devices.into_iter().partition(|d| partitions::consumed_counter_set(d).is_some());
+    let mut pool: Vec<SliceContent> = if plain.is_empty() && !partitioned.is_empty() {
+        Vec::new()
+    } else {
+        let max = max_devices_per_slice(&plain);
+        split_into_slices(plain, max).into_iter().map(SliceContent::Devices).collect()
+    };
+    let mut by_set: std::collections::BTreeMap<String, Vec<Value>> = std::collections::BTreeMap::new();
+    for device in partitioned {
+        let set = partitions::consumed_counter_set(&device).unwrap_or_default().to_string();
+        by_set.entry(set).or_default().push(device);
+    }
+    for devices in by_set.into_values() {
+        let slices = split_into_slices(devices, partitions::MAX_DEVICES_PER_SLICE_WITH_COUNTERS);
+        pool.extend(slices.into_iter().map(SliceContent::Devices));
+    }
+    for chunk in counter_sets.chunks(partitions::MAX_COUNTER_SETS_PER_SLICE) {
+        pool.push(SliceContent::Counters(chunk.to_vec()));
+    }
+    pool
+}
+
 /// Devices sorted by name, split into slices of at most `max` (at least one slice, possibly empty: a pool
 /// is published even when the node has no GPU, so the scheduler knows there is none).
 pub fn split_into_slices(mut devices: Vec<Value>, max: usize) -> Vec<Vec<Value>> {
@@ -223,7 +286,7 @@ mod tests {
     #[test]
     fn a_mig_device_is_published_with_its_profile_and_parent() {
         let gpus = gpus("1xH100-80GB/mig=3g.40gb+1g.10gb");
-        let devices = crate::node_agent::device::devices(&gpus);
+        let devices = crate::node_agent::device::devices(&gpus, crate::node_agent::device::MigLayout::Static);
         assert_eq!(devices.len(), 2, "a GPU in MIG mode is its MIG devices only");
         // Sharing by memory is for whole GPUs: a MIG device is always one claim's.
         let d = device(&devices[1], Sharing::ByMemory);
@@ -272,6 +335,29 @@ mod tests {
         assert_eq!(slices[0][9]["name"], "gpu-9");
         assert_eq!(slices[0][10]["name"], "gpu-10");
         assert_eq!(split_into_slices(Vec::new(), 128), vec![Vec::<Value>::new()]);
+    }
+
+    #[test]
+    fn partitions_get_a_slice_per_gpu_and_counters_slices_of_their_own() {
+        let gpus = gpus("2xL4-24GB,9xH100-80GB/mig=");
+        let devices = crate::node_agent::device::devices(&gpus, crate::node_agent::device::MigLayout::Dynamic);
+        let published: Vec<Value> = devices.iter().map(|d| device(d, Sharing::Whole)).collect();
+        let sets: Vec<Value> = gpus[2..].iter().map(|g| partitions::counter_set(g, &[])).collect();
+        let pool = pool_slices(published, sets);
+        let shape: Vec<(&str, usize)> = pool.iter().map(|s| (s.field(), s.items().len())).collect();
+        let mut want = vec![("devices", 2)];
+        want.extend([("devices", 26); 9]);
+        want.extend([("sharedCounters", 8), ("sharedCounters", 1)]);
+        assert_eq!(shape, want, "whole GPUs; each MIG GPU's partitions; counter sets 8 to a slice");
+        for slice in &pool[1..10] {
+            let sets: std::collections::BTreeSet<_> =
+                slice.devices().iter().filter_map(partitions::consumed_counter_set).collect();
+            assert_eq!(sets.len(), 1, "one GPU's partitions per slice");
+        }
+        assert!(pool[10].devices().is_empty(), "a counter slice has no devices");
+        let only = pool_slices(vec![device(&devices[2], Sharing::Whole)], vec![partitions::counter_set(&gpus[2], &[])]);
+        assert_eq!(only.iter().map(SliceContent::field).collect::<Vec<_>>(), ["devices", "sharedCounters"]);
+        assert_eq!(pool_slices(Vec::new(), Vec::new()), vec![SliceContent::Devices(Vec::new())]);
     }
 
     #[test]

@@ -15,7 +15,8 @@ use kube::{Client, ResourceExt};
 use serde_json::{Value, json};
 use tracing::{info, warn};
 
-use super::dropped::dropped_fields;
+use super::SliceContent;
+use super::dropped::{DroppedField, dropped_fields};
 
 /// Annotation holding the hash of a slice's devices.
 pub const DEVICES_HASH_ANNOTATION: &str = "gpu-dra.dev/devices-hash";
@@ -65,6 +66,9 @@ pub struct Publisher {
     /// agent start, so that a gate turned on since is picked up by restarting the agents, without rewriting the
     /// pool every resync where the gate stays off.
     checked_dropped: Arc<AtomicBool>,
+    /// Whether the API server dropped the devices' `consumesCounters` (DRAPartitionableDevices off): dynamic MIG
+    /// cannot work, and the agent publishes MIG devices as they exist instead.
+    counters_dropped: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -88,7 +92,14 @@ impl Publisher {
             node: node.into(),
             last_generation: Arc::default(),
             checked_dropped: Arc::default(),
+            counters_dropped: Arc::default(),
         }
+    }
+
+    /// Whether a publish found the devices' `consumesCounters` dropped by the API server (see
+    /// [`DroppedField::ConsumesCounters`]); stays set for the agent's life.
+    pub fn counters_dropped(&self) -> bool {
+        self.counters_dropped.load(Ordering::Relaxed)
     }
 
     fn api(&self) -> Api<ResourceSlice> {
@@ -100,15 +111,15 @@ impl Publisher {
         format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
     }
 
-    /// Publishes `slices` (device lists, from [`super::split_into_slices`]) as the node's pool.
-    pub async fn publish(&self, slices: &[Vec<Value>]) -> Result<Outcome, PublishError> {
+    /// Publishes `slices` (from [`super::pool_slices`]) as the node's pool.
+    pub async fn publish(&self, slices: &[SliceContent]) -> Result<Outcome, PublishError> {
         let existing = self
             .api()
             .list(&ListParams::default().fields(&self.field_selector()))
             .await
             .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
             .items;
-        let hashes: Vec<String> = slices.iter().map(|devices| devices_hash(devices)).collect();
+        let hashes: Vec<String> = slices.iter().map(content_hash).collect();
         let generation = existing.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
         let current: Vec<&ResourceSlice> =
             existing.iter().filter(|s| s.spec.pool.name == self.node && s.spec.pool.generation == generation).collect();
@@ -130,7 +141,7 @@ impl Publisher {
 
         let node_uid = self.node_uid().await?;
         let generation = generation.max(self.last_generation.load(Ordering::Relaxed)) + 1;
-        for (devices, hash) in slices.iter().zip(&hashes) {
+        for (content, hash) in slices.iter().zip(&hashes) {
             let slice: ResourceSlice = serde_json::from_value(json!({
                 "metadata": {
                     "generateName": format!("{}-{}-", self.node, self.driver),
@@ -141,7 +152,7 @@ impl Publisher {
                     "driver": self.driver,
                     "nodeName": self.node,
                     "pool": {"name": self.node, "generation": generation, "resourceSliceCount": slices.len()},
-                    "devices": devices
+                    content.field(): content.items()
                 }
             }))
             .map_err(PublishError::Encode)?;
@@ -150,7 +161,10 @@ impl Publisher {
                 .create(&PostParams::default(), &slice)
                 .await
                 .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
-            for field in dropped_fields(devices, &stored) {
+            for field in dropped_fields(content.devices(), &stored) {
+                if field == DroppedField::ConsumesCounters {
+                    self.counters_dropped.store(true, Ordering::Relaxed);
+                }
                 warn!(
                     node = %self.node,
                     slice = %stored.name_any(),
@@ -178,7 +192,7 @@ impl Publisher {
         self.last_generation.store(generation, Ordering::Relaxed);
         // Just written and checked (the warnings above): the pool counts as checked for dropped fields.
         self.checked_dropped.store(true, Ordering::Relaxed);
-        let devices: usize = slices.iter().map(Vec::len).sum();
+        let devices: usize = slices.iter().map(|s| s.devices().len()).sum();
         info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
         Ok(Outcome::Published { generation, slices: slices.len() })
     }
@@ -193,15 +207,24 @@ impl Publisher {
     }
 }
 
-/// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by their devices hash in
+/// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by their content hash in
 /// `hashes`) were sent with.
-fn stored_lack_fields(slices: &[Vec<Value>], hashes: &[String], current: &[&ResourceSlice]) -> bool {
-    slices.iter().zip(hashes).any(|(devices, hash)| {
+fn stored_lack_fields(slices: &[SliceContent], hashes: &[String], current: &[&ResourceSlice]) -> bool {
+    slices.iter().zip(hashes).any(|(content, hash)| {
         current
             .iter()
             .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(hash))
-            .any(|stored| !dropped_fields(devices, stored).is_empty())
+            .any(|stored| !dropped_fields(content.devices(), stored).is_empty())
     })
+}
+
+/// A stable hash of a slice's content: of its device list as before counter slices existed (a pool published by
+/// an older agent is not rewritten for nothing), of the field and its items for a counter slice.
+fn content_hash(content: &SliceContent) -> String {
+    match content {
+        SliceContent::Devices(devices) => devices_hash(devices),
+        SliceContent::Counters(sets) => devices_hash(&[json!({content.field(): sets})]),
+    }
 }
 
 /// A stable hash of a device list (over its JSON, which serde_json writes with sorted keys).

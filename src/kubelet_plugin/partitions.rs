@@ -1,0 +1,100 @@
+//! Dynamic MIG on the node: the MIG device of each allocated partition made when its claim is prepared, and
+//! destroyed when the claim is unprepared or its prepare is abandoned (see [`crate::node_agent::device::Partition`]).
+//!
+//! Only MIG devices the checkpoint lists for a claim are ever destroyed, found by their placement (the name records
+//! it), so a MIG device an administrator made is never touched. Calls go through the discovery backend (NVML, or
+//! the simulated GPUs) and may block: callers hold the state lock off the async threads.
+
+use crate::node_agent::device::{Device, Partition};
+use crate::node_agent::discovery::Discovery;
+use crate::node_agent::gpu::{Gpu, MigDevice};
+
+/// The MIG device at `partition`'s placement of `gpu` (the GPU as discovery reports it now), if one exists.
+fn at_placement<'a>(gpu: &'a Gpu, partition: &Partition) -> Option<&'a MigDevice> {
+    gpu.mig_devices.iter().find(|m| {
+        m.placement_start == partition.start
+            && m.profile_id == partition.profile.id
+            && m.placement_size == partition.profile.memory_slices
+    })
+}
+
+/// The GPU of `device` as discovery reports it now.
+fn current_gpu(control: &dyn Discovery, device: &Device) -> Result<Gpu, String> {
+    let gpus =
+        control.discover().map_err(|e| format!("discover GPU {} to find its MIG devices: {e}", device.gpu.uuid))?;
+    gpus.into_iter()
+        .find(|g| g.uuid == device.gpu.uuid)
+        .ok_or_else(|| format!("GPU {} ({}) is gone from this node", device.gpu.uuid, device.name()))
+}
+
+/// Makes the MIG device of `device` when it is a partition, and fills in `device.mig` with it. `look_only`
+/// (admin access) makes nothing: the device must exist. A device that is not a partition is left as it is.
+pub fn make(control: &dyn Discovery, device: &mut Device, look_only: bool) -> Result<(), String> {
+    let Some(partition) = device.partition else { return Ok(()) };
+    let name = device.name();
+    if look_only {
+        let gpu = current_gpu(control, device)?;
+        let existing = at_placement(&gpu, &partition).cloned().ok_or_else(|| {
+            format!(
+                "admin access to {name} ({} at memory slice {}): no such MIG device exists now (dynamic MIG makes \
+                 one only for a claim that uses it), so there is nothing to look at",
+                partition.profile.name, partition.start
+            )
+        })?;
+        device.mig = Some(existing);
+        return Ok(());
+    }
+    let made = control.create_mig_device(device.gpu.index, &partition.profile, partition.start).map_err(|e| {
+        format!("make MIG device {name} ({} at memory slice {}): {e}", partition.profile.name, partition.start)
+    })?;
+    device.mig = Some(made);
+    Ok(())
+}
+
+/// Destroys the MIG device at `device`'s placement when it is a partition and one exists there; nothing to do
+/// otherwise (already destroyed, or never made).
+pub fn destroy(control: &dyn Discovery, device: &Device) -> Result<bool, String> {
+    let Some(partition) = device.partition else { return Ok(false) };
+    let gpu = current_gpu(control, device)?;
+    let Some(mig) = at_placement(&gpu, &partition) else { return Ok(false) };
+    control
+        .destroy_mig_device(gpu.index, mig.gpu_instance, mig.compute_instance)
+        .map_err(|e| format!("destroy MIG device {} ({}): {e}", device.name(), mig.uuid))?;
+    Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::node_agent::device::{MigLayout, devices};
+    use crate::node_agent::discovery::simulated::Simulated;
+
+    #[test]
+    fn a_partition_is_made_on_prepare_and_destroyed_after() {
+        let simulated = Simulated::new("node", "1xH100-80GB/mig=1g.10gb").expect("spec");
+        let gpus = simulated.discover().expect("discover");
+        let all = devices(&gpus, MigLayout::Dynamic);
+        let named = |name: &str| all.iter().find(|d| d.name() == name).cloned().expect(name);
+        let mut three = named("gpu-0-mig-9-4-4");
+        make(&simulated, &mut three, false).expect("room for a 3g.40gb at slice 4");
+        let made = three.mig.clone().expect("made");
+        assert_eq!((made.profile.as_str(), made.placement_start), ("3g.40gb", 4));
+        let mut again = named("gpu-0-mig-9-4-4");
+        let overlap = make(&simulated, &mut again, false).expect_err("taken");
+        assert!(overlap.contains("make MIG device gpu-0-mig-9-4-4") && overlap.contains("overlaps"), "{overlap}");
+        let mut look = named("gpu-0-mig-9-4-4");
+        make(&simulated, &mut look, true).expect("admin access looks at the made device");
+        assert_eq!(look.mig.as_ref().map(|m| &m.uuid), Some(&made.uuid));
+        let mut absent = named("gpu-0-mig-14-2-2");
+        let refused = make(&simulated, &mut absent, true).expect_err("nothing there");
+        assert!(refused.contains("no such MIG device exists now"), "{refused}");
+        assert_eq!(destroy(&simulated, &three), Ok(true));
+        assert_eq!(destroy(&simulated, &three), Ok(false), "gone already: nothing to do");
+        let left: Vec<String> =
+            simulated.discover().expect("discover")[0].mig_devices.iter().map(|m| m.profile.clone()).collect();
+        assert_eq!(left, ["1g.10gb"], "the administrator's 1g.10gb is never touched");
+        let mut whole = named("gpu-0");
+        let busy = make(&simulated, &mut whole, false).expect_err("the 1g.10gb is in the way");
+        assert!(busy.contains("7g.80gb"), "{busy}");
+    }
+}

@@ -1,0 +1,189 @@
+//! Dynamic MIG (`--mig-layout dynamic`): two H100s in MIG mode, GPU 0 empty, GPU 1 holding a `1g.10gb` an
+//! administrator made. The agent publishes every placement of every profile and each GPU whole, with counter sets;
+//! the real scheduler picks placements that fit together; the kubelet's DRA code prepares them, which makes the MIG
+//! devices, and unprepares them, which destroys them. The administrator's device is never touched.
+
+use std::collections::BTreeSet;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::{Value, json};
+
+use super::mig::{MigNode, allocated, claim_and_pod};
+use super::support::node::{DRIVER, start_agent};
+use super::support::{self, TestContext, objects, wait};
+use super::{PREPARE_TIMEOUT, inject, pod_using};
+
+const GPUS: &str = "1xH100-80GB/mig=,1xH100-80GB/mig=1g.10gb";
+
+/// A pod asking `4g.40gb` + `2g.20gb` + `1g.10gb` (all seven compute slices, slice 0 included) can only go on GPU
+/// 0, and gets those three MIG devices made there; a `1g.10gb` pod goes beside the administrator's device on GPU 1;
+/// a whole-GPU claim waits while GPU 0 is partitioned (GPU 1 never is whole: a MIG device no claim holds is on it)
+/// and gets GPU 0 once the first pod is gone and its MIG devices destroyed. The agent is killed and restarted while
+/// the whole GPU is prepared: the MIG device it made is still its own, and unprepare destroys it. Before 1.36
+/// (DRAPartitionableDevices off) the API server drops the counters: the agent says so and publishes the MIG
+/// devices that exist instead.
+pub(super) async fn the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = MigNode::start(&ctx, "dynmig", GPUS, &["--mig-layout", "dynamic"]).await?;
+    let result = partition(&ctx, &mut bed).await;
+    bed.remove_classes(&ctx).await;
+    result
+}
+
+async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
+    let ns = ctx.namespace.as_str();
+    let node = bed.name.clone();
+    if support::cluster::kubernetes_minor()? < 36 {
+        let warning = "the API server dropped the devices' consumesCounters (feature gate DRAPartitionableDevices off)";
+        wait::until("the agent to warn that the counters were dropped", PREPARE_TIMEOUT, || async {
+            Ok(bed.agent.log_text().contains(warning).then_some(()))
+        })
+        .await?;
+        wait::until("the MIG devices that exist to be published instead", PREPARE_TIMEOUT, || async {
+            let names: Vec<String> =
+                objects::published_devices(&ctx.client, &node).await?.into_iter().map(|d| d.name).collect();
+            Ok((names == ["gpu-1-mig-19-0-1"]).then_some(()))
+        })
+        .await?;
+        return Ok(());
+    }
+    let pool = wait::until("the partitions and counters to be published", PREPARE_TIMEOUT, || async {
+        let pool = read_pool(ctx, &node).await?;
+        Ok((pool.devices.len() == 52 && pool.counters.len() == 2).then_some(pool))
+    })
+    .await?;
+    ensure!(
+        pool.counters
+            .get("gpu-1-counter-set")
+            .is_some_and(|c| c["memory-slice-0"] == "0" && c["compute-slices"] == "6"),
+        "the administrator's 1g.10gb is not counted as used: {:?}",
+        pool.counters
+    );
+    let _controller = super::support::process::Component::controller(ctx, &[]).await?;
+    let (gpu_class, mig_class) = (bed.gpu_class.clone(), bed.mig_class.clone());
+    let profile = |name: &str, p: &str| {
+        let selector = format!("device.attributes['{DRIVER}'].profile == '{p}'");
+        json!({"name": name, "exactly": {"deviceClassName": mig_class, "selectors": [{"cel": {"expression": selector}}]}})
+    };
+    // One GPU's three MIG devices (NVIDIA's quickstart keeps a pod's MIG devices on one parent the same way).
+    let mixed: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "mixed"},
+        "spec": {"devices": {
+            "requests": [profile("big", "4g.40gb"), profile("mid", "2g.20gb"), profile("small", "1g.10gb")],
+            "constraints": [{"matchAttribute": format!("{DRIVER}/parentUUID")}]}}
+    }))?;
+    objects::claims(ctx).create(&PostParams::default(), &mixed).await?;
+    objects::pods(ctx).create(&PostParams::default(), &pod_using("mixed", &node, "mixed")?).await?;
+    let prepared = bed.kubelet.wait_for("prepared", &format!("{ns}/mixed"), PREPARE_TIMEOUT).await?;
+    let got: BTreeSet<String> = allocated(ctx, ns, "mixed").await?.into_iter().map(|(_, d)| d).collect();
+    let want = BTreeSet::from(["gpu-0-mig-5-0-4", "gpu-0-mig-14-4-2", "gpu-0-mig-19-6-1"].map(String::from));
+    ensure!(got == want, "allocated {got:?}, expected {want:?}");
+    ensure!(made(bed, 0)? == [(5, 0), (14, 4), (19, 6)], "made on GPU 0: {:?}", made(bed, 0)?);
+    let ids: Vec<String> = serde_json::from_value(prepared["containers"]["app"].clone())?;
+    let (nodes, env) = inject(&bed.dirs, &ids)?;
+    let caps = nodes.iter().filter(|n| n.starts_with("/dev/nvidia-caps/")).count();
+    ensure!(caps == 6 && nodes.contains("/dev/nvidia0"), "injected {nodes:?}");
+    let uuids = env.iter().find_map(|e| e.strip_prefix("GPU_DRA_GPU_UUIDS=")).context("no GPU_DRA_GPU_UUIDS")?;
+    ensure!(uuids.split(',').filter(|u| u.starts_with("MIG-")).count() == 3, "env {env:?}");
+
+    // Beside the administrator's device on GPU 1.
+    claim_and_pod(ctx, "side", &node, json!([profile("small", "1g.10gb")]), json!([])).await?;
+    bed.kubelet.wait_for("prepared", &format!("{ns}/side"), PREPARE_TIMEOUT).await?;
+    let side: Vec<String> = allocated(ctx, ns, "side").await?.into_iter().map(|(_, d)| d).collect();
+    ensure!(
+        side.len() == 1 && side[0].starts_with("gpu-1-mig-19-") && side[0] != "gpu-1-mig-19-0-1",
+        "side got {side:?}"
+    );
+    ensure!(made(bed, 1)?.len() == 2, "GPU 1: {:?}", made(bed, 1)?);
+
+    // A whole GPU waits while GPU 0 is partitioned.
+    let whole = json!([{"name": "gpu", "exactly": {"deviceClassName": gpu_class}}]);
+    claim_and_pod(ctx, "whole", &node, whole, json!([])).await?;
+    let why = objects::unschedulable(&ctx.client, ns, "whole", PREPARE_TIMEOUT).await?;
+    // GPU 1 first (the whole GPU still waits), then GPU 0: once its pod's MIG devices are destroyed, the whole GPU
+    // is allocated and its 7g.80gb made (which the three would have been in the way of).
+    for pod in ["side", "mixed"] {
+        let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+        objects::pods(ctx).delete(pod, &now).await?;
+        bed.kubelet.wait_for("unprepared", &format!("{ns}/{pod}"), PREPARE_TIMEOUT).await?;
+        objects::claims(ctx).delete(pod, &DeleteParams::default()).await?;
+    }
+    ensure!(made(bed, 1)? == [(19, 0)], "GPU 1 is back to the administrator's device: {:?}", made(bed, 1)?);
+    bed.kubelet.wait_for("prepared", &format!("{ns}/whole"), PREPARE_TIMEOUT).await?;
+    let whole: Vec<String> = allocated(ctx, ns, "whole").await?.into_iter().map(|(_, d)| d).collect();
+    ensure!(whole == ["gpu-0"], "the whole-GPU claim got {whole:?}");
+    ensure!(made(bed, 0)? == [(0, 0)], "GPU 0 should hold its 7g.80gb alone: {:?}", made(bed, 0)?);
+
+    // The agent dies and comes back: the 7g device is still the whole claim's, not an administrator's.
+    bed.agent.kill()?;
+    bed.agent = start_agent(
+        ctx,
+        &node,
+        &bed.dirs,
+        &["--gpu-backend", "simulated", "--simulated-gpus", GPUS, "--mig-layout", "dynamic"],
+    )?;
+    bed.agent.wait_ready().await?;
+    wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
+        Ok((bed.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
+    })
+    .await?;
+    let after = wait::until("the pool after the restart", PREPARE_TIMEOUT, || async {
+        let pool = read_pool(ctx, &node).await?;
+        Ok((pool.devices.len() == 52 && pool.counters.len() == 2).then_some(pool))
+    })
+    .await?;
+    ensure!(
+        after.counters.get("gpu-0-counter-set").is_some_and(|c| c.values().all(|v| v != "0")),
+        "after a restart the whole claim's MIG device counted as an administrator's: {:?}",
+        after.counters
+    );
+    ensure!(made(bed, 0)? == [(0, 0)], "the restart lost the 7g device: {:?}", made(bed, 0)?);
+    let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
+    objects::pods(ctx).delete("whole", &now).await?;
+    bed.kubelet.wait_for("unprepared", &format!("{ns}/whole"), PREPARE_TIMEOUT).await?;
+    ensure!(made(bed, 0)?.is_empty(), "unprepare after a restart left {:?}", made(bed, 0)?);
+    ensure!(made(bed, 1)? == [(19, 0)], "GPU 1: {:?}", made(bed, 1)?);
+    eprintln!("dynamic MIG: 4g+2g+1g made on GPU 0 and destroyed; the whole GPU waited ({why}), then got GPU 0");
+    Ok(())
+}
+
+/// The MIG devices simulated GPU `index` has now, as (profile ID, first memory slice): what `nvidia-smi mig -lgi`
+/// shows on a real node, read from the simulated driver's file.
+fn made(bed: &MigNode, index: u32) -> anyhow::Result<Vec<(u32, u32)>> {
+    let path = bed.dirs.state().join("simulated-mig-devices.json");
+    let kept: Value = match std::fs::read_to_string(&path) {
+        Ok(text) => serde_json::from_str(&text)?,
+        // Nothing made yet: the spec's layout.
+        Err(_) => return Ok(if index == 1 { vec![(19, 0)] } else { Vec::new() }),
+    };
+    let devices: Vec<(u32, u32, u32)> = serde_json::from_value(kept["gpus"][index.to_string()].clone())?;
+    let mut devices: Vec<(u32, u32)> = devices.into_iter().map(|(id, start, _)| (id, start)).collect();
+    devices.sort_by_key(|(_, start)| *start);
+    Ok(devices)
+}
+
+/// A node's pool: its devices' names and its counter sets (name → counter → value).
+struct Pool {
+    devices: Vec<String>,
+    counters: std::collections::BTreeMap<String, std::collections::BTreeMap<String, String>>,
+}
+
+async fn read_pool(ctx: &TestContext, node: &str) -> anyhow::Result<Pool> {
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?
+        .items;
+    let devices = slices.iter().flat_map(|s| s.spec.devices.iter().flatten().map(|d| d.name.clone())).collect();
+    let counters = slices
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .map(|set| {
+            let values = set.counters.iter().map(|(name, c)| (name.clone(), c.value.0.clone())).collect();
+            (set.name.clone(), values)
+        })
+        .collect();
+    Ok(Pool { devices, counters })
+}
