@@ -69,6 +69,31 @@ fn a_simulated_gpu_in_mig_mode_is_published_and_prepared_as_its_mig_devices() {
 }
 
 #[test]
+fn dynamic_mig_is_shown_as_the_agent_would_publish_it() {
+    let (ok, out) = gpu_check(&[
+        "--gpu-backend",
+        "simulated",
+        "--simulated-gpus",
+        "1xH100-80GB/mig=1g.10gb",
+        "--mig-layout",
+        "dynamic",
+    ]);
+    assert!(ok, "{out}");
+    for expected in [
+        "\"name\": \"gpu-0-mig-9-4-4\"",
+        "\"counterSet\": \"gpu-0-counter-set\"",
+        "\"sharedCounters\"",
+        // What exists is what the sample claim prepares.
+        "CDI device gpu.gpu-dra.dev/gpu=0c4ec4ec-0000-4000-8000-000000000001-gpu-0-mig-19-0-1",
+    ] {
+        assert!(out.contains(expected), "{expected:?} missing from:\n{out}");
+    }
+    // The counter slice comes last: the administrator's 1g.10gb holds memory slice 0.
+    let counter = out.rfind("\"memory-slice-0\": {").map(|at| &out[at..(at + 60).min(out.len())]);
+    assert!(counter.is_some_and(|c| c.contains("\"value\": \"0\"")), "{counter:?}");
+}
+
+#[test]
 fn nvml_reports_the_gpus_or_names_the_missing_driver() {
     let (ok, out) = gpu_check(&[]);
     if std::path::Path::new("/dev/nvidiactl").exists() {

@@ -77,7 +77,9 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let simulated = gpu.gpu_backend == GpuBackend::Simulated;
     let driver_files = plugin::driver_files(gpu.driver_root_to_read(), None, simulated)?;
     let kind = CdiKind::from_driver_name(&gpu.driver_name)?;
-    let claim: Vec<Device> = all.iter().take(args.claim_gpus.max(1)).cloned().collect();
+    // Devices that exist now: a dynamic MIG partition is made only for a claim (see --check-mig-device).
+    let existing = device::devices(&gpus, device::MigLayout::Static);
+    let claim: Vec<Device> = existing.iter().take(args.claim_gpus.max(1)).cloned().collect();
     if claim.is_empty() {
         // The profiles are what an administrator needs to make MIG devices.
         mig_profiles(args, &gpus)?;
