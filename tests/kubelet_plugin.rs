@@ -690,7 +690,9 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
     let gpus = "1xH100-80GB/mig=1g.10gb";
-    let (half, done) = ("44444444-0000-4000-8000-000000000000", "55555555-0000-4000-8000-000000000000");
+    let half = "44444444-0000-4000-8000-000000000000";
+    let done = allocated_claim(&ctx, "done", &node, &["gpu-0-mig-14-4-2"], json!([])).await?;
+    let done = done.as_str();
     let mut state = Checkpoint::new("boot-1");
     for (uid, name, phase, device) in
         [(half, "half", "PrepareStarted", "gpu-0-mig-19-3-1"), (done, "done", "PrepareCompleted", "gpu-0-mig-14-4-2")]
@@ -731,6 +733,20 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     let value = |name: &str| counters.counters.get(name).map(|c| c.value.0.clone()).unwrap_or_default();
     let values = [value("memory-slice-0"), value("memory-slice-3"), value("memory-slice-4"), value("compute-slices")];
     ensure!(values == ["0", "1", "1", "6"], "counters {:?}", counters.counters);
+
+    // The completed claim's spec is lost while the agent runs: the kubelet's next prepare of it uses the MIG device
+    // made for it before, and makes no second one.
+    std::fs::remove_file(dirs.cdi_spec(done))?;
+    let again = Kubelet::register(&dirs).await?.prepare(&[(&ctx.namespace, "done", done)]).await?;
+    ensure!(again.get(done).is_some_and(|a| a.error.is_empty()), "prepare again: {again:?}");
+    ensure!(dirs.cdi_spec(done).exists(), "the spec was not written again");
+    let left: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
+    ensure!(
+        left["gpus"]["0"] == json!([[19, 0, 1], [14, 4, 3]]),
+        "MIG devices after a prepare again: {}",
+        left["gpus"]
+    );
+    drop(agent);
     Ok(())
 }
 

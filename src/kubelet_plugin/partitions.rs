@@ -27,28 +27,43 @@ fn current_gpu(control: &dyn Discovery, device: &Device) -> Result<Gpu, String> 
         .ok_or_else(|| format!("GPU {} ({}) is gone from this node", device.gpu.uuid, device.name()))
 }
 
-/// Makes the MIG device of `device` when it is a partition, and fills in `device.mig` with it. `look_only`
-/// (admin access) makes nothing: the device must exist. A device that is not a partition is left as it is.
-pub fn make(control: &dyn Discovery, device: &mut Device, look_only: bool) -> Result<(), String> {
-    let Some(partition) = device.partition else { return Ok(()) };
+/// How a claim gets the MIG device of a partition it was allocated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Making {
+    /// Made now.
+    Make,
+    /// The claim's own earlier prepare (interrupted, or its spec lost) may have made it: the one at the placement
+    /// is used if there is one, else it is made.
+    Adopt,
+    /// Admin access: looked at, never made; it must exist.
+    Look,
+}
+
+/// Gets the MIG device of `device` when it is a partition as `making` says, and fills in `device.mig` with it.
+/// Answers whether it was made now (to be destroyed again if the prepare fails later). A device that is not a
+/// partition is left as it is.
+pub fn make(control: &dyn Discovery, device: &mut Device, making: Making) -> Result<bool, String> {
+    let Some(partition) = device.partition else { return Ok(false) };
     let name = device.name();
-    if look_only {
+    if making != Making::Make {
         let gpu = current_gpu(control, device)?;
-        let existing = at_placement(&gpu, &partition).cloned().ok_or_else(|| {
-            format!(
-                "admin access to {name} ({} at memory slice {}): no such MIG device exists now (dynamic MIG makes \
-                 one only for a claim that uses it), so there is nothing to look at",
-                partition.profile.name, partition.start
-            )
-        })?;
-        device.mig = Some(existing);
-        return Ok(());
+        if let Some(existing) = at_placement(&gpu, &partition) {
+            device.mig = Some(existing.clone());
+            return Ok(false);
+        }
+    }
+    if making == Making::Look {
+        return Err(format!(
+            "admin access to {name} ({} at memory slice {}): no such MIG device exists now (dynamic MIG makes one \
+             only for a claim that uses it), so there is nothing to look at",
+            partition.profile.name, partition.start
+        ));
     }
     let made = control.create_mig_device(device.gpu.index, &partition.profile, partition.start).map_err(|e| {
         format!("make MIG device {name} ({} at memory slice {}): {e}", partition.profile.name, partition.start)
     })?;
     device.mig = Some(made);
-    Ok(())
+    Ok(true)
 }
 
 /// Destroys the MIG device at `device`'s placement when it is a partition and one exists there; nothing to do
@@ -76,17 +91,20 @@ mod tests {
         let all = devices(&gpus, MigLayout::Dynamic);
         let named = |name: &str| all.iter().find(|d| d.name() == name).cloned().expect(name);
         let mut three = named("gpu-0-mig-9-4-4");
-        make(&simulated, &mut three, false).expect("room for a 3g.40gb at slice 4");
+        assert_eq!(make(&simulated, &mut three, Making::Make), Ok(true), "room for a 3g.40gb at slice 4");
         let made = three.mig.clone().expect("made");
         assert_eq!((made.profile.as_str(), made.placement_start), ("3g.40gb", 4));
         let mut again = named("gpu-0-mig-9-4-4");
-        let overlap = make(&simulated, &mut again, false).expect_err("taken");
+        let overlap = make(&simulated, &mut again, Making::Make).expect_err("taken");
         assert!(overlap.contains("make MIG device gpu-0-mig-9-4-4") && overlap.contains("overlaps"), "{overlap}");
         let mut look = named("gpu-0-mig-9-4-4");
-        make(&simulated, &mut look, true).expect("admin access looks at the made device");
+        assert_eq!(make(&simulated, &mut look, Making::Look), Ok(false), "admin access looks at the made device");
         assert_eq!(look.mig.as_ref().map(|m| &m.uuid), Some(&made.uuid));
+        let mut adopted = named("gpu-0-mig-9-4-4");
+        assert_eq!(make(&simulated, &mut adopted, Making::Adopt), Ok(false), "an earlier prepare's device is used");
+        assert_eq!(adopted.mig.as_ref().map(|m| &m.uuid), Some(&made.uuid));
         let mut absent = named("gpu-0-mig-14-2-2");
-        let refused = make(&simulated, &mut absent, true).expect_err("nothing there");
+        let refused = make(&simulated, &mut absent, Making::Look).expect_err("nothing there");
         assert!(refused.contains("no such MIG device exists now"), "{refused}");
         assert_eq!(destroy(&simulated, &three), Ok(true));
         assert_eq!(destroy(&simulated, &three), Ok(false), "gone already: nothing to do");
@@ -94,7 +112,7 @@ mod tests {
             simulated.discover().expect("discover")[0].mig_devices.iter().map(|m| m.profile.clone()).collect();
         assert_eq!(left, ["1g.10gb"], "the administrator's 1g.10gb is never touched");
         let mut whole = named("gpu-0");
-        let busy = make(&simulated, &mut whole, false).expect_err("the 1g.10gb is in the way");
+        let busy = make(&simulated, &mut whole, Making::Adopt).expect_err("the 1g.10gb is in the way");
         assert!(busy.contains("7g.80gb"), "{busy}");
     }
 }

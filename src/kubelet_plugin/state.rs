@@ -388,12 +388,22 @@ impl DriverState {
                 recovered: false,
             };
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
-            let look_only = planned
+            let making = planned
                 .iter()
-                .map(|p| p.device.name())
-                .filter(|name| planned.iter().filter(|p| p.device.name() == *name).all(|p| p.admin_access))
+                .filter(|p| p.device.partition.is_some())
+                .map(|p| {
+                    let name = p.device.name();
+                    let look = planned.iter().filter(|q| q.device.name() == name).all(|q| q.admin_access);
+                    let listed = previous.as_ref().is_some_and(|e| e.devices.iter().any(|d| d.device == name));
+                    let making = match (look, listed) {
+                        (true, _) => partitions::Making::Look,
+                        (false, true) => partitions::Making::Adopt,
+                        (false, false) => partitions::Making::Make,
+                    };
+                    (name, making)
+                })
                 .collect();
-            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, look_only });
+            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, making });
         }
         if todo.is_empty() {
             return results;
@@ -410,10 +420,10 @@ impl DriverState {
             return results;
         }
         let mut written = Vec::new();
-        for Todo { claim, mut devices, previous, asks, look_only } in todo {
+        for Todo { claim, mut devices, previous, asks, making } in todo {
             let mut made = Vec::new();
             let write = self
-                .make_partitions(&mut devices, &look_only, &mut made)
+                .make_partitions(&mut devices, &making, &mut made)
                 .and_then(|()| self.set_time_slices(checkpoint, &claim, &devices, &asks));
             let write = write.and_then(|()| {
                 cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &devices, &self.driver_files)
@@ -690,18 +700,17 @@ impl DriverState {
         Ok((half_done.len(), rewritten, orphans))
     }
 
-    /// Makes the MIG device of each dynamic MIG partition among `devices` (admin access, named in `look_only`, only
-    /// finds one that exists); those made are pushed to `made`, to be destroyed if a later step fails.
+    /// Gets the MIG device of each dynamic MIG partition among `devices` as `making` says (by device name); those
+    /// made now are pushed to `made`, to be destroyed if a later step fails.
     fn make_partitions(
         &self,
         devices: &mut [Device],
-        look_only: &BTreeSet<String>,
+        making: &BTreeMap<String, partitions::Making>,
         made: &mut Vec<Device>,
     ) -> Result<(), String> {
         for device in devices.iter_mut().filter(|d| d.partition.is_some()) {
-            let look = look_only.contains(&device.name());
-            partitions::make(&*self.mig_control, device, look)?;
-            if !look {
+            let how = making.get(&device.name()).copied().unwrap_or(partitions::Making::Make);
+            if partitions::make(&*self.mig_control, device, how)? {
                 let uuid = device.mig.as_ref().map(|m| m.uuid.clone()).unwrap_or_default();
                 info!(device = %device.name(), mig = %uuid, "made a MIG device");
                 made.push(device.clone());
@@ -761,8 +770,9 @@ struct Todo {
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.
     asks: BTreeMap<String, TimeSliceInterval>,
-    /// Devices it holds with admin access only: a dynamic MIG partition is looked at, not made.
-    look_only: BTreeSet<String>,
+    /// How it gets each dynamic MIG partition it was allocated, by device name: made, adopted from its own earlier
+    /// prepare (the entry it replaces lists it), or only looked at (admin access).
+    making: BTreeMap<String, partitions::Making>,
 }
 
 /// A claim's plan after the API read.
