@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome};
+use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState};
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -680,9 +680,13 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
     Ok(())
 }
 
-/// Dynamic MIG, agent killed after making a claim's MIG device and before recording the prepare complete: start-up
-/// destroys that device; the MIG device of a completed prepare and the one an administrator made stay, and the
-/// published counters count the administrator's as used and the completed claim's as the claim's.
+/// Dynamic MIG on a GPU with an administrator's `1g.10gb` on slice 0. Claims `half` (a `1g.10gb` at slice 3) and
+/// `done` (a `2g.20gb` at slice 4) are prepared, then the agent is killed, and its checkpoint made to say what a kill
+/// after `half`'s MIG device was made and recorded, before its spec, leaves: `half` started; `never` started too,
+/// on slice 0, with no MIG device recorded (killed before its device was made). At start, only `half`'s MIG device
+/// is destroyed: the administrator's is not `never`'s to destroy, and `done`'s stays with its claim. Then `done`'s
+/// spec is lost while the agent runs: the kubelet's next prepare uses the MIG device made for it, makes no second
+/// one. The publication leaves out every partition on slice 0 and keeps the counters whole.
 async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -690,62 +694,69 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
     let gpus = "1xH100-80GB/mig=1g.10gb";
-    let half = "44444444-0000-4000-8000-000000000000";
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", gpus, "--mig-layout", "dynamic"];
+    let ns = ctx.namespace.as_str();
+    let half = allocated_claim(&ctx, "half", &node, &["gpu-0-mig-19-3-1"], json!([])).await?;
     let done = allocated_claim(&ctx, "done", &node, &["gpu-0-mig-14-4-2"], json!([])).await?;
-    let done = done.as_str();
-    let mut state = Checkpoint::new("boot-1");
-    for (uid, name, phase, device) in
-        [(half, "half", "PrepareStarted", "gpu-0-mig-19-3-1"), (done, "done", "PrepareCompleted", "gpu-0-mig-14-4-2")]
-    {
-        let entry: ClaimEntry = serde_json::from_value(json!({
-            "namespace": ctx.namespace, "name": name, "state": phase,
-            "devices": [{"requestNames": ["gpus"], "pool": node, "device": device,
-                         "cdiDeviceIds": [format!("{DRIVER}/gpu={uid}-{device}")]}]
-        }))?;
-        state.claims.insert(uid.into(), entry);
-    }
-    CheckpointStore::new(&dirs.state()).save(&state)?;
-    // The simulated driver's record: the administrator's 1g.10gb (GPU instance 1), the interrupted prepare's
-    // 1g.10gb at slice 3 and the completed one's 2g.20gb at slice 4.
-    let layouts = |devices: Value| json!({"spec": gpus, "boot": "boot-1", "gpus": {"0": devices}}).to_string();
-    let kept = dirs.state().join("simulated-mig-devices.json");
-    std::fs::write(&kept, layouts(json!([[19, 0, 1], [19, 3, 2], [14, 4, 3]])))?;
-
-    let agent = start_agent(
-        &ctx,
-        &node,
-        &dirs,
-        &["--gpu-backend", "simulated", "--simulated-gpus", gpus, "--mig-layout", "dynamic"],
-    )?;
+    let (half, done) = (half.as_str(), done.as_str());
+    let mut agent = start_agent(&ctx, &node, &dirs, &args)?;
     agent.wait_ready().await?;
-    let left: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
-    ensure!(left["gpus"]["0"] == json!([[19, 0, 1], [14, 4, 3]]), "MIG devices after start: {}", left["gpus"]);
+    let prepared = Kubelet::register(&dirs).await?.prepare(&[(ns, "half", half), (ns, "done", done)]).await?;
+    ensure!(prepared.values().all(|a| a.error.is_empty()) && prepared.len() == 2, "prepare: {prepared:?}");
+    let kept = dirs.state().join("simulated-mig-devices.json");
+    let layout = || -> anyhow::Result<Value> {
+        let kept: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
+        Ok(kept["gpus"]["0"].clone())
+    };
+    // (profile ID, first memory slice, GPU instance): the administrator's is instance 1.
+    ensure!(layout()? == json!([[19, 0, 1], [19, 3, 2], [14, 4, 3]]), "MIG devices: {}", layout()?);
+    agent.kill()?;
+
+    let mut state = checkpoint(&dirs, "boot-1")?;
+    let made = |uid: &str| state.claims.get(uid).and_then(|e| e.devices[0].made_mig.clone());
+    ensure!(made(half).is_some() && made(done).is_some() && made(half) != made(done), "recorded: {state:?}");
+    if let Some(entry) = state.claims.get_mut(half) {
+        entry.state = PrepareState::PrepareStarted;
+    }
+    let never = "66666666-0000-4000-8000-000000000000";
+    let entry: ClaimEntry = serde_json::from_value(json!({
+        "namespace": ns, "name": "never", "state": "PrepareStarted",
+        "devices": [{"requestNames": ["gpus"], "pool": node, "device": "gpu-0-mig-19-0-1",
+                     "cdiDeviceIds": [format!("{DRIVER}/gpu={never}-gpu-0-mig-19-0-1")]}]
+    }))?;
+    state.claims.insert(never.into(), entry);
+    CheckpointStore::new(&dirs.state()).save(&state)?;
+
+    let agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+    ensure!(layout()? == json!([[19, 0, 1], [14, 4, 3]]), "MIG devices after start: {}", layout()?);
     let recorded = checkpoint(&dirs, "boot-1")?;
     ensure!(recorded.claims.keys().eq([done]), "checkpoint after start: {recorded:?}");
-    ensure!(dirs.cdi_spec(done).exists(), "the completed prepare's spec was not re-written");
-    let counters = wait::until("the counters to be published", Duration::from_secs(30), || async {
-        let slices = Api::<ResourceSlice>::all(ctx.client.clone())
-            .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
-            .await?;
-        Ok(slices.items.into_iter().find_map(|s| s.spec.shared_counters).and_then(|mut sets| sets.pop()))
+    ensure!(!dirs.cdi_spec(half).exists() && dirs.cdi_spec(done).exists(), "specs: {:?}", dirs.cdi_specs()?);
+    let names = wait::until("the partitions to be published", Duration::from_secs(30), || async {
+        let devices = objects::published_devices(&ctx.client, &node).await?;
+        Ok((!devices.is_empty()).then(|| devices.into_iter().map(|d| d.name).collect::<BTreeSet<String>>()))
     })
     .await?;
-    let value = |name: &str| counters.counters.get(name).map(|c| c.value.0.clone()).unwrap_or_default();
-    let values = [value("memory-slice-0"), value("memory-slice-3"), value("memory-slice-4"), value("compute-slices")];
-    ensure!(values == ["0", "1", "1", "6"], "counters {:?}", counters.counters);
+    // 26 partitions, less the 8 starting on slice 0 (the whole GPU among them).
+    ensure!(names.len() == 18 && names.contains("gpu-0-mig-19-3-1") && names.contains("gpu-0-mig-14-4-2"), "{names:?}");
+    ensure!(!names.contains("gpu-0-mig-19-0-1") && !names.contains("gpu-0"), "published on slice 0: {names:?}");
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    let counters: Vec<String> = slices
+        .items
+        .iter()
+        .flat_map(|s| s.spec.shared_counters.iter().flatten())
+        .flat_map(|set| set.counters.values().map(|c| c.value.0.clone()))
+        .collect();
+    ensure!(counters.len() == 10 && counters.iter().all(|v| v != "0"), "counters: {counters:?}");
 
-    // The completed claim's spec is lost while the agent runs: the kubelet's next prepare of it uses the MIG device
-    // made for it before, and makes no second one.
     std::fs::remove_file(dirs.cdi_spec(done))?;
-    let again = Kubelet::register(&dirs).await?.prepare(&[(&ctx.namespace, "done", done)]).await?;
+    let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "done", done)]).await?;
     ensure!(again.get(done).is_some_and(|a| a.error.is_empty()), "prepare again: {again:?}");
     ensure!(dirs.cdi_spec(done).exists(), "the spec was not written again");
-    let left: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
-    ensure!(
-        left["gpus"]["0"] == json!([[19, 0, 1], [14, 4, 3]]),
-        "MIG devices after a prepare again: {}",
-        left["gpus"]
-    );
+    ensure!(layout()? == json!([[19, 0, 1], [14, 4, 3]]), "MIG devices after a prepare again: {}", layout()?);
     drop(agent);
     Ok(())
 }

@@ -109,6 +109,11 @@ pub struct PreparedDevice {
     /// none. Every claim holding one device asks the same or none (see [`super::time_slice`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_slice: Option<TimeSliceInterval>,
+    /// Dynamic MIG: the UUID of the MIG device the agent made for this claim (recorded before its spec is written).
+    /// Only a MIG device recorded here is ever destroyed: never one an administrator made, one a claim only looks
+    /// at with admin access, or one whose making is not known (a recovered entry).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub made_mig: Option<String>,
 }
 
 impl Checkpoint {
@@ -421,6 +426,7 @@ mod tests {
             share_id: share_id.map(str::to_owned),
             admin_access: false,
             time_slice: None,
+            made_mig: None,
         }
     }
 

@@ -206,10 +206,10 @@ impl DriverState {
             .collect()
     }
 
-    /// The device names of every claim the checkpoint lists (being prepared or prepared): the MIG devices of
-    /// dynamic MIG that are this agent's, not an administrator's. Takes the file lock: call it off the async threads.
-    pub fn held_devices(&self) -> BTreeSet<String> {
-        self.lock().claims.values().flat_map(|e| e.devices.iter().map(|d| d.device.clone())).collect()
+    /// The UUIDs of the MIG devices the agent made for the claims the checkpoint lists (dynamic MIG): the MIG devices
+    /// that are this agent's, not an administrator's. Takes the file lock: call it off the async threads.
+    pub fn made_mig_devices(&self) -> BTreeSet<String> {
+        self.lock().claims.values().flat_map(|e| e.devices.iter().filter_map(|d| d.made_mig.clone())).collect()
     }
 
     /// Prepares each claim; one claim's refusal never affects another's answer (a failed checkpoint save fails every
@@ -394,16 +394,18 @@ impl DriverState {
                 .map(|p| {
                     let name = p.device.name();
                     let look = planned.iter().filter(|q| q.device.name() == name).all(|q| q.admin_access);
-                    let listed = previous.as_ref().is_some_and(|e| e.devices.iter().any(|d| d.device == name));
-                    let making = match (look, listed) {
+                    let made_before = previous
+                        .as_ref()
+                        .and_then(|e| e.devices.iter().find(|d| d.device == name).and_then(|d| d.made_mig.clone()));
+                    let making = match (look, made_before) {
                         (true, _) => partitions::Making::Look,
-                        (false, true) => partitions::Making::Adopt,
-                        (false, false) => partitions::Making::Make,
+                        (false, Some(uuid)) => partitions::Making::Adopt(uuid),
+                        (false, None) => partitions::Making::Make,
                     };
                     (name, making)
                 })
                 .collect();
-            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, making });
+            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, making, made: Vec::new() });
         }
         if todo.is_empty() {
             return results;
@@ -419,39 +421,39 @@ impl DriverState {
             }
             return results;
         }
+        // Dynamic MIG: the batch's MIG devices are made first and their UUIDs saved before any spec is written, so
+        // that a crash leaves only MIG devices known to be this agent's (start-up destroys them).
+        let mut ready = Vec::with_capacity(todo.len());
+        for mut claim in todo {
+            match self.make_partitions(checkpoint, &mut claim) {
+                Ok(()) => ready.push(claim),
+                Err(e) => results.push(self.abandon(checkpoint, claim, e)),
+            }
+        }
+        if ready.iter().any(|t| !t.made.is_empty())
+            && let Err(e) = self.save(checkpoint)
+        {
+            let (made, rest): (Vec<Todo>, Vec<Todo>) = ready.into_iter().partition(|t| !t.made.is_empty());
+            for claim in made {
+                results.push(self.abandon(checkpoint, claim, format!("record the MIG devices made: {e}")));
+            }
+            ready = rest;
+        }
         let mut written = Vec::new();
-        for Todo { claim, mut devices, previous, asks, making } in todo {
-            let mut made = Vec::new();
-            let write = self
-                .make_partitions(&mut devices, &making, &mut made)
-                .and_then(|()| self.set_time_slices(checkpoint, &claim, &devices, &asks));
-            let write = write.and_then(|()| {
-                cdi::build_claim_spec(&self.cdi_kind, &claim.uid, &devices, &self.driver_files)
-                    .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid, &spec))
+        for claim in ready {
+            let write = self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks).and_then(|()| {
+                cdi::build_claim_spec(&self.cdi_kind, &claim.claim.uid, &claim.devices, &self.driver_files)
+                    .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.claim.uid, &spec))
                     .map_err(|e| e.to_string())
             });
             match write {
                 Ok(_) => {
-                    if let Some(entry) = checkpoint.claims.get_mut(&claim.uid) {
+                    if let Some(entry) = checkpoint.claims.get_mut(&claim.claim.uid) {
                         entry.state = PrepareState::PrepareCompleted;
                     }
-                    written.push(claim);
+                    written.push(claim.claim);
                 }
-                Err(e) => {
-                    warn!(claim = %claim, uid = %claim.uid, error = %e, "preparing the claim's GPUs failed");
-                    // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
-                    if previous.is_none() {
-                        self.remove_spec_logged(&claim.uid);
-                    }
-                    // MIG devices made for it go, before its entry does: until then a crash leaves them listed.
-                    for device in &made {
-                        self.destroy_partition_logged(device);
-                    }
-                    restore(checkpoint, &claim.uid, previous);
-                    // A GPU set for this claim before a later step failed goes back to what its holders ask.
-                    self.reset_time_slices(checkpoint, &asks.into_keys().collect());
-                    results.push((claim.uid, Err(e)));
-                }
+                Err(e) => results.push(self.abandon(checkpoint, claim, e)),
             }
         }
         let saved = self.save(checkpoint);
@@ -486,7 +488,7 @@ impl DriverState {
             // kubelet's next unprepare (the spec is gone already: no container starts with them).
             let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
                 .map_err(|e| e.to_string())
-                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_partitions(e)));
+                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)));
             match destroyed {
                 Ok(()) => {
                     if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
@@ -608,6 +610,7 @@ impl DriverState {
                 share_id: p.share_id.clone(),
                 admin_access: p.admin_access,
                 time_slice: time_slice::asked(p),
+                made_mig: None,
             })
             .collect()
     }
@@ -646,7 +649,7 @@ impl DriverState {
         for uid in &half_done {
             self.remove_spec_logged(uid);
             if let Some(entry) = checkpoint.claims.get(uid)
-                && let Err(e) = self.destroy_partitions(entry)
+                && let Err(e) = self.destroy_made(entry)
             {
                 // Left listed, so that it stays this agent's: the kubelet prepares the claim again.
                 warn!(%uid, error = %e, "a MIG device made for an interrupted prepare could not be destroyed");
@@ -700,42 +703,66 @@ impl DriverState {
         Ok((half_done.len(), rewritten, orphans))
     }
 
-    /// Gets the MIG device of each dynamic MIG partition among `devices` as `making` says (by device name); those
-    /// made now are pushed to `made`, to be destroyed if a later step fails.
-    fn make_partitions(
-        &self,
-        devices: &mut [Device],
-        making: &BTreeMap<String, partitions::Making>,
-        made: &mut Vec<Device>,
-    ) -> Result<(), String> {
-        for device in devices.iter_mut().filter(|d| d.partition.is_some()) {
-            let how = making.get(&device.name()).copied().unwrap_or(partitions::Making::Make);
-            if partitions::make(&*self.mig_control, device, how)? {
-                let uuid = device.mig.as_ref().map(|m| m.uuid.clone()).unwrap_or_default();
-                info!(device = %device.name(), mig = %uuid, "made a MIG device");
-                made.push(device.clone());
+    /// Gets the MIG device of each dynamic MIG partition `todo` was allocated, as its `making` says (filling in its
+    /// devices, from which the spec is written), and records the UUID of each one that is the claim's (made now, or
+    /// adopted) in its entry; those made now are added to `todo.made`, also when a later one fails.
+    fn make_partitions(&self, checkpoint: &mut Checkpoint, todo: &mut Todo) -> Result<(), String> {
+        for device in todo.devices.iter_mut().filter(|d| d.partition.is_some()) {
+            let name = device.name();
+            let making = todo.making.get(&name).cloned().unwrap_or(partitions::Making::Make);
+            let made_now = partitions::make(&*self.mig_control, device, &making)?;
+            let uuid = device.mig.as_ref().map(|m| m.uuid.clone()).unwrap_or_default();
+            if made_now {
+                info!(claim = %todo.claim, device = %name, mig = %uuid, "made a MIG device");
+                todo.made.push(uuid.clone());
+            }
+            if making != partitions::Making::Look
+                && let Some(entry) = checkpoint.claims.get_mut(&todo.claim.uid)
+            {
+                entry.devices.iter_mut().filter(|d| d.device == name).for_each(|d| d.made_mig = Some(uuid.clone()));
             }
         }
         Ok(())
     }
 
-    /// Destroys the MIG devices made for `entry` (its dynamic MIG partitions; not those it held with admin access).
-    fn destroy_partitions(&self, entry: &ClaimEntry) -> Result<(), String> {
-        let inventory = self.inventory.borrow().clone();
-        for prepared in entry.devices.iter().filter(|d| !d.admin_access) {
-            let Some(device) = inventory.get(&prepared.device) else { continue };
-            if partitions::destroy(&*self.mig_control, device)? {
-                info!(device = %prepared.device, "destroyed a MIG device");
+    /// Gives up preparing `todo` with `error`: its spec removed (unless a recovered entry's, which is in use), the
+    /// MIG devices made for it in this batch destroyed, its entry put back as it was, its GPUs' time slices
+    /// set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
+    /// retry adopts it, start-up destroys it.
+    fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
+        let Todo { claim, previous, asks, made, .. } = todo;
+        warn!(claim = %claim, uid = %claim.uid, error = %error, "preparing the claim's GPUs failed");
+        if previous.is_none() {
+            self.remove_spec_logged(&claim.uid);
+        }
+        let mut kept = false;
+        for uuid in &made {
+            if let Err(e) = partitions::destroy(&*self.mig_control, uuid) {
+                warn!(claim = %claim, mig = %uuid, error = %e, "destroying a MIG device made for a failed prepare failed");
+                kept = true;
+            }
+        }
+        if kept {
+            if let Some(entry) = checkpoint.claims.get_mut(&claim.uid) {
+                entry.state = PrepareState::PrepareStarted;
+            }
+        } else {
+            restore(checkpoint, &claim.uid, previous);
+        }
+        // A GPU set for this claim before a later step failed goes back to what its holders ask.
+        self.reset_time_slices(checkpoint, &asks.into_keys().collect());
+        (claim.uid, Err(error))
+    }
+
+    /// Destroys the MIG devices the agent made for `entry` (the UUIDs it records; dynamic MIG).
+    fn destroy_made(&self, entry: &ClaimEntry) -> Result<(), String> {
+        let uuids: BTreeSet<&String> = entry.devices.iter().filter_map(|d| d.made_mig.as_ref()).collect();
+        for uuid in uuids {
+            if partitions::destroy(&*self.mig_control, uuid)? {
+                info!(mig = %uuid, "destroyed a MIG device");
             }
         }
         Ok(())
-    }
-
-    fn destroy_partition_logged(&self, device: &Device) {
-        match partitions::destroy(&*self.mig_control, device) {
-            Ok(_) => info!(device = %device.name(), "destroyed a MIG device made for a prepare that failed"),
-            Err(e) => warn!(device = %device.name(), error = %e, "destroying a MIG device failed"),
-        }
     }
 
     fn remove_spec_logged(&self, uid: &str) {
@@ -771,8 +798,10 @@ struct Todo {
     /// The time slice it asks of each GPU, by device name.
     asks: BTreeMap<String, TimeSliceInterval>,
     /// How it gets each dynamic MIG partition it was allocated, by device name: made, adopted from its own earlier
-    /// prepare (the entry it replaces lists it), or only looked at (admin access).
+    /// prepare (the entry it replaces records it), or only looked at (admin access).
     making: BTreeMap<String, partitions::Making>,
+    /// The UUIDs of the MIG devices made for it in this batch.
+    made: Vec<String>,
 }
 
 /// A claim's plan after the API read.
@@ -819,6 +848,7 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             share_id: None,
             admin_access: false,
             time_slice: None,
+            made_mig: None,
         })
         .collect()
 }

@@ -188,6 +188,7 @@ mod tests {
                 share_id: Some(format!("share-{uid}")),
                 admin_access: false,
                 time_slice: *time_slice,
+                made_mig: None,
             });
         }
         checkpoint

@@ -60,12 +60,20 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     print!("{}", gpu_table(&gpus));
 
     let all = device::devices(&gpus, gpu.mig_layout);
-    let devices: Vec<_> = all.iter().map(|d| slices::device(d, gpu.gpu_sharing)).collect();
     // As the agent publishes them before any claim is prepared: every MIG device there is an administrator's.
+    let foreign = |d: &Device| {
+        let gpu = gpus.iter().find(|g| g.uuid == d.gpu.uuid);
+        gpu.map(|g| slices::partitions::foreign(g, &Default::default())).unwrap_or_default()
+    };
+    let devices: Vec<_> = all
+        .iter()
+        .filter(|d| slices::partitions::publishable(d, &foreign(d)))
+        .map(|d| slices::device(d, gpu.gpu_sharing))
+        .collect();
     let counter_sets = gpus
         .iter()
         .filter(|g| all.iter().any(|d| d.partition.is_some() && d.gpu.uuid == g.uuid))
-        .map(|g| slices::partitions::counter_set(g, &slices::partitions::foreign(g, &Default::default())))
+        .map(slices::partitions::counter_set)
         .collect();
     for (i, content) in slices::pool_slices(devices, counter_sets).iter().enumerate() {
         let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,

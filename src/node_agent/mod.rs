@@ -144,7 +144,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut backoff = BACKOFF_START;
     // The GPUs of the last discovery and their devices: a health change republishes them with new taints at once,
     // without waiting for NVML to answer about a GPU that may have just fallen off the bus.
-    let mut known: Option<(Vec<Gpu>, Vec<device::Device>)> = None;
+    // And the MIG devices that were the agent's then.
+    let mut known: Option<(Vec<Gpu>, Vec<device::Device>, std::collections::BTreeSet<String>)> = None;
     let mut health_only = false;
     let mut sharing = SharingChoice::new(gpu.gpu_sharing);
     // When the next full round is due: health-only rounds leave it, so a GPU whose health keeps changing never
@@ -152,12 +153,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut next_full = tokio::time::Instant::now();
     loop {
         let round = async {
-            if health_only && let Some((gpus, devices)) = &known {
-                let held = held_devices(plugin_state.as_ref()).await;
-                let outcome = publish(gpus, devices, sharing.current, &held, &publisher, &monitor).await?;
+            if health_only && let Some((gpus, devices, ours)) = &known {
+                let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
                 return Ok::<_, String>((devices.len(), outcome));
             }
             sharing.refresh(&client, &node, &gpu.driver_name).await;
+            // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
+            // seen by the discovery, and must not pass for an administrator's.
+            let mut ours = made_mig_devices(plugin_state.as_ref()).await;
             let mut gpus = discover(discovery.clone()).await?;
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
@@ -186,14 +189,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     discovered.send_replace(Arc::new(gpus.clone()));
                 }
             }
-            let held = held_devices(plugin_state.as_ref()).await;
+            ours.extend(made_mig_devices(plugin_state.as_ref()).await);
             loop {
                 let layout = mig_layout(gpu.mig_layout, &publisher);
                 let devices = device::devices(&gpus, layout);
                 inventory.send_replace(inventory_of(&devices));
-                let outcome = publish(&gpus, &devices, sharing.current, &held, &publisher, &monitor).await?;
+                let outcome = publish(&gpus, &devices, sharing.current, &ours, &publisher, &monitor).await?;
                 let count = devices.len();
-                known = Some((gpus.clone(), devices));
+                known = Some((gpus.clone(), devices, ours.clone()));
                 // Unless the API server dropped the counters just now: then the MIG devices as they exist, at once.
                 if mig_layout(gpu.mig_layout, &publisher) == layout {
                     return Ok::<_, String>((count, outcome));
@@ -301,12 +304,13 @@ fn mig_layout(asked: device::MigLayout, publisher: &Publisher) -> device::MigLay
     if publisher.counters_dropped() { device::MigLayout::Static } else { asked }
 }
 
-/// The device names the plugin's checkpoint records (none before the plugin started), read off the async threads.
-async fn held_devices(
+/// The UUIDs of the MIG devices the plugin's checkpoint records as made for claims (none before the plugin
+/// started), read off the async threads.
+async fn made_mig_devices(
     state: Option<&Arc<crate::kubelet_plugin::state::DriverState>>,
 ) -> std::collections::BTreeSet<String> {
     let Some(state) = state.cloned() else { return std::collections::BTreeSet::new() };
-    tokio::task::spawn_blocking(move || state.held_devices()).await.unwrap_or_default()
+    tokio::task::spawn_blocking(move || state.made_mig_devices()).await.unwrap_or_default()
 }
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.
@@ -318,20 +322,23 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, 
 }
 
 /// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its
-/// GPU's) and, for GPUs published as partitions, their counter sets less what MIG devices no claim in `held` holds
-/// use; and publishes them.
+/// GPU's) and, for GPUs published as partitions, their counter sets, leaving out the partitions that MIG devices not
+/// among `ours` (UUIDs the agent made) are in the way of; and publishes them.
 async fn publish(
     gpus: &[Gpu],
     devices: &[device::Device],
     sharing: slices::Sharing,
-    held: &std::collections::BTreeSet<String>,
+    ours: &std::collections::BTreeSet<String>,
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, String> {
     let taints: std::collections::HashMap<&str, Vec<serde_json::Value>> =
         gpus.iter().map(|gpu| (gpu.uuid.as_str(), monitor.taints(gpu))).collect();
+    let foreign: std::collections::HashMap<&str, Vec<&gpu::MigDevice>> =
+        gpus.iter().map(|gpu| (gpu.uuid.as_str(), slices::partitions::foreign(gpu, ours))).collect();
     let published: Vec<_> = devices
         .iter()
+        .filter(|d| slices::partitions::publishable(d, foreign.get(d.gpu.uuid.as_str()).map_or(&[], Vec::as_slice)))
         .map(|d| {
             let mut device = slices::device(d, sharing);
             match taints.get(d.gpu.uuid.as_str()) {
@@ -345,7 +352,7 @@ async fn publish(
     let counter_sets = gpus
         .iter()
         .filter(|gpu| devices.iter().any(|d| d.partition.is_some() && d.gpu.uuid == gpu.uuid))
-        .map(|gpu| slices::partitions::counter_set(gpu, &slices::partitions::foreign(gpu, held)))
+        .map(slices::partitions::counter_set)
         .collect();
     publisher.publish(&slices::pool_slices(published, counter_sets)).await.map_err(|e| e.to_string())
 }

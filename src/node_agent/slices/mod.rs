@@ -342,7 +342,7 @@ mod tests {
         let gpus = gpus("2xL4-24GB,9xH100-80GB/mig=");
         let devices = crate::node_agent::device::devices(&gpus, crate::node_agent::device::MigLayout::Dynamic);
         let published: Vec<Value> = devices.iter().map(|d| device(d, Sharing::Whole)).collect();
-        let sets: Vec<Value> = gpus[2..].iter().map(|g| partitions::counter_set(g, &[])).collect();
+        let sets: Vec<Value> = gpus[2..].iter().map(partitions::counter_set).collect();
         let pool = pool_slices(published, sets);
         let shape: Vec<(&str, usize)> = pool.iter().map(|s| (s.field(), s.items().len())).collect();
         let mut want = vec![("devices", 2)];
@@ -355,7 +355,7 @@ mod tests {
             assert_eq!(sets.len(), 1, "one GPU's partitions per slice");
         }
         assert!(pool[10].devices().is_empty(), "a counter slice has no devices");
-        let only = pool_slices(vec![device(&devices[2], Sharing::Whole)], vec![partitions::counter_set(&gpus[2], &[])]);
+        let only = pool_slices(vec![device(&devices[2], Sharing::Whole)], vec![partitions::counter_set(&gpus[2])]);
         assert_eq!(only.iter().map(SliceContent::field).collect::<Vec<_>>(), ["devices", "sharedCounters"]);
         assert_eq!(pool_slices(Vec::new(), Vec::new()), vec![SliceContent::Devices(Vec::new())]);
     }

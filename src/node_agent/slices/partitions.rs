@@ -8,15 +8,17 @@
 //! memory slices, the compute limit and the one media-engine instance are counters running out, and every profile's
 //! instance limit follows from its placements.
 //!
-//! A MIG device on the GPU that no claim prepared here holds (an administrator made it, or another tool) is not the
-//! agent's to destroy: the counters it uses are published as used up, so nothing is allocated on top of it.
+//! A MIG device on the GPU that the agent did not make for a claim (an administrator made it, or another tool) is
+//! not the agent's to destroy: the partitions it is in the way of are not published. The counters stay what the
+//! GPU has, so a claim allocated before such a device appeared never drives them below zero (which would keep the
+//! scheduler from every partition of the node: it checks all counter sets of a pool).
 
 use std::collections::BTreeSet;
 
 use serde_json::{Map, Value, json};
 
 use super::{common_attributes, memory_quantity};
-use crate::node_agent::device::{Device, Partition, mig_device_name};
+use crate::node_agent::device::{Device, Partition};
 use crate::node_agent::gpu::{Gpu, MigDevice};
 use crate::node_agent::mig::{self, COMPUTE_SLICES, MEMORY_SLICES};
 
@@ -42,35 +44,27 @@ fn has_media_engines(profile: &str) -> bool {
     profile.ends_with("+me")
 }
 
-/// The MIG devices of `gpu` that no prepared claim holds: `held` are the device names the plugin's checkpoint
-/// records. A MIG device is held under its placement's name, or the GPU's own name when it is the whole.
-pub fn foreign<'a>(gpu: &'a Gpu, held: &BTreeSet<String>) -> Vec<&'a MigDevice> {
-    gpu.mig_devices
-        .iter()
-        .filter(|m| {
-            let whole = m.placement_start == 0 && m.placement_size == MEMORY_SLICES;
-            let ours = held.contains(&mig_device_name(gpu, m)) || (whole && held.contains(&gpu.device_name()));
-            !ours
-        })
-        .collect()
+/// The MIG devices of `gpu` the agent did not make: `ours` are the UUIDs the plugin's checkpoint records.
+pub fn foreign<'a>(gpu: &'a Gpu, ours: &BTreeSet<String>) -> Vec<&'a MigDevice> {
+    gpu.mig_devices.iter().filter(|m| !ours.contains(&m.uuid)).collect()
 }
 
-/// `gpu`'s counter set: everything the GPU has, less what `foreign` MIG devices use.
-pub fn counter_set(gpu: &Gpu, foreign: &[&MigDevice]) -> Value {
-    let table = mig::profiles(gpu).unwrap_or_default();
+/// Whether `device` is to be published beside the `foreign` MIG devices of its GPU: a partition they are in the way
+/// of is not (its memory slices, the media engines or the compute slices they hold); any other device is.
+pub fn publishable(device: &Device, foreign: &[&MigDevice]) -> bool {
+    let Some(partition) = &device.partition else { return true };
+    let beside = Gpu { mig_devices: foreign.iter().map(|m| (*m).clone()).collect(), ..device.gpu.clone() };
+    mig::check_placement(&beside, &partition.profile, partition.start).is_ok()
+}
+
+/// `gpu`'s counter set: everything the GPU has.
+pub fn counter_set(gpu: &Gpu) -> Value {
     let mut counters = Map::new();
     for slice in 0..MEMORY_SLICES {
-        let taken = foreign.iter().any(|m| (m.placement_start..m.placement_start + m.placement_size).contains(&slice));
-        counters.insert(memory_counter(slice), json!({"value": if taken { "0" } else { "1" }}));
+        counters.insert(memory_counter(slice), json!({"value": "1"}));
     }
-    // A device of a profile the table does not know counts one compute slice per memory slice.
-    let compute_used: u32 = foreign
-        .iter()
-        .map(|m| table.iter().find(|p| p.id == m.profile_id).map_or(m.placement_size, |p| p.compute_slices))
-        .sum();
-    counters.insert(COMPUTE_COUNTER.into(), json!({"value": COMPUTE_SLICES.saturating_sub(compute_used).to_string()}));
-    let media = if foreign.iter().any(|m| has_media_engines(&m.profile)) { "0" } else { "1" };
-    counters.insert(MEDIA_COUNTER.into(), json!({"value": media}));
+    counters.insert(COMPUTE_COUNTER.into(), json!({"value": COMPUTE_SLICES.to_string()}));
+    counters.insert(MEDIA_COUNTER.into(), json!({"value": "1"}));
     json!({"name": counter_set_name(gpu), "counters": counters})
 }
 
@@ -171,46 +165,46 @@ mod tests {
     }
 
     #[test]
-    fn a_mig_device_no_claim_holds_uses_up_its_counters() {
+    fn partitions_in_the_way_of_a_mig_device_the_agent_did_not_make_are_not_published() {
         let gpu = gpu("1xH100-80GB/mig=3g.40gb+1g.10gb+me");
-        let names: Vec<String> = gpu.mig_devices.iter().map(|m| mig_device_name(&gpu, m)).collect();
-        assert_eq!(names, ["gpu-0-mig-9-0-4", "gpu-0-mig-20-4-1"]);
-        let counters = |held: &[&str]| {
-            let held: BTreeSet<String> = held.iter().map(|s| (*s).to_string()).collect();
-            let set = counter_set(&gpu, &foreign(&gpu, &held));
-            let values = set["counters"].as_object().cloned().unwrap_or_default();
-            values
-                .into_iter()
-                .map(|(k, v)| format!("{k}={}", v["value"].as_str().unwrap_or_default()))
-                .collect::<Vec<_>>()
+        let all = devices(std::slice::from_ref(&gpu), MigLayout::Dynamic);
+        let published = |ours: &[&str]| -> Vec<String> {
+            let ours: BTreeSet<String> = ours.iter().map(|s| (*s).to_string()).collect();
+            let foreign = foreign(&gpu, &ours);
+            all.iter().filter(|d| publishable(d, &foreign)).map(Device::name).collect()
         };
+        // The 3g.40gb holds slices 0-3, the 1g.10gb+me slice 4 and the media engines: left are 1g.10gb at 5 and 6
+        // and 1g.20gb at 6 (2g.20gb starts at 0, 2 or 4 only).
         assert_eq!(
-            counters(&[]),
+            published(&[]),
+            ["gpu-0-mig-19-5-1", "gpu-0-mig-19-6-1", "gpu-0-mig-15-6-2"],
+            "an administrator's MIG devices keep the partitions they are in the way of unpublished"
+        );
+        let (three, media) = (gpu.mig_devices[0].uuid.as_str(), gpu.mig_devices[1].uuid.as_str());
+        assert_eq!(published(&[three, media]).len(), 26, "the agent's own are no obstacle: it destroys them");
+        assert!(published(&[three]).iter().all(|n| !n.contains("-mig-20-")), "one +me instance per GPU");
+        let set = counter_set(&gpu);
+        assert_eq!(set["name"], "gpu-0-counter-set");
+        let values: Vec<String> = set["counters"]
+            .as_object()
+            .into_iter()
+            .flatten()
+            .map(|(k, v)| format!("{k}={}", v["value"].as_str().unwrap_or_default()))
+            .collect();
+        assert_eq!(
+            values,
             [
-                "compute-slices=3",
-                "media-engines=0",
-                "memory-slice-0=0",
-                "memory-slice-1=0",
-                "memory-slice-2=0",
-                "memory-slice-3=0",
-                "memory-slice-4=0",
+                "compute-slices=7",
+                "media-engines=1",
+                "memory-slice-0=1",
+                "memory-slice-1=1",
+                "memory-slice-2=1",
+                "memory-slice-3=1",
+                "memory-slice-4=1",
                 "memory-slice-5=1",
                 "memory-slice-6=1",
                 "memory-slice-7=1"
-            ],
-            "an administrator's MIG devices stay out of the scheduler's reach"
+            ]
         );
-        let ours = counters(&["gpu-0-mig-9-0-4", "gpu-0-mig-20-4-1"]);
-        assert!(ours.iter().all(|c| c.ends_with("=1") || c == "compute-slices=7"), "{ours:?}");
-        let mut whole = gpu.clone();
-        whole.mig_devices = crate::node_agent::discovery::simulated::Simulated::new("node", "1xH100-80GB/mig=7g.80gb")
-            .expect("spec")
-            .discover()
-            .expect("discover")
-            .remove(0)
-            .mig_devices;
-        let held: BTreeSet<String> = ["gpu-0".to_string()].into();
-        assert!(foreign(&whole, &held).is_empty(), "the whole GPU's claim holds its 7g device");
-        assert_eq!(counter_set_name(&gpu), "gpu-0-counter-set");
     }
 }
