@@ -732,6 +732,7 @@ impl DriverState {
     fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
         let Todo { claim, previous, asks, made, .. } = todo;
         warn!(claim = %claim, uid = %claim.uid, error = %error, "preparing the claim's GPUs failed");
+        // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
         if previous.is_none() {
             self.remove_spec_logged(&claim.uid);
         }
