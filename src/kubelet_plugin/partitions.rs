@@ -18,7 +18,8 @@ pub enum Making {
     /// The claim's own earlier prepare (interrupted, or its spec lost) made the MIG device of this UUID: it is used
     /// if it is still at the placement, else one is made.
     Adopt(String),
-    /// Admin access: looked at, never made; it must exist.
+    /// Admin access: looked at, never made. Where no MIG device exists at the placement, the claim gets the parent
+    /// GPU's device node: what a monitoring agent reads the GPU and its MIG devices through.
     Look,
 }
 
@@ -58,11 +59,8 @@ pub fn make(control: &dyn Discovery, device: &mut Device, making: &Making) -> Re
                 return Ok(false);
             }
             (Making::Look, None) => {
-                return Err(format!(
-                    "admin access to {name} ({} at memory slice {}): no such MIG device exists now (dynamic MIG \
-                     makes one only for a claim that uses it), so there is nothing to look at",
-                    partition.profile.name, partition.start
-                ));
+                device.mig = None;
+                return Ok(false);
             }
             _ => {}
         }
@@ -115,8 +113,8 @@ mod tests {
         let taken = make(&simulated, &mut not_its_own, &Making::Adopt("MIG-gone".into())).expect_err("another's");
         assert!(taken.contains("overlaps MIG device"), "another device at the placement is never adopted: {taken}");
         let mut absent = named("gpu-0-mig-14-2-2");
-        let refused = make(&simulated, &mut absent, &Making::Look).expect_err("nothing there");
-        assert!(refused.contains("no such MIG device exists now"), "{refused}");
+        assert_eq!(make(&simulated, &mut absent, &Making::Look), Ok(false), "admin access makes nothing");
+        assert!(absent.mig.is_none(), "nothing there: the parent GPU is what admin access gets");
         assert_eq!(destroy(&simulated, &made.uuid), Ok(true));
         assert_eq!(destroy(&simulated, &made.uuid), Ok(false), "gone already: nothing to do");
         let mut fresh = named("gpu-0-mig-9-4-4");

@@ -68,6 +68,25 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
         let selector = format!("device.attributes['{DRIVER}'].profile == '{p}'");
         json!({"name": name, "exactly": {"deviceClassName": mig_class, "selectors": [{"cel": {"expression": selector}}]}})
     };
+    // A DCGM-exporter-style monitor, there before the workloads (as a DaemonSet's pod is): every whole GPU the node
+    // publishes, with admin access. It makes nothing: GPU 0's whole does not exist as a MIG device, so it gets the
+    // parent's device node; GPU 1's whole is not published beside the administrator's device. Admin access consumes
+    // no counters: the workload below is allocated all of GPU 0 all the same. (A monitor created while a GPU is
+    // partitioned waits: v1.37.2's allocator checks counters for admin access too, allocator_stable.go:1157.)
+    let label = json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+        .patch(ns, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&label))
+        .await?;
+    let all = json!([{"name": "gpus", "exactly": {"deviceClassName": gpu_class, "allocationMode": "All", "adminAccess": true}}]);
+    claim_and_pod(ctx, "monitor", &node, all, json!([])).await?;
+    let watched = bed.kubelet.wait_for("prepared", &format!("{ns}/monitor"), PREPARE_TIMEOUT).await?;
+    let monitored: Vec<String> = allocated(ctx, ns, "monitor").await?.into_iter().map(|(_, d)| d).collect();
+    ensure!(monitored == ["gpu-0"], "the monitor got {monitored:?}");
+    let ids: Vec<String> = serde_json::from_value(watched["containers"]["app"].clone())?;
+    let (nodes, _) = inject(&bed.dirs, &ids)?;
+    ensure!(nodes.contains("/dev/nvidia0") && !nodes.iter().any(|n| n.contains("nvidia-caps")), "monitor: {nodes:?}");
+    ensure!(made(bed, 0)?.is_empty(), "admin access made something: {:?}", made(bed, 0)?);
+
     // One GPU's three MIG devices (NVIDIA's quickstart keeps a pod's MIG devices on one parent the same way).
     let mixed: ResourceClaim = serde_json::from_value(json!({
         "metadata": {"name": "mixed"},
@@ -88,6 +107,8 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
     ensure!(caps == 6 && nodes.contains("/dev/nvidia0"), "injected {nodes:?}");
     let uuids = env.iter().find_map(|e| e.strip_prefix("GPU_DRA_GPU_UUIDS=")).context("no GPU_DRA_GPU_UUIDS")?;
     ensure!(uuids.split(',').filter(|u| u.starts_with("MIG-")).count() == 3, "env {env:?}");
+    delete_pod_and_claim(ctx, bed, "monitor").await?;
+    ensure!(made(bed, 0)?.len() == 3, "the monitor's unprepare destroyed something: {:?}", made(bed, 0)?);
 
     // Beside the administrator's device on GPU 1.
     claim_and_pod(ctx, "side", &node, json!([profile("small", "1g.10gb")]), json!([])).await?;
