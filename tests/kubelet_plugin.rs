@@ -713,9 +713,11 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     let prepared = Kubelet::register(&dirs).await?.prepare(&[(ns, "half", half), (ns, "done", done)]).await?;
     ensure!(prepared.values().all(|a| a.error.is_empty()) && prepared.len() == 2, "prepare: {prepared:?}");
     let kept = dirs.state().join("simulated-mig-devices.json");
+    // (profile ID, first memory slice, GPU instance) of each MIG device of GPU 0, as the simulated driver keeps them.
     let layout = || -> anyhow::Result<Value> {
         let kept: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
-        Ok(kept["gpus"]["0"].clone())
+        let devices: Vec<(u32, u32, u32, String)> = serde_json::from_value(kept["gpus"]["0"].clone())?;
+        Ok(devices.into_iter().map(|(id, start, gi, _)| json!([id, start, gi])).collect())
     };
     // (profile ID, first memory slice, GPU instance): the administrator's is instance 1.
     ensure!(layout()? == json!([[19, 0, 1], [19, 3, 2], [14, 4, 3]]), "MIG devices: {}", layout()?);
@@ -724,6 +726,7 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     let mut state = checkpoint(&dirs, "boot-1")?;
     let made = |uid: &str| state.claims.get(uid).and_then(|e| e.devices[0].made_mig.clone());
     ensure!(made(half).is_some() && made(done).is_some() && made(half) != made(done), "recorded: {state:?}");
+    let done_mig = made(done);
     if let Some(entry) = state.claims.get_mut(half) {
         entry.state = PrepareState::PrepareStarted;
     }
@@ -766,6 +769,9 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     ensure!(again.get(done).is_some_and(|a| a.error.is_empty()), "prepare again: {again:?}");
     ensure!(dirs.cdi_spec(done).exists(), "the spec was not written again");
     ensure!(layout()? == json!([[19, 0, 1], [14, 4, 3]]), "MIG devices after a prepare again: {}", layout()?);
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    let kept_mig = recorded.claims.get(done).and_then(|e| e.devices[0].made_mig.clone());
+    ensure!(kept_mig == done_mig, "the MIG device made for done is recorded as {kept_mig:?}, was {done_mig:?}");
     drop(agent);
     Ok(())
 }

@@ -380,13 +380,21 @@ impl DriverState {
                     newly_listed.push(device.clone());
                 }
             }
-            let entry = ClaimEntry {
+            let mut entry = ClaimEntry {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
                 state: PrepareState::PrepareStarted,
                 devices,
                 recovered: false,
             };
+            // MIG devices made for this claim before stay recorded from the first save on: a crash before the last
+            // one must not turn them into nobody's.
+            if let Some(before) = checkpoint.claims.get(&claim.uid) {
+                for device in &mut entry.devices {
+                    let made = before.devices.iter().find(|d| d.device == device.device && d.made_mig.is_some());
+                    device.made_mig = made.and_then(|d| d.made_mig.clone());
+                }
+            }
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);
             let making = planned
                 .iter()
@@ -422,7 +430,9 @@ impl DriverState {
             return results;
         }
         // Dynamic MIG: the batch's MIG devices are made first and their UUIDs saved before any spec is written, so
-        // that a crash leaves only MIG devices known to be this agent's (start-up destroys them).
+        // that a crash after that save leaves only MIG devices known to be this agent's (start-up destroys them). A
+        // crash between a make and that save leaves one nobody records: published around, never destroyed, until an
+        // administrator removes it (`nvidia-smi mig -dci`, `-dgi`).
         let mut ready = Vec::with_capacity(todo.len());
         for mut claim in todo {
             match self.make_partitions(checkpoint, &mut claim) {
@@ -670,6 +680,14 @@ impl DriverState {
                 warn!(%uid, "a prepared claim's device is gone from this node; its CDI spec cannot be re-written");
                 continue;
             };
+            // A MIG device made for it must still be the one there (never another one at its placement).
+            let made_there = entry.devices.iter().zip(&devices).all(|(recorded, device)| {
+                recorded.made_mig.as_ref().is_none_or(|uuid| device.mig.as_ref().is_some_and(|m| m.uuid == *uuid))
+            });
+            if !made_there {
+                warn!(%uid, "a MIG device made for a prepared claim is gone; its CDI spec cannot be re-written");
+                continue;
+            }
             let devices = unique_devices_of(devices);
             match cdi::build_claim_spec(&self.cdi_kind, uid, &devices, &self.driver_files)
                 .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec))
@@ -736,16 +754,24 @@ impl DriverState {
         if previous.is_none() {
             self.remove_spec_logged(&claim.uid);
         }
-        let mut kept = false;
+        let mut destroyed = BTreeSet::new();
         for uuid in &made {
-            if let Err(e) = partitions::destroy(&*self.mig_control, uuid) {
-                warn!(claim = %claim, mig = %uuid, error = %e, "destroying a MIG device made for a failed prepare failed");
-                kept = true;
+            match partitions::destroy(&*self.mig_control, uuid) {
+                Ok(_) => {
+                    destroyed.insert(uuid.clone());
+                }
+                Err(e) => warn!(claim = %claim, mig = %uuid, error = %e, "destroying a MIG device made for a failed \
+                                prepare failed"),
             }
         }
-        if kept {
+        if destroyed.len() < made.len() {
             if let Some(entry) = checkpoint.claims.get_mut(&claim.uid) {
                 entry.state = PrepareState::PrepareStarted;
+                for device in &mut entry.devices {
+                    if device.made_mig.as_ref().is_some_and(|u| destroyed.contains(u)) {
+                        device.made_mig = None;
+                    }
+                }
             }
         } else {
             restore(checkpoint, &claim.uid, previous);

@@ -183,8 +183,8 @@ fn made(bed: &MigNode, index: u32) -> anyhow::Result<Vec<(u32, u32)>> {
         // Nothing made yet: the spec's layout.
         Err(_) => return Ok(if index == 1 { vec![(19, 0)] } else { Vec::new() }),
     };
-    let devices: Vec<(u32, u32, u32)> = serde_json::from_value(kept["gpus"][index.to_string()].clone())?;
-    let mut devices: Vec<(u32, u32)> = devices.into_iter().map(|(id, start, _)| (id, start)).collect();
+    let devices: Vec<(u32, u32, u32, String)> = serde_json::from_value(kept["gpus"][index.to_string()].clone())?;
+    let mut devices: Vec<(u32, u32)> = devices.into_iter().map(|(id, start, _, _)| (id, start)).collect();
     devices.sort_by_key(|(_, start)| *start);
     Ok(devices)
 }

@@ -103,10 +103,20 @@ impl Discovery for NvmlDiscovery {
         };
         let (gpu_instance, compute_instance) =
             super::nvml_mig::create_instance(&nvml, &device, profile, start).map_err(nvml_error)?;
-        super::nvml_mig::mig_devices(&nvml, &device, gpu)?
-            .into_iter()
-            .find(|m| (m.gpu_instance, m.compute_instance) == (gpu_instance, compute_instance))
-            .ok_or_else(|| MigControlError::NotFound { uuid: gpu.uuid.clone(), gpu_instance, compute_instance })
+        let made = super::nvml_mig::mig_devices(&nvml, &device, gpu).map_err(MigControlError::from).and_then(|found| {
+            found
+                .into_iter()
+                .find(|m| (m.gpu_instance, m.compute_instance) == (gpu_instance, compute_instance))
+                .ok_or_else(|| MigControlError::NotFound { uuid: gpu.uuid.clone(), gpu_instance, compute_instance })
+        });
+        if made.is_err() {
+            // Made but not found as a MIG device: undone, or nobody would ever know it was this agent's.
+            if let Err((what, e)) = super::nvml_mig::destroy_instance(&nvml, &device, gpu_instance, compute_instance) {
+                tracing::warn!(gpu = %gpu.uuid, gpu_instance, compute_instance, error = %e, step = what,
+                    "destroying a MIG device that was made but could not be read back failed");
+            }
+        }
+        made
     }
 
     fn destroy_mig_device(&self, index: u32, gpu_instance: u32, compute_instance: u32) -> Result<(), MigControlError> {

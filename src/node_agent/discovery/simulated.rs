@@ -107,12 +107,14 @@ pub enum SpecError {
 pub struct Simulated {
     node: String,
     gpus: Mutex<Vec<Gpu>>,
+    /// What makes each made MIG device's UUID its own, as NVML's are: the process's start and a count.
+    made: (u64, std::sync::atomic::AtomicU64),
     /// Where the MIG layouts are kept across restarts, and the spec and boot they belong to.
     kept: Option<KeptLayouts>,
 }
 
 /// The file that keeps simulated MIG layouts: `{"spec": …, "boot": …, "gpus": {"<index>": [[profile ID, first
-/// memory slice, GPU instance], …]}}`, written after every change.
+/// memory slice, GPU instance, UUID], …]}}`, written after every change.
 #[derive(Debug)]
 struct KeptLayouts {
     path: std::path::PathBuf,
@@ -120,8 +122,8 @@ struct KeptLayouts {
     boot: String,
 }
 
-/// MIG layouts by GPU index: (profile ID, first memory slice, GPU instance) of each MIG device.
-type Layouts = std::collections::BTreeMap<String, Vec<(u32, u32, u32)>>;
+/// MIG layouts by GPU index: (profile ID, first memory slice, GPU instance, UUID) of each MIG device.
+type Layouts = std::collections::BTreeMap<String, Vec<(u32, u32, u32, String)>>;
 
 /// The file name under the state directory.
 pub const SIMULATED_MIG_FILE: &str = "simulated-mig-devices.json";
@@ -170,7 +172,9 @@ impl Simulated {
         if gpus.is_empty() {
             return Err(SpecError::Empty);
         }
-        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), kept: None })
+        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let made = (started as u64, std::sync::atomic::AtomicU64::new(0));
+        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), made, kept: None })
     }
 
     /// As [`new`](Self::new), with the MIG devices made and destroyed kept in `<state_dir>/`[`SIMULATED_MIG_FILE`]
@@ -194,9 +198,10 @@ impl Simulated {
                 let model = MODELS.iter().find(|m| m.product == gpu.product_name).map_or(0, |m| m.sms_per_slice);
                 let table = mig::profiles(gpu).unwrap_or_default();
                 let Some(devices) = layouts.get(&gpu.index.to_string()) else { continue };
-                let rebuilt = devices.iter().filter_map(|&(id, start, gpu_instance)| {
-                    let profile = table.iter().find(|p| p.id == id)?;
-                    Some(simulated_mig_device(node, gpu, model, profile, start, gpu_instance))
+                let rebuilt = devices.iter().filter_map(|(id, start, gpu_instance, uuid)| {
+                    let profile = table.iter().find(|p| p.id == *id)?;
+                    let device = simulated_mig_device(node, gpu, model, profile, *start, *gpu_instance);
+                    Some(MigDevice { uuid: uuid.clone(), ..device })
                 });
                 gpu.mig_devices = rebuilt.collect();
             }
@@ -222,7 +227,10 @@ impl Discovery for Simulated {
         let gpu = &mut gpus[position];
         let model = MODELS.iter().find(|m| m.product == gpu.product_name).map_or(0, |m| m.sms_per_slice);
         let gpu_instance = (1..).find(|id| gpu.mig_devices.iter().all(|m| m.gpu_instance != *id)).unwrap_or(1);
-        let made = simulated_mig_device(&self.node, gpu, model, profile, start, gpu_instance);
+        let mut made = simulated_mig_device(&self.node, gpu, model, profile, start, gpu_instance);
+        let serial = self.made.1.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (node, seed) = (&self.node, self.made.0);
+        made.uuid = mig_uuid(mixed_hash(&format!("{node}/{index}/mig/{start}/{}/made/{seed}/{serial}", profile.id)));
         gpu.mig_devices.push(made.clone());
         gpu.mig_devices.sort_by_key(|m| (m.placement_start, m.compute_instance));
         self.keep(&gpus);
@@ -250,7 +258,11 @@ impl Simulated {
             .iter()
             .filter(|g| g.mig_enabled)
             .map(|g| {
-                let devices = g.mig_devices.iter().map(|m| (m.profile_id, m.placement_start, m.gpu_instance)).collect();
+                let devices = g
+                    .mig_devices
+                    .iter()
+                    .map(|m| (m.profile_id, m.placement_start, m.gpu_instance, m.uuid.clone()))
+                    .collect();
                 (g.index.to_string(), devices)
             })
             .collect();
@@ -351,14 +363,7 @@ fn simulated_mig_device(
     let h = mixed_hash(&format!("{node}/{}/mig/{start}/{}", gpu.index, profile.id));
     let (gi_cap_minor, ci_cap_minor) = mig::cap_minors(gpu.minor, gpu_instance, 0);
     MigDevice {
-        uuid: format!(
-            "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
-            h >> 32,
-            (h >> 16) & 0xffff,
-            h & 0xffff,
-            (h >> 40) & 0xffff,
-            h & 0xffff_ffff_ffff
-        ),
+        uuid: mig_uuid(h),
         profile: profile.name.to_string(),
         profile_id: profile.id,
         gpu_instance,
@@ -372,6 +377,18 @@ fn simulated_mig_device(
         ci_cap_minor,
         caps_major: Some(mig::SIMULATED_CAPS_MAJOR),
     }
+}
+
+/// A `MIG-…` UUID from a hash.
+fn mig_uuid(h: u64) -> String {
+    format!(
+        "MIG-{:08x}-{:04x}-{:04x}-{:04x}-{:012x}",
+        h >> 32,
+        (h >> 16) & 0xffff,
+        h & 0xffff,
+        (h >> 40) & 0xffff,
+        h & 0xffff_ffff_ffff
+    )
 }
 
 /// [`stable_hash`], then splitmix64's finaliser so that similar inputs give unrelated outputs.
@@ -409,6 +426,9 @@ mod tests {
         assert_eq!(simulated.discover().expect("discover")[0].mig_devices.len(), 1, "the spec's 3g.40gb stays");
         let remade = simulated.create_mig_device(0, &three, 4).expect("room for a second 3g");
         assert_eq!(remade.gpu_instance, 2, "the lowest free instance ID");
+        simulated.destroy_mig_device(0, 2, 0).expect("destroy");
+        let again = simulated.create_mig_device(0, &three, 4).expect("room again");
+        assert_ne!(again.uuid, remade.uuid, "as NVML's, a made MIG device's UUID is its own");
     }
 
     #[test]
