@@ -62,7 +62,7 @@ impl Device {
 }
 
 /// The name of `mig` on `gpu` (see [`Device::name`]).
-pub fn mig_device_name(gpu: &Gpu, mig: &MigDevice) -> String {
+fn mig_device_name(gpu: &Gpu, mig: &MigDevice) -> String {
     placement_name(gpu, mig.profile_id, mig.placement_start, mig.placement_size)
 }
 

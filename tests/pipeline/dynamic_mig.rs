@@ -107,7 +107,7 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
     ensure!(caps == 6 && nodes.contains("/dev/nvidia0"), "injected {nodes:?}");
     let uuids = env.iter().find_map(|e| e.strip_prefix("GPU_DRA_GPU_UUIDS=")).context("no GPU_DRA_GPU_UUIDS")?;
     ensure!(uuids.split(',').filter(|u| u.starts_with("MIG-")).count() == 3, "env {env:?}");
-    delete_pod_and_claim(ctx, bed, "monitor").await?;
+    release(ctx, bed, "monitor").await?;
     ensure!(made(bed, 0)?.len() == 3, "the monitor's unprepare destroyed something: {:?}", made(bed, 0)?);
 
     // Beside the administrator's device on GPU 1.
@@ -127,7 +127,7 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
     ensure!(why.contains("cannot allocate all claims"), "the whole GPU waits for another reason: {why}");
     // GPU 1 first: the whole GPU still waits. Then GPU 0: once its pod's MIG devices are destroyed, the whole GPU is
     // allocated and its 7g.80gb made (which the three would have been in the way of).
-    delete_pod_and_claim(ctx, bed, "side").await?;
+    release(ctx, bed, "side").await?;
     ensure!(made(bed, 1)? == [(19, 0)], "GPU 1 is back to the administrator's device: {:?}", made(bed, 1)?);
     tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     let claim = objects::claims(ctx).get("whole").await?;
@@ -135,7 +135,7 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
         claim.status.and_then(|s| s.allocation).is_none(),
         "the whole GPU was allocated beside GPU 0's MIG devices or the administrator's"
     );
-    delete_pod_and_claim(ctx, bed, "mixed").await?;
+    release(ctx, bed, "mixed").await?;
     bed.kubelet.wait_for("prepared", &format!("{ns}/whole"), PREPARE_TIMEOUT).await?;
     let whole: Vec<String> = allocated(ctx, ns, "whole").await?.into_iter().map(|(_, d)| d).collect();
     ensure!(whole == ["gpu-0"], "the whole-GPU claim got {whole:?}");
@@ -190,7 +190,7 @@ fn made(bed: &MigNode, index: u32) -> anyhow::Result<Vec<(u32, u32)>> {
 }
 
 /// Deletes pod `name` at once, waits until the kubelet side unprepared it, deletes its claim.
-async fn delete_pod_and_claim(ctx: &TestContext, bed: &MigNode, name: &str) -> anyhow::Result<()> {
+async fn release(ctx: &TestContext, bed: &MigNode, name: &str) -> anyhow::Result<()> {
     let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     objects::pods(ctx).delete(name, &now).await?;
     bed.kubelet.wait_for("unprepared", &format!("{}/{name}", ctx.namespace), PREPARE_TIMEOUT).await?;
