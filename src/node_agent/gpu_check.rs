@@ -61,21 +61,8 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
 
     let all = device::devices(&gpus, gpu.mig_layout);
     // As the agent publishes them before any claim is prepared: every MIG device there is an administrator's.
-    let foreign = |d: &Device| {
-        let gpu = gpus.iter().find(|g| g.uuid == d.gpu.uuid);
-        gpu.map(|g| slices::partitions::foreign(g, &Default::default())).unwrap_or_default()
-    };
-    let devices: Vec<_> = all
-        .iter()
-        .filter(|d| slices::partitions::publishable(d, &foreign(d)))
-        .map(|d| slices::device(d, gpu.gpu_sharing))
-        .collect();
-    let counter_sets = gpus
-        .iter()
-        .filter(|g| all.iter().any(|d| d.partition.is_some() && d.gpu.uuid == g.uuid))
-        .map(slices::partitions::counter_set)
-        .collect();
-    for (i, content) in slices::pool_slices(devices, counter_sets).iter().enumerate() {
+    let pool = slices::node_pool(&gpus, &all, gpu.gpu_sharing, &Default::default(), &Default::default());
+    for (i, content) in pool.iter().enumerate() {
         let spec = json!({"driver": gpu.driver_name, "nodeName": args.node_name,
             "pool": {"name": args.node_name, "generation": 1}, content.field(): content.items()});
         println!("\nResourceSlice {} spec (as the agent would publish it):", i + 1);

@@ -76,6 +76,12 @@ pub fn profiles(gpu: &Gpu) -> Option<Vec<Profile>> {
     Some(SHAPE.iter().zip(names).map(|(shape, name)| Profile { name, ..*shape }).collect())
 }
 
+/// The memory a MIG device of `profile` has on `gpu`: its share of the memory slices, in whole MiB (what the
+/// simulated backend reports, and what a dynamic MIG partition publishes before it is made).
+pub fn memory_bytes(gpu: &Gpu, profile: &Profile) -> u64 {
+    (gpu.memory_bytes / u64::from(MEMORY_SLICES) * u64::from(profile.memory_slices)) & !((1 << 20) - 1)
+}
+
 /// Why a MIG layout cannot exist on a GPU.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {

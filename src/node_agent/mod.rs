@@ -332,29 +332,10 @@ async fn publish(
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, String> {
-    let taints: std::collections::HashMap<&str, Vec<serde_json::Value>> =
-        gpus.iter().map(|gpu| (gpu.uuid.as_str(), monitor.taints(gpu))).collect();
-    let foreign: std::collections::HashMap<&str, Vec<&gpu::MigDevice>> =
-        gpus.iter().map(|gpu| (gpu.uuid.as_str(), slices::partitions::foreign(gpu, ours))).collect();
-    let published: Vec<_> = devices
-        .iter()
-        .filter(|d| slices::partitions::publishable(d, foreign.get(d.gpu.uuid.as_str()).map_or(&[], Vec::as_slice)))
-        .map(|d| {
-            let mut device = slices::device(d, sharing);
-            match taints.get(d.gpu.uuid.as_str()) {
-                Some(taints) if !taints.is_empty() => device["taints"] = serde_json::Value::Array(taints.clone()),
-                _ => {}
-            }
-            device
-        })
-        .collect();
+    let taints = gpus.iter().map(|gpu| (gpu.uuid.clone(), monitor.taints(gpu))).collect();
+    let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);
-    let counter_sets = gpus
-        .iter()
-        .filter(|gpu| devices.iter().any(|d| d.partition.is_some() && d.gpu.uuid == gpu.uuid))
-        .map(slices::partitions::counter_set)
-        .collect();
-    publisher.publish(&slices::pool_slices(published, counter_sets)).await.map_err(|e| e.to_string())
+    publisher.publish(&pool).await.map_err(|e| e.to_string())
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

@@ -370,8 +370,7 @@ fn simulated_mig_device(
         compute_instance: 0,
         placement_start: start,
         placement_size: profile.memory_slices,
-        memory_bytes: (gpu.memory_bytes / u64::from(mig::MEMORY_SLICES) * u64::from(profile.memory_slices))
-            & !((1 << 20) - 1),
+        memory_bytes: mig::memory_bytes(gpu, profile),
         multiprocessors: sms_per_slice * profile.compute_slices,
         gi_cap_minor,
         ci_cap_minor,

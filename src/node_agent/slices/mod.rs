@@ -7,11 +7,13 @@ pub mod node_sharing;
 pub mod partitions;
 pub mod publisher;
 
+use std::collections::{BTreeSet, HashMap};
+
 use serde_json::{Map, Value, json};
 use tracing::warn;
 
 use super::device::Device;
-use super::gpu::{Gpu, normalize_version, pcie_root};
+use super::gpu::{Gpu, MigDevice, normalize_version, pcie_root};
 
 /// The API's limit on devices per slice (without taints or counters).
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
@@ -51,12 +53,7 @@ pub fn device(device: &Device, sharing: Sharing) -> Value {
 }
 
 fn gpu_device(gpu: &Gpu, sharing: Sharing) -> Value {
-    let mut attributes = common_attributes(gpu);
-    attributes.insert("type".into(), json!({"string": "gpu"}));
-    attributes.insert("uuid".into(), json!({"string": gpu.uuid}));
-    attributes.insert("index".into(), json!({"int": gpu.index}));
-    attributes.insert("minor".into(), json!({"int": gpu.minor}));
-    attributes.insert("migEnabled".into(), json!({"bool": gpu.mig_enabled}));
+    let attributes = gpu_attributes(gpu);
     let memory = memory_quantity(gpu.memory_bytes);
     // The API refuses a policy whose minimum exceeds the capacity: such a GPU (none known) is published whole.
     let shareable = gpu.memory_bytes >= MIN_SHARED_MEMORY_BYTES;
@@ -92,23 +89,47 @@ fn gpu_device(gpu: &Gpu, sharing: Sharing) -> Value {
 /// `parentIndex`, `parentMinor`), instance IDs and model attributes, and what it has of the GPU as capacity, with
 /// NVIDIA's names: `memory`, `multiprocessors`, and `memorySlice<i>` (1) for each memory slice it spans.
 fn mig_device(device: &Device, mig: &crate::node_agent::gpu::MigDevice) -> Value {
-    let gpu = &device.gpu;
+    let mut attributes = mig_attributes(&device.gpu, &mig.profile);
+    attributes.insert("uuid".into(), json!({"string": mig.uuid}));
+    attributes.insert("gpuInstance".into(), json!({"int": mig.gpu_instance}));
+    attributes.insert("computeInstance".into(), json!({"int": mig.compute_instance}));
+    let mut capacity = mig_capacity(mig.memory_bytes, mig.placement_start, mig.placement_size);
+    capacity.insert("multiprocessors".into(), json!({"value": mig.multiprocessors.to_string()}));
+    json!({"name": device.name(), "attributes": attributes, "capacity": capacity})
+}
+
+/// A whole GPU's attributes: NVIDIA's `gpu` type, its identity, whether MIG mode is on, and the common ones.
+fn gpu_attributes(gpu: &Gpu) -> Map<String, Value> {
+    let mut attributes = common_attributes(gpu);
+    attributes.insert("type".into(), json!({"string": "gpu"}));
+    attributes.insert("uuid".into(), json!({"string": gpu.uuid}));
+    attributes.insert("index".into(), json!({"int": gpu.index}));
+    attributes.insert("minor".into(), json!({"int": gpu.minor}));
+    attributes.insert("migEnabled".into(), json!({"bool": gpu.mig_enabled}));
+    attributes
+}
+
+/// The attributes every MIG device of `gpu` has, made or not: NVIDIA's `mig` type, its `profile`, its parent's
+/// identity (`parentUUID`, `parentIndex`, `parentMinor`) and the common ones.
+fn mig_attributes(gpu: &Gpu, profile: &str) -> Map<String, Value> {
     let mut attributes = common_attributes(gpu);
     attributes.insert("type".into(), json!({"string": "mig"}));
-    attributes.insert("uuid".into(), json!({"string": mig.uuid}));
-    attributes.insert("profile".into(), json!({"string": mig.profile}));
+    attributes.insert("profile".into(), json!({"string": profile}));
     attributes.insert("parentUUID".into(), json!({"string": gpu.uuid}));
     attributes.insert("parentIndex".into(), json!({"int": gpu.index}));
     attributes.insert("parentMinor".into(), json!({"int": gpu.minor}));
-    attributes.insert("gpuInstance".into(), json!({"int": mig.gpu_instance}));
-    attributes.insert("computeInstance".into(), json!({"int": mig.compute_instance}));
+    attributes
+}
+
+/// A MIG device's capacities with NVIDIA's names: `memory`, and `memorySlice<i>` (1) for each of the `size` memory
+/// slices from `start` it spans.
+fn mig_capacity(memory_bytes: u64, start: u32, size: u32) -> Map<String, Value> {
     let mut capacity = Map::new();
-    capacity.insert("memory".into(), json!({"value": memory_quantity(mig.memory_bytes)}));
-    capacity.insert("multiprocessors".into(), json!({"value": mig.multiprocessors.to_string()}));
-    for slice in mig.placement_start..mig.placement_start + mig.placement_size {
+    capacity.insert("memory".into(), json!({"value": memory_quantity(memory_bytes)}));
+    for slice in start..start + size {
         capacity.insert(format!("memorySlice{slice}"), json!({"value": "1"}));
     }
-    json!({"name": device.name(), "attributes": attributes, "capacity": capacity})
+    capacity
 }
 
 /// The attributes a GPU and its MIG devices share: model, driver and PCI identity.
@@ -153,6 +174,38 @@ pub fn max_devices_per_slice(devices: &[Value]) -> usize {
 /// Bytes as a Kubernetes quantity, in Mi when exact (the form the API server keeps as is).
 fn memory_quantity(bytes: u64) -> String {
     if bytes.is_multiple_of(1 << 20) { format!("{}Mi", bytes >> 20) } else { bytes.to_string() }
+}
+
+/// The node's pool as the agent publishes it (and `gpu-check` shows it): `devices` (those of `gpus`) with their
+/// GPU's `taints` (by GPU UUID), less the partitions that MIG devices not among `ours` (UUIDs the agent made) are in
+/// the way of, and the counter sets of GPUs published as partitions; split by [`pool_slices`].
+pub fn node_pool(
+    gpus: &[Gpu],
+    devices: &[Device],
+    sharing: Sharing,
+    ours: &BTreeSet<String>,
+    taints: &HashMap<String, Vec<Value>>,
+) -> Vec<SliceContent> {
+    let foreign: HashMap<&str, Vec<&MigDevice>> =
+        gpus.iter().map(|gpu| (gpu.uuid.as_str(), partitions::foreign(gpu, ours))).collect();
+    let published: Vec<Value> = devices
+        .iter()
+        .filter(|d| partitions::publishable(d, foreign.get(d.gpu.uuid.as_str()).map_or(&[], Vec::as_slice)))
+        .map(|d| {
+            let mut device = device(d, sharing);
+            match taints.get(&d.gpu.uuid) {
+                Some(taints) if !taints.is_empty() => device["taints"] = Value::Array(taints.clone()),
+                _ => {}
+            }
+            device
+        })
+        .collect();
+    let counter_sets = gpus
+        .iter()
+        .filter(|gpu| devices.iter().any(|d| d.partition.is_some() && d.gpu.uuid == gpu.uuid))
+        .map(partitions::counter_set)
+        .collect();
+    pool_slices(published, counter_sets)
 }
 
 /// What one ResourceSlice holds: devices, or the counter sets that devices in the pool's other slices consume (from
@@ -200,7 +253,7 @@ pub fn pool_slices(devices: Vec<Value>, counter_sets: Vec<Value>) -> Vec<SliceCo
         let max = max_devices_per_slice(&plain);
         split_into_slices(plain, max).into_iter().map(SliceContent::Devices).collect()
     };
-    let mut by_set: std::collections::BTreeMap<String, Vec<Value>> = std::collections::BTreeMap::new();
+    let mut by_set: std::collections::BTreeMap<String, Vec<Value>> = Default::default();
     for device in partitioned {
         let set = partitions::consumed_counter_set(&device).unwrap_or_default().to_string();
         by_set.entry(set).or_default().push(device);
@@ -350,8 +403,7 @@ mod tests {
         want.extend([("sharedCounters", 8), ("sharedCounters", 1)]);
         assert_eq!(shape, want, "whole GPUs; each MIG GPU's partitions; counter sets 8 to a slice");
         for slice in &pool[1..10] {
-            let sets: std::collections::BTreeSet<_> =
-                slice.devices().iter().filter_map(partitions::consumed_counter_set).collect();
+            let sets: BTreeSet<_> = slice.devices().iter().filter_map(partitions::consumed_counter_set).collect();
             assert_eq!(sets.len(), 1, "one GPU's partitions per slice");
         }
         assert!(pool[10].devices().is_empty(), "a counter slice has no devices");

@@ -17,7 +17,7 @@ use std::collections::BTreeSet;
 
 use serde_json::{Map, Value, json};
 
-use super::{common_attributes, memory_quantity};
+use super::{gpu_attributes, memory_quantity, mig_attributes, mig_capacity};
 use crate::node_agent::device::{Device, Partition};
 use crate::node_agent::gpu::{Gpu, MigDevice};
 use crate::node_agent::mig::{self, COMPUTE_SLICES, MEMORY_SLICES};
@@ -74,27 +74,14 @@ pub fn counter_set(gpu: &Gpu) -> Value {
 pub fn device(device: &Device, partition: &Partition) -> Value {
     let gpu = &device.gpu;
     let profile = &partition.profile;
-    let mut attributes = common_attributes(gpu);
-    let memory = gpu.memory_bytes / u64::from(MEMORY_SLICES) * u64::from(profile.memory_slices);
-    let mut capacity = Map::new();
-    if partition.whole {
-        attributes.insert("type".into(), json!({"string": "gpu"}));
-        attributes.insert("uuid".into(), json!({"string": gpu.uuid}));
-        attributes.insert("index".into(), json!({"int": gpu.index}));
-        attributes.insert("minor".into(), json!({"int": gpu.minor}));
-        attributes.insert("migEnabled".into(), json!({"bool": true}));
+    let (attributes, capacity) = if partition.whole {
+        let mut capacity = Map::new();
         capacity.insert("memory".into(), json!({"value": memory_quantity(gpu.memory_bytes)}));
+        (gpu_attributes(gpu), capacity)
     } else {
-        attributes.insert("type".into(), json!({"string": "mig"}));
-        attributes.insert("profile".into(), json!({"string": profile.name}));
-        attributes.insert("parentUUID".into(), json!({"string": gpu.uuid}));
-        attributes.insert("parentIndex".into(), json!({"int": gpu.index}));
-        attributes.insert("parentMinor".into(), json!({"int": gpu.minor}));
-        capacity.insert("memory".into(), json!({"value": memory_quantity(memory & !((1 << 20) - 1))}));
-        for slice in partition.start..partition.start + profile.memory_slices {
-            capacity.insert(format!("memorySlice{slice}"), json!({"value": "1"}));
-        }
-    }
+        let capacity = mig_capacity(mig::memory_bytes(gpu, profile), partition.start, profile.memory_slices);
+        (mig_attributes(gpu, profile.name), capacity)
+    };
     let mut consumed = Map::new();
     for slice in partition.start..partition.start + profile.memory_slices {
         consumed.insert(memory_counter(slice), json!({"value": "1"}));
