@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
-use super::store::{Cache, CacheWriter, WriterDropped, feed};
+use super::store::{Cache, CacheWriter, Change, WriterDropped, feed};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::{debug, warn};
 
 use super::Context;
+use super::api_object::ApiObject;
 use super::decide::{self, is_owned_by, pod_claim_name_annotation};
 use super::index::{Index, object_key};
 use super::queue::{ObjectKey, WorkKey};
@@ -354,7 +355,7 @@ where
 /// retry). Each event updates the store first, then the handler sees it.
 pub async fn run_informers(client: Client, namespace: Option<String>, writers: Writers, ctx: Arc<Context>) {
     let namespace = namespace.as_deref();
-    let pods = watcher(api::<Pod>(&client, namespace), watcher::Config::default())
+    let pods = watcher(api::<ApiObject<Pod>>(&client, namespace), watcher::Config::default())
         .default_backoff()
         .map(feed(writers.pods))
         .for_each(|event| {
@@ -362,10 +363,10 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
             futures::future::ready(())
         });
     let inspecting = ctx.clone();
-    let claims = watcher(api::<ResourceClaim>(&client, namespace), watcher::Config::default())
+    let claims = watcher(api::<ApiObject<ResourceClaim>>(&client, namespace), watcher::Config::default())
         .default_backoff()
         // Claims arrive reduced (slim_claim): managed fields are already down to the list of writers.
-        .modify(move |claim| inspecting.foreign.inspect(&inspecting, claim))
+        .modify(move |claim| inspecting.foreign.inspect(&inspecting, &claim.object))
         .map(feed(writers.claims))
         .for_each(|event| {
             on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
@@ -387,23 +388,19 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
     tokio::join!(pods, claims, templates, pod_groups);
 }
 
-pub(super) fn on_event<K>(
-    resource: &str,
-    event: Result<watcher::Event<K>, watcher::Error>,
-    handle: impl FnOnce(&watcher::Event<K>),
-) {
-    match event {
-        Ok(event) => handle(&event),
+pub(super) fn on_event<K>(resource: &str, change: Result<Change<K>, watcher::Error>, handle: impl FnOnce(&Change<K>)) {
+    match change {
+        Ok(change) => handle(&change),
         // The watcher backs off and retries by itself; a persistent error (e.g. RBAC) must still be visible.
         Err(err) => warn!(resource, error = %err, "watch failed; retrying with back-off"),
     }
 }
 
-fn on_pod_event(ctx: &Context, event: &watcher::Event<Pod>) {
-    ctx.caches.pods_by_named_claim.apply(event);
-    ctx.caches.pods_by_group.apply(event);
-    ctx.caches.pods_by_template.apply(event);
-    match event {
+fn on_pod_event(ctx: &Context, change: &Change<Pod>) {
+    ctx.caches.pods_by_named_claim.apply(change);
+    ctx.caches.pods_by_group.apply(change);
+    ctx.caches.pods_by_template.apply(change);
+    match &change.event {
         watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
             ctx.foreign.inspect_pod(ctx, pod);
             ctx.caches.observed_pod(pod);
@@ -459,12 +456,12 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
     }
 }
 
-fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
-    ctx.caches.claims_by_owner.apply(event);
-    let claim = match event {
+fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
+    ctx.caches.claims_by_owner.apply(change);
+    let claim = match &change.event {
         watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
             ctx.caches.observed_claim(claim);
-            ctx.queue.add(WorkKey::Claim(object_key(claim)));
+            ctx.queue.add(WorkKey::Claim(object_key(&**claim)));
             claim
         }
         watcher::Event::Delete(claim) => {
@@ -492,8 +489,8 @@ fn on_claim_event(ctx: &Context, event: &watcher::Event<ResourceClaim>) {
     }
 }
 
-fn on_template_event(ctx: &Context, event: &watcher::Event<DynamicObject>) {
-    if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = event {
+fn on_template_event(ctx: &Context, change: &Change<DynamicObject>) {
+    if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = &change.event {
         let namespace = template.namespace().unwrap_or_default();
         super::podgroup::enqueue_groups_using(ctx, &namespace, &template.name_any());
         for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {
@@ -537,9 +534,8 @@ mod tests {
         assert!(caches.claim_for_pod(&pod(), "p-gpu-aaaaa").is_some());
         assert_eq!(caches.orphan_for(&pod(), "gpu").map(|c| c.name_any()), Some("p-gpu-aaaaa".into()));
 
-        let event = watcher::Event::Apply((*created).clone());
-        writers.claims.apply_watcher_event(&event);
-        caches.claims_by_owner.apply(&event);
+        let change = writers.claims.apply_watcher_event(watcher::Event::Apply((*created).clone()));
+        caches.claims_by_owner.apply(&change);
         caches.observed_claim(&created);
         assert_eq!(caches.created_pending(), 0, "the record ends when the watch shows the claim");
         assert!(caches.claim_for_pod(&pod(), "p-gpu-aaaaa").is_some());
@@ -555,9 +551,8 @@ mod tests {
         for c in
             [claim("p-gpu-newer", "c2", "2026-01-02T00:00:00Z"), claim("p-gpu-older", "c1", "2026-01-01T00:00:00Z")]
         {
-            let event = watcher::Event::Apply(c);
-            writers.claims.apply_watcher_event(&event);
-            caches.claims_by_owner.apply(&event);
+            let change = writers.claims.apply_watcher_event(watcher::Event::Apply(c));
+            caches.claims_by_owner.apply(&change);
         }
         assert_eq!(caches.orphan_for(&pod(), "gpu").map(|c| c.name_any()), Some("p-gpu-older".into()));
         assert!(caches.orphan_for(&pod(), "other").is_none(), "another pod claim's annotation never matches");

@@ -6,12 +6,12 @@ use std::time::Duration;
 use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
 
 use k8s_openapi::jiff::Timestamp;
-use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, Preconditions};
 use serde_json::json;
 use tracing::{debug, info, instrument};
 
 use super::Context;
+use super::api_object::{self, ApiObject};
 use super::queue::WorkKey;
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
@@ -80,8 +80,8 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
                 .patch_status(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(|source| SyncError::UpdateClaimStatus { claim: key.clone(), source })?;
-            allocated = decide::is_allocated(&updated);
-            resource_version = updated.resource_version();
+            allocated = decide::is_allocated(&updated.object);
+            resource_version = updated.object.resource_version();
             info!(reservations = valid.len(), deallocated = deallocate, "updated claim status");
         }
         if has_finalizer && !allocated {
@@ -102,8 +102,8 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
     Ok(())
 }
 
-fn claims(ctx: &Context, key: &ObjectKey) -> Api<ResourceClaim> {
-    Api::namespaced(ctx.client.clone(), &key.namespace)
+fn claims(ctx: &Context, key: &ObjectKey) -> Api<ApiObject<ResourceClaim>> {
+    api_object::namespaced(ctx.client.clone(), &key.namespace)
 }
 
 async fn pod_consumer(
@@ -118,8 +118,8 @@ async fn pod_consumer(
     let pod = match ctx.caches.pod(&pod_key) {
         Some(pod) => pod,
         // Not in the cache: the cache may lag behind a new pod, so ask the API server before dropping anything.
-        None => match Api::<Pod>::namespaced(ctx.client.clone(), namespace).get_opt(&consumer.name).await {
-            Ok(Some(pod)) => std::sync::Arc::new(pod),
+        None => match api_object::namespaced::<Pod>(ctx.client.clone(), namespace).get_opt(&consumer.name).await {
+            Ok(Some(pod)) => std::sync::Arc::new(pod.object),
             Ok(None) => return Ok(Consumer::Gone("pod not found")),
             Err(source) => {
                 return Err(SyncError::GetPod { pod: pod_key, source });
@@ -199,11 +199,11 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
 
     // Confirm with the API server: the live pod records another claim, and that claim exists and is the pod's.
     let pod_key = ObjectKey::new(key.namespace.clone(), pod_name);
-    let pod = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace)
+    let pod = api_object::namespaced::<Pod>(ctx.client.clone(), &key.namespace)
         .get_opt(pod_name)
         .await
         .map_err(|source| SyncError::GetPod { pod: pod_key, source })?;
-    let Some(pod) = pod.filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
+    let Some(pod) = pod.map(|p| p.object).filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
     let Some(recorded) = decide::recorded_claim(&pod, pod_claim).filter(|r| *r != key.name).map(str::to_string) else {
         return Ok(false);
     };
@@ -211,7 +211,7 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
         claim: ObjectKey::new(key.namespace.clone(), recorded.clone()),
         source,
     })?;
-    if !live.is_some_and(|c| decide::is_owned_by(&c, &pod)) {
+    if !live.is_some_and(|c| decide::is_owned_by(&c.object, &pod)) {
         return Ok(false);
     }
     delete_claim(ctx, key, claim).await?;

@@ -28,7 +28,6 @@ use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::ResourceExt;
 use tracing::error;
 
 use super::decide;

@@ -52,6 +52,73 @@ macro_rules! slim_resource {
 }
 use slim_resource;
 
+/// Makes a slim cache type with a compact [`wire_meta::Meta`] (a pod, a claim: the caches hold one per object) name
+/// its Kubernetes resource, and gives it the metadata readers kube's `ResourceExt` gives full types, so code reads
+/// both alike. kube's API and watcher handle it as [`api_object::ApiObject`].
+macro_rules! cached_resource {
+    ($ty:ident, api_version: $api_version:literal, group: $group:literal, kind: $kind:literal, version: $version:literal,
+     plural: $plural:literal) => {
+        impl k8s_openapi::Resource for $ty {
+            const API_VERSION: &'static str = $api_version;
+            const GROUP: &'static str = $group;
+            const KIND: &'static str = $kind;
+            const VERSION: &'static str = $version;
+            const URL_PATH_SEGMENT: &'static str = $plural;
+            type Scope = k8s_openapi::NamespaceResourceScope;
+        }
+
+        impl $crate::controller::store::Keyed for $ty {
+            fn key(&self) -> (&str, &str) {
+                (
+                    self.metadata.namespace.as_deref().unwrap_or_default(),
+                    self.metadata.name.as_deref().unwrap_or_default(),
+                )
+            }
+        }
+
+        impl $ty {
+            pub fn name_any(&self) -> String {
+                self.metadata.name.clone().unwrap_or_default()
+            }
+
+            pub fn namespace(&self) -> Option<String> {
+                self.metadata.namespace.clone()
+            }
+
+            pub fn uid(&self) -> Option<String> {
+                self.metadata.uid.clone()
+            }
+
+            pub fn resource_version(&self) -> Option<String> {
+                self.metadata.resource_version.clone()
+            }
+
+            pub fn owner_references(&self) -> &[k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference] {
+                self.metadata.owner_references.as_deref().unwrap_or_default()
+            }
+
+            pub fn finalizers(&self) -> &[String] {
+                self.metadata.finalizers.as_deref().unwrap_or_default()
+            }
+
+            /// A reference to this object, as kube's `Resource::object_ref` makes one.
+            pub fn object_ref(&self, _: &()) -> k8s_openapi::api::core::v1::ObjectReference {
+                k8s_openapi::api::core::v1::ObjectReference {
+                    name: self.metadata.name.clone(),
+                    namespace: self.metadata.namespace.clone(),
+                    uid: self.metadata.uid.clone(),
+                    api_version: Some($api_version.to_string()),
+                    kind: Some($kind.to_string()),
+                    ..Default::default()
+                }
+            }
+        }
+    };
+}
+use cached_resource;
+
+pub mod api_object;
+
 pub mod cache;
 pub mod claim;
 pub mod decide;

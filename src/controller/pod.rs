@@ -4,11 +4,12 @@
 
 use std::sync::Arc;
 
+use super::api_object::{self, ApiObject};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use k8s_openapi::api::core::v1::PodResourceClaim;
-use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
-use kube::{Resource, ResourceExt};
+use kube::Resource;
+use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
@@ -139,9 +140,10 @@ async fn recorded_claim_exists(ctx: &Context, pod: &Pod, name: &str) -> Result<b
     if verdict == RecordedVerdict::AskServer {
         debug!(claim = name, "recorded claim is not in the informer; reading it from the API server");
         let namespace = pod.namespace().unwrap_or_default();
-        let live = Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+        let live = api_object::namespaced::<ResourceClaim>(ctx.client.clone(), &namespace)
             .get_opt(name)
             .await
+            .map(|live| live.map(|c| c.object))
             .map_err(|source| SyncError::GetClaim { claim: ObjectKey::new(namespace.clone(), name), source })?;
         verdict = decide::recorded_claim_verdict(Seen::Server(live.as_ref()), pod);
     }
@@ -218,7 +220,7 @@ pub(super) async fn post_claim(
 async fn post_claim_json(ctx: &Context, namespace: &str, desired: &serde_json::Value) -> kube::Result<ResourceClaim> {
     let body = serde_json::to_vec(desired).map_err(kube::Error::SerdeError)?;
     let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
-    let path = ResourceClaim::url_path(&(), Some(namespace));
+    let path = ApiObject::<ResourceClaim>::url_path(&(), Some(namespace));
     let mut request = kube::core::Request::new(path).create(&params, body).map_err(kube::Error::BuildRequest)?;
     request.extensions_mut().insert("create");
     ctx.client.request::<ResourceClaim>(request).await
@@ -237,7 +239,7 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
         "metadata": {"name": key.name, "namespace": key.namespace, "uid": pod.metadata.uid},
         "status": {"resourceClaimStatuses": statuses},
     });
-    let api = Api::<Pod>::namespaced(ctx.client.clone(), &key.namespace);
+    let api = api_object::namespaced::<Pod>(ctx.client.clone(), &key.namespace);
     let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
     api.patch_status(&key.name, &params, &Patch::Apply(&patch))
         .await
@@ -290,7 +292,7 @@ async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, Stri
             "metadata": {"resourceVersion": claim.resource_version()},
             "status": {"reservedFor": reserved},
         });
-        Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+        api_object::namespaced::<ResourceClaim>(ctx.client.clone(), &namespace)
             .patch_status(&name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map_err(|source| SyncError::ReserveClaim {

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use super::store::{CacheWriter, feed};
+use super::store::{CacheWriter, Change, feed};
 use futures::StreamExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -18,6 +18,7 @@ use kube::{Client, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, instrument, warn};
 
+use super::api_object;
 use super::decide::Recorded;
 use super::decide::Seen;
 use super::decide::podgroup::{self as decide_group, GroupReservation};
@@ -46,7 +47,11 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
         .await;
 }
 
-fn on_event(ctx: &Context, event: &watcher::Event<PodGroup>) {
+fn on_event(ctx: &Context, change: &Change<PodGroup>) {
+    handle(ctx, &change.event);
+}
+
+fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
     if !ctx.caches.groups_served() {
         // PodGroups served since start: nothing is handled until the informer has listed them all, then
         // everything is queued at once (`group_api::run_informer`).
@@ -58,8 +63,8 @@ fn on_event(ctx: &Context, event: &watcher::Event<PodGroup>) {
                 ctx.caches.claim(&group.namespace().unwrap_or_default(), name).is_some()
             });
             if needed {
-                debug!(podgroup = %object_key(group), reason, "PodGroup needs work");
-                ctx.queue.add(WorkKey::PodGroup(object_key(group)));
+                debug!(podgroup = %object_key(&**group), reason, "PodGroup needs work");
+                ctx.queue.add(WorkKey::PodGroup(object_key(&**group)));
             }
             enqueue_members(ctx, group);
         }
@@ -100,7 +105,7 @@ fn enqueue_members(ctx: &Context, group: &PodGroup) {
 /// Enqueues the PodGroup `key` when it is cached and needs work (a claim event for one of its claims).
 pub fn enqueue_group(ctx: &Context, key: &ObjectKey) {
     if let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name) {
-        on_event(ctx, &watcher::Event::Apply((*group).clone()));
+        handle(ctx, &watcher::Event::Apply(group));
     }
 }
 
@@ -176,11 +181,11 @@ async fn recorded_claim_exists(ctx: &Context, group: &PodGroup, name: &str) -> R
     let namespace = group.namespace().unwrap_or_default();
     let claim = match ctx.caches.claim(&namespace, name) {
         Some(claim) => Some(claim),
-        None => Api::<ResourceClaim>::namespaced(ctx.client.clone(), &namespace)
+        None => api_object::namespaced::<ResourceClaim>(ctx.client.clone(), &namespace)
             .get_opt(name)
             .await
             .map_err(|source| SyncError::GetClaim { claim: ObjectKey::new(namespace.clone(), name), source })?
-            .map(Arc::new),
+            .map(|c| Arc::new(c.object)),
     };
     let exists = claim.is_some_and(|c| decide_group::is_for_pod_group(&c, group));
     if !exists {

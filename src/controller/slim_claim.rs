@@ -8,11 +8,10 @@
 //! merge patches of exactly the fields being changed.
 
 use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use super::wire_meta::WireMeta;
+use super::wire_meta::{Meta, WireMeta, exact};
 
 /// Annotation on the claims kube-scheduler creates for extended resources.
 pub const EXTENDED_RESOURCE_CLAIM_ANNOTATION: &str = "resource.kubernetes.io/extended-resource-claim";
@@ -23,7 +22,7 @@ pub const EXTENDED_RESOURCE_CLAIM_ANNOTATION: &str = "resource.kubernetes.io/ext
 #[derive(Clone, Debug, Default, PartialEq, Deserialize)]
 #[serde(from = "WireClaim")]
 pub struct ResourceClaim {
-    pub metadata: ObjectMeta,
+    pub metadata: Meta,
     /// The `resource.kubernetes.io/pod-claim-name` annotation: which claim of its pod this generated claim is.
     pub pod_claim_name: Option<String>,
     /// `resource.kubernetes.io/extended-resource-claim: "true"`: kube-scheduler made it for an extended resource.
@@ -39,7 +38,13 @@ pub struct ResourceClaim {
     pub reserved_for: Vec<ResourceClaimConsumerReference>,
 }
 
-super::slim_resource!(
+impl super::api_object::HasMeta for ResourceClaim {
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
+
+super::cached_resource!(
     ResourceClaim,
     api_version: "resource.k8s.io/v1",
     group: "resource.k8s.io",
@@ -126,15 +131,15 @@ impl From<WireClaim> for ResourceClaim {
             None => (None, None),
         };
         let (allocated, reserved_for) = match status {
-            Some(status) => (status.allocation.is_some(), status.reserved_for.unwrap_or_default()),
+            Some(status) => (status.allocation.is_some(), exact(status.reserved_for).unwrap_or_default()),
             None => (false, Vec::new()),
         };
         Self {
-            metadata: metadata.into_object_meta(),
+            metadata: metadata.into_meta(),
             pod_claim_name,
             extended_resource: extended_resource_claim.as_deref() == Some("true"),
             admin_access: spec.requests_admin_access(),
-            writers,
+            writers: exact(Some(writers)).unwrap_or_default(),
             allocated,
             reserved_for,
         }
@@ -175,11 +180,15 @@ mod tests {
         assert!(claim.admin_access && claim.allocated && !claim.extended_resource);
         assert_eq!(claim.writers, ["gpu-dra-controller"]);
         assert_eq!(claim.reserved_for.len(), 1);
-        let meta = &claim.metadata;
-        assert!(meta.annotations.is_none() && meta.labels.is_none() && meta.managed_fields.is_none());
-        assert!(meta.generate_name.is_none());
-        assert_eq!(meta.finalizers.as_deref(), Some(&["resource.kubernetes.io/delete-protection".to_string()][..]));
-        assert_eq!(meta.owner_references.as_ref().map(Vec::len), Some(1));
+        // Labels, annotations, generateName and managed fields are gone; identity and ownership stay.
+        assert_eq!(
+            serde_json::to_value(&claim.metadata)?,
+            json!({
+                "name": "p-gpu-abcde", "namespace": "ns", "uid": "c1", "resourceVersion": "7",
+                "finalizers": ["resource.kubernetes.io/delete-protection"],
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": "u", "controller": true}]
+            })
+        );
         Ok(())
     }
 

@@ -7,10 +7,9 @@
 //! this controller owns.
 
 use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 
-use super::wire_meta::{NoAnnotations, WireMeta};
+use super::wire_meta::{Meta, NoAnnotations, WireMeta, exact};
 
 /// A pod, reduced to identity metadata (name, namespace, uid, resourceVersion, creation and deletion time),
 /// `spec.nodeName`, `spec.resourceClaims`, `spec.schedulingGroup.podGroupName`, `status.phase`, `status.resourceClaimStatuses` and the claim name of
@@ -18,7 +17,7 @@ use super::wire_meta::{NoAnnotations, WireMeta};
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize)]
 #[serde(from = "WirePod")]
 pub struct Pod {
-    pub metadata: ObjectMeta,
+    pub metadata: Meta,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub spec: Option<PodSpec>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -37,11 +36,15 @@ struct WirePod {
 
 impl From<WirePod> for Pod {
     fn from(wire: WirePod) -> Self {
-        let mut metadata = wire.metadata.into_object_meta();
+        let mut metadata = wire.metadata.into_meta();
         // A pod's owners and finalizers are of no use to this controller.
         metadata.owner_references = None;
         metadata.finalizers = None;
-        Self { metadata, spec: wire.spec, status: wire.status }
+        let spec = wire.spec.map(|spec| PodSpec { resource_claims: exact(spec.resource_claims), ..spec });
+        let status = wire
+            .status
+            .map(|status| PodStatus { resource_claim_statuses: exact(status.resource_claim_statuses), ..status });
+        Self { metadata, spec, status }
     }
 }
 
@@ -87,7 +90,13 @@ pub struct ExtendedResourceClaimStatus {
     pub resource_claim_name: String,
 }
 
-super::slim_resource!(Pod, api_version: "v1", group: "", kind: "Pod", version: "v1", plural: "pods");
+super::cached_resource!(Pod, api_version: "v1", group: "", kind: "Pod", version: "v1", plural: "pods");
+
+impl super::api_object::HasMeta for Pod {
+    fn meta(&self) -> &Meta {
+        &self.metadata
+    }
+}
 
 #[cfg(test)]
 mod tests {
@@ -119,7 +128,7 @@ mod tests {
                            "extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-y"}}
             })
         );
-        assert!(std::mem::size_of::<Pod>() < 1024, "{} bytes", std::mem::size_of::<Pod>());
+        assert!(std::mem::size_of::<Pod>() < 400, "{} bytes", std::mem::size_of::<Pod>());
         Ok(())
     }
 }

@@ -39,6 +39,14 @@ pub struct PodGroupStatus {
     pub resource_claim_statuses: Option<Vec<PodResourceClaimStatus>>,
 }
 
+impl super::store::IntoCached for PodGroup {
+    type Cached = Self;
+
+    fn into_cached(self) -> Self {
+        self
+    }
+}
+
 super::slim_resource!(PodGroup, api_version: "scheduling.k8s.io/v1beta1", group: "scheduling.k8s.io",
     kind: "PodGroup", version: "v1beta1", plural: "podgroups");
 

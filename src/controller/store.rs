@@ -81,13 +81,13 @@ impl<K> std::fmt::Debug for CacheWriter<K> {
     }
 }
 
-impl<K: Resource + Clone> Default for CacheWriter<K> {
+impl<K: Keyed> Default for CacheWriter<K> {
     fn default() -> Self {
         Self::new()
     }
 }
 
-impl<K: Resource + Clone> CacheWriter<K> {
+impl<K: Keyed> CacheWriter<K> {
     pub fn new() -> Self {
         let (ready, _) = watch::channel(false);
         Self { objects: Arc::default(), relisting: None, ready }
@@ -99,27 +99,37 @@ impl<K: Resource + Clone> CacheWriter<K> {
 
     /// Applies one watch event, as kube's reflector does: an object shown replaces the one of its name, a relist
     /// (`Init` … `InitApply`… `InitDone`) replaces everything at once when complete, so objects deleted while the
-    /// watch was down disappear and readers never see a half-listed store.
-    pub fn apply_watcher_event(&mut self, event: &watcher::Event<K>) {
-        match event {
+    /// watch was down disappear and readers never see a half-listed store. The object is moved into the store, not
+    /// copied: the returned [`Change`] shares it.
+    pub fn apply_watcher_event(&mut self, event: watcher::Event<K>) -> Change<K> {
+        let (event, previous) = match event {
             watcher::Event::Apply(obj) => {
-                // Cloned before the lock is taken: readers never wait for a copy.
-                let obj = Arc::new(obj.clone());
-                insert(&mut self.write(), obj);
+                let obj = Arc::new(obj);
+                let previous = insert(&mut self.write(), obj.clone());
+                (watcher::Event::Apply(obj), previous)
             }
             watcher::Event::Delete(obj) => {
-                let (namespace, name) = key(obj);
+                let obj = Arc::new(obj);
+                let (namespace, name) = obj.key();
                 let mut objects = self.write();
+                let mut previous = None;
                 if let Some(names) = objects.get_mut(namespace) {
-                    names.remove(name);
+                    previous = names.remove(name);
                     if names.is_empty() {
                         objects.remove(namespace);
                     }
                 }
+                drop(objects);
+                (watcher::Event::Delete(obj), previous)
             }
-            watcher::Event::Init => self.relisting = Some(Objects::new()),
+            watcher::Event::Init => {
+                self.relisting = Some(Objects::new());
+                (watcher::Event::Init, None)
+            }
             watcher::Event::InitApply(obj) => {
-                insert(self.relisting.get_or_insert_with(Objects::new), Arc::new(obj.clone()));
+                let obj = Arc::new(obj);
+                insert(self.relisting.get_or_insert_with(Objects::new), obj.clone());
+                (watcher::Event::InitApply(obj), None)
             }
             watcher::Event::InitDone => {
                 let listed = self.relisting.take().unwrap_or_default();
@@ -127,8 +137,10 @@ impl<K: Resource + Clone> CacheWriter<K> {
                 let old = std::mem::replace(&mut *self.write(), listed);
                 drop(old);
                 self.ready.send_replace(true);
+                (watcher::Event::InitDone, None)
             }
-        }
+        };
+        Change { event, previous }
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
@@ -136,34 +148,72 @@ impl<K: Resource + Clone> CacheWriter<K> {
     }
 }
 
+/// A watch event as the store applied it. Its objects are the store's own (shared, never copied), and for an
+/// `Apply` or `Delete` `previous` is the object the store held under that name before, so an index can drop
+/// exactly the keys it filed that object under.
+#[derive(Debug)]
+pub struct Change<K> {
+    pub event: watcher::Event<Arc<K>>,
+    pub previous: Option<Arc<K>>,
+}
+
 /// Feeds every event a watch yields into `writer` before passing it on (`stream.map(feed(writer))`), as kube's
 /// `reflect` does: handlers further down the stream see the store already updated.
-pub fn feed<K: Resource + Clone, E>(
+pub fn feed<W: IntoCached<Cached = K>, K: Keyed, E>(
     mut writer: CacheWriter<K>,
-) -> impl FnMut(Result<watcher::Event<K>, E>) -> Result<watcher::Event<K>, E> {
-    move |event| {
-        if let Ok(event) = &event {
-            writer.apply_watcher_event(event);
-        }
-        event
+) -> impl FnMut(Result<watcher::Event<W>, E>) -> Result<Change<K>, E> {
+    move |event| event.map(|event| writer.apply_watcher_event(cached(event)))
+}
+
+/// What a watched object is cached as: itself, or the slim object kube's wrapper carries
+/// ([`super::api_object::ApiObject`]).
+pub trait IntoCached {
+    type Cached;
+    fn into_cached(self) -> Self::Cached;
+}
+
+impl IntoCached for kube::api::DynamicObject {
+    type Cached = Self;
+
+    fn into_cached(self) -> Self {
+        self
     }
 }
 
-fn key<K: Resource>(obj: &K) -> (&str, &str) {
-    let meta = obj.meta();
-    (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default())
+fn cached<W: IntoCached>(event: watcher::Event<W>) -> watcher::Event<W::Cached> {
+    match event {
+        watcher::Event::Apply(obj) => watcher::Event::Apply(obj.into_cached()),
+        watcher::Event::Delete(obj) => watcher::Event::Delete(obj.into_cached()),
+        watcher::Event::Init => watcher::Event::Init,
+        watcher::Event::InitApply(obj) => watcher::Event::InitApply(obj.into_cached()),
+        watcher::Event::InitDone => watcher::Event::InitDone,
+    }
 }
 
-fn insert<K: Resource>(objects: &mut Objects<K>, obj: Arc<K>) {
-    let (namespace, name) = key(&*obj);
+/// What the store and the indexes file an object under: its namespace (`""` for cluster-scoped objects) and name.
+pub trait Keyed {
+    fn key(&self) -> (&str, &str);
+}
+
+impl<K: Resource> Keyed for K {
+    fn key(&self) -> (&str, &str) {
+        let meta = self.meta();
+        (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default())
+    }
+}
+
+/// Files `obj` under its name; returns the object it replaced.
+fn insert<K: Keyed>(objects: &mut Objects<K>, obj: Arc<K>) -> Option<Arc<K>> {
+    let (namespace, name) = obj.key();
     let names = match objects.get_mut(namespace) {
         Some(names) => names,
         None => objects.entry(namespace.into()).or_default(),
     };
     match names.get_mut(name) {
-        Some(existing) => *existing = obj,
+        Some(existing) => Some(std::mem::replace(existing, obj)),
         None => {
             names.insert(name.into(), obj);
+            None
         }
     }
 }
@@ -194,13 +244,18 @@ mod tests {
     fn applies_and_deletes_by_namespace_and_name() {
         let mut writer = CacheWriter::new();
         let cache = writer.as_reader();
-        writer.apply_watcher_event(&watcher::Event::Apply(object("a", "x", "1")));
-        writer.apply_watcher_event(&watcher::Event::Apply(object("b", "x", "2")));
-        writer.apply_watcher_event(&watcher::Event::Apply(object("a", "x", "3")));
+        let previous_version = |change: Change<ConfigMap>| change.previous?.metadata.resource_version.clone();
+        assert_eq!(previous_version(writer.apply_watcher_event(watcher::Event::Apply(object("a", "x", "1")))), None);
+        writer.apply_watcher_event(watcher::Event::Apply(object("b", "x", "2")));
+        let change = writer.apply_watcher_event(watcher::Event::Apply(object("a", "x", "3")));
+        assert_eq!(previous_version(change), Some("1".into()), "the object it replaced");
         assert_eq!((version(&cache, "a", "x"), version(&cache, "b", "x")), (Some("3".into()), Some("2".into())));
         assert_eq!(cache.len(), 2);
-        writer.apply_watcher_event(&watcher::Event::Delete(object("a", "x", "4")));
+        let change = writer.apply_watcher_event(watcher::Event::Delete(object("a", "x", "4")));
+        assert_eq!(previous_version(change), Some("3".into()), "the object it removed");
         assert_eq!((version(&cache, "a", "x"), cache.len()), (None, 1));
+        let change = writer.apply_watcher_event(watcher::Event::Delete(object("a", "x", "5")));
+        assert!(change.previous.is_none(), "a delete of an object the store does not have");
         assert!(cache.get("c", "x").is_none(), "an unknown namespace is simply empty");
     }
 
@@ -208,22 +263,22 @@ mod tests {
     async fn a_relist_replaces_the_store_only_when_complete() {
         let mut writer = CacheWriter::new();
         let cache = writer.as_reader();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        writer.apply_watcher_event(&watcher::Event::InitApply(object("a", "kept", "1")));
-        writer.apply_watcher_event(&watcher::Event::InitApply(object("a", "gone", "1")));
+        writer.apply_watcher_event(watcher::Event::Init);
+        writer.apply_watcher_event(watcher::Event::InitApply(object("a", "kept", "1")));
+        writer.apply_watcher_event(watcher::Event::InitApply(object("a", "gone", "1")));
         assert!(cache.is_empty(), "nothing is visible before the list completes");
         let waiting = cache.clone();
         let ready = tokio::spawn(async move { waiting.wait_until_ready().await });
-        writer.apply_watcher_event(&watcher::Event::InitDone);
+        writer.apply_watcher_event(watcher::Event::InitDone);
         assert!(ready.await.is_ok_and(|r| r.is_ok()), "ready after the first list");
         assert_eq!(cache.len(), 2);
 
         // The watch broke; "gone" was deleted meanwhile and "new" created: the relist shows exactly what is left.
-        writer.apply_watcher_event(&watcher::Event::Init);
-        writer.apply_watcher_event(&watcher::Event::InitApply(object("a", "kept", "5")));
-        writer.apply_watcher_event(&watcher::Event::InitApply(object("b", "new", "6")));
+        writer.apply_watcher_event(watcher::Event::Init);
+        writer.apply_watcher_event(watcher::Event::InitApply(object("a", "kept", "5")));
+        writer.apply_watcher_event(watcher::Event::InitApply(object("b", "new", "6")));
         assert_eq!(version(&cache, "a", "gone"), Some("1".into()), "the old state serves until the relist completes");
-        writer.apply_watcher_event(&watcher::Event::InitDone);
+        writer.apply_watcher_event(watcher::Event::InitDone);
         let mut names: Vec<_> = cache.state().iter().filter_map(|o| o.metadata.name.clone()).collect();
         names.sort();
         assert_eq!(names, ["kept", "new"]);
@@ -239,8 +294,8 @@ mod tests {
 
         let mut writer = CacheWriter::<ConfigMap>::new();
         let cache = writer.as_reader();
-        writer.apply_watcher_event(&watcher::Event::Init);
-        writer.apply_watcher_event(&watcher::Event::InitDone);
+        writer.apply_watcher_event(watcher::Event::Init);
+        writer.apply_watcher_event(watcher::Event::InitDone);
         drop(writer);
         assert!(cache.wait_until_ready().await.is_ok(), "ready once, ready for good");
     }
