@@ -8,7 +8,7 @@
 //! (shared, not copied), a key is stored once, and a key's members are a plain vector until it has many (one
 //! template used by 5,000 pods). There is no reverse map from object to keys: the keys an object was filed under
 //! are recomputed from the object the store replaced or removed ([`Change::previous`]), which is the object this
-//! index filed.
+//! index filed (in the live index, or in the one a relist is building).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{Hash, Hasher};
@@ -89,7 +89,7 @@ impl<K: Keyed> Members<K> {
 }
 
 struct Maps<K> {
-    by_index_key: HashMap<Arc<str>, Members<K>>,
+    by_index_key: HashMap<Box<str>, Members<K>>,
 }
 
 impl<K> Default for Maps<K> {
@@ -161,8 +161,12 @@ impl<K: Keyed> Index<K> {
             }
             watcher::Event::Init => state.relisting = Some(Maps::default()),
             watcher::Event::InitApply(obj) => {
-                let keys = (self.index_keys)(obj);
-                state.relisting.get_or_insert_with(Maps::default).insert(obj, keys);
+                let relisting = state.relisting.get_or_insert_with(Maps::default);
+                if let Some(previous) = &change.previous {
+                    // The same relist showed this object before (a streaming list shows changes as it goes).
+                    relisting.remove(previous, (self.index_keys)(previous));
+                }
+                relisting.insert(obj, (self.index_keys)(obj));
             }
             watcher::Event::InitDone => {
                 if let Some(fresh) = state.relisting.take() {
@@ -246,9 +250,13 @@ mod tests {
         // A re-list that no longer contains "b": the live index answers until InitDone, then forgets "b".
         index.apply(watcher::Event::Init);
         index.apply(watcher::Event::InitApply(cm("c", "x")));
+        // A streaming list may show an object twice, changed in between: only its last keys count.
+        index.apply(watcher::Event::InitApply(cm("e", "x")));
+        index.apply(watcher::Event::InitApply(cm("e", "w")));
         assert_eq!(index.get("x"), vec![ObjectKey::new("ns", "b")]);
         index.apply(watcher::Event::InitDone);
         assert_eq!(index.get("x"), vec![ObjectKey::new("ns", "c")]);
+        assert_eq!(index.get("w"), vec![ObjectKey::new("ns", "e")]);
     }
 
     #[test]

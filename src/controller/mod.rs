@@ -23,9 +23,8 @@
 //! - beside another active claim controller (evidence a tenant cannot forge) it warns, and turns observe-only
 //!   when started with `--on-another-claim-controller=observe-only` ([`foreign`]).
 
-/// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API and watcher
-/// (and so for the informer store, [`store`]), exactly like the full k8s-openapi type it reduces.
-macro_rules! slim_resource {
+/// Names the Kubernetes resource a slim type reduces (k8s-openapi's `Resource` constants).
+macro_rules! resource_names {
     ($ty:ident, api_version: $api_version:literal, group: $group:literal, kind: $kind:literal, version: $version:literal,
      plural: $plural:literal) => {
         impl k8s_openapi::Resource for $ty {
@@ -36,6 +35,15 @@ macro_rules! slim_resource {
             const URL_PATH_SEGMENT: &'static str = $plural;
             type Scope = k8s_openapi::NamespaceResourceScope;
         }
+    };
+}
+use resource_names;
+
+/// Makes a slim cache type (a struct with `metadata: ObjectMeta`) a Kubernetes resource for kube's API and watcher
+/// (and so for the informer store, [`store`]), exactly like the full k8s-openapi type it reduces.
+macro_rules! slim_resource {
+    ($ty:ident, $($names:tt)*) => {
+        super::resource_names!($ty, $($names)*);
 
         impl k8s_openapi::Metadata for $ty {
             type Ty = k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -54,18 +62,10 @@ use slim_resource;
 
 /// Makes a slim cache type with a compact [`wire_meta::Meta`] (a pod, a claim: the caches hold one per object) name
 /// its Kubernetes resource, and gives it the metadata readers kube's `ResourceExt` gives full types, so code reads
-/// both alike. kube's API and watcher handle it as [`api_object::ApiObject`].
+/// both alike (`name_any` is the name: cached objects always have one, and `generateName` is not kept). kube's API and watcher handle it as [`api_object::ApiObject`].
 macro_rules! cached_resource {
-    ($ty:ident, api_version: $api_version:literal, group: $group:literal, kind: $kind:literal, version: $version:literal,
-     plural: $plural:literal) => {
-        impl k8s_openapi::Resource for $ty {
-            const API_VERSION: &'static str = $api_version;
-            const GROUP: &'static str = $group;
-            const KIND: &'static str = $kind;
-            const VERSION: &'static str = $version;
-            const URL_PATH_SEGMENT: &'static str = $plural;
-            type Scope = k8s_openapi::NamespaceResourceScope;
-        }
+    ($ty:ident, $($names:tt)*) => {
+        super::resource_names!($ty, $($names)*);
 
         impl $crate::controller::store::Keyed for $ty {
             fn key(&self) -> (&str, &str) {
@@ -107,8 +107,8 @@ macro_rules! cached_resource {
                     name: self.metadata.name.clone(),
                     namespace: self.metadata.namespace.clone(),
                     uid: self.metadata.uid.clone(),
-                    api_version: Some($api_version.to_string()),
-                    kind: Some($kind.to_string()),
+                    api_version: Some(<$ty as k8s_openapi::Resource>::API_VERSION.to_string()),
+                    kind: Some(<$ty as k8s_openapi::Resource>::KIND.to_string()),
                     ..Default::default()
                 }
             }

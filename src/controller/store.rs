@@ -128,8 +128,8 @@ impl<K: Keyed> CacheWriter<K> {
             }
             watcher::Event::InitApply(obj) => {
                 let obj = Arc::new(obj);
-                insert(self.relisting.get_or_insert_with(Objects::new), obj.clone());
-                (watcher::Event::InitApply(obj), None)
+                let previous = insert(self.relisting.get_or_insert_with(Objects::new), obj.clone());
+                (watcher::Event::InitApply(obj), previous)
             }
             watcher::Event::InitDone => {
                 let listed = self.relisting.take().unwrap_or_default();
@@ -148,9 +148,10 @@ impl<K: Keyed> CacheWriter<K> {
     }
 }
 
-/// A watch event as the store applied it. Its objects are the store's own (shared, never copied), and for an
-/// `Apply` or `Delete` `previous` is the object the store held under that name before, so an index can drop
-/// exactly the keys it filed that object under.
+/// A watch event as the store applied it. An applied object is the one the store now holds (shared, never
+/// copied). `previous` is the object the store held under that name before an `Apply` or `Delete` (or, for an
+/// `InitApply`, the one the same relist showed earlier), so an index can drop exactly the keys it filed that object
+/// under.
 #[derive(Debug)]
 pub struct Change<K> {
     pub event: watcher::Event<Arc<K>>,
