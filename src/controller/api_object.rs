@@ -1,7 +1,8 @@
 //! A slim cache type as kube's `Api` and watcher handle it. They need a k8s-openapi `ObjectMeta` (the watcher
-//! reads each object's resourceVersion from it), which the cached pods and claims do without
-//! ([`super::wire_meta::Meta`]). [`ApiObject`] carries one beside the object while it passes through kube, with
-//! only the identity and version filled in, and is unwrapped before anything is cached.
+//! reads each object's resourceVersion from it, and its name when it logs one), which the cached pods and claims do
+//! without ([`super::wire_meta::Meta`]). [`ApiObject`] carries one beside the object while it passes through kube,
+//! with only the name and resourceVersion filled in (every watched object passes here, so nothing else is copied),
+//! and is unwrapped before anything is cached.
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Api, Client};
@@ -27,8 +28,6 @@ impl<T: HasMeta> ApiObject<T> {
         let meta = object.meta();
         let metadata = ObjectMeta {
             name: meta.name.clone(),
-            namespace: meta.namespace.clone(),
-            uid: meta.uid.clone(),
             resource_version: meta.resource_version.clone(),
             ..ObjectMeta::default()
         };
@@ -83,19 +82,18 @@ impl<T> IntoCached for ApiObject<T> {
 mod tests {
     use super::*;
     use crate::controller::slim_pod::Pod;
+    use crate::controller::store::Keyed;
     use kube::Resource;
 
     #[test]
-    fn kube_sees_the_identity_and_version_of_the_slim_object() -> Result<(), serde_json::Error> {
+    fn kube_sees_the_name_and_version_of_the_slim_object() -> Result<(), serde_json::Error> {
         let pod: ApiObject<Pod> = serde_json::from_value(serde_json::json!({
             "metadata": {"name": "p", "namespace": "ns", "uid": "u", "resourceVersion": "9", "labels": {"a": "b"}},
             "spec": {"nodeName": "n"}
         }))?;
         let meta = pod.meta();
-        assert_eq!(
-            (meta.name.as_deref(), meta.namespace.as_deref(), meta.uid.as_deref(), meta.resource_version.as_deref()),
-            (Some("p"), Some("ns"), Some("u"), Some("9"))
-        );
+        assert_eq!((meta.name.as_deref(), meta.resource_version.as_deref()), (Some("p"), Some("9")));
+        assert_eq!(pod.object.key(), ("ns", "p"));
         assert_eq!((ApiObject::<Pod>::kind(&()), ApiObject::<Pod>::plural(&())), ("Pod".into(), "pods".into()));
         assert_eq!(pod.object.spec.and_then(|s| s.node_name).as_deref(), Some("n"));
         Ok(())

@@ -62,7 +62,8 @@ use slim_resource;
 
 /// Makes a slim cache type with a compact [`wire_meta::Meta`] (a pod, a claim: the caches hold one per object) name
 /// its Kubernetes resource, and gives it the metadata readers kube's `ResourceExt` gives full types, so code reads
-/// both alike (`name_any` is the name: cached objects always have one, and `generateName` is not kept). kube's API and watcher handle it as [`api_object::ApiObject`].
+/// both alike (`name_any` is the name: cached objects always have one, and `generateName` is not kept). kube's API
+/// and watcher handle it as [`api_object::ApiObject`].
 macro_rules! cached_resource {
     ($ty:ident, $($names:tt)*) => {
         super::resource_names!($ty, $($names)*);
@@ -73,6 +74,12 @@ macro_rules! cached_resource {
                     self.metadata.namespace.as_deref().unwrap_or_default(),
                     self.metadata.name.as_deref().unwrap_or_default(),
                 )
+            }
+        }
+
+        impl $crate::controller::api_object::HasMeta for $ty {
+            fn meta(&self) -> &$crate::controller::wire_meta::Meta {
+                &self.metadata
             }
         }
 

@@ -38,12 +38,6 @@ pub struct ResourceClaim {
     pub reserved_for: Vec<ResourceClaimConsumerReference>,
 }
 
-impl super::api_object::HasMeta for ResourceClaim {
-    fn meta(&self) -> &Meta {
-        &self.metadata
-    }
-}
-
 super::cached_resource!(
     ResourceClaim,
     api_version: "resource.k8s.io/v1",
@@ -125,7 +119,8 @@ struct WireStatus {
 impl From<WireClaim> for ResourceClaim {
     fn from(wire: WireClaim) -> Self {
         let WireClaim { mut metadata, spec, status } = wire;
-        let writers = metadata.object_writers();
+        let mut writers = metadata.object_writers();
+        writers.shrink_to_fit();
         let (pod_claim_name, extended_resource_claim) = match metadata.annotations.take() {
             Some(a) => (a.pod_claim_name, a.extended_resource_claim),
             None => (None, None),
@@ -139,7 +134,7 @@ impl From<WireClaim> for ResourceClaim {
             pod_claim_name,
             extended_resource: extended_resource_claim.as_deref() == Some("true"),
             admin_access: spec.requests_admin_access(),
-            writers: exact(Some(writers)).unwrap_or_default(),
+            writers,
             allocated,
             reserved_for,
         }

@@ -92,12 +92,6 @@ pub struct ExtendedResourceClaimStatus {
 
 super::cached_resource!(Pod, api_version: "v1", group: "", kind: "Pod", version: "v1", plural: "pods");
 
-impl super::api_object::HasMeta for Pod {
-    fn meta(&self) -> &Meta {
-        &self.metadata
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
