@@ -1,10 +1,13 @@
 //! The informer caches' store: the objects a watch shows, by namespace and name, fed by its events exactly as
 //! kube's reflector feeds its `Store` (a relist fills a buffer that replaces the store once complete), but keyed
 //! compactly. kube's store keys every object by an `ObjectRef`, which copies its name, namespace, UID and
-//! resourceVersion into four allocations next to the object's own; here an object costs its name once, under a
-//! map per namespace. With 10,000 pods and 10,000 claims cached that is megabytes of the controller's peak memory.
+//! resourceVersion into four allocations next to the object's own; here an object is filed under its own name (the
+//! set's entries are the objects, found by the name they carry), in a set per namespace. With 10,000 pods and
+//! 10,000 claims cached that is megabytes of the controller's peak memory.
 
-use std::collections::HashMap;
+use std::borrow::Borrow;
+use std::collections::{HashMap, HashSet};
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, PoisonError, RwLock};
 
 use kube::Resource;
@@ -12,7 +15,38 @@ use kube::runtime::watcher;
 use tokio::sync::watch;
 
 /// Objects by name, per namespace (`""` for cluster-scoped ones).
-type Objects<K> = HashMap<Box<str>, HashMap<Box<str>, Arc<K>>>;
+type Objects<K> = HashMap<Box<str>, HashSet<Named<K>>>;
+
+/// A cached object as a set entry: equal to, and hashed as, its name, so a namespace's set is looked up by a `&str`
+/// and holds no copy of the name.
+struct Named<K>(Arc<K>);
+
+impl<K: Keyed> Named<K> {
+    fn name(&self) -> &str {
+        self.0.key().1
+    }
+}
+
+impl<K: Keyed> Borrow<str> for Named<K> {
+    fn borrow(&self) -> &str {
+        self.name()
+    }
+}
+
+impl<K: Keyed> PartialEq for Named<K> {
+    fn eq(&self, other: &Self) -> bool {
+        self.name() == other.name()
+    }
+}
+
+impl<K: Keyed> Eq for Named<K> {}
+
+/// Hashes exactly as the name does (`Borrow` requires it).
+impl<K: Keyed> Hash for Named<K> {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.name().hash(state);
+    }
+}
 
 /// The writer went away before the first list completed: the informer stopped.
 #[derive(Debug, thiserror::Error)]
@@ -37,19 +71,21 @@ impl<K> std::fmt::Debug for Cache<K> {
     }
 }
 
-impl<K> Cache<K> {
+impl<K: Keyed> Cache<K> {
     /// The object `namespace/name`, as the watch last showed it.
     pub fn get(&self, namespace: &str, name: &str) -> Option<Arc<K>> {
-        self.read().get(namespace)?.get(name).cloned()
+        Some(self.read().get(namespace)?.get(name)?.0.clone())
     }
 
     /// Every object (a snapshot; the store may change meanwhile).
     pub fn state(&self) -> Vec<Arc<K>> {
-        self.read().values().flat_map(HashMap::values).cloned().collect()
+        self.read().values().flat_map(HashSet::iter).map(|named| named.0.clone()).collect()
     }
+}
 
+impl<K> Cache<K> {
     pub fn len(&self) -> usize {
-        self.read().values().map(HashMap::len).sum()
+        self.read().values().map(HashSet::len).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -114,7 +150,7 @@ impl<K: Keyed> CacheWriter<K> {
                 let mut objects = self.write();
                 let mut previous = None;
                 if let Some(names) = objects.get_mut(namespace) {
-                    previous = names.remove(name);
+                    previous = names.take(name).map(|named| named.0);
                     if names.is_empty() {
                         objects.remove(namespace);
                     }
@@ -205,18 +241,12 @@ impl<K: Resource> Keyed for K {
 
 /// Files `obj` under its name; returns the object it replaced.
 fn insert<K: Keyed>(objects: &mut Objects<K>, obj: Arc<K>) -> Option<Arc<K>> {
-    let (namespace, name) = obj.key();
+    let namespace = obj.key().0;
     let names = match objects.get_mut(namespace) {
         Some(names) => names,
         None => objects.entry(namespace.into()).or_default(),
     };
-    match names.get_mut(name) {
-        Some(existing) => Some(std::mem::replace(existing, obj)),
-        None => {
-            names.insert(name.into(), obj);
-            None
-        }
-    }
+    names.replace(Named(obj)).map(|named| named.0)
 }
 
 #[cfg(test)]
