@@ -29,6 +29,13 @@ pub enum Command {
     /// Check this machine's GPUs without a cluster: print what the node agent would publish and prepare one claim
     /// into a CDI directory (e2e/gpu-check.sh).
     GpuCheck(Box<GpuCheckArgs>),
+    /// The simulated backend's stand-in for `nvidia-cuda-mps-control` (run by the node agent, not by people).
+    #[command(hide = true)]
+    SimulatedMpsControl {
+        /// Run as the daemon (in the foreground); without it, send standard input to the daemon.
+        #[arg(short = 'f')]
+        foreground: bool,
+    },
 }
 
 /// Logging flags shared by every component.
@@ -138,6 +145,10 @@ pub struct NodeAgentArgs {
     /// Where the agent keeps its checkpoint of prepared claims.
     #[arg(long, env = "GPU_DRA_STATE_DIR", default_value = "/var/lib/gpu-dra")]
     pub state_dir: PathBuf,
+    /// Where the MPS control daemons of claims asking MPS keep their pipes, logs and shared memory
+    /// (`<dir>/<claim UID>/{pipe,log,shm}`); containers mount them from here, so it is a host path, best on a tmpfs.
+    #[arg(long, env = "GPU_DRA_MPS_DIR", default_value = "/run/gpu-dra/mps")]
+    pub mps_dir: PathBuf,
     /// The file holding this boot's ID: checkpoint entries of an earlier boot are dropped (their device state is
     /// gone). Only tests point it elsewhere.
     #[arg(long, env = "GPU_DRA_BOOT_ID_FILE", default_value = "/proc/sys/kernel/random/boot_id")]

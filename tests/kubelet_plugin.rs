@@ -5,6 +5,8 @@
 //! unreachable too), lost specs, a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
 //! prepare while the liveness probe asks, and the calls queued behind it done together.
 
+#[path = "kubelet_plugin/mps.rs"]
+mod mps;
 mod support;
 #[path = "kubelet_plugin/time_slices.rs"]
 mod time_slices;
@@ -18,6 +20,7 @@ use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntr
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
+use mps::{a_claim_asking_mps_gets_its_own_daemon_while_prepared, mps_settings_naming_no_device_are_refused};
 use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
@@ -43,6 +46,8 @@ fn main() {
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
+            test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
+            test!(mps_settings_naming_no_device_are_refused),
         ],
     )
 }

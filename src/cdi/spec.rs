@@ -13,6 +13,18 @@ use crate::node_agent::device::Device;
 /// binaries or device files with it.
 const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
 
+/// A claim's own directories (an MPS daemon's pipes and shared memory) are written by its containers.
+const CLAIM_MOUNT_OPTIONS: [&str; 4] = ["rw", "nosuid", "nodev", "bind"];
+
+/// Spec-wide edits a claim's configuration adds for every container of the claim (an MPS daemon's pipe directory,
+/// shared memory and limits, [`crate::kubelet_plugin::mps`]): `NAME=value` environment and writable bind mounts
+/// (host path, container path).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimEdits {
+    pub env: Vec<String>,
+    pub mounts: Vec<(PathBuf, PathBuf)>,
+}
+
 /// Device nodes every CUDA process needs besides its GPUs' own: the control device and unified memory, with the
 /// numbers simulated specs give them (see [`device_node`]).
 const SHARED_DEVICE_NODES: [(&str, u32, u32); 3] =
@@ -47,6 +59,17 @@ pub fn build_claim_spec(
     claim_uid: &str,
     claim_devices: &[Device],
     driver_files: &DriverFiles,
+) -> Result<Spec, CdiError> {
+    build_claim_spec_with(kind, claim_uid, claim_devices, driver_files, &ClaimEdits::default())
+}
+
+/// [`build_claim_spec`] with the claim's own spec-wide `edits` after the driver's.
+pub fn build_claim_spec_with(
+    kind: &CdiKind,
+    claim_uid: &str,
+    claim_devices: &[Device],
+    driver_files: &DriverFiles,
+    edits: &ClaimEdits,
 ) -> Result<Spec, CdiError> {
     check_claim_uid(claim_uid)?;
     if claim_devices.is_empty() {
@@ -84,20 +107,28 @@ pub fn build_claim_spec(
     let mut by_bus: Vec<&Device> = claim_devices.iter().collect();
     by_bus.sort_by(|a, b| (&a.gpu.pci_bus_id, a.uuid()).cmp(&(&b.gpu.pci_bus_id, b.uuid())));
     let uuids: Vec<&str> = by_bus.iter().map(|device| device.uuid()).collect();
-    let mut edits = json!({
-        "env": [
-            "NVIDIA_VISIBLE_DEVICES=void",
-            "CUDA_DEVICE_ORDER=PCI_BUS_ID",
-            format!("GPU_DRA_GPU_UUIDS={}", uuids.join(",")),
-        ],
+    let mut env = vec![
+        "NVIDIA_VISIBLE_DEVICES=void".to_string(),
+        "CUDA_DEVICE_ORDER=PCI_BUS_ID".to_string(),
+        format!("GPU_DRA_GPU_UUIDS={}", uuids.join(",")),
+    ];
+    env.extend(edits.env.iter().cloned());
+    let mut spec_edits = json!({
+        "env": env,
         "deviceNodes": SHARED_DEVICE_NODES.map(|(path, major, minor)| device_node(path, major, minor, driver_files)),
     });
     let driver_mounts = driver_files.mounts()?;
-    if !driver_mounts.is_empty() {
-        let mounts = driver_mounts.iter().map(|m| mount(claim_uid, m.host_path(), m.container_path()));
-        edits["mounts"] = Value::Array(mounts.collect::<Result<_, _>>()?);
+    let mut mounts = driver_mounts
+        .iter()
+        .map(|m| mount(claim_uid, m.host_path(), m.container_path(), &MOUNT_OPTIONS))
+        .collect::<Result<Vec<_>, _>>()?;
+    for (host, container) in &edits.mounts {
+        mounts.push(mount(claim_uid, host, container, &CLAIM_MOUNT_OPTIONS)?);
     }
-    let document = |version: &str| json!({ "cdiVersion": version, "kind": kind.to_string(), "devices": devices, "containerEdits": edits });
+    if !mounts.is_empty() {
+        spec_edits["mounts"] = Value::Array(mounts);
+    }
+    let document = |version: &str| json!({ "cdiVersion": version, "kind": kind.to_string(), "devices": devices, "containerEdits": spec_edits });
     let invalid = |source: anyhow::Error| CdiError::InvalidSpec {
         claim_uid: claim_uid.to_string(),
         reason: format!("{source:#}"),
@@ -140,7 +171,7 @@ fn device_node(path: &str, major: u32, minor: u32, driver_files: &DriverFiles) -
 }
 
 /// One read-only bind mount of a driver file.
-fn mount(claim_uid: &str, host: &Path, container: &Path) -> Result<Value, CdiError> {
+fn mount(claim_uid: &str, host: &Path, container: &Path, options: &[&str]) -> Result<Value, CdiError> {
     let utf8 = |path: &Path| {
         path.to_str().map(str::to_string).ok_or_else(|| CdiError::InvalidName {
             what: "mount path",
@@ -148,7 +179,7 @@ fn mount(claim_uid: &str, host: &Path, container: &Path) -> Result<Value, CdiErr
             reason: format!("it is not UTF-8 (claim {claim_uid})"),
         })
     };
-    Ok(json!({ "hostPath": utf8(host)?, "containerPath": utf8(container)?, "options": MOUNT_OPTIONS }))
+    Ok(json!({ "hostPath": utf8(host)?, "containerPath": utf8(container)?, "options": options }))
 }
 
 fn typed(claim_uid: &str, document: Value) -> Result<Spec, CdiError> {

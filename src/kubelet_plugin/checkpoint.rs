@@ -74,6 +74,9 @@ pub struct ClaimEntry {
     /// find it; it never conflicts with another claim and a prepare of the claim plans it again from the API.
     #[serde(default, skip_serializing_if = "is_false")]
     pub recovered: bool,
+    /// The MPS control daemon the claim asked for (`GpuConfig` strategy MPS): start-up starts it again from this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<super::mps::MpsDaemon>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -431,7 +434,14 @@ mod tests {
     }
 
     fn entry(name: &str, state: PrepareState, devices: Vec<PreparedDevice>) -> ClaimEntry {
-        ClaimEntry { namespace: "default".to_owned(), name: name.to_owned(), state, devices, recovered: false }
+        ClaimEntry {
+            namespace: "default".to_owned(),
+            name: name.to_owned(),
+            state,
+            devices,
+            recovered: false,
+            mps: None,
+        }
     }
 
     #[test]

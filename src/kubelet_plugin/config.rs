@@ -2,13 +2,14 @@
 //! `opaque: {driver: <driver>, parameters: {apiVersion: <driver>/v1alpha1, kind: GpuConfig, …}}`.
 //!
 //! NVIDIA's spelling is accepted too (`apiVersion: resource.nvidia.com/v1beta1`, `kind: GpuConfig`, `sharing.strategy`,
-//! `sharing.timeSlicingConfig.interval`; `kind: MigDeviceConfig` for MIG devices), so claims written for NVIDIA's DRA
-//! driver work once the driver and class names are swapped; what this driver cannot do yet (MPS) is refused by name,
-//! never ignored.
+//! `sharing.timeSlicingConfig.interval`, `sharing.mpsConfig`; `kind: MigDeviceConfig` for MIG devices), so claims
+//! written for NVIDIA's DRA driver work once the driver and class names are swapped.
 //!
 //! Decoding is strict (an unknown or misspelt field is an error naming it, never silently ignored), then
 //! validated; configuration from the class applies first, then the claim's (the claim wins), each to the requests it
 //! names (none = all). Errors refuse the claim at NodePrepareResources with a message the pod's events show.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -37,16 +38,113 @@ pub struct Sharing {
     /// Only with `strategy: TimeSlicing`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub time_slicing: Option<TimeSlicing>,
+    /// Only with `strategy: MPS`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mps: Option<MpsConfig>,
 }
 
 /// `Exclusive`: the GPU's scheduling between the processes of the containers that share the claim left as it is.
 /// `TimeSlicing`: the GPU's time slice set to `timeSlicing.interval` while the claim is prepared (see
-/// [`super::time_slice`]).
+/// [`super::time_slice`]). `MPS`: an MPS control daemon runs for the claim while it is prepared, and its containers
+/// are clients of it (see [`super::mps`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SharingStrategy {
     #[default]
     Exclusive,
     TimeSlicing,
+    #[serde(rename = "MPS")]
+    Mps,
+}
+
+/// The limits an MPS claim's clients run under; NVIDIA's `mpsConfig` has the same fields. Limits are Kubernetes
+/// memory quantities (`10Gi`, `512Mi`); the per-device map is keyed by a device's UUID or by its index among the
+/// claim's devices sorted by UUID (NVIDIA's rule), and overrides the default for that device.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MpsConfig {
+    /// The share of each GPU's threads a client may use, 1 to 100 (the daemon's default is 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_active_thread_percentage: Option<i64>,
+    /// The device memory each client may pin, on every device of the claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub default_pinned_device_memory_limit: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub default_per_device_pinned_memory_limit: BTreeMap<String, String>,
+}
+
+/// Below this a pinned memory limit is refused (NVIDIA's rule): MPS takes limits in whole MiB.
+pub const MIB: u64 = 1 << 20;
+
+impl MpsConfig {
+    /// Checks the values; `path` names the object in errors (`sharing.mps`, or NVIDIA's `sharing.mpsConfig`).
+    fn check(&self, path: &str) -> Result<(), String> {
+        if let Some(percentage) = self.default_active_thread_percentage
+            && !(1..=100).contains(&percentage)
+        {
+            return Err(format!(
+                "{path}.defaultActiveThreadPercentage: {percentage} is not a percentage of a GPU's threads from 1 to 100"
+            ));
+        }
+        if let Some(limit) = &self.default_pinned_device_memory_limit {
+            pinned_limit_mib(limit).map_err(|e| format!("{path}.defaultPinnedDeviceMemoryLimit: {e}"))?;
+        }
+        for (device, limit) in &self.default_per_device_pinned_memory_limit {
+            if device.is_empty() {
+                return Err(format!(
+                    "{path}.defaultPerDevicePinnedMemoryLimit: an empty key; name a device by its UUID or index"
+                ));
+            }
+            pinned_limit_mib(limit)
+                .map_err(|e| format!("{path}.defaultPerDevicePinnedMemoryLimit[{device:?}]: {e}"))?;
+        }
+        Ok(())
+    }
+}
+
+/// A pinned memory limit in whole MiB (rounded down, as NVIDIA's driver does), at least 1 MiB.
+pub fn pinned_limit_mib(quantity: &str) -> Result<u64, String> {
+    let bytes = memory_bytes(quantity)?;
+    if bytes < MIB {
+        return Err(format!("{quantity:?} is below 1Mi, the smallest limit MPS takes"));
+    }
+    Ok(bytes / MIB)
+}
+
+/// A Kubernetes memory quantity in bytes: a number (decimals allowed) with an optional binary (`Ki` … `Ei`) or
+/// decimal (`k`, `M` … `E`) suffix.
+pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
+    let invalid = || format!("{quantity:?} is not a memory quantity such as 10Gi, 512Mi or 1G");
+    let split = quantity.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(quantity.len());
+    let (number, suffix) = quantity.split_at(split);
+    let multiplier: u64 = match suffix {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        "T" => 1_000_000_000_000,
+        "P" => 1_000_000_000_000_000,
+        "E" => 1_000_000_000_000_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        "Pi" => 1 << 50,
+        "Ei" => 1 << 60,
+        _ => return Err(invalid()),
+    };
+    let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
+    if whole.is_empty() && fraction.is_empty() || fraction.contains('.') {
+        return Err(invalid());
+    }
+    let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| invalid())? };
+    let mut bytes = whole.checked_mul(u128::from(multiplier)).ok_or_else(invalid)?;
+    if !fraction.is_empty() {
+        let digits = u32::try_from(fraction.len()).map_err(|_| invalid())?;
+        let scale = 10u128.checked_pow(digits).ok_or_else(invalid)?;
+        let numerator: u128 = fraction.parse().map_err(|_| invalid())?;
+        bytes += numerator.checked_mul(u128::from(multiplier)).ok_or_else(invalid)? / scale;
+    }
+    u64::try_from(bytes).map_err(|_| invalid())
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -117,11 +215,16 @@ impl GpuConfig {
 
     /// Rules the types alone cannot express.
     pub fn validate(&self) -> Result<(), String> {
-        match (self.sharing.strategy, &self.sharing.time_slicing) {
-            (SharingStrategy::Exclusive, Some(_)) => {
-                Err("sharing.timeSlicing: only allowed with sharing.strategy TimeSlicing".to_string())
+        let sharing = &self.sharing;
+        if sharing.time_slicing.is_some() && sharing.strategy != SharingStrategy::TimeSlicing {
+            return Err("sharing.timeSlicing: only allowed with sharing.strategy TimeSlicing".to_string());
+        }
+        match &sharing.mps {
+            Some(_) if sharing.strategy != SharingStrategy::Mps => {
+                Err("sharing.mps: only allowed with sharing.strategy MPS".to_string())
             }
-            _ => Ok(()),
+            Some(mps) => mps.check("sharing.mps"),
+            None => Ok(()),
         }
     }
 }
@@ -152,9 +255,8 @@ struct NvidiaSharing {
     strategy: NvidiaStrategy,
     #[serde(default)]
     time_slicing_config: Option<NvidiaTimeSlicing>,
-    /// Kept as written: only its presence matters until MPS is supported.
     #[serde(default)]
-    mps_config: Option<serde_json::Value>,
+    mps_config: Option<MpsConfig>,
 }
 
 #[derive(Clone, Copy, Deserialize)]
@@ -173,7 +275,7 @@ struct NvidiaTimeSlicing {
 
 impl NvidiaDocument {
     /// This driver's model of the same configuration, with NVIDIA's own rules (a strategy's config only with that
-    /// strategy); MPS is refused until this driver runs MPS control daemons.
+    /// strategy).
     fn into_config(self) -> Result<GpuConfig, String> {
         let Some(sharing) = self.sharing else { return Ok(GpuConfig::default()) };
         match (sharing.strategy, sharing.time_slicing_config, sharing.mps_config) {
@@ -184,15 +286,13 @@ impl NvidiaDocument {
                 sharing: Sharing {
                     strategy: SharingStrategy::TimeSlicing,
                     time_slicing: Some(TimeSlicing { interval: time_slicing.map(|t| t.interval).unwrap_or_default() }),
+                    mps: None,
                 },
             }),
             (NvidiaStrategy::Mps, Some(_), _) => {
                 Err("sharing.timeSlicingConfig: only allowed with sharing.strategy TimeSlicing".into())
             }
-            (NvidiaStrategy::Mps, None, _) => {
-                Err("sharing.strategy MPS: this driver does not run MPS yet; use TimeSlicing or leave sharing out"
-                    .into())
-            }
+            (NvidiaStrategy::Mps, None, mps) => mps_config(mps),
         }
     }
 }
@@ -215,7 +315,14 @@ struct NvidiaMigDocument {
 struct NvidiaMigSharing {
     strategy: NvidiaStrategy,
     #[serde(default)]
-    mps_config: Option<serde_json::Value>,
+    mps_config: Option<MpsConfig>,
+}
+
+/// NVIDIA's `MPS` strategy with its `mpsConfig` (none = the daemon's defaults), checked under NVIDIA's field name.
+fn mps_config(mps: Option<MpsConfig>) -> Result<GpuConfig, String> {
+    let mps = mps.unwrap_or_default();
+    mps.check("sharing.mpsConfig")?;
+    Ok(GpuConfig { sharing: Sharing { strategy: SharingStrategy::Mps, time_slicing: None, mps: Some(mps) } })
 }
 
 impl NvidiaMigDocument {
@@ -226,10 +333,7 @@ impl NvidiaMigDocument {
                 Err("sharing.mpsConfig: only allowed with sharing.strategy MPS".into())
             }
             (NvidiaStrategy::TimeSlicing, None) => Ok(GpuConfig::default()),
-            (NvidiaStrategy::Mps, _) => {
-                Err("sharing.strategy MPS: this driver does not run MPS yet; use TimeSlicing or leave sharing out"
-                    .into())
-            }
+            (NvidiaStrategy::Mps, mps) => mps_config(mps),
         }
     }
 }
@@ -287,9 +391,46 @@ mod tests {
             config.map(|c| c.sharing),
             Ok(Sharing {
                 strategy: SharingStrategy::TimeSlicing,
-                time_slicing: Some(TimeSlicing { interval: TimeSliceInterval::Long })
+                time_slicing: Some(TimeSlicing { interval: TimeSliceInterval::Long }),
+                mps: None,
             })
         );
+        let mps = GpuConfig::decode(
+            DRIVER,
+            &doc(json!({"sharing": {"strategy": "MPS", "mps": {"defaultActiveThreadPercentage": 25,
+                "defaultPinnedDeviceMemoryLimit": "10Gi", "defaultPerDevicePinnedMemoryLimit": {"1": "512Mi"}}}})),
+        );
+        let expected = MpsConfig {
+            default_active_thread_percentage: Some(25),
+            default_pinned_device_memory_limit: Some("10Gi".into()),
+            default_per_device_pinned_memory_limit: BTreeMap::from([("1".into(), "512Mi".into())]),
+        };
+        assert_eq!(mps.map(|c| c.sharing.mps), Ok(Some(expected)));
+    }
+
+    #[test]
+    fn memory_quantities_in_bytes_and_pinned_limits_in_whole_mib() {
+        let cases = [
+            ("1Gi", Ok(1 << 30)),
+            ("512Mi", Ok(512 << 20)),
+            ("1.5Gi", Ok(3 << 29)),
+            ("10M", Ok(10_000_000)),
+            ("1G", Ok(1_000_000_000)),
+            ("1048576", Ok(1 << 20)),
+            ("0.5Ki", Ok(512)),
+        ];
+        for (quantity, want) in cases {
+            assert_eq!(memory_bytes(quantity), want, "{quantity}");
+        }
+        for bad in ["", "Gi", "1GB", "-1Gi", "1..5Gi", "1e3", "99999999999Ei"] {
+            assert!(memory_bytes(bad).is_err(), "{bad:?} accepted");
+        }
+        // NVIDIA's driver rounds down to MiB the same way: 10M is 9 MiB, 1G is 953.
+        let limits = [("1Gi", Ok(1024)), ("10Mi", Ok(10)), ("10M", Ok(9)), ("1G", Ok(953))];
+        for (quantity, want) in limits {
+            assert_eq!(pinned_limit_mib(quantity), want, "{quantity}");
+        }
+        assert!(pinned_limit_mib("1M").is_err_and(|e| e.contains("below 1Mi")));
     }
 
     #[test]
@@ -302,6 +443,16 @@ mod tests {
                 "sharing.timeSlicing.x: unknown field `x`",
             ),
             (doc(json!({"sharing": {"timeSlicing": {}}})), "sharing.timeSlicing: only allowed with"),
+            (doc(json!({"sharing": {"strategy": "MPS", "timeSlicing": {}}})), "sharing.timeSlicing: only allowed with"),
+            (doc(json!({"sharing": {"strategy": "TimeSlicing", "mps": {}}})), "sharing.mps: only allowed with"),
+            (
+                doc(json!({"sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": "10Gb"}}})),
+                "sharing.mps.defaultPinnedDeviceMemoryLimit: \"10Gb\" is not a memory quantity",
+            ),
+            (
+                doc(json!({"sharing": {"strategy": "MPS", "mps": {"defaultPerDevicePinnedMemoryLimit": {"": "1Gi"}}}})),
+                "sharing.mps.defaultPerDevicePinnedMemoryLimit: an empty key",
+            ),
             (json!({"apiVersion": "gpu.gpu-dra.dev/v9", "kind": "GpuConfig"}), "understands apiVersion"),
             (json!({"apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "Other"}), "kind \"Other\""),
             (json!(["not", "an", "object"]), "not an object"),
@@ -325,8 +476,12 @@ mod tests {
                 sharing: Sharing {
                     strategy: SharingStrategy::TimeSlicing,
                     time_slicing: Some(TimeSlicing { interval }),
+                    mps: None,
                 },
             })
+        };
+        let mps = |mps| {
+            Ok(GpuConfig { sharing: Sharing { strategy: SharingStrategy::Mps, time_slicing: None, mps: Some(mps) } })
         };
         let cases = [
             (json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig"}), Ok(GpuConfig::default())),
@@ -334,6 +489,21 @@ mod tests {
             (
                 nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})),
                 time_slicing(TimeSliceInterval::Long),
+            ),
+            (nvidia(json!({"strategy": "MPS"})), mps(MpsConfig::default())),
+            (
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50,
+                    "defaultPinnedDeviceMemoryLimit": "1Gi", "defaultPerDevicePinnedMemoryLimit": {"GPU-a": "2Gi"}}})),
+                mps(MpsConfig {
+                    default_active_thread_percentage: Some(50),
+                    default_pinned_device_memory_limit: Some("1Gi".into()),
+                    default_per_device_pinned_memory_limit: BTreeMap::from([("GPU-a".into(), "2Gi".into())]),
+                }),
+            ),
+            (
+                json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig",
+                       "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 10}}}),
+                mps(MpsConfig { default_active_thread_percentage: Some(10), ..MpsConfig::default() }),
             ),
             (
                 nvidia(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {}})),
@@ -356,10 +526,21 @@ mod tests {
     fn nvidias_spelling_refuses_what_this_driver_cannot_do_by_name() {
         let mig = |sharing: serde_json::Value| json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": "MigDeviceConfig", "sharing": sharing});
         let cases = [
-            (nvidia(json!({"strategy": "MPS"})), "sharing.strategy MPS: this driver does not run MPS yet"),
             (
-                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}})),
-                "does not run MPS yet",
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 0}})),
+                "sharing.mpsConfig.defaultActiveThreadPercentage: 0 is not a percentage",
+            ),
+            (
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultPinnedDeviceMemoryLimit": "1Ki"}})),
+                "sharing.mpsConfig.defaultPinnedDeviceMemoryLimit: \"1Ki\" is below 1Mi",
+            ),
+            (
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"defaultPerDevicePinnedMemoryLimit": {"0": "lots"}}})),
+                "sharing.mpsConfig.defaultPerDevicePinnedMemoryLimit[\"0\"]: \"lots\" is not a memory quantity",
+            ),
+            (
+                nvidia(json!({"strategy": "MPS", "mpsConfig": {"multiUser": true}})),
+                "sharing.mpsConfig.multiUser: unknown field `multiUser`",
             ),
             (nvidia(json!({"strategy": "TimeSlicing", "mpsConfig": {}})), "sharing.mpsConfig: only allowed with"),
             (
@@ -373,7 +554,10 @@ mod tests {
                 "sharing.timeSlicingConfig.interval: unknown variant `Forever`",
             ),
             (nvidia(json!({"strategy": "TimeSlicing", "replicas": 4})), "sharing.replicas: unknown field `replicas`"),
-            (mig(json!({"strategy": "MPS"})), "sharing.strategy MPS: this driver does not run MPS yet"),
+            (
+                mig(json!({"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 101}})),
+                "sharing.mpsConfig.defaultActiveThreadPercentage: 101",
+            ),
             (
                 mig(json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}})),
                 "sharing.timeSlicingConfig: unknown field `timeSlicingConfig`",

@@ -20,6 +20,7 @@ pub mod config;
 pub mod group_commit;
 pub mod health;
 pub mod metrics;
+pub mod mps;
 pub mod partitions;
 pub mod proto;
 pub mod registration;

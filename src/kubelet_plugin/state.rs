@@ -32,11 +32,13 @@ use super::config::TimeSliceInterval;
 use super::group_commit::Queue;
 pub use super::metrics::Operation;
 use super::metrics::PluginMetrics;
+use super::mps::{self, MpsDaemon};
 use super::partitions;
 use super::time_slice;
 use crate::cdi::{self, CdiKind, DriverFiles};
 use crate::node_agent::device::{self, Device};
 use crate::node_agent::discovery::Discovery;
+use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
 use crate::node_agent::time_slice_control::TimeSliceControl;
 
 /// A claim's outcome: its devices, or why it was refused.
@@ -88,6 +90,9 @@ pub struct StateConfig {
     pub pool: String,
     pub cdi_dir: PathBuf,
     pub state_dir: PathBuf,
+    /// Where claims' MPS daemons keep their directories, and what a daemon is.
+    pub mps_dir: PathBuf,
+    pub mps_program: MpsProgram,
     pub driver_files: DriverFiles,
     pub boot_id: String,
     /// Sets the time slice a claim's `GpuConfig` asks of its GPUs.
@@ -107,6 +112,8 @@ pub struct DriverState {
     driver_files: DriverFiles,
     time_slices: Arc<dyn TimeSliceControl>,
     mig_control: Arc<dyn Discovery>,
+    /// The MPS control daemons of prepared claims that asked MPS ([`super::mps`]).
+    mps: MpsDaemons,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
     prepares: Queue<(ClaimRef, Plan), Vec<PreparedDevice>>,
@@ -155,6 +162,7 @@ impl DriverState {
             driver_files: config.driver_files,
             time_slices: config.time_slices,
             mig_control: config.mig_control,
+            mps: MpsDaemons::new(config.mps_program, config.mps_dir, metrics.mps_daemon_restarts.clone()),
             store,
             checkpoint: Mutex::new(loaded.checkpoint),
             prepares: Queue::new(metrics.waiting(Operation::Prepare)),
@@ -366,8 +374,9 @@ impl DriverState {
                 Some(reason) => Err(reason),
                 None => time_slice::checked_asks(checkpoint, &self.pool, &claim, &planned),
             };
-            let asks = match checked {
-                Ok(asks) => asks,
+            let checked = checked.and_then(|asks| Ok((asks, mps::plan(&claim, &planned)?)));
+            let (asks, mps) = match checked {
+                Ok(checked) => checked,
                 Err(reason) => {
                     warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
                     results.push((claim.uid, Err(reason)));
@@ -386,6 +395,7 @@ impl DriverState {
                 state: PrepareState::PrepareStarted,
                 devices,
                 recovered: false,
+                mps: mps.clone(),
             };
             // MIG devices made for this claim before stay recorded from the first save on: a crash before the last
             // one must not turn them into nobody's.
@@ -413,7 +423,7 @@ impl DriverState {
                     (name, making)
                 })
                 .collect();
-            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, making, made: Vec::new() });
+            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, mps, making, made: Vec::new() });
         }
         if todo.is_empty() {
             return results;
@@ -451,11 +461,10 @@ impl DriverState {
         }
         let mut written = Vec::new();
         for claim in ready {
-            let write = self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks).and_then(|()| {
-                cdi::build_claim_spec(&self.cdi_kind, &claim.claim.uid, &claim.devices, &self.driver_files)
-                    .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.claim.uid, &spec))
-                    .map_err(|e| e.to_string())
-            });
+            let write = self
+                .set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks)
+                .and_then(|()| self.start_mps(&claim.claim.uid, claim.mps.as_ref()))
+                .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));
             match write {
                 Ok(_) => {
                     if let Some(entry) = checkpoint.claims.get_mut(&claim.claim.uid) {
@@ -496,9 +505,14 @@ impl DriverState {
             }
             // Its MIG devices go before its entry: a crash in between leaves them listed, to be destroyed by the
             // kubelet's next unprepare (the spec is gone already: no container starts with them).
+            // Its MPS daemon goes once no container can start with the spec.
             let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
                 .map_err(|e| e.to_string())
-                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)));
+                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)))
+                .and_then(|()| match checkpoint.claims.get(&claim.uid).and_then(|e| e.mps.as_ref()) {
+                    Some(_) => self.mps.stop(&claim.uid).map_err(|e| e.to_string()),
+                    None => Ok(()),
+                });
             match destroyed {
                 Ok(()) => {
                     if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
@@ -640,6 +654,7 @@ impl DriverState {
                 state: PrepareState::PrepareCompleted,
                 devices,
                 recovered: true,
+                mps: None,
             };
             // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
             // device never is (its parent's time slice is not changed for it).
@@ -689,9 +704,8 @@ impl DriverState {
                 continue;
             }
             let devices = unique_devices_of(devices);
-            match cdi::build_claim_spec(&self.cdi_kind, uid, &devices, &self.driver_files)
-                .and_then(|spec| cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec))
-            {
+            let edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
+            match self.write_spec(uid, &devices, &edits) {
                 Ok(_) => {
                     info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
                     rewritten += 1;
@@ -701,7 +715,15 @@ impl DriverState {
         }
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
-        let mut orphans = 0;
+        // Daemons of prepared claims started again; those of claims no longer prepared (or half prepared) stopped
+        // and their directories removed.
+        let daemons: BTreeMap<String, MpsDaemon> = checkpoint
+            .claims
+            .iter()
+            .filter(|(_, e)| e.state == PrepareState::PrepareCompleted)
+            .filter_map(|(uid, e)| Some((uid.clone(), e.mps.clone()?)))
+            .collect();
+        let mut orphans = self.mps.reconcile(&daemons);
         // A writer killed between creating its temporary file and renaming it leaves the temporary behind.
         match cdi::remove_abandoned_spec_temporaries(&self.cdi_dir, &self.cdi_kind) {
             Ok(removed) => orphans += removed,
@@ -748,8 +770,13 @@ impl DriverState {
     /// set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
     /// retry adopts it, start-up destroys it.
     fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
-        let Todo { claim, previous, asks, made, .. } = todo;
+        let Todo { claim, previous, asks, mps, made, .. } = todo;
         warn!(claim = %claim, uid = %claim.uid, error = %error, "preparing the claim's GPUs failed");
+        if mps.is_some()
+            && let Err(e) = self.mps.stop(&claim.uid)
+        {
+            warn!(claim = %claim, error = %e, "stopping the MPS daemon of a failed prepare failed");
+        }
         // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
         if previous.is_none() {
             self.remove_spec_logged(&claim.uid);
@@ -792,6 +819,23 @@ impl DriverState {
         Ok(())
     }
 
+    /// Starts the claim's MPS daemon, if it asks for one; the edits its containers get to be the daemon's clients.
+    fn start_mps(&self, uid: &str, daemon: Option<&MpsDaemon>) -> Result<cdi::ClaimEdits, String> {
+        let Some(daemon) = daemon else { return Ok(cdi::ClaimEdits::default()) };
+        self.mps.start(uid, daemon).map_err(|e| e.to_string())?;
+        Ok(self.mps_edits(uid, daemon))
+    }
+
+    fn mps_edits(&self, uid: &str, daemon: &MpsDaemon) -> cdi::ClaimEdits {
+        let (env, mounts) = daemon.client_edits(&self.mps.dirs(uid));
+        cdi::ClaimEdits { env, mounts }
+    }
+
+    fn write_spec(&self, uid: &str, devices: &[Device], edits: &cdi::ClaimEdits) -> Result<(), cdi::CdiError> {
+        let spec = cdi::build_claim_spec_with(&self.cdi_kind, uid, devices, &self.driver_files, edits)?;
+        cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec).map(drop)
+    }
+
     fn remove_spec_logged(&self, uid: &str) {
         if let Err(e) = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, uid) {
             warn!(%uid, error = %e, "removing a CDI spec failed");
@@ -824,6 +868,8 @@ struct Todo {
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.
     asks: BTreeMap<String, TimeSliceInterval>,
+    /// The MPS daemon it asks for.
+    mps: Option<MpsDaemon>,
     /// How it gets each dynamic MIG partition it was allocated, by device name: made, adopted from its own earlier
     /// prepare (the entry it replaces records it), or only looked at (admin access).
     making: BTreeMap<String, partitions::Making>,

@@ -151,9 +151,11 @@ mod tests {
 
     fn planned(request: &str, minor: u32, ask: Option<TimeSliceInterval>, admin_access: bool) -> PlannedDevice {
         let sharing = match ask {
-            Some(interval) => {
-                Sharing { strategy: SharingStrategy::TimeSlicing, time_slicing: Some(TimeSlicing { interval }) }
-            }
+            Some(interval) => Sharing {
+                strategy: SharingStrategy::TimeSlicing,
+                time_slicing: Some(TimeSlicing { interval }),
+                mps: None,
+            },
             None => Sharing::default(),
         };
         PlannedDevice {
@@ -179,6 +181,7 @@ mod tests {
                 state: PrepareState::PrepareCompleted,
                 devices: Vec::new(),
                 recovered: *recovered,
+                mps: None,
             });
             entry.devices.push(PreparedDevice {
                 request_names: vec!["gpu".into()],

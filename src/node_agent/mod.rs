@@ -13,10 +13,14 @@
 
 pub mod device;
 pub mod discovery;
+pub mod driver_tool;
 pub mod gpu;
 pub mod gpu_check;
 pub mod health;
 pub mod mig;
+pub mod mps_control;
+pub mod mps_stand_in;
+mod mps_sys;
 mod plugin;
 pub mod slices;
 pub mod time_slice_control;
@@ -71,6 +75,8 @@ pub enum NodeAgentError {
     Sockets(#[from] SocketError),
     #[error("install the signal handler: {0}")]
     Signal(#[source] std::io::Error),
+    #[error("find this program, to run it as the simulated MPS control daemon: {0}")]
+    MpsProgram(#[source] std::io::Error),
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -93,6 +99,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &gpu.driver_name)?,
         cdi_dir: args.cdi_dir.clone(),
         state_dir: args.state_dir.clone(),
+        mps_dir: args.mps_dir.clone(),
+        mps_program: mps_control::MpsProgram::of(gpu).map_err(NodeAgentError::MpsProgram)?,
         driver_root: gpu.driver_root_to_read().map(std::path::Path::to_path_buf),
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),

@@ -30,6 +30,10 @@ pub(super) struct PluginSettings {
     pub(super) sockets: SocketPaths,
     pub(super) cdi_dir: PathBuf,
     pub(super) state_dir: PathBuf,
+    /// Where claims' MPS daemons keep their directories.
+    pub(super) mps_dir: PathBuf,
+    /// What an MPS daemon is (the driver's `nvidia-cuda-mps-control`, or the simulated backend's stand-in).
+    pub(super) mps_program: crate::node_agent::mps_control::MpsProgram,
     /// `None`: specs carry no driver files (simulated GPUs without `--driver-root`).
     pub(super) driver_root: Option<PathBuf>,
     /// Simulated GPUs: specs describe their device nodes in full (see `DriverFiles::simulated`).
@@ -62,6 +66,8 @@ pub(super) async fn start(
         pool: settings.node.clone(),
         cdi_dir: settings.cdi_dir.clone(),
         state_dir: settings.state_dir.clone(),
+        mps_dir: settings.mps_dir.clone(),
+        mps_program: settings.mps_program.clone(),
         driver_files,
         boot_id: settings.boot_id.clone(),
         time_slices: settings.time_slices.clone(),

@@ -75,13 +75,8 @@ impl NvidiaSmi {
     /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`; `nvml_library` is the NVML
     /// library discovery loads (its directory joins `LD_LIBRARY_PATH` when it is a path).
     pub fn new(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
-        let program = ["usr/bin/nvidia-smi", "bin/nvidia-smi"]
-            .iter()
-            .map(|candidate| driver_root.join(candidate))
-            .find(|path| path.exists())
-            .unwrap_or_else(|| PathBuf::from("nvidia-smi"));
-        let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
-        Self { program, library_dir, timeout: NVIDIA_SMI_TIMEOUT }
+        let tool = super::driver_tool::DriverTool::find(driver_root, "nvidia-smi", nvml_library);
+        Self { program: tool.program, library_dir: tool.library_dir, timeout: NVIDIA_SMI_TIMEOUT }
     }
 
     /// The `nvidia-smi` of the driver `gpu` names (its driver root, `/` unless given, and NVML library).

@@ -227,6 +227,7 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
         ("GPU_DRA_KUBELET_PLUGINS_DIR", path(dirs.plugins())),
         ("GPU_DRA_CDI_DIR", path(dirs.cdi())),
         ("GPU_DRA_STATE_DIR", path(dirs.state())),
+        ("GPU_DRA_MPS_DIR", path(dirs.mps())),
     ]);
     let fields = HashMap::from([("spec.nodeName", node.clone())]);
     let mut args = command_line(&pod_spec["containers"][0], "node-agent", &fields, &overrides)?;

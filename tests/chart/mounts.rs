@@ -17,8 +17,13 @@ pub(super) async fn node_agent_works_with_only_its_mounts_beside_the_real_kubele
 }
 
 /// The directories of the agent's environment that are host paths (re-rooted under the node's directory).
-const HOST_PATH_VARS: [&str; 4] =
-    ["GPU_DRA_KUBELET_REGISTRY_DIR", "GPU_DRA_KUBELET_PLUGINS_DIR", "GPU_DRA_CDI_DIR", "GPU_DRA_STATE_DIR"];
+const HOST_PATH_VARS: [&str; 5] = [
+    "GPU_DRA_KUBELET_REGISTRY_DIR",
+    "GPU_DRA_KUBELET_PLUGINS_DIR",
+    "GPU_DRA_CDI_DIR",
+    "GPU_DRA_STATE_DIR",
+    "GPU_DRA_MPS_DIR",
+];
 
 async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();

@@ -287,6 +287,7 @@ pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> 
         (plugin.as_str(), plugin.as_str(), false, ""),
         ("/var/run/cdi", "/var/run/cdi", false, ""),
         ("/var/lib/gpu-dra", "/var/lib/gpu-dra", false, ""),
+        ("/run/gpu-dra/mps", "/run/gpu-dra/mps", false, ""),
     ];
     if nvml {
         // HostToContainer: a driver root mounted later (GPU Operator) or upgraded in place is seen.
@@ -301,7 +302,8 @@ pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> 
         env("GPU_DRA_KUBELET_REGISTRY_DIR") == Some(registry.as_str())
             && env("GPU_DRA_KUBELET_PLUGINS_DIR") == Some("/var/lib/kubelet/plugins")
             && env("GPU_DRA_CDI_DIR") == Some("/var/run/cdi")
-            && env("GPU_DRA_STATE_DIR") == Some("/var/lib/gpu-dra"),
+            && env("GPU_DRA_STATE_DIR") == Some("/var/lib/gpu-dra")
+            && env("GPU_DRA_MPS_DIR") == Some("/run/gpu-dra/mps"),
         "node agent directories: {}",
         container["env"]
     );

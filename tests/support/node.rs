@@ -40,6 +40,10 @@ impl NodeDirs {
     pub fn state(&self) -> PathBuf {
         self.root.path().join("state")
     }
+    /// Where claims' MPS daemons keep their directories (`--mps-dir`).
+    pub fn mps(&self) -> PathBuf {
+        self.root.path().join("mps")
+    }
     pub fn checkpoint(&self) -> PathBuf {
         self.state().join("checkpoint.json")
     }
@@ -88,6 +92,7 @@ impl NodeDirs {
             flag("kubelet-plugins-dir", self.plugins()),
             flag("cdi-dir", self.cdi()),
             flag("state-dir", self.state()),
+            flag("mps-dir", self.mps()),
             flag("boot-id-file", self.boot_id_file()),
         ]
         .concat())

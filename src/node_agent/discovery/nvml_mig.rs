@@ -1,6 +1,7 @@
 //! The NVML calls for MIG that `nvml-wrapper` 0.13 lacks or gets wrong, made directly through `nvml-wrapper-sys`:
-//! the crate's only `unsafe`, kept in this file. Each call passes handles that belong to a `Device` borrowing the
-//! initialised `Nvml`, and buffers NVML writes at most their given length into.
+//! one of the crate's two places of `unsafe`. Each call passes handles that belong to a `Device` borrowing the
+//! initialised `Nvml`, and buffers NVML writes at most their given length into. (The MPS daemon's system calls,
+//! `node_agent::mps_sys`, are the other place.)
 
 #![allow(unsafe_code)]
 

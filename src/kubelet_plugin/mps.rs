@@ -1,0 +1,289 @@
+//! MPS applied, decided without I/O: which MPS control daemon a claim gets and what its containers are given to be
+//! its clients. [`super::state`] starts and stops the daemon through an [`MpsControl`]
+//! (`nvidia-cuda-mps-control -f` for real GPUs, a stand-in for simulated ones).
+//!
+//! One daemon per claim, serving all of the claim's devices, as NVIDIA's driver runs it:
+//! - every device of the claim that is not looked at with admin access asks `sharing.strategy: MPS` with the same
+//!   settings, or none does: the daemon's pipe and limits reach every container of the claim, so a claim mixing
+//!   MPS with something else, or two different limits, is refused naming the requests;
+//! - MPS needs its GPUs whole: a share of a GPU shared by memory and a dynamic MIG device (made at prepare, so its
+//!   UUID is not known to the limits) are refused; static MIG devices are served by their MIG UUIDs;
+//! - the daemon sees the claim's devices by UUID (`CUDA_VISIBLE_DEVICES`), its default active thread percentage
+//!   and pinned device memory limits in its environment (the defaults of every server it starts), and writes its
+//!   pipes, logs and shared memory under the claim's own directories;
+//! - the claim's containers get the pipe directory at `/tmp/nvidia-mps`, the daemon's shared memory at `/dev/shm`
+//!   and the same limits in their environment (a client's limit can only lower the daemon's).
+//!
+//! [`MpsControl`]: crate::node_agent::mps_control::MpsControl
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::allocation::{ClaimRef, PlannedDevice};
+use super::config::{MpsConfig, SharingStrategy, pinned_limit_mib};
+
+/// Where a client finds the daemon's pipes (MPS's default, so images need no configuration of their own).
+pub const CLIENT_PIPE_DIRECTORY: &str = "/tmp/nvidia-mps";
+/// Where a client's shared memory with the MPS server lives.
+pub const CLIENT_SHM_DIRECTORY: &str = "/dev/shm";
+
+/// The MPS control daemon of one claim, as its checkpoint entry records it: start-up starts it again from this.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MpsDaemon {
+    /// The devices it serves, by UUID, sorted.
+    pub uuids: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_thread_percentage: Option<u8>,
+    /// Pinned device memory limit per device UUID, in MiB.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub pinned_mib: BTreeMap<String, u64>,
+}
+
+/// A claim's daemon directories on the node: `<root>/<claim UID>/{pipe,log,shm}`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MpsDirs {
+    pub claim: PathBuf,
+    pub pipe: PathBuf,
+    pub log: PathBuf,
+    pub shm: PathBuf,
+}
+
+impl MpsDirs {
+    pub fn of(root: &Path, claim_uid: &str) -> Self {
+        let claim = root.join(claim_uid);
+        Self { pipe: claim.join("pipe"), log: claim.join("log"), shm: claim.join("shm"), claim }
+    }
+}
+
+impl MpsDaemon {
+    /// `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT`'s value: `<uuid>=<MiB>M,…`; `None` without limits.
+    fn pinned_env(&self) -> Option<String> {
+        let limits: Vec<String> = self.pinned_mib.iter().map(|(uuid, mib)| format!("{uuid}={mib}M")).collect();
+        (!limits.is_empty()).then(|| limits.join(","))
+    }
+
+    /// The limits, as `NAME=value` for the daemon's and the clients' environment alike.
+    fn limit_env(&self) -> Vec<String> {
+        let mut env = Vec::new();
+        if let Some(percentage) = self.active_thread_percentage {
+            env.push(format!("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE={percentage}"));
+        }
+        if let Some(pinned) = self.pinned_env() {
+            env.push(format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={pinned}"));
+        }
+        env
+    }
+
+    /// The daemon's environment (beside its own `/dev/shm`, which is the claim's `shm` directory).
+    pub fn daemon_env(&self, dirs: &MpsDirs) -> Vec<(String, String)> {
+        let mut env = vec![
+            ("CUDA_VISIBLE_DEVICES".to_string(), self.uuids.join(",")),
+            ("CUDA_MPS_PIPE_DIRECTORY".to_string(), dirs.pipe.display().to_string()),
+            ("CUDA_MPS_LOG_DIRECTORY".to_string(), dirs.log.display().to_string()),
+        ];
+        env.extend(self.limit_env().into_iter().filter_map(|e| e.split_once('=').map(|(k, v)| (k.into(), v.into()))));
+        env
+    }
+
+    /// What every container of the claim is given: `NAME=value` environment and (host, container) mounts.
+    pub fn client_edits(&self, dirs: &MpsDirs) -> (Vec<String>, Vec<(PathBuf, PathBuf)>) {
+        let mut env = vec![format!("CUDA_MPS_PIPE_DIRECTORY={CLIENT_PIPE_DIRECTORY}")];
+        env.extend(self.limit_env());
+        let mounts = vec![
+            (dirs.pipe.clone(), PathBuf::from(CLIENT_PIPE_DIRECTORY)),
+            (dirs.shm.clone(), PathBuf::from(CLIENT_SHM_DIRECTORY)),
+        ];
+        (env, mounts)
+    }
+}
+
+/// The daemon `claim` gets, `None` when it asks no MPS; refused when it cannot have one (see the module's rules).
+pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDaemon>, String> {
+    let served: Vec<&PlannedDevice> = planned.iter().filter(|p| !p.admin_access).collect();
+    let Some(first) = served.iter().find(|p| p.config.sharing.strategy == SharingStrategy::Mps) else {
+        return Ok(None);
+    };
+    let config = first.config.sharing.mps.clone().unwrap_or_default();
+    for device in &served {
+        let sharing = &device.config.sharing;
+        if sharing.strategy != SharingStrategy::Mps {
+            return Err(format!(
+                "claim {claim}: request {:?} asks sharing.strategy MPS and request {:?} asks {:?}; one MPS daemon \
+                 serves every container of a claim, so all of its requests ask MPS with the same settings, or none \
+                 does",
+                first.request, device.request, sharing.strategy
+            ));
+        }
+        if sharing.mps.clone().unwrap_or_default() != config {
+            return Err(format!(
+                "claim {claim}: requests {:?} and {:?} ask MPS with different settings; one MPS daemon serves every \
+                 container of a claim",
+                first.request, device.request
+            ));
+        }
+        let name = device.device.name();
+        if device.share_id.is_some() {
+            return Err(format!(
+                "claim {claim}: request {:?} has a share of device {name:?} (a GPU shared by memory); MPS needs its \
+                 GPUs whole: ask for a GPU from a class of unshared GPUs",
+                device.request
+            ));
+        }
+        if device.device.partition.is_some() {
+            return Err(format!(
+                "claim {claim}: request {:?} has device {name:?}, a MIG device made at prepare (dynamic MIG); MPS is \
+                 not run on those: ask for a whole GPU or an existing MIG device",
+                device.request
+            ));
+        }
+    }
+    let mut uuids: Vec<String> = served.iter().map(|p| p.device.uuid().to_string()).collect();
+    uuids.sort();
+    uuids.dedup();
+    let pinned_mib = limits(claim, &config, &uuids)?;
+    let active_thread_percentage = config.default_active_thread_percentage.and_then(|p| u8::try_from(p).ok());
+    Ok(Some(MpsDaemon { uuids, active_thread_percentage, pinned_mib }))
+}
+
+/// Each device's pinned memory limit: the default for all, then the per-device ones, whose keys are a device's UUID
+/// or its index among `uuids` (sorted), as NVIDIA's driver reads them.
+fn limits(claim: &ClaimRef, config: &MpsConfig, uuids: &[String]) -> Result<BTreeMap<String, u64>, String> {
+    let mut limits = BTreeMap::new();
+    if let Some(default) = &config.default_pinned_device_memory_limit {
+        let mib =
+            pinned_limit_mib(default).map_err(|e| format!("claim {claim}: defaultPinnedDeviceMemoryLimit: {e}"))?;
+        limits.extend(uuids.iter().map(|uuid| (uuid.clone(), mib)));
+    }
+    for (key, limit) in &config.default_per_device_pinned_memory_limit {
+        let uuid = match uuids.iter().find(|uuid| *uuid == key) {
+            Some(uuid) => uuid,
+            None => key.parse::<usize>().ok().and_then(|index| uuids.get(index)).ok_or_else(|| {
+                format!(
+                    "claim {claim}: defaultPerDevicePinnedMemoryLimit[{key:?}] names none of the claim's {} device(s): \
+                     a key is a device's UUID ({}) or its index among them sorted by UUID (0 to {})",
+                    uuids.len(),
+                    uuids.join(", "),
+                    uuids.len().saturating_sub(1)
+                )
+            })?,
+        };
+        let mib = pinned_limit_mib(limit)
+            .map_err(|e| format!("claim {claim}: defaultPerDevicePinnedMemoryLimit[{key:?}]: {e}"))?;
+        limits.insert(uuid.clone(), mib);
+    }
+    Ok(limits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kubelet_plugin::config::{GpuConfig, Sharing};
+    use crate::node_agent::device::Device;
+    use crate::node_agent::gpu::test_gpu;
+
+    fn claim() -> ClaimRef {
+        ClaimRef { namespace: "ns".into(), name: "train".into(), uid: "uid-1".into() }
+    }
+
+    fn device(request: &str, minor: u32, sharing: Sharing) -> PlannedDevice {
+        PlannedDevice {
+            request: request.into(),
+            pool: "node-a".into(),
+            device: Device::whole(&test_gpu(minor, "0000:01:00.0")),
+            share_id: None,
+            admin_access: false,
+            config: GpuConfig { sharing },
+        }
+    }
+
+    fn mps(config: MpsConfig) -> Sharing {
+        Sharing { strategy: SharingStrategy::Mps, time_slicing: None, mps: Some(config) }
+    }
+
+    #[test]
+    fn a_claim_asking_mps_gets_one_daemon_for_all_its_gpus_with_its_limits() -> Result<(), String> {
+        let config = MpsConfig {
+            default_active_thread_percentage: Some(50),
+            default_pinned_device_memory_limit: Some("2Gi".into()),
+            default_per_device_pinned_memory_limit: BTreeMap::from([("1".into(), "512Mi".into())]),
+        };
+        let planned = [device("gpus", 1, mps(config.clone())), device("gpus", 0, mps(config))];
+        let daemon = plan(&claim(), &planned)?.ok_or("no daemon")?;
+        let uuids: Vec<String> = [0, 1].map(|m| Device::whole(&test_gpu(m, "")).uuid().to_string()).into();
+        let mut sorted = uuids.clone();
+        sorted.sort();
+        assert_eq!(daemon.uuids, sorted);
+        assert_eq!(daemon.active_thread_percentage, Some(50));
+        assert_eq!(daemon.pinned_mib, BTreeMap::from([(sorted[0].clone(), 2048), (sorted[1].clone(), 512)]));
+
+        let dirs = MpsDirs::of(Path::new("/run/gpu-dra/mps"), "uid-1");
+        let env = daemon.daemon_env(&dirs);
+        assert!(env.contains(&("CUDA_VISIBLE_DEVICES".into(), sorted.join(","))), "{env:?}");
+        assert!(env.contains(&("CUDA_MPS_PIPE_DIRECTORY".into(), "/run/gpu-dra/mps/uid-1/pipe".into())), "{env:?}");
+        assert!(env.contains(&("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE".into(), "50".into())), "{env:?}");
+        let (client_env, mounts) = daemon.client_edits(&dirs);
+        let pinned = format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={}=2048M,{}=512M", sorted[0], sorted[1]);
+        assert_eq!(
+            client_env,
+            [
+                "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
+                "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".into(),
+                pinned
+            ]
+        );
+        assert_eq!(
+            mounts,
+            [
+                (PathBuf::from("/run/gpu-dra/mps/uid-1/pipe"), PathBuf::from("/tmp/nvidia-mps")),
+                (PathBuf::from("/run/gpu-dra/mps/uid-1/shm"), PathBuf::from("/dev/shm"))
+            ]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn claims_without_mps_get_no_daemon_and_admin_access_neither_asks_nor_constrains() -> Result<(), String> {
+        assert_eq!(plan(&claim(), &[device("gpu", 0, Sharing::default())])?, None);
+        let mut monitor = device("look", 1, Sharing::default());
+        monitor.admin_access = true;
+        let daemon = plan(&claim(), &[device("gpu", 0, mps(MpsConfig::default())), monitor])?.ok_or("no daemon")?;
+        assert_eq!(daemon.uuids.len(), 1, "the device looked at with admin access is not served");
+        assert_eq!((daemon.active_thread_percentage, daemon.pinned_mib.len()), (None, 0), "the daemon's defaults");
+        Ok(())
+    }
+
+    #[test]
+    fn refusals_name_what_is_wrong() {
+        let half = MpsConfig { default_active_thread_percentage: Some(50), ..MpsConfig::default() };
+        let mut shared = device("gpu", 0, mps(MpsConfig::default()));
+        shared.share_id = Some("share-1".into());
+        let bad_key = MpsConfig {
+            default_per_device_pinned_memory_limit: BTreeMap::from([("2".into(), "1Gi".into())]),
+            ..MpsConfig::default()
+        };
+        let cases: [(Vec<PlannedDevice>, &str); 4] = [
+            (
+                vec![device("a", 0, mps(MpsConfig::default())), device("b", 1, Sharing::default())],
+                "request \"a\" asks sharing.strategy MPS and request \"b\" asks Exclusive",
+            ),
+            (
+                vec![device("a", 0, mps(MpsConfig::default())), device("b", 1, mps(half))],
+                "requests \"a\" and \"b\" ask MPS with different settings",
+            ),
+            (vec![shared], "a GPU shared by memory); MPS needs its GPUs whole"),
+            (
+                vec![device("a", 0, mps(bad_key))],
+                "defaultPerDevicePinnedMemoryLimit[\"2\"] names none of the claim's 1",
+            ),
+        ];
+        for (planned, expected) in cases {
+            match plan(&claim(), &planned) {
+                Ok(daemon) => panic!("{expected}: planned {daemon:?}"),
+                Err(error) => assert!(error.contains(expected), "{error:?} lacks {expected:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,437 @@
+//! MPS control daemons, one per prepared claim that asks MPS ([`crate::kubelet_plugin::mps`] decides which), run by
+//! the agent as supervised children: `nvidia-cuda-mps-control -f` of the driver under the driver root for real GPUs,
+//! the agent's own stand-in ([`super::mps_stand_in`]) for simulated ones, through the same code.
+//!
+//! - **Started** while the claim is prepared, before its CDI spec is written, and waited for until its control pipe
+//!   exists (clients connect there); a daemon that does not come up fails the prepare with its log's last lines.
+//! - **Its own `/dev/shm`**: the daemon runs in a mount namespace of its own where the claim's `shm` directory is
+//!   bind-mounted at `/dev/shm`; the claim's containers get the same directory there, so the MPS server and its
+//!   clients share memory without anything being mounted on the node (the agent needs `CAP_SYS_ADMIN`: the chart's
+//!   privileged agent has it). Put the root on a tmpfs (the default is under `/run`).
+//! - **Supervised**: a daemon that exits while its claim is prepared is started again (1 s back-off, doubling to
+//!   30 s), counted in `gpu_dra_mps_daemon_restarts_total`.
+//! - **Stopped** at unprepare: `quit` through its control pipe, as NVIDIA documents, then killed after
+//!   [`STOP_TIMEOUT`]; then its directories are removed.
+//! - **Across agent restarts**: a daemon is the agent's child, so a restarted agent's container took it down (the
+//!   runtime kills a container's processes); start-up stops any daemon left running (recorded pid with the same
+//!   start time), removes directories of claims no longer prepared and starts the daemons of prepared ones again.
+//!   Clients of the old daemon see it go: MPS work in flight across an agent restart fails and is retried by its
+//!   workload, as on a node-agent upgrade of NVIDIA's driver when its daemon Deployment is replaced.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use prometheus_client::metrics::counter::Counter;
+use tracing::{info, warn};
+
+use super::mps_sys::{self, kill};
+use crate::kubelet_plugin::mps::{MpsDaemon, MpsDirs};
+
+/// How long a daemon has to create its control pipe after it starts.
+pub const START_TIMEOUT: Duration = Duration::from_secs(15);
+/// How long a daemon has to exit after `quit` before it is killed.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The control pipe a daemon creates in its pipe directory once it takes clients.
+pub const CONTROL_PIPE: &str = "control";
+/// The daemon's pid and start time, in the claim's directory: start-up stops a daemon a previous agent left.
+const PID_FILE: &str = "daemon.pid";
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Why a claim's daemon could not be started or stopped; the prepare or unprepare fails with it and the kubelet
+/// retries.
+#[derive(Debug, thiserror::Error)]
+pub enum MpsError {
+    #[error("create the MPS directories of claim {claim_uid} under {dir}: {source}")]
+    Dirs {
+        claim_uid: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "start the MPS control daemon {program} for claim {claim_uid}: {source}. Is the NVIDIA driver's \
+         nvidia-cuda-mps-control under --driver-root, and does the agent have CAP_SYS_ADMIN (privileged) for the \
+         daemon's own /dev/shm?"
+    )]
+    Spawn {
+        program: String,
+        claim_uid: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the MPS control daemon of claim {claim_uid} did not create {pipe} within {timeout:?}; its log: {log}")]
+    NotReady { claim_uid: String, pipe: PathBuf, timeout: Duration, log: String },
+    #[error("remove the MPS directories of claim {claim_uid} ({dir}): {source}")]
+    Remove {
+        claim_uid: String,
+        dir: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The program a daemon is, and how it is told to quit.
+#[derive(Clone, Debug)]
+pub struct MpsProgram {
+    /// Run with `args` then `-f` as the daemon, with `args` alone as the client that sends `quit`.
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// The directory of the driver's libraries, when it is not where the dynamic loader looks.
+    pub library_dir: Option<PathBuf>,
+}
+
+impl MpsProgram {
+    /// `nvidia-cuda-mps-control` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`, with the libraries
+    /// of the NVML library discovery loads.
+    pub fn nvidia(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
+        let tool = super::driver_tool::DriverTool::find(driver_root, "nvidia-cuda-mps-control", nvml_library);
+        Self { program: tool.program, args: Vec::new(), library_dir: tool.library_dir }
+    }
+
+    /// This binary's stand-in (`gpu-dra simulated-mps-control`).
+    pub fn stand_in() -> std::io::Result<Self> {
+        Ok(Self { program: std::env::current_exe()?, args: vec!["simulated-mps-control".into()], library_dir: None })
+    }
+
+    /// The program for `gpu`'s backend.
+    pub fn of(gpu: &crate::cli::GpuArgs) -> std::io::Result<Self> {
+        match gpu.gpu_backend {
+            crate::cli::GpuBackend::Simulated => Self::stand_in(),
+            crate::cli::GpuBackend::Nvml => {
+                Ok(Self::nvidia(gpu.driver_root_to_read().unwrap_or(Path::new("/")), &gpu.nvml_library()))
+            }
+        }
+    }
+
+    fn command(&self, daemon: &MpsDaemon, dirs: &MpsDirs) -> Command {
+        let mut command = Command::new(&self.program);
+        command.args(&self.args).envs(daemon.daemon_env(dirs)).stdin(Stdio::null());
+        if let Some(dir) = &self.library_dir {
+            command.env("LD_LIBRARY_PATH", dir);
+        }
+        command
+    }
+}
+
+/// One supervised daemon.
+struct Supervised {
+    stop: Arc<AtomicBool>,
+    pid: Arc<AtomicU32>,
+    thread: JoinHandle<()>,
+}
+
+/// The node's MPS daemons, by claim UID.
+pub struct MpsDaemons {
+    program: MpsProgram,
+    root: PathBuf,
+    restarts: Counter,
+    running: Mutex<BTreeMap<String, Supervised>>,
+}
+
+impl std::fmt::Debug for MpsDaemons {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpsDaemons").field("program", &self.program.program).field("root", &self.root).finish()
+    }
+}
+
+impl MpsDaemons {
+    /// Daemons of `program`, their directories under `root`; each restart of one counts in `restarts`.
+    pub fn new(program: MpsProgram, root: PathBuf, restarts: Counter) -> Self {
+        Self { program, root, restarts, running: Mutex::default() }
+    }
+
+    pub fn dirs(&self, claim_uid: &str) -> MpsDirs {
+        MpsDirs::of(&self.root, claim_uid)
+    }
+
+    /// How many daemons are supervised.
+    pub fn len(&self) -> usize {
+        self.running().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The pid of the claim's daemon as now running, if it is.
+    pub fn pid(&self, claim_uid: &str) -> Option<u32> {
+        self.running().get(claim_uid).map(|s| s.pid.load(Ordering::SeqCst)).filter(|pid| *pid != 0)
+    }
+
+    fn running(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Supervised>> {
+        self.running.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts the claim's daemon (kept when it runs already) and waits until it takes clients.
+    pub fn start(&self, claim_uid: &str, daemon: &MpsDaemon) -> Result<(), MpsError> {
+        let dirs = self.dirs(claim_uid);
+        if self.running().contains_key(claim_uid) {
+            return wait_ready(claim_uid, &dirs, START_TIMEOUT);
+        }
+        for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
+            std::fs::create_dir_all(dir).map_err(|source| MpsError::Dirs {
+                claim_uid: claim_uid.into(),
+                dir: dir.clone(),
+                source,
+            })?;
+        }
+        // A control pipe left by a daemon that is gone would look ready.
+        let _ = std::fs::remove_file(dirs.pipe.join(CONTROL_PIPE));
+        let child = spawn(&self.program, daemon, &dirs, claim_uid)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let pid = Arc::new(AtomicU32::new(child.id()));
+        let supervisor = Supervisor {
+            claim_uid: claim_uid.to_string(),
+            program: self.program.clone(),
+            daemon: daemon.clone(),
+            dirs: dirs.clone(),
+            stop: stop.clone(),
+            pid: pid.clone(),
+            restarts: self.restarts.clone(),
+        };
+        let thread = std::thread::spawn(move || supervisor.run(child));
+        self.running().insert(claim_uid.to_string(), Supervised { stop, pid, thread });
+        info!(claim_uid, uuids = daemon.uuids.join(","), "started MPS control daemon");
+        wait_ready(claim_uid, &dirs, START_TIMEOUT).inspect_err(|_| {
+            let _ = self.stop(claim_uid);
+        })
+    }
+
+    /// Stops the claim's daemon, if one runs, and removes its directories. Nothing to stop is no error.
+    pub fn stop(&self, claim_uid: &str) -> Result<(), MpsError> {
+        let dirs = self.dirs(claim_uid);
+        let supervised = self.running().remove(claim_uid);
+        if let Some(supervised) = supervised {
+            supervised.stop.store(true, Ordering::SeqCst);
+            quit(&self.program, &dirs);
+            let deadline = Instant::now() + STOP_TIMEOUT;
+            while !supervised.thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if !supervised.thread.is_finished() {
+                warn!(claim_uid, "the MPS control daemon did not quit within {STOP_TIMEOUT:?}; killing it");
+                kill(supervised.pid.load(Ordering::SeqCst));
+            }
+            let _ = supervised.thread.join();
+            info!(claim_uid, "stopped MPS control daemon");
+        } else {
+            stop_leftover(&dirs);
+        }
+        remove_dirs(claim_uid, &dirs)
+    }
+
+    /// Start-up: stops daemons a previous agent left running, removes the directories of claims not in `keep`
+    /// (answers how many), then starts the daemons of `keep`, each failure logged (the claim's next prepare, or
+    /// its unprepare, deals with it).
+    pub fn reconcile(&self, keep: &BTreeMap<String, MpsDaemon>) -> usize {
+        let mut removed = 0;
+        let listed: BTreeSet<String> = match std::fs::read_dir(&self.root) {
+            Ok(entries) => entries.filter_map(Result::ok).filter_map(|e| e.file_name().into_string().ok()).collect(),
+            Err(_) => BTreeSet::new(),
+        };
+        for uid in &listed {
+            let dirs = self.dirs(uid);
+            stop_leftover(&dirs);
+            if !keep.contains_key(uid) {
+                match remove_dirs(uid, &dirs) {
+                    Ok(()) => removed += 1,
+                    Err(e) => warn!(claim_uid = %uid, error = %e, "removing an MPS daemon's directories failed"),
+                }
+            }
+        }
+        for (uid, daemon) in keep {
+            if let Err(e) = self.start(uid, daemon) {
+                warn!(claim_uid = %uid, error = %e, "starting the MPS control daemon of a prepared claim failed");
+            }
+        }
+        removed
+    }
+}
+
+impl Drop for MpsDaemons {
+    /// The agent is going: its daemons go with it (as they would with its container); start-up starts them again.
+    fn drop(&mut self) {
+        let running = std::mem::take(&mut *self.running());
+        for (_, supervised) in running {
+            supervised.stop.store(true, Ordering::SeqCst);
+            kill(supervised.pid.load(Ordering::SeqCst));
+        }
+    }
+}
+
+/// Restarts a daemon until told to stop.
+struct Supervisor {
+    claim_uid: String,
+    program: MpsProgram,
+    daemon: MpsDaemon,
+    dirs: MpsDirs,
+    stop: Arc<AtomicBool>,
+    pid: Arc<AtomicU32>,
+    restarts: Counter,
+}
+
+impl Supervisor {
+    fn run(self, first: Child) {
+        let mut child = Some(first);
+        let mut backoff = Duration::from_secs(1);
+        loop {
+            if let Some(mut running) = child.take() {
+                let started = Instant::now();
+                let status = running.wait();
+                self.pid.store(0, Ordering::SeqCst);
+                if self.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                if started.elapsed() > 2 * MAX_BACKOFF {
+                    backoff = Duration::from_secs(1);
+                }
+                warn!(claim_uid = %self.claim_uid, status = ?status, ?backoff, "the MPS control daemon exited; starting it again");
+            }
+            if !self.wait_unless_stopped(backoff) {
+                return;
+            }
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            let _ = std::fs::remove_file(self.dirs.pipe.join(CONTROL_PIPE));
+            match spawn(&self.program, &self.daemon, &self.dirs, &self.claim_uid) {
+                Ok(next) => {
+                    self.pid.store(next.id(), Ordering::SeqCst);
+                    self.restarts.inc();
+                    // Stopped between the check and the spawn: the new daemon goes at once.
+                    if self.stop.load(Ordering::SeqCst) {
+                        kill(next.id());
+                    }
+                    child = Some(next);
+                }
+                Err(e) => warn!(claim_uid = %self.claim_uid, error = %e, "restarting the MPS control daemon failed"),
+            }
+        }
+    }
+
+    /// Sleeps `time`; false when told to stop meanwhile.
+    fn wait_unless_stopped(&self, time: Duration) -> bool {
+        let until = Instant::now() + time;
+        while Instant::now() < until {
+            if self.stop.load(Ordering::SeqCst) {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        !self.stop.load(Ordering::SeqCst)
+    }
+}
+
+/// Starts the daemon in its own mount namespace with the claim's `shm` directory at `/dev/shm`, and records its pid.
+fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &str) -> Result<Child, MpsError> {
+    let failed = |source| MpsError::Spawn {
+        program: program.program.display().to_string(),
+        claim_uid: claim_uid.into(),
+        source,
+    };
+    let log =
+        std::fs::OpenOptions::new().create(true).append(true).open(dirs.log.join("daemon.out")).map_err(failed)?;
+    let errors = log.try_clone().map_err(failed)?;
+    let mut command = program.command(daemon, dirs);
+    command.arg("-f").stdout(log).stderr(errors);
+    mps_sys::own_dev_shm(&mut command, &dirs.shm).map_err(failed)?;
+    let child = command.spawn().map_err(failed)?;
+    let record = format!("{} {}\n", child.id(), start_time(child.id()).unwrap_or_default());
+    if let Err(e) = std::fs::write(dirs.claim.join(PID_FILE), record) {
+        warn!(claim_uid, error = %e, "recording the MPS daemon's pid failed");
+    }
+    Ok(child)
+}
+
+/// Tells the daemon to quit (`echo quit | nvidia-cuda-mps-control`), waiting at most [`STOP_TIMEOUT`].
+fn quit(program: &MpsProgram, dirs: &MpsDirs) {
+    let mut command = Command::new(&program.program);
+    command
+        .args(&program.args)
+        .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
+        .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(dir) = &program.library_dir {
+        command.env("LD_LIBRARY_PATH", dir);
+    }
+    let Ok(mut client) = command.spawn() else { return };
+    if let Some(mut stdin) = client.stdin.take() {
+        let _ = stdin.write_all(b"quit\n");
+    }
+    let deadline = Instant::now() + STOP_TIMEOUT;
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = client.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = client.kill();
+    let _ = client.wait();
+}
+
+/// Waits until the daemon's control pipe exists.
+fn wait_ready(claim_uid: &str, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError> {
+    let pipe = dirs.pipe.join(CONTROL_PIPE);
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if pipe.exists() {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Err(MpsError::NotReady { claim_uid: claim_uid.into(), pipe, timeout, log: log_tail(dirs) })
+}
+
+/// The last lines the daemon wrote.
+fn log_tail(dirs: &MpsDirs) -> String {
+    let mut lines = Vec::new();
+    for file in ["daemon.out", "control.log"] {
+        if let Ok(text) = std::fs::read_to_string(dirs.log.join(file)) {
+            lines.extend(text.lines().rev().take(5).map(str::to_string).collect::<Vec<_>>().into_iter().rev());
+        }
+    }
+    if lines.is_empty() { "(empty)".into() } else { lines.join(" | ") }
+}
+
+/// Kills a daemon a previous agent left: the recorded pid, only while it has the recorded start time (a pid reused
+/// by another process is left alone).
+fn stop_leftover(dirs: &MpsDirs) {
+    let Ok(record) = std::fs::read_to_string(dirs.claim.join(PID_FILE)) else { return };
+    let mut fields = record.split_whitespace();
+    let (Some(Ok(pid)), Some(started)) = (fields.next().map(str::parse::<u32>), fields.next()) else { return };
+    if start_time(pid).as_deref() == Some(started) {
+        warn!(pid, dir = %dirs.claim.display(), "stopping an MPS control daemon a previous agent left running");
+        kill(pid);
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while start_time(pid).as_deref() == Some(started) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A process's start time in clock ticks since boot (`/proc/<pid>/stat` field 22), which tells a pid's reuse apart.
+fn start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) may hold spaces and parentheses; the fields after its last ')' are plain.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let state = rest.split_whitespace().next()?;
+    if state == "Z" {
+        return None;
+    }
+    rest.split_whitespace().nth(19).map(str::to_string)
+}
+
+fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {
+    match std::fs::remove_dir_all(&dirs.claim) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(MpsError::Remove { claim_uid: claim_uid.into(), dir: dirs.claim.clone(), source }),
+    }
+}

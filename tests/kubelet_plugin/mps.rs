@@ -1,0 +1,140 @@
+//! MPS applied: a claim asking `sharing.strategy: MPS` gets an MPS control daemon of its own while it is prepared
+//! (the simulated backend's stand-in, started, supervised and stopped exactly as `nvidia-cuda-mps-control -f`),
+//! with the claim's GPUs and limits; its containers get the daemon's pipe directory, shared memory and limits
+//! through the CDI spec. A daemon that dies is started again, one an agent restart leaves behind is replaced, and
+//! unprepare stops it and removes its directories.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use serde_json::{Value, json};
+
+use super::support::node::{DRIVER, Kubelet, NodeDirs};
+use super::support::{TestContext, wait};
+use super::{allocated_claim, checkpoint, node_name, ready_agent};
+
+/// A claim's configuration in NVIDIA's spelling (manifests written for NVIDIA's driver work).
+fn nvidia_mps(mps_config: Value) -> Value {
+    json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+        "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+        "sharing": {"strategy": "MPS", "mpsConfig": mps_config}}}}])
+}
+
+/// The pids the claim's daemons logged at start, in order.
+fn started_pids(claim: &Path) -> Vec<u32> {
+    let log = std::fs::read_to_string(claim.join("log/control.log")).unwrap_or_default();
+    log.lines().filter_map(|line| line.strip_prefix("started pid=")?.split_whitespace().next()?.parse().ok()).collect()
+}
+
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+}
+
+async fn next_daemon(claim: &Path, after: usize) -> anyhow::Result<u32> {
+    let pid = wait::until("a daemon started", Duration::from_secs(20), || async {
+        Ok(started_pids(claim).get(after).copied().filter(|pid| alive(*pid) && claim.join("pipe/control").exists()))
+    })
+    .await?;
+    Ok(pid)
+}
+
+pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let limits = json!({"defaultActiveThreadPercentage": 50, "defaultPinnedDeviceMemoryLimit": "10Gi",
+                        "defaultPerDevicePinnedMemoryLimit": {"1": "2Gi"}});
+    let uid = allocated_claim(&ctx, "mps", &node, &["gpu-0", "gpu-1"], nvidia_mps(limits)).await?;
+    let claims = [(ns, "mps", uid.as_str())];
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&claims).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+
+    // The daemon serves both GPUs with the limits (the per-device key "1" is the second UUID in sorted order).
+    let claim_dir: PathBuf = dirs.mps().join(&uid);
+    let first = next_daemon(&claim_dir, 0).await?;
+    let entry = checkpoint(&dirs, "boot-1")?.claims.remove(&uid).context("no checkpoint entry")?;
+    let daemon = entry.mps.context("the entry records no MPS daemon")?;
+    ensure!(daemon.uuids.len() == 2 && daemon.active_thread_percentage == Some(50), "{daemon:?}");
+    let pinned = format!("{}=10240M,{}=2048M", daemon.uuids[0], daemon.uuids[1]);
+    let log = std::fs::read_to_string(claim_dir.join("log/control.log"))?;
+    let expected = format!(
+        "started pid={first} devices={} active_thread_percentage=50 pinned_device_mem_limit={pinned}",
+        daemon.uuids.join(",")
+    );
+    ensure!(log.contains(&expected), "control.log {log:?} lacks {expected:?}");
+    // Its /dev/shm is the claim's shm directory, which the containers get at /dev/shm.
+    let marker = std::fs::read_to_string(claim_dir.join("shm/gpu-dra-mps-stand-in"))?;
+    ensure!(marker == first.to_string(), "the daemon's /dev/shm is not the claim's: {marker:?}");
+    let spec: Value = serde_json::from_slice(&std::fs::read(dirs.cdi_spec(&uid))?)?;
+    let edits = &spec["containerEdits"];
+    let env: Vec<&str> = edits["env"].as_array().context("no env")?.iter().filter_map(Value::as_str).collect();
+    for wanted in [
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50",
+        &format!("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT={pinned}"),
+    ] {
+        ensure!(env.contains(&wanted), "the spec's env {env:?} lacks {wanted}");
+    }
+    let mounts = edits["mounts"].as_array().context("no mounts")?;
+    for (host, container) in [("pipe", "/tmp/nvidia-mps"), ("shm", "/dev/shm")] {
+        let host = claim_dir.join(host).display().to_string();
+        ensure!(
+            mounts.iter().any(|m| m["hostPath"] == host.as_str()
+                && m["containerPath"] == container
+                && m["options"] == json!(["rw", "nosuid", "nodev", "bind"])),
+            "the spec mounts no {host} at {container}: {mounts:?}"
+        );
+    }
+
+    // The daemon dies: it is started again and counted.
+    std::process::Command::new("kill").args(["-9", &first.to_string()]).status()?;
+    let second = next_daemon(&claim_dir, 1).await?;
+    ensure!(second != first && !alive(first), "daemon {first} was not replaced: {:?}", started_pids(&claim_dir));
+    let restarts = agent.metric("gpu_dra_kubelet_plugin_mps_daemon_restarts_total", &[]).await?;
+    ensure!(restarts == 1.0, "restarts counted: {restarts}");
+
+    // The agent is killed; its daemon outlives it here (no container took it down). The next agent replaces it.
+    agent.kill()?;
+    ensure!(alive(second), "the daemon went with the agent process");
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let third = next_daemon(&claim_dir, 2).await?;
+    ensure!(!alive(second), "the daemon the killed agent left still runs beside {third}");
+    let again = Kubelet::register(&dirs).await?.prepare(&claims).await?;
+    ensure!(again.values().all(|a| a.error.is_empty()), "a repeated prepare: {again:?}");
+    ensure!(started_pids(&claim_dir).len() == 3, "a repeated prepare started another daemon");
+
+    // Unprepare: the daemon is told to quit, and its directories go.
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let unprepared = kubelet.unprepare(&claims).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    ensure!(!alive(third), "daemon {third} still runs after unprepare");
+    ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
+    Ok(())
+}
+
+/// A per-device limit naming a device the claim does not have is refused with the reason; nothing is started or
+/// left.
+pub(super) async fn mps_settings_naming_no_device_are_refused(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let config = nvidia_mps(json!({"defaultPerDevicePinnedMemoryLimit": {"3": "1Gi"}}));
+    let uid = allocated_claim(&ctx, "bad-key", &node, &["gpu-0"], config).await?;
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "bad-key", uid.as_str())]).await?;
+    let error = &answers.get(&uid).context("no answer")?.error;
+    ensure!(
+        error.contains("defaultPerDevicePinnedMemoryLimit[\"3\"] names none of the claim's 1 device(s)"),
+        "{error:?}"
+    );
+    ensure!(!dirs.mps().join(&uid).exists() && !dirs.cdi_spec(&uid).exists(), "a refused claim left files");
+    ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&uid), "a refused claim is recorded");
+    Ok(())
+}
