@@ -1,5 +1,5 @@
 //! MPS applied, decided without I/O: which MPS control daemon a claim gets and what its containers are given to be
-//! its clients. [`super::state`] starts and stops the daemon through an [`MpsControl`]
+//! its clients. [`super::state`] starts and stops the daemon through [`MpsDaemons`]
 //! (`nvidia-cuda-mps-control -f` for real GPUs, a stand-in for simulated ones).
 //!
 //! One daemon per claim, serving all of the claim's devices, as NVIDIA's driver runs it:
@@ -14,7 +14,7 @@
 //! - the claim's containers get the pipe directory at `/tmp/nvidia-mps`, the daemon's shared memory at `/dev/shm`
 //!   and the same limits in their environment (a client's limit can only lower the daemon's).
 //!
-//! [`MpsControl`]: crate::node_agent::mps_control::MpsControl
+//! [`MpsDaemons`]: crate::node_agent::mps_control::MpsDaemons
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

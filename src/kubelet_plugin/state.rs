@@ -78,7 +78,7 @@ pub struct Recovery {
     pub half_done: usize,
     /// Specs re-written because they were missing (e.g. the CDI directory is a tmpfs that was emptied).
     pub rewritten: usize,
-    /// Specs of claims the checkpoint does not know, removed.
+    /// Specs (and MPS daemon directories) of claims the checkpoint does not know as prepared, removed.
     pub orphans: usize,
 }
 
@@ -423,7 +423,16 @@ impl DriverState {
                     (name, making)
                 })
                 .collect();
-            todo.push(Todo { devices: unique_devices(&planned), claim, previous, asks, mps, making, made: Vec::new() });
+            todo.push(Todo {
+                devices: unique_devices(&planned),
+                claim,
+                previous,
+                asks,
+                mps,
+                mps_started: false,
+                making,
+                made: Vec::new(),
+            });
         }
         if todo.is_empty() {
             return results;
@@ -460,10 +469,10 @@ impl DriverState {
             ready = rest;
         }
         let mut written = Vec::new();
-        for claim in ready {
+        for mut claim in ready {
             let write = self
                 .set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks)
-                .and_then(|()| self.start_mps(&claim.claim.uid, claim.mps.as_ref()))
+                .and_then(|()| self.start_mps(&mut claim))
                 .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));
             match write {
                 Ok(_) => {
@@ -667,7 +676,7 @@ impl DriverState {
     }
 
     /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
-    /// records removed. Returns (half done, rewritten, orphans).
+    /// records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten, orphans).
     fn clean_up(&self) -> Result<(usize, usize, usize), CheckpointError> {
         let mut checkpoint = self.lock();
         let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
@@ -770,11 +779,10 @@ impl DriverState {
     /// set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
     /// retry adopts it, start-up destroys it.
     fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
-        let Todo { claim, previous, asks, mps, made, .. } = todo;
+        let Todo { claim, previous, asks, mps_started, made, .. } = todo;
         warn!(claim = %claim, uid = %claim.uid, error = %error, "preparing the claim's GPUs failed");
-        if mps.is_some()
-            && let Err(e) = self.mps.stop(&claim.uid)
-        {
+        // Only a daemon this prepare started: one that ran already serves the claim as prepared before.
+        if mps_started && let Err(e) = self.mps.stop(&claim.uid) {
             warn!(claim = %claim, error = %e, "stopping the MPS daemon of a failed prepare failed");
         }
         // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
@@ -819,11 +827,12 @@ impl DriverState {
         Ok(())
     }
 
-    /// Starts the claim's MPS daemon, if it asks for one; the edits its containers get to be the daemon's clients.
-    fn start_mps(&self, uid: &str, daemon: Option<&MpsDaemon>) -> Result<cdi::ClaimEdits, String> {
-        let Some(daemon) = daemon else { return Ok(cdi::ClaimEdits::default()) };
-        self.mps.start(uid, daemon).map_err(|e| e.to_string())?;
-        Ok(self.mps_edits(uid, daemon))
+    /// Starts the claim's MPS daemon, if it asks for one (noting whether this prepare started it); the edits its
+    /// containers get to be the daemon's clients.
+    fn start_mps(&self, todo: &mut Todo) -> Result<cdi::ClaimEdits, String> {
+        let Some(daemon) = &todo.mps else { return Ok(cdi::ClaimEdits::default()) };
+        todo.mps_started = self.mps.start(&todo.claim.uid, daemon).map_err(|e| e.to_string())?;
+        Ok(self.mps_edits(&todo.claim.uid, daemon))
     }
 
     fn mps_edits(&self, uid: &str, daemon: &MpsDaemon) -> cdi::ClaimEdits {
@@ -868,8 +877,9 @@ struct Todo {
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.
     asks: BTreeMap<String, TimeSliceInterval>,
-    /// The MPS daemon it asks for.
+    /// The MPS daemon it asks for, and whether this prepare started it.
     mps: Option<MpsDaemon>,
+    mps_started: bool,
     /// How it gets each dynamic MIG partition it was allocated, by device name: made, adopted from its own earlier
     /// prepare (the entry it replaces records it), or only looked at (admin access).
     making: BTreeMap<String, partitions::Making>,

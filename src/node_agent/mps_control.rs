@@ -9,18 +9,21 @@
 //!   clients share memory without anything being mounted on the node (the agent needs `CAP_SYS_ADMIN`: the chart's
 //!   privileged agent has it). Put the root on a tmpfs (the default is under `/run`).
 //! - **Supervised**: a daemon that exits while its claim is prepared is started again (1 s back-off, doubling to
-//!   30 s), counted in `gpu_dra_mps_daemon_restarts_total`.
+//!   30 s), counted in `gpu_dra_kubelet_plugin_mps_daemon_restarts_total`.
 //! - **Stopped** at unprepare: `quit` through its control pipe, as NVIDIA documents, then killed after
 //!   [`STOP_TIMEOUT`]; then its directories are removed.
 //! - **Across agent restarts**: a daemon is the agent's child, so a restarted agent's container took it down (the
-//!   runtime kills a container's processes); start-up stops any daemon left running (recorded pid with the same
-//!   start time), removes directories of claims no longer prepared and starts the daemons of prepared ones again.
+//!   runtime kills a container's processes); where the agent is not in a container of its own (a host process), a
+//!   daemon may outlive it, so start-up stops any daemon left running (recorded pid with the same start time),
+//!   removes directories of claims no longer prepared and starts the daemons of prepared ones again (one that does
+//!   not come up is kept restarting, its directories kept: the claim's spec mounts them).
 //!   Clients of the old daemon see it go: MPS work in flight across an agent restart fails and is retried by its
 //!   workload, as on a node-agent upgrade of NVIDIA's driver when its daemon Deployment is replaced.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -80,7 +83,8 @@ pub enum MpsError {
 /// The program a daemon is, and how it is told to quit.
 #[derive(Clone, Debug)]
 pub struct MpsProgram {
-    /// Run with `args` then `-f` as the daemon, with `args` alone as the client that sends `quit`.
+    /// Run with `args` then `-f` as the daemon, with `args` alone as the client that sends `quit`. Its directory
+    /// leads `PATH`: the daemon starts the driver's `nvidia-cuda-mps-server` beside it.
     pub program: PathBuf,
     pub args: Vec<OsString>,
     /// The directory of the driver's libraries, when it is not where the dynamic loader looks.
@@ -115,6 +119,10 @@ impl MpsProgram {
         command.args(&self.args).envs(daemon.daemon_env(dirs)).stdin(Stdio::null());
         if let Some(dir) = &self.library_dir {
             command.env("LD_LIBRARY_PATH", dir);
+        }
+        if let Some(bin) = self.program.parent().filter(|dir| dir.is_absolute()) {
+            let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
+            command.env("PATH", format!("{}:{path}", bin.display()));
         }
         command
     }
@@ -169,18 +177,26 @@ impl MpsDaemons {
         self.running.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts the claim's daemon (kept when it runs already) and waits until it takes clients.
-    pub fn start(&self, claim_uid: &str, daemon: &MpsDaemon) -> Result<(), MpsError> {
+    /// Starts the claim's daemon (kept when it runs already) and waits until it takes clients; answers whether it
+    /// started one (false: it ran already). A daemon that does not come up is stopped and its directories removed.
+    pub fn start(&self, claim_uid: &str, daemon: &MpsDaemon) -> Result<bool, MpsError> {
+        self.start_or_keep_trying(claim_uid, daemon, false)
+    }
+
+    /// [`MpsDaemons::start`]; with `keep_trying`, a daemon that does not come up stays supervised (restarted with
+    /// back-off) and its directories stay.
+    fn start_or_keep_trying(&self, claim_uid: &str, daemon: &MpsDaemon, keep_trying: bool) -> Result<bool, MpsError> {
         let dirs = self.dirs(claim_uid);
-        if self.running().contains_key(claim_uid) {
-            return wait_ready(claim_uid, &dirs, START_TIMEOUT);
+        let running = self.running().get(claim_uid).map(|s| s.pid.clone());
+        if let Some(pid) = running {
+            return wait_ready(claim_uid, &dirs, &pid, START_TIMEOUT).map(|()| false);
         }
+        // Writable by all, as a container's own /dev/shm is: the claim's processes (any uid) and the MPS server they
+        // start (running as its first client's uid) write here. No one else sees these directories.
         for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
-            std::fs::create_dir_all(dir).map_err(|source| MpsError::Dirs {
-                claim_uid: claim_uid.into(),
-                dir: dir.clone(),
-                source,
-            })?;
+            let created = std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)));
+            created.map_err(|source| MpsError::Dirs { claim_uid: claim_uid.into(), dir: dir.clone(), source })?;
         }
         // A control pipe left by a daemon that is gone would look ready.
         let _ = std::fs::remove_file(dirs.pipe.join(CONTROL_PIPE));
@@ -197,11 +213,17 @@ impl MpsDaemons {
             restarts: self.restarts.clone(),
         };
         let thread = std::thread::spawn(move || supervisor.run(child));
-        self.running().insert(claim_uid.to_string(), Supervised { stop, pid, thread });
+        self.running().insert(claim_uid.to_string(), Supervised { stop, pid: pid.clone(), thread });
         info!(claim_uid, uuids = daemon.uuids.join(","), "started MPS control daemon");
-        wait_ready(claim_uid, &dirs, START_TIMEOUT).inspect_err(|_| {
-            let _ = self.stop(claim_uid);
-        })
+        match wait_ready(claim_uid, &dirs, &pid, START_TIMEOUT) {
+            Ok(()) => Ok(true),
+            Err(e) => {
+                if !keep_trying {
+                    let _ = self.stop(claim_uid);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Stops the claim's daemon, if one runs, and removes its directories. Nothing to stop is no error.
@@ -218,8 +240,15 @@ impl MpsDaemons {
             if !supervised.thread.is_finished() {
                 warn!(claim_uid, "the MPS control daemon did not quit within {STOP_TIMEOUT:?}; killing it");
                 kill(supervised.pid.load(Ordering::SeqCst));
+                // A process stuck in the kernel may not die at once: the supervisor is left to end on its own.
+                let deadline = Instant::now() + Duration::from_secs(2);
+                while !supervised.thread.is_finished() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
             }
-            let _ = supervised.thread.join();
+            if supervised.thread.is_finished() {
+                let _ = supervised.thread.join();
+            }
             info!(claim_uid, "stopped MPS control daemon");
         } else {
             stop_leftover(&dirs);
@@ -247,8 +276,9 @@ impl MpsDaemons {
             }
         }
         for (uid, daemon) in keep {
-            if let Err(e) = self.start(uid, daemon) {
-                warn!(claim_uid = %uid, error = %e, "starting the MPS control daemon of a prepared claim failed");
+            if let Err(e) = self.start_or_keep_trying(uid, daemon, true) {
+                warn!(claim_uid = %uid, error = %e, "the MPS control daemon of a prepared claim did not come up; it \
+                      is restarted with back-off");
             }
         }
         removed
@@ -376,13 +406,17 @@ fn quit(program: &MpsProgram, dirs: &MpsDirs) {
     let _ = client.wait();
 }
 
-/// Waits until the daemon's control pipe exists.
-fn wait_ready(claim_uid: &str, dirs: &MpsDirs, timeout: Duration) -> Result<(), MpsError> {
+/// Waits until the daemon's control pipe exists; gives up at once when the daemon exits (its supervisor clears
+/// `pid`), so a daemon that cannot start does not hold the prepare for the whole `timeout`.
+fn wait_ready(claim_uid: &str, dirs: &MpsDirs, pid: &AtomicU32, timeout: Duration) -> Result<(), MpsError> {
     let pipe = dirs.pipe.join(CONTROL_PIPE);
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
         if pipe.exists() {
             return Ok(());
+        }
+        if pid.load(Ordering::SeqCst) == 0 {
+            break;
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -71,6 +71,11 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     // Its /dev/shm is the claim's shm directory, which the containers get at /dev/shm.
     let marker = std::fs::read_to_string(claim_dir.join("shm/gpu-dra-mps-stand-in"))?;
     ensure!(marker == first.to_string(), "the daemon's /dev/shm is not the claim's: {marker:?}");
+    for dir in ["pipe", "log", "shm"] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(claim_dir.join(dir))?.permissions().mode() & 0o7777;
+        ensure!(mode == 0o1777, "{dir} has mode {mode:o}: a container's non-root processes could not write there");
+    }
     let spec: Value = serde_json::from_slice(&std::fs::read(dirs.cdi_spec(&uid))?)?;
     let edits = &spec["containerEdits"];
     let env: Vec<&str> = edits["env"].as_array().context("no env")?.iter().filter_map(Value::as_str).collect();
