@@ -278,6 +278,11 @@ pub struct GpuCheckArgs {
     /// needs root; not on a node running claims).
     #[arg(long)]
     pub check_mig_device: bool,
+    /// Start an MPS control daemon for the sample claim's GPUs as a claim asking `sharing.strategy: MPS` does
+    /// (`nvidia-cuda-mps-control -f` under the driver root, in its own mount namespace; needs root), ask it for its
+    /// servers through its control pipe, and stop it again.
+    #[arg(long)]
+    pub check_mps: bool,
 }
 
 /// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.

@@ -17,7 +17,7 @@ fn gpu_check(args: &[&str]) -> (bool, String) {
 #[test]
 fn simulated_gpus_are_reported_published_and_prepared() {
     let simulated = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--claim-gpus", "2"];
-    let (ok, out) = gpu_check(&[&simulated[..], &["--check-time-slice"]].concat());
+    let (ok, out) = gpu_check(&[&simulated[..], &["--check-time-slice", "--check-mps"]].concat());
     assert!(ok, "{out}");
     for expected in [
         "2 GPU(s) found",
@@ -30,6 +30,9 @@ fn simulated_gpus_are_reported_published_and_prepared() {
         "GPU health: simulated GPUs have no NVML events",
         "inject-faults",
         "Time slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json",
+        "MPS control daemon for 2 device(s), as a claim asking MPS gets one",
+        "get_server_list: (no server yet)",
+        "stopped (quit), directories removed",
         "NVIDIA H100 80GB HBM3 (NVIDIA's documented table):",
         "1g.10gb     profile  0 (ID 19): 1 compute / 1 memory slice(s), up to 7, placements {0,1,2,3,4,5,6}:1",
         "3g.40gb     profile  2 (ID  9): 3 compute / 4 memory slice(s), up to 2, placements {0,4}:4",

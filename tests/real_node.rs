@@ -28,8 +28,11 @@ use support::{TestContext, objects, wait};
 mod host;
 #[path = "real_node/mig.rs"]
 mod mig;
+#[path = "real_node/mps.rs"]
+mod mps;
 
 use mig::containers_get_exactly_their_mig_devices;
+use mps::containers_of_a_pod_are_clients_of_their_claims_mps_daemon;
 
 fn main() {
     support::run_on_real_node_cluster(
@@ -40,6 +43,7 @@ fn main() {
             test!(taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet),
             test!(containers_of_two_namespaces_share_one_gpu_by_memory),
             test!(containers_get_exactly_their_mig_devices),
+            test!(containers_of_a_pod_are_clients_of_their_claims_mps_daemon),
         ],
     )
 }
@@ -106,11 +110,28 @@ fn node_values(node: &RealNode) -> anyhow::Result<Vec<String>> {
         format!("nodeAgent.kubeletDir={}", node.kubelet_dir()?.display()),
         format!("nodeAgent.cdiDir={}", node.cdi_dir()?.display()),
         format!("nodeAgent.stateDir={}", node.agent_state_dir()?.display()),
+        format!("nodeAgent.mpsDir={}", node.agent_state_dir()?.join("mps").display()),
         "nodeAgent.gpuBackend=simulated".into(),
         format!("nodeAgent.simulatedGpus={GPUS}xH100-80GB"),
         "nodeAgent.privileged=false".into(),
         "deviceClasses.gpu.extendedResourceName=nvidia.com/gpu".into(),
     ])
+}
+
+/// Runs `body` on a fresh GPU node `name`, then uninstalls the chart and takes the node down whatever happened (the
+/// chart's cluster-scoped objects would stop the next install).
+async fn on_gpu_node(
+    ctx: &TestContext,
+    name: &str,
+    body: impl AsyncFnOnce(&RealNode) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let node = gpu_node(ctx, name).await?;
+    let result = body(&node).await;
+    let uninstalled = helm(ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"]);
+    let down = node.down();
+    result?;
+    uninstalled?;
+    down
 }
 
 fn install(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {

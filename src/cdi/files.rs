@@ -82,6 +82,15 @@ pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Re
     Ok(names.filter_map(|name| name.strip_prefix(&prefix)).filter(|d| !d.is_empty()).map(str::to_string).collect())
 }
 
+/// The spec-wide environment of a claim's spec on disk (`NAME=value`), from which an adopted claim's MPS daemon is
+/// known again ([`crate::kubelet_plugin::mps::from_client_env`]).
+pub fn claim_spec_env(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<String>> {
+    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
+    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let env = spec["containerEdits"]["env"].as_array().into_iter().flatten().filter_map(|e| e.as_str());
+    Ok(env.map(str::to_string).collect())
+}
+
 /// Removes the temporary spec files of this kind that a killed writer left behind (see
 /// [`crate::fsutil::remove_abandoned_temporaries`]); returns how many.
 pub fn remove_abandoned_spec_temporaries(dir: &Path, kind: &CdiKind) -> Result<usize, CdiError> {

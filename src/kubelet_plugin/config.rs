@@ -67,9 +67,45 @@ pub struct MpsConfig {
     pub default_active_thread_percentage: Option<i64>,
     /// The device memory each client may pin, on every device of the claim.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub default_pinned_device_memory_limit: Option<String>,
+    pub default_pinned_device_memory_limit: Option<Quantity>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub default_per_device_pinned_memory_limit: BTreeMap<String, String>,
+    pub default_per_device_pinned_memory_limit: BTreeMap<String, Quantity>,
+}
+
+/// A Kubernetes quantity as written: a string (`10Gi`) or, as Kubernetes also accepts, a bare JSON number.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct Quantity(pub String);
+
+impl From<&str> for Quantity {
+    fn from(text: &str) -> Self {
+        Self(text.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Quantity {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = Quantity;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a quantity such as \"10Gi\" or a number of bytes")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<Quantity, E> {
+                Ok(Quantity(text.to_string()))
+            }
+            fn visit_u64<E: serde::de::Error>(self, number: u64) -> Result<Quantity, E> {
+                Ok(Quantity(number.to_string()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, number: i64) -> Result<Quantity, E> {
+                Ok(Quantity(number.to_string()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, number: f64) -> Result<Quantity, E> {
+                Ok(Quantity(number.to_string()))
+            }
+        }
+        deserializer.deserialize_any(Text)
+    }
 }
 
 /// Below this a pinned memory limit is refused (NVIDIA's rule): MPS takes limits in whole MiB.
@@ -86,7 +122,7 @@ impl MpsConfig {
             ));
         }
         if let Some(limit) = &self.default_pinned_device_memory_limit {
-            pinned_limit_mib(limit).map_err(|e| format!("{path}.defaultPinnedDeviceMemoryLimit: {e}"))?;
+            pinned_limit_mib(&limit.0).map_err(|e| format!("{path}.defaultPinnedDeviceMemoryLimit: {e}"))?;
         }
         for (device, limit) in &self.default_per_device_pinned_memory_limit {
             if device.is_empty() {
@@ -94,7 +130,7 @@ impl MpsConfig {
                     "{path}.defaultPerDevicePinnedMemoryLimit: an empty key; name a device by its UUID or index"
                 ));
             }
-            pinned_limit_mib(limit)
+            pinned_limit_mib(&limit.0)
                 .map_err(|e| format!("{path}.defaultPerDevicePinnedMemoryLimit[{device:?}]: {e}"))?;
         }
         Ok(())
@@ -406,6 +442,13 @@ mod tests {
             default_per_device_pinned_memory_limit: BTreeMap::from([("1".into(), "512Mi".into())]),
         };
         assert_eq!(mps.map(|c| c.sharing.mps), Ok(Some(expected)));
+        // A bare number of bytes, as Kubernetes quantities allow.
+        let bytes = GpuConfig::decode(
+            DRIVER,
+            &doc(json!({"sharing": {"strategy": "MPS", "mps": {"defaultPinnedDeviceMemoryLimit": 1073741824}}})),
+        );
+        let limit = bytes.map(|c| c.sharing.mps.and_then(|m| m.default_pinned_device_memory_limit));
+        assert_eq!(limit, Ok(Some("1073741824".into())));
     }
 
     #[test]

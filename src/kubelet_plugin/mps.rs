@@ -100,13 +100,32 @@ impl MpsDaemon {
     }
 }
 
+/// The daemon whose client environment (a claim's spec-wide CDI env, as [`MpsDaemon::client_edits`] writes it) is
+/// `env`: how a claim adopted from its spec after a corrupt checkpoint gets its daemon back. `None` without MPS.
+pub fn from_client_env(env: &[String]) -> Option<MpsDaemon> {
+    let value = |name: &str| env.iter().find_map(|e| e.strip_prefix(name)?.strip_prefix('='));
+    value("CUDA_MPS_PIPE_DIRECTORY")?;
+    let mut uuids: Vec<String> =
+        value("GPU_DRA_GPU_UUIDS")?.split(',').filter(|u| !u.is_empty()).map(str::to_string).collect();
+    uuids.sort();
+    let active_thread_percentage = value("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").and_then(|p| p.parse().ok());
+    let pinned_mib = value("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
+        .into_iter()
+        .flat_map(|limits| limits.split(','))
+        .filter_map(|limit| {
+            let (uuid, mib) = limit.split_once('=')?;
+            Some((uuid.to_string(), mib.strip_suffix('M')?.parse().ok()?))
+        })
+        .collect();
+    Some(MpsDaemon { uuids, active_thread_percentage, pinned_mib })
+}
+
 /// The daemon `claim` gets, `None` when it asks no MPS; refused when it cannot have one (see the module's rules).
 pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDaemon>, String> {
     let served: Vec<&PlannedDevice> = planned.iter().filter(|p| !p.admin_access).collect();
     let Some(first) = served.iter().find(|p| p.config.sharing.strategy == SharingStrategy::Mps) else {
         return Ok(None);
     };
-    let config = first.config.sharing.mps.clone().unwrap_or_default();
     for device in &served {
         let sharing = &device.config.sharing;
         if sharing.strategy != SharingStrategy::Mps {
@@ -115,13 +134,6 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
                  serves every container of a claim, so all of its requests ask MPS with the same settings, or none \
                  does",
                 first.request, device.request, sharing.strategy
-            ));
-        }
-        if sharing.mps.clone().unwrap_or_default() != config {
-            return Err(format!(
-                "claim {claim}: requests {:?} and {:?} ask MPS with different settings; one MPS daemon serves every \
-                 container of a claim",
-                first.request, device.request
             ));
         }
         let name = device.device.name();
@@ -143,9 +155,24 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
     let mut uuids: Vec<String> = served.iter().map(|p| p.device.uuid().to_string()).collect();
     uuids.sort();
     uuids.dedup();
-    let pinned_mib = limits(claim, &config, &uuids)?;
-    let active_thread_percentage = config.default_active_thread_percentage.and_then(|p| u8::try_from(p).ok());
-    Ok(Some(MpsDaemon { uuids, active_thread_percentage, pinned_mib }))
+    // Settings are compared as the daemon would get them: `1Gi` and `1024Mi` are the same limit.
+    let daemon = |device: &PlannedDevice| {
+        let config = device.config.sharing.mps.clone().unwrap_or_default();
+        let pinned_mib = limits(claim, &config, &uuids)?;
+        let active_thread_percentage = config.default_active_thread_percentage.and_then(|p| u8::try_from(p).ok());
+        Ok::<_, String>(MpsDaemon { uuids: uuids.clone(), active_thread_percentage, pinned_mib })
+    };
+    let wanted = daemon(first)?;
+    for device in &served {
+        if daemon(device)? != wanted {
+            return Err(format!(
+                "claim {claim}: requests {:?} and {:?} ask MPS with different settings; one MPS daemon serves every \
+                 container of a claim",
+                first.request, device.request
+            ));
+        }
+    }
+    Ok(Some(wanted))
 }
 
 /// Each device's pinned memory limit: the default for all, then the per-device ones, whose keys are a device's UUID
@@ -154,7 +181,7 @@ fn limits(claim: &ClaimRef, config: &MpsConfig, uuids: &[String]) -> Result<BTre
     let mut limits = BTreeMap::new();
     if let Some(default) = &config.default_pinned_device_memory_limit {
         let mib =
-            pinned_limit_mib(default).map_err(|e| format!("claim {claim}: defaultPinnedDeviceMemoryLimit: {e}"))?;
+            pinned_limit_mib(&default.0).map_err(|e| format!("claim {claim}: defaultPinnedDeviceMemoryLimit: {e}"))?;
         limits.extend(uuids.iter().map(|uuid| (uuid.clone(), mib)));
     }
     for (key, limit) in &config.default_per_device_pinned_memory_limit {
@@ -170,7 +197,7 @@ fn limits(claim: &ClaimRef, config: &MpsConfig, uuids: &[String]) -> Result<BTre
                 )
             })?,
         };
-        let mib = pinned_limit_mib(limit)
+        let mib = pinned_limit_mib(&limit.0)
             .map_err(|e| format!("claim {claim}: defaultPerDevicePinnedMemoryLimit[{key:?}]: {e}"))?;
         limits.insert(uuid.clone(), mib);
     }
@@ -245,6 +272,21 @@ mod tests {
     }
 
     #[test]
+    fn an_adopted_spec_gives_its_daemon_back() {
+        let daemon = MpsDaemon {
+            uuids: vec!["GPU-a".into(), "GPU-b".into()],
+            active_thread_percentage: Some(30),
+            pinned_mib: BTreeMap::from([("GPU-a".into(), 512), ("GPU-b".into(), 2048)]),
+        };
+        let (mut env, _) = daemon.client_edits(&MpsDirs::of(Path::new("/run/gpu-dra/mps"), "uid-1"));
+        // The spec lists UUIDs by PCI bus, which need not be their sorted order.
+        env.push("GPU_DRA_GPU_UUIDS=GPU-b,GPU-a".into());
+        assert_eq!(from_client_env(&env), Some(daemon));
+        let plain = ["GPU_DRA_GPU_UUIDS=GPU-a".to_string(), "CUDA_DEVICE_ORDER=PCI_BUS_ID".into()];
+        assert_eq!(from_client_env(&plain), None, "a spec without MPS");
+    }
+
+    #[test]
     fn claims_without_mps_get_no_daemon_and_admin_access_neither_asks_nor_constrains() -> Result<(), String> {
         assert_eq!(plan(&claim(), &[device("gpu", 0, Sharing::default())])?, None);
         let mut monitor = device("look", 1, Sharing::default());
@@ -252,6 +294,15 @@ mod tests {
         let daemon = plan(&claim(), &[device("gpu", 0, mps(MpsConfig::default())), monitor])?.ok_or("no daemon")?;
         assert_eq!(daemon.uuids.len(), 1, "the device looked at with admin access is not served");
         assert_eq!((daemon.active_thread_percentage, daemon.pinned_mib.len()), (None, 0), "the daemon's defaults");
+        Ok(())
+    }
+
+    #[test]
+    fn requests_asking_the_same_limits_spelled_differently_share_the_daemon() -> Result<(), String> {
+        let gib = MpsConfig { default_pinned_device_memory_limit: Some("1Gi".into()), ..MpsConfig::default() };
+        let mib = MpsConfig { default_pinned_device_memory_limit: Some("1024Mi".into()), ..MpsConfig::default() };
+        let daemon = plan(&claim(), &[device("a", 0, mps(gib)), device("b", 1, mps(mib))])?.ok_or("no daemon")?;
+        assert!(daemon.pinned_mib.values().all(|mib| *mib == 1024), "{daemon:?}");
         Ok(())
     }
 

@@ -663,7 +663,10 @@ impl DriverState {
                 state: PrepareState::PrepareCompleted,
                 devices,
                 recovered: true,
-                mps: None,
+                // Its spec names its MPS daemon, if it had one: start-up starts it again and keeps its directories.
+                mps: cdi::claim_spec_env(&self.cdi_dir, &self.cdi_kind, uid)
+                    .map(|env| mps::from_client_env(&env))
+                    .unwrap_or_default(),
             };
             // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
             // device never is (its parent's time slice is not changed for it).
@@ -825,6 +828,11 @@ impl DriverState {
             }
         }
         Ok(())
+    }
+
+    /// Kills every MPS daemon (the agent is stopping); their directories stay for the next start-up.
+    pub fn stop_mps_daemons(&self) {
+        self.mps.kill_all();
     }
 
     /// Starts the claim's MPS daemon, if it asks for one (noting whether this prepare started it); the edits its

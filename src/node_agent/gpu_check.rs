@@ -40,6 +40,8 @@ pub enum GpuCheckError {
          nvidia-smi mig -lgi)"
     )]
     MigDeviceListing { uuid: String, what: &'static str, listed: &'static str },
+    #[error("start, ask or stop an MPS control daemon: {0} (run without --check-mps to skip)")]
+    Mps(#[source] crate::node_agent::mps_control::MpsError),
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
     HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
@@ -111,6 +113,9 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     }
     if args.check_mig_device {
         check_mig_device(args, backend.as_ref(), &gpus, &kind, &driver_files)?;
+    }
+    if args.check_mps {
+        check_mps(args, &claim)?;
     }
     if !args.watch_health.is_zero() {
         watch_health(args, &gpus)?;
@@ -210,6 +215,43 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
         }
     }
     first_failure.map_or(Ok(()), |e| Err(GpuCheckError::TimeSlice(e)))
+}
+
+/// Starts the MPS control daemon the sample claim would get if it asked `sharing.strategy: MPS` (half of each GPU's
+/// threads), asks it for its servers through its control pipe as a client would, and stops it, printing each step;
+/// its directories live in a scratch directory removed afterwards.
+fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError> {
+    use crate::kubelet_plugin::mps::MpsDaemon;
+    use crate::node_agent::mps_control::{MpsDaemons, MpsError, MpsProgram};
+    let program = MpsProgram::of(&args.gpu).map_err(|source| {
+        GpuCheckError::Mps(MpsError::Spawn { program: "gpu-dra".into(), claim_uid: SAMPLE_CLAIM_UID.into(), source })
+    })?;
+    let root = std::env::temp_dir().join(format!("gpu-dra-check-mps-{}", std::process::id()));
+    let mut uuids: Vec<String> = claim.iter().map(|d| d.uuid().to_string()).collect();
+    uuids.sort();
+    let daemon = MpsDaemon { uuids, active_thread_percentage: Some(50), pinned_mib: Default::default() };
+    println!(
+        "
+MPS control daemon for {} device(s), as a claim asking MPS gets one ({}):",
+        claim.len(),
+        program.program.display()
+    );
+    let daemons = MpsDaemons::new(program, root.clone(), prometheus_client::metrics::counter::Counter::default());
+    let result = daemons.start(SAMPLE_CLAIM_UID, &daemon).and_then(|_| {
+        println!(
+            "  started (pid {}), control pipe in {}",
+            daemons.pid(SAMPLE_CLAIM_UID).unwrap_or_default(),
+            daemons.dirs(SAMPLE_CLAIM_UID).pipe.display()
+        );
+        let servers = daemons.control(SAMPLE_CLAIM_UID, "get_server_list")?;
+        println!("  get_server_list: {}", if servers.trim().is_empty() { "(no server yet)" } else { servers.trim() });
+        Ok(())
+    });
+    let stopped = daemons.stop(SAMPLE_CLAIM_UID);
+    let _ = std::fs::remove_dir_all(&root);
+    result.and(stopped).map_err(GpuCheckError::Mps)?;
+    println!("  stopped (quit), directories removed");
+    Ok(())
 }
 
 /// Makes a MIG device of the smallest profile (`1g`) at the lowest free placement of the first GPU in MIG mode with

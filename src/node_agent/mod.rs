@@ -247,6 +247,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if let Some(task) = plugin_task {
         let _ = task.await;
     }
+    // The claims' MPS daemons go with the agent, as they would with its container; start-up starts them again.
+    if let Some(state) = plugin_state {
+        let _ = tokio::task::spawn_blocking(move || state.stop_mps_daemons()).await;
+    }
     info!("stopped");
     Ok(())
 }

@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -34,7 +35,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::counter::Counter;
 use tracing::{info, warn};
 
-use super::mps_sys::{self, kill};
+use super::mps_sys::{self, kill_group};
 use crate::kubelet_plugin::mps::{MpsDaemon, MpsDirs};
 
 /// How long a daemon has to create its control pipe after it starts.
@@ -71,6 +72,13 @@ pub enum MpsError {
     },
     #[error("the MPS control daemon of claim {claim_uid} did not create {pipe} within {timeout:?}; its log: {log}")]
     NotReady { claim_uid: String, pipe: PathBuf, timeout: Duration, log: String },
+    #[error("send {command:?} to the MPS control daemon of claim {claim_uid}: {source}")]
+    Control {
+        claim_uid: String,
+        command: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("remove the MPS directories of claim {claim_uid} ({dir}): {source}")]
     Remove {
         claim_uid: String,
@@ -226,6 +234,15 @@ impl MpsDaemons {
         }
     }
 
+    /// Sends one command to the claim's daemon through its control pipe (`get_server_list`, …); what it answered.
+    pub fn control(&self, claim_uid: &str, command: &str) -> Result<String, MpsError> {
+        send(&self.program, &self.dirs(claim_uid), command).map_err(|source| MpsError::Control {
+            claim_uid: claim_uid.into(),
+            command: command.into(),
+            source,
+        })
+    }
+
     /// Stops the claim's daemon, if one runs, and removes its directories. Nothing to stop is no error.
     pub fn stop(&self, claim_uid: &str) -> Result<(), MpsError> {
         let dirs = self.dirs(claim_uid);
@@ -239,7 +256,7 @@ impl MpsDaemons {
             }
             if !supervised.thread.is_finished() {
                 warn!(claim_uid, "the MPS control daemon did not quit within {STOP_TIMEOUT:?}; killing it");
-                kill(supervised.pid.load(Ordering::SeqCst));
+                kill_group(supervised.pid.load(Ordering::SeqCst));
                 // A process stuck in the kernel may not die at once: the supervisor is left to end on its own.
                 let deadline = Instant::now() + Duration::from_secs(2);
                 while !supervised.thread.is_finished() && Instant::now() < deadline {
@@ -285,14 +302,22 @@ impl MpsDaemons {
     }
 }
 
-impl Drop for MpsDaemons {
-    /// The agent is going: its daemons go with it (as they would with its container); start-up starts them again.
-    fn drop(&mut self) {
+impl MpsDaemons {
+    /// Kills every daemon and its servers, leaving their directories: the agent is going, and its daemons go with it
+    /// (as they would with its container); start-up starts them again.
+    pub fn kill_all(&self) {
         let running = std::mem::take(&mut *self.running());
-        for (_, supervised) in running {
+        for (claim_uid, supervised) in running {
             supervised.stop.store(true, Ordering::SeqCst);
-            kill(supervised.pid.load(Ordering::SeqCst));
+            kill_group(supervised.pid.load(Ordering::SeqCst));
+            info!(claim_uid, "stopped MPS control daemon: the agent is stopping");
         }
+    }
+}
+
+impl Drop for MpsDaemons {
+    fn drop(&mut self) {
+        self.kill_all();
     }
 }
 
@@ -335,7 +360,7 @@ impl Supervisor {
                     self.restarts.inc();
                     // Stopped between the check and the spawn: the new daemon goes at once.
                     if self.stop.load(Ordering::SeqCst) {
-                        kill(next.id());
+                        kill_group(next.id());
                     }
                     child = Some(next);
                 }
@@ -368,7 +393,8 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
         std::fs::OpenOptions::new().create(true).append(true).open(dirs.log.join("daemon.out")).map_err(failed)?;
     let errors = log.try_clone().map_err(failed)?;
     let mut command = program.command(daemon, dirs);
-    command.arg("-f").stdout(log).stderr(errors);
+    // Its own process group: a kill takes the MPS servers it started with it.
+    command.arg("-f").stdout(log).stderr(errors).process_group(0);
     mps_sys::own_dev_shm(&mut command, &dirs.shm).map_err(failed)?;
     let child = command.spawn().map_err(failed)?;
     let record = format!("{} {}\n", child.id(), start_time(child.id()).unwrap_or_default());
@@ -378,32 +404,58 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     Ok(child)
 }
 
-/// Tells the daemon to quit (`echo quit | nvidia-cuda-mps-control`), waiting at most [`STOP_TIMEOUT`].
+/// Tells the daemon to quit (`echo quit | nvidia-cuda-mps-control`).
 fn quit(program: &MpsProgram, dirs: &MpsDirs) {
+    let _ = send(program, dirs, "quit");
+}
+
+/// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`
+/// does, and answers what the client printed; the client is killed after [`STOP_TIMEOUT`].
+fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<String> {
     let mut command = Command::new(&program.program);
     command
         .args(&program.args)
         .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
         .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
     if let Some(dir) = &program.library_dir {
         command.env("LD_LIBRARY_PATH", dir);
     }
-    let Ok(mut client) = command.spawn() else { return };
+    let mut client = command.spawn()?;
     if let Some(mut stdin) = client.stdin.take() {
-        let _ = stdin.write_all(b"quit\n");
+        stdin.write_all(format!("{line}\n").as_bytes())?;
     }
     let deadline = Instant::now() + STOP_TIMEOUT;
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = client.try_wait() {
-            return;
+    let status = loop {
+        if let Some(status) = client.try_wait()? {
+            break status;
+        }
+        if Instant::now() >= deadline {
+            let _ = client.kill();
+            let _ = client.wait();
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no answer within {STOP_TIMEOUT:?}"),
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |pipe: Option<&mut dyn std::io::Read>| {
+        let mut text = String::new();
+        if let Some(pipe) = pipe {
+            let _ = pipe.read_to_string(&mut text);
+        }
+        text
+    };
+    let output = read(client.stdout.as_mut().map(|p| p as &mut dyn std::io::Read));
+    let errors = read(client.stderr.as_mut().map(|p| p as &mut dyn std::io::Read));
+    if status.success() {
+        Ok(output)
+    } else {
+        Err(std::io::Error::other(format!("{status}: {}{}", output.trim(), errors.trim())))
     }
-    let _ = client.kill();
-    let _ = client.wait();
 }
 
 /// Waits until the daemon's control pipe exists; gives up at once when the daemon exits (its supervisor clears
@@ -442,7 +494,7 @@ fn stop_leftover(dirs: &MpsDirs) {
     let (Some(Ok(pid)), Some(started)) = (fields.next().map(str::parse::<u32>), fields.next()) else { return };
     if start_time(pid).as_deref() == Some(started) {
         warn!(pid, dir = %dirs.claim.display(), "stopping an MPS control daemon a previous agent left running");
-        kill(pid);
+        kill_group(pid);
         let deadline = Instant::now() + STOP_TIMEOUT;
         while start_time(pid).as_deref() == Some(started) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));

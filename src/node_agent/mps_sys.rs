@@ -1,5 +1,6 @@
 //! The system calls an MPS daemon's supervision needs and the standard library lacks: a child's own mount
-//! namespace with a directory at `/dev/shm`, and a kill by pid. `unsafe` is kept here (and in the NVML MIG calls).
+//! namespace with a directory at `/dev/shm`, and a kill of a daemon's process group. `unsafe` is kept here (and in
+//! the NVML MIG calls).
 
 #![allow(unsafe_code)]
 
@@ -32,14 +33,15 @@ fn in_child(shm: &CStr) -> std::io::Result<()> {
     }
 }
 
-/// Sends SIGKILL to `pid` (0 and pids beyond `i32` are ignored).
-pub(super) fn kill(pid: u32) {
+/// Sends SIGKILL to the process group `pid` leads (a daemon is spawned as one, so the MPS servers it started go with
+/// it); 0 and pids beyond `i32` are ignored.
+pub(super) fn kill_group(pid: u32) {
     if let Ok(pid) = i32::try_from(pid)
         && pid > 0
     {
         // SAFETY: a plain system call; callers pass their own daemon's pid or a leftover's whose start time matched.
         unsafe {
-            libc::kill(pid, libc::SIGKILL);
+            libc::kill(-pid, libc::SIGKILL);
         }
     }
 }

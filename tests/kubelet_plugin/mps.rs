@@ -1,8 +1,9 @@
 //! MPS applied: a claim asking `sharing.strategy: MPS` gets an MPS control daemon of its own while it is prepared
 //! (the simulated backend's stand-in, started, supervised and stopped exactly as `nvidia-cuda-mps-control -f`),
 //! with the claim's GPUs and limits; its containers get the daemon's pipe directory, shared memory and limits
-//! through the CDI spec. A daemon that dies is started again, one an agent restart leaves behind is replaced, and
-//! unprepare stops it and removes its directories.
+//! through the CDI spec. A daemon that dies is started again, one an agent restart leaves behind is replaced, a claim
+//! adopted from its spec after a corrupt checkpoint gets its daemon back, and unprepare stops it and removes its
+//! directories.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -107,18 +108,34 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     // The agent is killed; its daemon outlives it here (no container took it down). The next agent replaces it.
     agent.kill()?;
     ensure!(alive(second), "the daemon went with the agent process");
-    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     let third = next_daemon(&claim_dir, 2).await?;
     ensure!(!alive(second), "the daemon the killed agent left still runs beside {third}");
     let again = Kubelet::register(&dirs).await?.prepare(&claims).await?;
     ensure!(again.values().all(|a| a.error.is_empty()), "a repeated prepare: {again:?}");
     ensure!(started_pids(&claim_dir).len() == 3, "a repeated prepare started another daemon");
 
+    // The checkpoint is lost to a truncated write: the claim adopted from its spec gets its daemon back (the spec
+    // names its GPUs and limits), and its directories, which the spec mounts, stay.
+    agent.terminate()?;
+    let gone = wait::until("the stopped agent's daemon to go", Duration::from_secs(10), || async {
+        Ok((!alive(third)).then_some(()))
+    })
+    .await;
+    ensure!(gone.is_ok(), "a stopping agent leaves its daemon running:\n{}", agent.log_tail());
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let fourth = next_daemon(&claim_dir, 3).await?;
+    let adopted = checkpoint(&dirs, "boot-1")?.claims.remove(&uid).context("the claim was not adopted")?;
+    ensure!(adopted.recovered && adopted.mps.as_ref() == Some(&daemon), "adopted as {adopted:?}");
+    let log = std::fs::read_to_string(claim_dir.join("log/control.log"))?;
+    ensure!(log.contains(&format!("started pid={fourth} devices={}", daemon.uuids.join(","))), "{log}");
+
     // Unprepare: the daemon is told to quit, and its directories go.
     let mut kubelet = Kubelet::register(&dirs).await?;
     let unprepared = kubelet.unprepare(&claims).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(!alive(third), "daemon {third} still runs after unprepare");
+    ensure!(!alive(fourth), "daemon {fourth} still runs after unprepare");
     ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
     Ok(())
 }

@@ -9,7 +9,7 @@ use serde_json::json;
 
 use super::support::real_node::RealNode;
 use super::support::{TestContext, objects};
-use super::{WAIT, claim_of, delete_and_wait, gpu_node, helm, install_with, listing};
+use super::{WAIT, claim_of, delete_and_wait, install_with, listing, on_gpu_node};
 
 /// What a MIG workload prints: its GPU nodes, its capability nodes, the UUIDs it was given.
 const SHOW_MIG: &str = "ls -l /dev/ | grep ' nvidia[0-9]*$'; ls -l /dev/nvidia-caps/ 2>/dev/null | grep nvidia-cap; \
@@ -22,13 +22,7 @@ const SHOW_MIG: &str = "ls -l /dev/ | grep ' nvidia[0-9]*$'; ls -l /dev/nvidia-c
 /// major 195, the simulated `nvidia-caps` major 508), and their own `MIG-` UUID; a fourth 1g.10gb pod stays
 /// unschedulable. The GPUs are simulated: this is the runtime's side, NVML discovery is not exercised.
 pub(super) async fn containers_get_exactly_their_mig_devices(ctx: TestContext) -> anyhow::Result<()> {
-    let node = gpu_node(&ctx, "mig-gpu-node").await?;
-    let result = mig_devices(&ctx, &node).await;
-    let uninstalled = helm(&ctx, &["uninstall", "gpu-dra", "-n", &ctx.namespace, "--wait", "--timeout", "120s"]);
-    let down = node.down();
-    result?;
-    uninstalled?;
-    down
+    on_gpu_node(&ctx, "mig-gpu-node", async |node| mig_devices(&ctx, node).await).await
 }
 
 /// What a container printed: (GPU minors, capability minors, UUIDs).
