@@ -89,8 +89,13 @@ impl MpsDaemon {
     }
 
     /// What every container of the claim is given: `NAME=value` environment and (host, container) mounts.
+    /// `GPU_DRA_MPS_UUIDS` names the devices the daemon serves (a claim's device looked at with admin access is not
+    /// one), so that a claim adopted from its spec gets exactly this daemon back ([`from_client_env`]).
     pub fn client_edits(&self, dirs: &MpsDirs) -> (Vec<String>, Vec<(PathBuf, PathBuf)>) {
-        let mut env = vec![format!("CUDA_MPS_PIPE_DIRECTORY={CLIENT_PIPE_DIRECTORY}")];
+        let mut env = vec![
+            format!("CUDA_MPS_PIPE_DIRECTORY={CLIENT_PIPE_DIRECTORY}"),
+            format!("GPU_DRA_MPS_UUIDS={}", self.uuids.join(",")),
+        ];
         env.extend(self.limit_env());
         let mounts = vec![
             (dirs.pipe.clone(), PathBuf::from(CLIENT_PIPE_DIRECTORY)),
@@ -105,9 +110,8 @@ impl MpsDaemon {
 pub fn from_client_env(env: &[String]) -> Option<MpsDaemon> {
     let value = |name: &str| env.iter().find_map(|e| e.strip_prefix(name)?.strip_prefix('='));
     value("CUDA_MPS_PIPE_DIRECTORY")?;
-    let mut uuids: Vec<String> =
-        value("GPU_DRA_GPU_UUIDS")?.split(',').filter(|u| !u.is_empty()).map(str::to_string).collect();
-    uuids.sort();
+    let uuids: Vec<String> =
+        value("GPU_DRA_MPS_UUIDS")?.split(',').filter(|u| !u.is_empty()).map(str::to_string).collect();
     let active_thread_percentage = value("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE").and_then(|p| p.parse().ok());
     let pinned_mib = value("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
         .into_iter()
@@ -257,6 +261,7 @@ mod tests {
             client_env,
             [
                 "CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps".to_string(),
+                format!("GPU_DRA_MPS_UUIDS={}", sorted.join(",")),
                 "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50".into(),
                 pinned
             ]
@@ -279,8 +284,8 @@ mod tests {
             pinned_mib: BTreeMap::from([("GPU-a".into(), 512), ("GPU-b".into(), 2048)]),
         };
         let (mut env, _) = daemon.client_edits(&MpsDirs::of(Path::new("/run/gpu-dra/mps"), "uid-1"));
-        // The spec lists UUIDs by PCI bus, which need not be their sorted order.
-        env.push("GPU_DRA_GPU_UUIDS=GPU-b,GPU-a".into());
+        // The claim's devices include one looked at with admin access, which the daemon does not serve.
+        env.push("GPU_DRA_GPU_UUIDS=GPU-b,GPU-c,GPU-a".into());
         assert_eq!(from_client_env(&env), Some(daemon));
         let plain = ["GPU_DRA_GPU_UUIDS=GPU-a".to_string(), "CUDA_DEVICE_ORDER=PCI_BUS_ID".into()];
         assert_eq!(from_client_env(&plain), None, "a spec without MPS");

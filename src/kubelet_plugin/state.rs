@@ -503,7 +503,8 @@ impl DriverState {
         results
     }
 
-    /// Unprepares a batch of claims (each once): their specs removed, then one save drops their entries.
+    /// Unprepares a batch of claims (each once): their specs removed (then their MIG devices destroyed and MPS daemons
+    /// stopped), then one save drops their entries.
     fn unprepare_claims(&self, checkpoint: &mut Checkpoint, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
         let mut results = Vec::with_capacity(claims.len());
         let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
@@ -514,14 +515,12 @@ impl DriverState {
             }
             // Its MIG devices go before its entry: a crash in between leaves them listed, to be destroyed by the
             // kubelet's next unprepare (the spec is gone already: no container starts with them).
-            // Its MPS daemon goes once no container can start with the spec.
+            // Its MPS daemon goes once no container can start with the spec (asked of every claim: one whose entry
+            // lost the record, e.g. a recovered one, still has its daemon and directories stopped and removed).
             let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
                 .map_err(|e| e.to_string())
                 .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)))
-                .and_then(|()| match checkpoint.claims.get(&claim.uid).and_then(|e| e.mps.as_ref()) {
-                    Some(_) => self.mps.stop(&claim.uid).map_err(|e| e.to_string()),
-                    None => Ok(()),
-                });
+                .and_then(|()| self.mps.stop(&claim.uid).map_err(|e| e.to_string()));
             match destroyed {
                 Ok(()) => {
                     if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
@@ -778,8 +777,8 @@ impl DriverState {
     }
 
     /// Gives up preparing `todo` with `error`: its spec removed (unless a recovered entry's, which is in use), the
-    /// MIG devices made for it in this batch destroyed, its entry put back as it was, its GPUs' time slices
-    /// set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
+    /// MIG devices made for it in this batch destroyed, the MPS daemon this prepare started stopped, its entry put back
+    /// as it was, its GPUs' time slices set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
     /// retry adopts it, start-up destroys it.
     fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
         let Todo { claim, previous, asks, mps_started, made, .. } = todo;

@@ -40,6 +40,8 @@ pub enum GpuCheckError {
          nvidia-smi mig -lgi)"
     )]
     MigDeviceListing { uuid: String, what: &'static str, listed: &'static str },
+    #[error("find this program, to run it as the simulated MPS control daemon: {0}")]
+    MpsProgram(#[source] std::io::Error),
     #[error("start, ask or stop an MPS control daemon: {0} (run without --check-mps to skip)")]
     Mps(#[source] crate::node_agent::mps_control::MpsError),
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
@@ -222,17 +224,14 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
 /// its directories live in a scratch directory removed afterwards.
 fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError> {
     use crate::kubelet_plugin::mps::MpsDaemon;
-    use crate::node_agent::mps_control::{MpsDaemons, MpsError, MpsProgram};
-    let program = MpsProgram::of(&args.gpu).map_err(|source| {
-        GpuCheckError::Mps(MpsError::Spawn { program: "gpu-dra".into(), claim_uid: SAMPLE_CLAIM_UID.into(), source })
-    })?;
+    use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
+    let program = MpsProgram::of(&args.gpu).map_err(GpuCheckError::MpsProgram)?;
     let root = std::env::temp_dir().join(format!("gpu-dra-check-mps-{}", std::process::id()));
     let mut uuids: Vec<String> = claim.iter().map(|d| d.uuid().to_string()).collect();
     uuids.sort();
     let daemon = MpsDaemon { uuids, active_thread_percentage: Some(50), pinned_mib: Default::default() };
     println!(
-        "
-MPS control daemon for {} device(s), as a claim asking MPS gets one ({}):",
+        "\nMPS control daemon for {} device(s), as a claim asking MPS gets one ({}):",
         claim.len(),
         program.program.display()
     );

@@ -200,17 +200,26 @@ impl MpsDaemons {
             return wait_ready(claim_uid, &dirs, &pid, START_TIMEOUT).map(|()| false);
         }
         // Writable by all, as a container's own /dev/shm is: the claim's processes (any uid) and the MPS server they
-        // start (running as its first client's uid) write here. No one else sees these directories.
-        for dir in [&dirs.pipe, &dirs.log, &dirs.shm] {
+        // start (running as its first client's uid) write here. The claim's directory above them can be passed
+        // through but not listed (0711), so on the node only who knows the claim's UID finds them.
+        for (dir, mode) in [(&dirs.claim, 0o711), (&dirs.pipe, 0o1777), (&dirs.log, 0o1777), (&dirs.shm, 0o1777)] {
             let created = std::fs::create_dir_all(dir)
-                .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o1777)));
+                .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)));
             created.map_err(|source| MpsError::Dirs { claim_uid: claim_uid.into(), dir: dir.clone(), source })?;
         }
         // A control pipe left by a daemon that is gone would look ready.
         let _ = std::fs::remove_file(dirs.pipe.join(CONTROL_PIPE));
-        let child = spawn(&self.program, daemon, &dirs, claim_uid)?;
+        // Kept trying, a daemon that cannot even be spawned now is spawned again by its supervisor after back-off.
+        let child = match spawn(&self.program, daemon, &dirs, claim_uid) {
+            Ok(child) => Some(child),
+            Err(e) if keep_trying => {
+                warn!(claim_uid, error = %e, "spawning the MPS control daemon failed; it is tried again");
+                None
+            }
+            Err(e) => return Err(e),
+        };
         let stop = Arc::new(AtomicBool::new(false));
-        let pid = Arc::new(AtomicU32::new(child.id()));
+        let pid = Arc::new(AtomicU32::new(child.as_ref().map_or(0, Child::id)));
         let supervisor = Supervisor {
             claim_uid: claim_uid.to_string(),
             program: self.program.clone(),
@@ -333,14 +342,16 @@ struct Supervisor {
 }
 
 impl Supervisor {
-    fn run(self, first: Child) {
-        let mut child = Some(first);
+    fn run(self, first: Option<Child>) {
+        let mut child = first;
         let mut backoff = Duration::from_secs(1);
         loop {
             if let Some(mut running) = child.take() {
                 let started = Instant::now();
                 let status = running.wait();
                 self.pid.store(0, Ordering::SeqCst);
+                // MPS servers it started may outlive it in its process group: they go before a new daemon starts.
+                kill_group(running.id());
                 if self.stop.load(Ordering::SeqCst) {
                     return;
                 }
@@ -425,7 +436,8 @@ fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<Str
     }
     let mut client = command.spawn()?;
     if let Some(mut stdin) = client.stdin.take() {
-        stdin.write_all(format!("{line}\n").as_bytes())?;
+        // A client that exits before reading gets the rest of its handling below (its status and output).
+        let _ = stdin.write_all(format!("{line}\n").as_bytes());
     }
     let deadline = Instant::now() + STOP_TIMEOUT;
     let status = loop {
