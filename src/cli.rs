@@ -35,6 +35,9 @@ pub enum Command {
         /// Run as the daemon (in the foreground); without it, send standard input to the daemon.
         #[arg(short = 'f')]
         foreground: bool,
+        /// Run as the MPS server the daemon starts.
+        #[arg(long)]
+        server: bool,
     },
 }
 

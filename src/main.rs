@@ -6,8 +6,8 @@ use gpu_dra::cli::{Cli, Command};
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    if let Command::SimulatedMpsControl { foreground } = cli.command {
-        return gpu_dra::node_agent::mps_stand_in::run(foreground);
+    if let Command::SimulatedMpsControl { foreground, server } = cli.command {
+        return gpu_dra::node_agent::mps_stand_in::run(foreground, server);
     }
     // The controller mostly waits on the API server: with one thread its tasks run on this one (no scheduler
     // handing work between threads), which costs the least CPU; the node agent serves gRPC beside its loops.
@@ -35,7 +35,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             gpu_dra::node_agent::run(*args).await?
         }
         Command::GpuCheck(args) => gpu_dra::node_agent::gpu_check::run(&args)?,
-        Command::SimulatedMpsControl { foreground } => gpu_dra::node_agent::mps_stand_in::run(foreground)?,
+        Command::SimulatedMpsControl { foreground, server } => {
+            gpu_dra::node_agent::mps_stand_in::run(foreground, server)?
+        }
     }
     Ok(())
 }

@@ -20,7 +20,10 @@ use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntr
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
-use mps::{a_claim_asking_mps_gets_its_own_daemon_while_prepared, mps_settings_naming_no_device_are_refused};
+use mps::{
+    a_claim_asking_mps_gets_its_own_daemon_while_prepared, a_daemon_that_cannot_start_leaves_the_gpu_as_it_was,
+    mps_settings_naming_no_device_are_refused,
+};
 use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
@@ -48,6 +51,7 @@ fn main() {
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
+            test!(a_daemon_that_cannot_start_leaves_the_gpu_as_it_was),
         ],
     )
 }

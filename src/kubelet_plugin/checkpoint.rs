@@ -58,6 +58,11 @@ pub struct Checkpoint {
     /// interrupted by a crash is finished later. See [`super::time_slice`].
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub time_sliced: BTreeSet<String>,
+    /// Devices of this pool this agent set to the `EXCLUSIVE_PROCESS` compute mode for a claim's MPS daemon and has
+    /// not yet set back to `Default`: listed before they are set, taken off once set back, so a crash in between
+    /// leaves them to the next unprepare or start-up. See [`super::mps`].
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub exclusive_process: BTreeSet<String>,
 }
 
 /// One claim's prepare record.
@@ -122,7 +127,7 @@ pub struct PreparedDevice {
 impl Checkpoint {
     /// An empty checkpoint for the boot `boot_id`.
     pub fn new(boot_id: &str) -> Self {
-        Self { boot_id: boot_id.to_owned(), claims: BTreeMap::new(), time_sliced: BTreeSet::new() }
+        Self { boot_id: boot_id.to_owned(), ..Self::default() }
     }
 
     /// The UID of a claim (the first by UID) holding `device` of `pool` in any state, shared or not.
@@ -288,7 +293,12 @@ impl CheckpointStore {
         };
         if same_boot(&stored.boot_id, current_boot_id) {
             Ok(Loaded {
-                checkpoint: Checkpoint { claims: stored.claims, time_sliced: stored.time_sliced, ..fresh },
+                checkpoint: Checkpoint {
+                    claims: stored.claims,
+                    time_sliced: stored.time_sliced,
+                    exclusive_process: stored.exclusive_process,
+                    ..fresh
+                },
                 outcome: LoadOutcome::Loaded,
             })
         } else {

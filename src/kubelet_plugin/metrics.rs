@@ -38,6 +38,7 @@ pub struct PluginMetrics {
     pub checkpoint_corruptions: Counter,
     pub checkpoint_saves: Counter,
     pub time_slice_restore_failures: Counter,
+    pub compute_mode_restore_failures: Counter,
     pub mps_daemon_restarts: Counter,
     waiting: Family<OperationLabels, Gauge>,
     pub registered: Gauge,
@@ -57,6 +58,7 @@ impl PluginMetrics {
             checkpoint_corruptions: Counter::default(),
             checkpoint_saves: Counter::default(),
             time_slice_restore_failures: Counter::default(),
+            compute_mode_restore_failures: Counter::default(),
             mps_daemon_restarts: Counter::default(),
             waiting: Family::default(),
             registered: Gauge::default(),
@@ -85,6 +87,12 @@ impl PluginMetrics {
             "Failed attempts to set a GPU's time slice back after its claims went, or again at start-up (the next \
              unprepare or start-up tries again)",
             metrics.time_slice_restore_failures.clone(),
+        );
+        sub.register(
+            "compute_mode_restore_failures",
+            "Failed attempts to set a GPU's compute mode back to DEFAULT after its MPS daemon went, or at start-up \
+             (the next unprepare or start-up tries again)",
+            metrics.compute_mode_restore_failures.clone(),
         );
         sub.register(
             "mps_daemon_restarts",

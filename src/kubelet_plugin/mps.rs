@@ -16,12 +16,13 @@
 //!
 //! [`MpsDaemons`]: crate::node_agent::mps_control::MpsDaemons
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use super::allocation::{ClaimRef, PlannedDevice};
+use super::checkpoint::Checkpoint;
 use super::config::{MpsConfig, SharingStrategy, pinned_limit_mib};
 
 /// Where a client finds the daemon's pipes (MPS's default, so images need no configuration of their own).
@@ -177,6 +178,24 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
         }
     }
     Ok(Some(wanted))
+}
+
+/// The whole GPUs of a claim whose MPS daemon serves them, by device name: set to the `EXCLUSIVE_PROCESS` compute
+/// mode while it is prepared. A MIG device is not (the compute mode is its parent GPU's, which other claims' MIG
+/// devices share), nor one held with admin access (the daemon does not serve it).
+pub fn exclusive_gpus(planned: &[PlannedDevice]) -> BTreeSet<String> {
+    planned.iter().filter(|p| !p.admin_access && !p.device.is_mig()).map(|p| p.device.name()).collect()
+}
+
+/// The devices [`Checkpoint::exclusive_process`] lists that no claim's MPS daemon serves any more (a recovered
+/// claim's counts: its spec names its daemon): those to set back to the `Default` compute mode.
+pub fn exclusive_to_set_back(checkpoint: &Checkpoint, pool: &str) -> Vec<String> {
+    let served = |device: &str| {
+        checkpoint.holders(pool, device).any(|(uid, held)| {
+            !held.admin_access && checkpoint.claims.get(uid).is_some_and(|entry| entry.mps.is_some())
+        })
+    };
+    checkpoint.exclusive_process.iter().filter(|d| !served(d)).cloned().collect()
 }
 
 /// Each device's pinned memory limit: the default for all, then the per-device ones, whose keys are a device's UUID
@@ -341,5 +360,42 @@ mod tests {
                 Err(error) => assert!(error.contains(expected), "{error:?} lacks {expected:?}"),
             }
         }
+    }
+
+    #[test]
+    fn gpus_served_by_an_mps_daemon_are_exclusive_until_no_daemon_serves_them() {
+        use crate::kubelet_plugin::checkpoint::{ClaimEntry, PrepareState, PreparedDevice};
+        let mut looked_at = device("monitor", 2, mps(MpsConfig::default()));
+        looked_at.admin_access = true;
+        let planned = [device("gpus", 0, mps(MpsConfig::default())), looked_at];
+        assert_eq!(exclusive_gpus(&planned), BTreeSet::from(["gpu-0".to_string()]));
+
+        let entry = |devices: &[(&str, bool)], daemon: bool| ClaimEntry {
+            namespace: "ns".into(),
+            name: "c".into(),
+            state: PrepareState::PrepareCompleted,
+            devices: devices
+                .iter()
+                .map(|(device, admin_access)| PreparedDevice {
+                    request_names: vec!["gpu".into()],
+                    pool: "node-a".into(),
+                    device: device.to_string(),
+                    cdi_device_ids: Vec::new(),
+                    share_id: None,
+                    admin_access: *admin_access,
+                    time_slice: None,
+                    made_mig: None,
+                })
+                .collect(),
+            recovered: false,
+            mps: daemon.then(MpsDaemon::default),
+        };
+        let mut checkpoint = Checkpoint::new("boot");
+        checkpoint.exclusive_process = ["gpu-0", "gpu-1", "gpu-2"].map(String::from).into();
+        // gpu-0: its MPS claim holds it. gpu-1: only a claim without MPS. gpu-2: an MPS claim with admin access only.
+        checkpoint.claims.insert("mps".into(), entry(&[("gpu-0", false), ("gpu-2", true)], true));
+        checkpoint.claims.insert("plain".into(), entry(&[("gpu-1", false)], false));
+        assert_eq!(exclusive_to_set_back(&checkpoint, "node-a"), ["gpu-1", "gpu-2"]);
+        assert_eq!(exclusive_to_set_back(&checkpoint, "other-pool"), ["gpu-0", "gpu-1", "gpu-2"]);
     }
 }

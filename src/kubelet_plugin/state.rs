@@ -38,8 +38,10 @@ use super::time_slice;
 use crate::cdi::{self, CdiKind, DriverFiles};
 use crate::node_agent::device::{self, Device};
 use crate::node_agent::discovery::Discovery;
+use crate::node_agent::gpu_settings::GpuSettings;
 use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
-use crate::node_agent::time_slice_control::TimeSliceControl;
+
+mod sharing;
 
 /// A claim's outcome: its devices, or why it was refused.
 pub type ClaimResult<T> = (String, Result<T, String>);
@@ -95,8 +97,8 @@ pub struct StateConfig {
     pub mps_program: MpsProgram,
     pub driver_files: DriverFiles,
     pub boot_id: String,
-    /// Sets the time slice a claim's `GpuConfig` asks of its GPUs.
-    pub time_slices: Arc<dyn TimeSliceControl>,
+    /// Sets the time slice a claim's `GpuConfig` asks of its GPUs, and the compute mode of those an MPS daemon serves.
+    pub gpu_settings: Arc<dyn GpuSettings>,
     /// Makes and destroys the MIG devices of dynamic MIG partitions ([`super::partitions`]).
     pub mig_control: Arc<dyn Discovery>,
 }
@@ -110,7 +112,7 @@ pub struct DriverState {
     cdi_kind: CdiKind,
     cdi_dir: PathBuf,
     driver_files: DriverFiles,
-    time_slices: Arc<dyn TimeSliceControl>,
+    gpu_settings: Arc<dyn GpuSettings>,
     mig_control: Arc<dyn Discovery>,
     /// The MPS control daemons of prepared claims that asked MPS ([`super::mps`]).
     mps: MpsDaemons,
@@ -160,7 +162,7 @@ impl DriverState {
             cdi_kind,
             cdi_dir: config.cdi_dir,
             driver_files: config.driver_files,
-            time_slices: config.time_slices,
+            gpu_settings: config.gpu_settings,
             mig_control: config.mig_control,
             mps: MpsDaemons::new(config.mps_program, config.mps_dir, metrics.mps_daemon_restarts.clone()),
             store,
@@ -340,6 +342,7 @@ impl DriverState {
         let mut results = Vec::with_capacity(reads.len());
         let mut todo: Vec<Todo> = Vec::new();
         let mut newly_listed = Vec::new();
+        let mut newly_exclusive = Vec::new();
         for (claim, plan) in reads {
             let planned = match plan {
                 Plan::Done(devices) => {
@@ -389,6 +392,12 @@ impl DriverState {
                     newly_listed.push(device.clone());
                 }
             }
+            let exclusive = if mps.is_some() { mps::exclusive_gpus(&planned) } else { BTreeSet::new() };
+            for device in &exclusive {
+                if checkpoint.exclusive_process.insert(device.clone()) {
+                    newly_exclusive.push(device.clone());
+                }
+            }
             let mut entry = ClaimEntry {
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
@@ -430,6 +439,7 @@ impl DriverState {
                 asks,
                 mps,
                 mps_started: false,
+                exclusive,
                 making,
                 made: Vec::new(),
             });
@@ -441,6 +451,9 @@ impl DriverState {
             // Nothing was changed: GPUs listed for this batch only are not to be set back by anyone.
             for device in newly_listed {
                 checkpoint.time_sliced.remove(&device);
+            }
+            for device in newly_exclusive {
+                checkpoint.exclusive_process.remove(&device);
             }
             for Todo { claim, previous, .. } in todo {
                 restore(checkpoint, &claim.uid, previous);
@@ -540,14 +553,11 @@ impl DriverState {
         if saved.is_ok() {
             // After the save, the GPUs still listed: a crash or failure here leaves them for the next try. Every
             // listed GPU nobody asks for any more, so a set-back that failed earlier is tried again.
-            let idle = time_slice::to_set_back(checkpoint, &self.pool);
-            let before = checkpoint.time_sliced.len();
-            self.reset_time_slices(checkpoint, &idle.into_iter().collect());
-            if checkpoint.time_sliced.len() != before
+            if self.reset_idle_gpus(checkpoint)
                 && let Err(e) = self.save(checkpoint)
             {
                 // Still listed on disk: the next save, or start-up, records it (setting Default again is harmless).
-                warn!(error = %e, "recording GPUs set back to the default time slice failed");
+                warn!(error = %e, "recording GPUs set back to their default time slice and compute mode failed");
             }
         }
         for (claim, entry) in removed {
@@ -565,69 +575,6 @@ impl DriverState {
         }
         self.update_gauges(checkpoint);
         results
-    }
-
-    /// Sets the intervals `claim` asks of its GPUs, except where a completed claim already had the same set (one
-    /// earlier in this batch counts: its entry is completed before the next claim's GPUs are set).
-    fn set_time_slices(
-        &self,
-        checkpoint: &Checkpoint,
-        claim: &ClaimRef,
-        devices: &[Device],
-        asks: &BTreeMap<String, TimeSliceInterval>,
-    ) -> Result<(), String> {
-        for (device, interval) in asks {
-            if time_slice::already_set(checkpoint, &self.pool, &claim.uid, device, *interval) {
-                continue;
-            }
-            let Some(gpu) = devices.iter().find(|d| d.name() == *device).map(|d| &d.gpu) else { continue };
-            self.time_slices.set(gpu, *interval).map_err(|e| {
-                format!(
-                    "claim {claim}: set the time slice of device {device:?} (GPU {}) to {interval:?}: {e}",
-                    gpu.uuid
-                )
-            })?;
-            info!(claim = %claim, uid = %claim.uid, device, ?interval, "set the GPU's time slice");
-        }
-        Ok(())
-    }
-
-    /// Sets each device of `devices` that is in [`Checkpoint::time_sliced`] to what its holders ask now, taking it
-    /// off the list (in memory: the next save records it) once it is back at `Default`. A GPU a recovered entry
-    /// holds is left as it is (what that claim asked is unknown). A GPU gone from the node, or a failed set, stays
-    /// listed (the next unprepare or start-up tries again) and is warned about.
-    fn reset_time_slices(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) {
-        let inventory = self.inventory.borrow().clone();
-        let listed: Vec<&String> = devices
-            .iter()
-            .filter(|d| checkpoint.time_sliced.contains(*d))
-            .filter(|d| !time_slice::held_by_recovered(checkpoint, &self.pool, d))
-            .collect();
-        for device in listed {
-            if device::is_mig_device_name(device) || inventory.get(device).is_some_and(Device::is_mig) {
-                // Never set for a MIG device (a checkpoint of an older agent may list one): nothing to set back.
-                checkpoint.time_sliced.remove(device);
-                continue;
-            }
-            let wanted = time_slice::wanted(checkpoint, &self.pool, device);
-            let Some(gpu) = inventory.get(device).map(|d| &d.gpu) else {
-                warn!(device, "a time-sliced GPU is gone from this node; its time slice is set when it is back");
-                continue;
-            };
-            match self.time_slices.set(gpu, wanted) {
-                Ok(()) => {
-                    info!(device, interval = ?wanted, "set the GPU's time slice to what its claims ask");
-                    if wanted == TimeSliceInterval::Default {
-                        checkpoint.time_sliced.remove(device);
-                    }
-                }
-                Err(e) => {
-                    self.metrics.time_slice_restore_failures.inc();
-                    warn!(device, interval = ?wanted, error = %e, "setting the GPU's time slice failed; the next \
-                        unprepare or start-up tries again");
-                }
-            }
-        }
     }
 
     /// The answer for each planned device: CDI id, base request name, pool and device.
@@ -670,6 +617,10 @@ impl DriverState {
             // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
             // device never is (its parent's time slice is not changed for it).
             let whole = entry.devices.iter().map(|d| d.device.clone()).filter(|d| !device::is_mig_device_name(d));
+            if entry.mps.is_some() {
+                // So may their compute mode, for its MPS daemon.
+                checkpoint.exclusive_process.extend(whole.clone());
+            }
             checkpoint.time_sliced.extend(whole);
             checkpoint.claims.insert(uid.clone(), entry);
         }
@@ -726,6 +677,7 @@ impl DriverState {
         }
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
+        self.reapply_compute_modes(&mut checkpoint);
         // Daemons of prepared claims started again; those of claims no longer prepared (or half prepared) stopped
         // and their directories removed.
         let daemons: BTreeMap<String, MpsDaemon> = checkpoint
@@ -781,7 +733,7 @@ impl DriverState {
     /// as it was, its GPUs' time slices set back. A MIG device that cannot be destroyed keeps the entry, as started, recording it: the kubelet's
     /// retry adopts it, start-up destroys it.
     fn abandon(&self, checkpoint: &mut Checkpoint, todo: Todo, error: String) -> ClaimResult<Vec<PreparedDevice>> {
-        let Todo { claim, previous, asks, mps_started, made, .. } = todo;
+        let Todo { claim, previous, asks, mps_started, exclusive, made, .. } = todo;
         warn!(claim = %claim, uid = %claim.uid, error = %error, "preparing the claim's GPUs failed");
         // Only a daemon this prepare started: one that ran already serves the claim as prepared before.
         if mps_started && let Err(e) = self.mps.stop(&claim.uid) {
@@ -815,6 +767,7 @@ impl DriverState {
         }
         // A GPU set for this claim before a later step failed goes back to what its holders ask.
         self.reset_time_slices(checkpoint, &asks.into_keys().collect());
+        self.reset_compute_modes(checkpoint, &exclusive);
         (claim.uid, Err(error))
     }
 
@@ -827,24 +780,6 @@ impl DriverState {
             }
         }
         Ok(())
-    }
-
-    /// Kills every MPS daemon (the agent is stopping); their directories stay for the next start-up.
-    pub fn stop_mps_daemons(&self) {
-        self.mps.kill_all();
-    }
-
-    /// Starts the claim's MPS daemon, if it asks for one (noting whether this prepare started it); the edits its
-    /// containers get to be the daemon's clients.
-    fn start_mps(&self, todo: &mut Todo) -> Result<cdi::ClaimEdits, String> {
-        let Some(daemon) = &todo.mps else { return Ok(cdi::ClaimEdits::default()) };
-        todo.mps_started = self.mps.start(&todo.claim.uid, daemon).map_err(|e| e.to_string())?;
-        Ok(self.mps_edits(&todo.claim.uid, daemon))
-    }
-
-    fn mps_edits(&self, uid: &str, daemon: &MpsDaemon) -> cdi::ClaimEdits {
-        let (env, mounts) = daemon.client_edits(&self.mps.dirs(uid));
-        cdi::ClaimEdits { env, mounts }
     }
 
     fn write_spec(&self, uid: &str, devices: &[Device], edits: &cdi::ClaimEdits) -> Result<(), cdi::CdiError> {
@@ -887,6 +822,8 @@ struct Todo {
     /// The MPS daemon it asks for, and whether this prepare started it.
     mps: Option<MpsDaemon>,
     mps_started: bool,
+    /// The whole GPUs its MPS daemon serves, by device name: set to `EXCLUSIVE_PROCESS` before it starts.
+    exclusive: BTreeSet<String>,
     /// How it gets each dynamic MIG partition it was allocated, by device name: made, adopted from its own earlier
     /// prepare (the entry it replaces records it), or only looked at (admin access).
     making: BTreeMap<String, partitions::Making>,

@@ -1,6 +1,6 @@
 //! Time-slicing applied, decided without I/O: which interval each GPU of a claim is to be set to, which claim a
 //! different ask conflicts with, and what a GPU is set back to when its claims go. [`super::state`] applies these
-//! through a [`TimeSliceControl`] (`nvidia-smi compute-policy` on real GPUs, a state file for simulated ones).
+//! through [`GpuSettings`] (`nvidia-smi compute-policy` on real GPUs, a state file for simulated ones).
 //!
 //! A GPU has one compute time slice, whoever holds it, so:
 //! - a claim whose `GpuConfig` asks `sharing.strategy: TimeSlicing` has its GPUs set to the interval it asks
@@ -16,7 +16,7 @@
 //! - a claim adopted from a CDI spec after a corrupt checkpoint (a recovered entry) may have asked anything: its GPUs
 //!   are listed and left as they are until it is unprepared.
 //!
-//! [`TimeSliceControl`]: crate::node_agent::time_slice_control::TimeSliceControl
+//! [`GpuSettings`]: crate::node_agent::gpu_settings::GpuSettings
 
 use std::collections::BTreeMap;
 

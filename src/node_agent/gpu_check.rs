@@ -31,8 +31,8 @@ pub enum GpuCheckError {
     Cdi(#[from] cdi::CdiError),
     #[error("load the written CDI spec {path} back with the CDI crate: {reason}")]
     LoadSpec { path: String, reason: String },
-    #[error("set the GPU's time slice: {0} (run without --check-time-slice to skip)")]
-    TimeSlice(#[source] crate::node_agent::time_slice_control::TimeSliceError),
+    #[error("change a GPU's setting: {0} (run without --check-time-slice and --check-mps to skip)")]
+    GpuSetting(#[source] crate::node_agent::gpu_settings::GpuSettingError),
     #[error("make or destroy a MIG device: {0} (run without --check-mig-device to skip)")]
     MigDevice(#[source] discovery::MigControlError),
     #[error(
@@ -199,7 +199,7 @@ fn profile_line(profile: &mig::Profile) -> String {
 /// outcome; a failure fails the check (after the attempt to set it back).
 fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError> {
     use crate::kubelet_plugin::config::TimeSliceInterval;
-    use crate::node_agent::time_slice_control::{NvidiaSmi, TimeSliceControl};
+    use crate::node_agent::gpu_settings::{GpuSettings, NvidiaSmi};
     if args.gpu.gpu_backend == GpuBackend::Simulated {
         println!("\nTime slice: simulated GPUs keep theirs in <state-dir>/simulated-time-slices.json (see the README)");
         return Ok(());
@@ -208,7 +208,7 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
     println!("\nTime slice of {} ({}), as a claim asking TimeSlicing would set it:", gpu.device_name(), gpu.uuid);
     let mut first_failure = None;
     for interval in [TimeSliceInterval::Long, TimeSliceInterval::Default] {
-        match control.set(gpu, interval) {
+        match control.set_time_slice(gpu, interval) {
             Ok(()) => println!("  set to {interval:?}: ok"),
             Err(e) => {
                 println!("  set to {interval:?}: FAILED: {e}");
@@ -216,14 +216,16 @@ fn check_time_slice(args: &GpuCheckArgs, gpu: &Gpu) -> Result<(), GpuCheckError>
             }
         }
     }
-    first_failure.map_or(Ok(()), |e| Err(GpuCheckError::TimeSlice(e)))
+    first_failure.map_or(Ok(()), |e| Err(GpuCheckError::GpuSetting(e)))
 }
 
 /// Starts the MPS control daemon the sample claim would get if it asked `sharing.strategy: MPS` (half of each GPU's
-/// threads), asks it for its servers through its control pipe as a client would, and stops it, printing each step;
-/// its directories live in a scratch directory removed afterwards.
+/// threads), its whole GPUs set to `EXCLUSIVE_PROCESS` first, asks it for its servers through its control pipe as a
+/// client would, and stops it, setting the GPUs back to `DEFAULT`, printing each step; its directories live in a
+/// scratch directory removed afterwards.
 fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError> {
     use crate::kubelet_plugin::mps::MpsDaemon;
+    use crate::node_agent::gpu_settings::{ComputeMode, GpuSettings, NvidiaSmi};
     use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
     let program = MpsProgram::of(&args.gpu).map_err(GpuCheckError::MpsProgram)?;
     let root = std::env::temp_dir().join(format!("gpu-dra-check-mps-{}", std::process::id()));
@@ -235,6 +237,24 @@ fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError>
         claim.len(),
         program.program.display()
     );
+    // Its whole GPUs in EXCLUSIVE_PROCESS while it runs, as a prepare sets them (simulated GPUs keep theirs in a
+    // state file of the agent's, not checked here).
+    let exclusive: Vec<&Device> = claim.iter().filter(|d| !d.is_mig()).collect();
+    let settings = (args.gpu.gpu_backend == GpuBackend::Nvml).then(|| NvidiaSmi::of(&args.gpu));
+    let mut first_failure = None;
+    let mut set_all = |mode: ComputeMode| {
+        let Some(settings) = &settings else { return };
+        for device in &exclusive {
+            match settings.set_compute_mode(&device.gpu, mode) {
+                Ok(()) => println!("  compute mode of {} set to {}: ok", device.name(), mode.nvidia_smi_name()),
+                Err(e) => {
+                    println!("  compute mode of {} set to {}: FAILED: {e}", device.name(), mode.nvidia_smi_name());
+                    first_failure = first_failure.take().or(Some(e));
+                }
+            }
+        }
+    };
+    set_all(ComputeMode::ExclusiveProcess);
     let daemons = MpsDaemons::new(program, root.clone(), prometheus_client::metrics::counter::Counter::default());
     let result = daemons.start(SAMPLE_CLAIM_UID, &daemon).and_then(|_| {
         println!(
@@ -248,9 +268,10 @@ fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError>
     });
     let stopped = daemons.stop(SAMPLE_CLAIM_UID);
     let _ = std::fs::remove_dir_all(&root);
+    set_all(ComputeMode::Default);
     result.and(stopped).map_err(GpuCheckError::Mps)?;
     println!("  stopped (quit), directories removed");
-    Ok(())
+    first_failure.map_or(Ok(()), |e| Err(GpuCheckError::GpuSetting(e)))
 }
 
 /// Makes a MIG device of the smallest profile (`1g`) at the lowest free placement of the first GPU in MIG mode with

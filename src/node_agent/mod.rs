@@ -16,6 +16,7 @@ pub mod discovery;
 pub mod driver_tool;
 pub mod gpu;
 pub mod gpu_check;
+pub mod gpu_settings;
 pub mod health;
 pub mod mig;
 pub mod mps_control;
@@ -23,7 +24,6 @@ pub mod mps_stand_in;
 mod mps_sys;
 mod plugin;
 pub mod slices;
-pub mod time_slice_control;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -104,7 +104,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         driver_root: gpu.driver_root_to_read().map(std::path::Path::to_path_buf),
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
         host_driver_root: args.host_driver_root.clone(),
-        time_slices: time_slice_control::backend(gpu, &args.state_dir, &boot_id),
+        gpu_settings: gpu_settings::backend(gpu, &args.state_dir, &boot_id),
         mig_control: discovery.clone(),
         boot_id,
     };

@@ -9,7 +9,9 @@
 //!   clients share memory without anything being mounted on the node (the agent needs `CAP_SYS_ADMIN`: the chart's
 //!   privileged agent has it). Put the root on a tmpfs (the default is under `/run`).
 //! - **Supervised**: a daemon that exits while its claim is prepared is started again (1 s back-off, doubling to
-//!   30 s), counted in `gpu_dra_kubelet_plugin_mps_daemon_restarts_total`.
+//!   30 s), counted in `gpu_dra_kubelet_plugin_mps_daemon_restarts_total`. The MPS servers it started, left in its
+//!   process group, are killed first and reaped: the agent is their reaper (as its container's PID 1, and made one
+//!   where it is not), so none stays a zombie.
 //! - **Stopped** at unprepare: `quit` through its control pipe, as NVIDIA documents, then killed after
 //!   [`STOP_TIMEOUT`]; then its directories are removed.
 //! - **Across agent restarts**: a daemon is the agent's child, so a restarted agent's container took it down (the
@@ -47,6 +49,8 @@ pub const CONTROL_PIPE: &str = "control";
 /// The daemon's pid and start time, in the claim's directory: start-up stops a daemon a previous agent left.
 const PID_FILE: &str = "daemon.pid";
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// How long a dead daemon's killed servers have to die and be reaped before its supervisor goes on.
+const REAP_WITHIN: Duration = Duration::from_secs(2);
 
 /// Why a claim's daemon could not be started or stopped; the prepare or unprepare fails with it and the kubelet
 /// retries.
@@ -159,7 +163,11 @@ impl std::fmt::Debug for MpsDaemons {
 
 impl MpsDaemons {
     /// Daemons of `program`, their directories under `root`; each restart of one counts in `restarts`.
+    /// The agent becomes the reaper of its daemons' orphans (see [`mps_sys::become_subreaper`]).
     pub fn new(program: MpsProgram, root: PathBuf, restarts: Counter) -> Self {
+        if let Err(e) = mps_sys::become_subreaper() {
+            warn!(error = %e, "becoming the reaper of MPS servers failed; a dead daemon's servers go to init");
+        }
         Self { program, root, restarts, running: Mutex::default() }
     }
 
@@ -350,8 +358,13 @@ impl Supervisor {
                 let started = Instant::now();
                 let status = running.wait();
                 self.pid.store(0, Ordering::SeqCst);
-                // MPS servers it started may outlive it in its process group: they go before a new daemon starts.
+                // MPS servers it started may outlive it in its process group: they go before a new daemon starts,
+                // and are reaped (they were handed to the agent, its reaper).
                 kill_group(running.id());
+                let reaped = mps_sys::reap_group(running.id(), REAP_WITHIN);
+                if reaped > 0 {
+                    info!(claim_uid = %self.claim_uid, reaped, "reaped the MPS servers the daemon left");
+                }
                 if self.stop.load(Ordering::SeqCst) {
                     return;
                 }

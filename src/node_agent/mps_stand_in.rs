@@ -4,12 +4,15 @@
 //!
 //! With `-f` it is the daemon: it creates the control pipe (`$CUDA_MPS_PIPE_DIRECTORY/control`, a Unix socket),
 //! writes `control.log` under `$CUDA_MPS_LOG_DIRECTORY` with the devices and limits it was given, leaves a file in
-//! the `/dev/shm` it sees (so a test can tell that it is the claim's) and serves until a client sends `quit`.
+//! the `/dev/shm` it sees (so a test can tell that it is the claim's), starts its server (`--server`, logged as
+//! `server pid=…`; the real daemon starts `nvidia-cuda-mps-server` for its first client) and serves until a client
+//! sends `quit`, when it stops its server and exits. A daemon killed leaves its server behind, as the real one does.
 //! Without `-f` it is the client: it sends its standard input to the daemon, as `echo quit | nvidia-cuda-mps-control`.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
+use std::process::{Command, Stdio};
 
 use anyhow::Context as _;
 
@@ -18,7 +21,13 @@ use super::mps_control::CONTROL_PIPE;
 /// The file the daemon leaves in its `/dev/shm`, holding its pid.
 pub const SHM_MARKER: &str = "gpu-dra-mps-stand-in";
 
-pub fn run(foreground: bool) -> anyhow::Result<()> {
+pub fn run(foreground: bool, server: bool) -> anyhow::Result<()> {
+    if server {
+        // Serves until killed: with its daemon on `quit`, or by the agent with the daemon's process group.
+        loop {
+            std::thread::park();
+        }
+    }
     let pipe =
         PathBuf::from(std::env::var_os("CUDA_MPS_PIPE_DIRECTORY").context("CUDA_MPS_PIPE_DIRECTORY is not set")?);
     if foreground { daemon(pipe) } else { client(pipe) }
@@ -39,12 +48,20 @@ fn daemon(pipe: PathBuf) -> anyhow::Result<()> {
         env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
     )?;
+    let mut server = Command::new(std::env::current_exe()?)
+        .args(["simulated-mps-control", "--server"])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("start the MPS server")?;
+    writeln!(log, "server pid={}", server.id())?;
     for connection in listener.incoming() {
         let Ok(connection) = connection else { continue };
         for line in BufReader::new(connection).lines() {
             let command = line.unwrap_or_default();
             writeln!(log, "command {command}")?;
             if command.trim() == "quit" {
+                let _ = server.kill();
+                let _ = server.wait();
                 let _ = std::fs::remove_file(pipe.join(CONTROL_PIPE));
                 writeln!(log, "quit pid={pid}")?;
                 return Ok(());

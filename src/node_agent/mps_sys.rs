@@ -1,6 +1,6 @@
 //! The system calls an MPS daemon's supervision needs and the standard library lacks: a child's own mount
-//! namespace with a directory at `/dev/shm`, and a kill of a daemon's process group. `unsafe` is kept here (and in
-//! the NVML MIG calls).
+//! namespace with a directory at `/dev/shm`, a kill of a daemon's process group, and reaping the MPS servers a
+//! dead daemon leaves to the agent. `unsafe` is kept here (and in the NVML MIG calls).
 
 #![allow(unsafe_code)]
 
@@ -8,6 +8,7 @@ use std::ffi::{CStr, CString};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 /// Makes `command`'s process run in a private mount namespace with `shm` bind-mounted at `/dev/shm` (needs
 /// `CAP_SYS_ADMIN`; the spawn fails with the system call's error otherwise).
@@ -43,5 +44,41 @@ pub(super) fn kill_group(pid: u32) {
         unsafe {
             libc::kill(-pid, libc::SIGKILL);
         }
+    }
+}
+
+/// Makes this process the reaper of its descendants' orphans (`PR_SET_CHILD_SUBREAPER`), as it is anyway as its
+/// container's PID 1: the MPS servers of a daemon that died come to the agent wherever it runs, and
+/// [`reap_group`] collects them, instead of some runs leaving them to the node's init and others keeping them as
+/// zombies.
+pub(super) fn become_subreaper() -> std::io::Result<()> {
+    // SAFETY: a plain system call with integer arguments.
+    let result = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1 as libc::c_ulong, 0, 0, 0) };
+    if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+/// Reaps the exited children of this process in process group `pgid` (a dead daemon's MPS servers, handed to the
+/// agent as their reaper and killed with [`kill_group`]), waiting at most `within` for the group to empty; answers
+/// how many were reaped. Only that group is waited for: the agent's other children stay theirs to wait on.
+pub(super) fn reap_group(pgid: u32, within: Duration) -> usize {
+    let Ok(pgid) = i32::try_from(pgid) else { return 0 };
+    if pgid <= 0 {
+        return 0;
+    }
+    let deadline = Instant::now() + within;
+    let mut reaped = 0;
+    loop {
+        let mut status = 0;
+        // SAFETY: a plain system call writing to a local.
+        let pid = unsafe { libc::waitpid(-pgid, &mut status, libc::WNOHANG) };
+        if pid > 0 {
+            reaped += 1;
+            continue;
+        }
+        // -1: no child left in the group (ECHILD); 0: some still run (killed, not yet dead).
+        if pid < 0 || Instant::now() >= deadline {
+            return reaped;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }

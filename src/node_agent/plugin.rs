@@ -19,7 +19,7 @@ use crate::kubelet_plugin::health::{HealthReport, HealthService};
 use crate::kubelet_plugin::metrics::PluginMetrics;
 use crate::kubelet_plugin::state::{DriverState, Recovery, StateConfig};
 use crate::kubelet_plugin::{self, SocketPaths};
-use crate::node_agent::time_slice_control::TimeSliceControl;
+use crate::node_agent::gpu_settings::GpuSettings;
 use crate::telemetry::server::Liveness;
 
 /// Everything the plugin needs that does not change while the agent runs.
@@ -42,7 +42,7 @@ pub(super) struct PluginSettings {
     pub(super) host_driver_root: Option<PathBuf>,
     pub(super) boot_id: String,
     /// Sets the time slices claims ask of their GPUs.
-    pub(super) time_slices: Arc<dyn TimeSliceControl>,
+    pub(super) gpu_settings: Arc<dyn GpuSettings>,
     /// Makes and destroys the MIG devices of dynamic MIG: the agent's discovery backend.
     pub(super) mig_control: Arc<dyn crate::node_agent::discovery::Discovery>,
 }
@@ -70,7 +70,7 @@ pub(super) async fn start(
         mps_program: settings.mps_program.clone(),
         driver_files,
         boot_id: settings.boot_id.clone(),
-        time_slices: settings.time_slices.clone(),
+        gpu_settings: settings.gpu_settings.clone(),
         mig_control: settings.mig_control.clone(),
     };
     let (state, recovery) =

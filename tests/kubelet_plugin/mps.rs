@@ -1,10 +1,12 @@
 //! MPS applied: a claim asking `sharing.strategy: MPS` gets an MPS control daemon of its own while it is prepared
 //! (the simulated backend's stand-in, started, supervised and stopped exactly as `nvidia-cuda-mps-control -f`),
 //! with the claim's GPUs and limits; its containers get the daemon's pipe directory, shared memory and limits
-//! through the CDI spec. A daemon that dies is started again, one an agent restart leaves behind is replaced, a claim
-//! adopted from its spec after a corrupt checkpoint gets its daemon back, and unprepare stops it and removes its
-//! directories.
+//! through the CDI spec. A daemon that dies is started again (its orphaned server killed and reaped), one an agent
+//! restart leaves behind is replaced, a claim adopted from its spec after a corrupt checkpoint gets its daemon back,
+//! and unprepare stops it and its server and removes its directories. The GPUs a daemon serves are in the
+//! `EXCLUSIVE_PROCESS` compute mode while it runs (set again at start-up, set back when it goes or fails to start).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -26,6 +28,23 @@ fn nvidia_mps(mps_config: Value) -> Value {
 fn started_pids(claim: &Path) -> Vec<u32> {
     let log = std::fs::read_to_string(claim.join("log/control.log")).unwrap_or_default();
     log.lines().filter_map(|line| line.strip_prefix("started pid=")?.split_whitespace().next()?.parse().ok()).collect()
+}
+
+/// The pids of the servers the claim's daemons started, in order.
+fn server_pids(claim: &Path) -> Vec<u32> {
+    let log = std::fs::read_to_string(claim.join("log/control.log")).unwrap_or_default();
+    log.lines().filter_map(|line| line.strip_prefix("server pid=")?.trim().parse().ok()).collect()
+}
+
+/// Waits until `pid` is gone from the process table: dead and reaped, not left a zombie.
+async fn reaped(what: &str, pid: u32) -> anyhow::Result<()> {
+    let gone = wait::until(what, Duration::from_secs(10), || async {
+        Ok((!Path::new(&format!("/proc/{pid}")).exists()).then_some(()))
+    })
+    .await;
+    let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    ensure!(gone.is_ok(), "{what}: process {pid} is still in the process table: {state}");
+    Ok(())
 }
 
 /// Whether `pid` runs (a zombie does not).
@@ -69,6 +88,10 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
         daemon.uuids.join(",")
     );
     ensure!(log.contains(&expected), "control.log {log:?} lacks {expected:?}");
+    // Its GPUs are in EXCLUSIVE_PROCESS compute mode: only its MPS server makes CUDA contexts on them.
+    let exclusive = BTreeMap::from([("gpu-0", "ExclusiveProcess"), ("gpu-1", "ExclusiveProcess")]);
+    let exclusive: BTreeMap<String, String> = exclusive.into_iter().map(|(d, m)| (d.into(), m.into())).collect();
+    ensure!(dirs.compute_modes()? == exclusive, "compute modes while prepared: {:?}", dirs.compute_modes()?);
     // Its /dev/shm is the claim's shm directory, which the containers get at /dev/shm.
     let marker = std::fs::read_to_string(claim_dir.join("shm/gpu-dra-mps-stand-in"))?;
     ensure!(marker == first.to_string(), "the daemon's /dev/shm is not the claim's: {marker:?}");
@@ -98,18 +121,25 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
         );
     }
 
-    // The daemon dies: it is started again and counted.
+    // The daemon dies, leaving its server: the server is killed and reaped (the agent is its reaper, as its
+    // container's PID 1 is), and the daemon is started again and counted.
+    let first_server = *server_pids(&claim_dir).first().context("the daemon started no server")?;
+    ensure!(alive(first_server), "server {first_server} does not run");
     std::process::Command::new("kill").args(["-9", &first.to_string()]).status()?;
     let second = next_daemon(&claim_dir, 1).await?;
     ensure!(second != first && !alive(first), "daemon {first} was not replaced: {:?}", started_pids(&claim_dir));
+    reaped("the dead daemon's server to be killed and reaped", first_server).await?;
     let restarts = agent.metric("gpu_dra_kubelet_plugin_mps_daemon_restarts_total", &[]).await?;
     ensure!(restarts == 1.0, "restarts counted: {restarts}");
 
-    // The agent is killed; its daemon outlives it here (no container took it down). The next agent replaces it.
+    // The agent is killed; its daemon outlives it here (no container took it down). The next agent replaces it,
+    // and sets the compute mode again where it was lost (a driver reloaded without a reboot).
     agent.kill()?;
     ensure!(alive(second), "the daemon went with the agent process");
+    std::fs::write(dirs.state().join("simulated-compute-modes.json"), "{}")?;
     let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     let third = next_daemon(&claim_dir, 2).await?;
+    ensure!(dirs.compute_modes()? == exclusive, "compute modes after a restart: {:?}", dirs.compute_modes()?);
     ensure!(!alive(second), "the daemon the killed agent left still runs beside {third}");
     let again = Kubelet::register(&dirs).await?.prepare(&claims).await?;
     ensure!(again.values().all(|a| a.error.is_empty()), "a repeated prepare: {again:?}");
@@ -131,12 +161,17 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     let log = std::fs::read_to_string(claim_dir.join("log/control.log"))?;
     ensure!(log.contains(&format!("started pid={fourth} devices={}", daemon.uuids.join(","))), "{log}");
 
-    // Unprepare: the daemon is told to quit, and its directories go.
+    // Unprepare: the daemon is told to quit (and stops its server), and its directories go.
+    let fourth_server = *server_pids(&claim_dir).last().context("no server")?;
     let mut kubelet = Kubelet::register(&dirs).await?;
     let unprepared = kubelet.unprepare(&claims).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(!alive(fourth), "daemon {fourth} still runs after unprepare");
+    reaped("the quit daemon's server to go", fourth_server).await?;
     ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
+    ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
+    let listed = checkpoint(&dirs, "boot-1")?.exclusive_process;
+    ensure!(listed.is_empty(), "the checkpoint still lists {listed:?} as set to EXCLUSIVE_PROCESS");
     Ok(())
 }
 
@@ -158,5 +193,35 @@ pub(super) async fn mps_settings_naming_no_device_are_refused(ctx: TestContext) 
     );
     ensure!(!dirs.mps().join(&uid).exists() && !dirs.cdi_spec(&uid).exists(), "a refused claim left files");
     ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&uid), "a refused claim is recorded");
+    Ok(())
+}
+
+/// A daemon that cannot be started (its claim's directory cannot be made) fails the prepare with the reason, and the
+/// GPU set to EXCLUSIVE_PROCESS for it is set back; the kubelet's retry, once the fault is gone, prepares it.
+pub(super) async fn a_daemon_that_cannot_start_leaves_the_gpu_as_it_was(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let uid = allocated_claim(&ctx, "blocked", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
+    let claims = [(ns, "blocked", uid.as_str())];
+    std::fs::create_dir_all(dirs.mps())?;
+    std::fs::write(dirs.mps().join(&uid), "in the way")?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&claims).await?;
+    let error = &answers.get(&uid).context("no answer")?.error;
+    ensure!(error.contains("create the MPS directories of claim"), "{error:?}");
+    ensure!(dirs.compute_modes()?.is_empty(), "compute modes after a failed prepare: {:?}", dirs.compute_modes()?);
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    ensure!(recorded.exclusive_process.is_empty() && !recorded.claims.contains_key(&uid), "{recorded:?}");
+
+    std::fs::remove_file(dirs.mps().join(&uid))?;
+    let answers = kubelet.prepare(&claims).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "the retry: {answers:?}");
+    ensure!(dirs.compute_modes()?.get("gpu-0").map(String::as_str) == Some("ExclusiveProcess"), "after the retry");
+    let unprepared = kubelet.unprepare(&claims).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! MPS on the real node: a pod whose two containers (one of them not root) share a claim asking
 //! `sharing.strategy: MPS` are both clients of the claim's MPS control daemon through containerd's CDI support —
 //! the daemon's pipe directory at `/tmp/nvidia-mps`, its shared memory at `/dev/shm` (the same one for both
-//! containers and the daemon), the limits in their environment — and deleting the pod stops the daemon and removes
-//! its directories. The GPUs are simulated and so is the daemon (the agent's stand-in, run in the agent's container
+//! containers and the daemon), the limits in their environment — with its GPU in EXCLUSIVE_PROCESS compute mode. A
+//! daemon that dies is started again, the server it left killed and reaped by the agent (its container's PID 1),
+//! and deleting the pod stops the daemon, removes its directories and sets the GPU back to DEFAULT. The GPUs are simulated and so is the daemon (the agent's stand-in, run in the agent's container
 //! exactly as `nvidia-cuda-mps-control -f` would be); the agent runs privileged, as MPS needs.
 
 use std::path::{Path, PathBuf};
@@ -31,6 +32,16 @@ pub(super) async fn containers_of_a_pod_are_clients_of_their_claims_mps_daemon(c
 
 /// Host processes that are the daemon of the claim whose pipe directory is `pipe`.
 fn daemons_serving(pipe: &Path) -> Vec<u32> {
+    processes_of(pipe, |cmdline| cmdline.contains("-f"))
+}
+
+/// Host processes that are the MPS server of that daemon (the stand-in's, started by it).
+fn servers_of(pipe: &Path) -> Vec<u32> {
+    processes_of(pipe, |cmdline| cmdline.contains("--server"))
+}
+
+/// Host processes of the stand-in whose command line passes `which`, with `pipe` as their pipe directory.
+fn processes_of(pipe: &Path, which: impl Fn(&str) -> bool) -> Vec<u32> {
     let wanted = format!("CUDA_MPS_PIPE_DIRECTORY={}", pipe.display());
     let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
     entries
@@ -41,7 +52,7 @@ fn daemons_serving(pipe: &Path) -> Vec<u32> {
             let cmdline = String::from_utf8_lossy(&read("cmdline")).into_owned();
             let environ = read("environ");
             cmdline.contains("simulated-mps-control")
-                && cmdline.contains("-f")
+                && which(&cmdline)
                 && environ.split(|b| *b == 0).any(|entry| entry == wanted.as_bytes())
         })
         .collect()
@@ -107,14 +118,46 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     }
     let claim_dir = mps_dir.join(&uid);
     ensure!(claim_dir.join("shm/from-b").exists(), "the containers' /dev/shm is not {}", claim_dir.display());
-    let daemons = daemons_serving(&claim_dir.join("pipe"));
+    let pipe = claim_dir.join("pipe");
+    let daemons = daemons_serving(&pipe);
     ensure!(daemons.len() == 1, "daemons serving the claim: {daemons:?}");
+    // Its GPU is in EXCLUSIVE_PROCESS compute mode while the daemon serves it.
+    let compute_modes = node.agent_state_dir()?.join("simulated-compute-modes.json");
+    let modes = || std::fs::read_to_string(&compute_modes).unwrap_or_default().split_whitespace().collect::<String>();
+    ensure!(modes().contains("\"ExclusiveProcess\""), "compute modes while the pod runs: {}", modes());
+
+    // The daemon dies, leaving its server: the agent (its container's PID 1) kills the server and reaps it, so it
+    // does not stay a zombie, and starts the daemon again.
+    let servers = servers_of(&pipe);
+    ensure!(servers.len() == 1, "servers of the claim's daemon: {servers:?}");
+    std::process::Command::new("kill").args(["-9", &daemons[0].to_string()]).status()?;
+    let server = servers[0];
+    wait::until("the dead daemon's server to be killed and reaped", WAIT, || async {
+        Ok((!Path::new(&format!("/proc/{server}")).exists()).then_some(()))
+    })
+    .await
+    .with_context(|| {
+        let state = std::fs::read_to_string(format!("/proc/{server}/stat")).unwrap_or_default();
+        format!("server {server} is still in the process table: {state}")
+    })?;
+    wait::until("the daemon to be started again", WAIT, || async {
+        Ok(daemons_serving(&pipe).iter().any(|pid| *pid != daemons[0]).then_some(()))
+    })
+    .await?;
 
     delete_and_wait(ctx, "mps").await?;
     wait::until("the claim's MPS directories to go", WAIT, || async { Ok((!claim_dir.exists()).then_some(())) })
         .await?;
     let left = daemons_serving(&claim_dir.join("pipe"));
     ensure!(left.is_empty(), "the daemon still runs after its pod went: {left:?}");
-    eprintln!("two containers (uid 0 and 1000) were clients of their claim's MPS daemon; it went with the pod");
+    let set_back = wait::until("the GPU's compute mode to be set back", WAIT, || async {
+        Ok((modes() == "{}" || modes().is_empty()).then_some(()))
+    })
+    .await;
+    ensure!(set_back.is_ok(), "compute modes after the pod went: {}", modes());
+    eprintln!(
+        "two containers (uid 0 and 1000) were clients of their claim's MPS daemon; its dead predecessor's server was \
+         reaped; it went with the pod"
+    );
     Ok(())
 }

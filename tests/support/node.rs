@@ -72,7 +72,14 @@ impl NodeDirs {
     }
     /// What each simulated GPU's time slice is now, by device name (absent: `Default`).
     pub fn time_slices(&self) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
-        match std::fs::read(self.state().join("simulated-time-slices.json")) {
+        self.simulated_settings("simulated-time-slices.json")
+    }
+    /// The simulated GPUs' compute modes (device name → mode; absent: Default).
+    pub fn compute_modes(&self) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        self.simulated_settings("simulated-compute-modes.json")
+    }
+    fn simulated_settings(&self, file: &str) -> anyhow::Result<std::collections::BTreeMap<String, String>> {
+        match std::fs::read(self.state().join(file)) {
             Ok(bytes) => Ok(serde_json::from_slice(&bytes)?),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Default::default()),
             Err(e) => Err(e.into()),

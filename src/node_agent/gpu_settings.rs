@@ -1,6 +1,8 @@
-//! Setting a GPU's compute time slice, behind one trait like discovery: `nvidia-smi compute-policy` for real GPUs
-//! (NVML has no call for it; NVIDIA's own DRA driver runs the same command), a state file for simulated ones so
-//! that the whole prepare path, restarts included, runs on machines without GPUs.
+//! The GPU settings a claim's configuration changes while it is prepared, behind one trait like discovery: the
+//! compute time slice (time-slicing) and the compute mode (`EXCLUSIVE_PROCESS` under an MPS daemon). Real GPUs are
+//! set with the driver's `nvidia-smi` (`compute-policy --set-timeslice`, which NVML has no call for, and `-c`: the
+//! commands NVIDIA's own DRA driver runs); simulated ones keep theirs in state files, so that the whole prepare
+//! path, restarts included, runs on machines without GPUs.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -13,13 +15,15 @@ use crate::node_agent::gpu::Gpu;
 
 /// The simulated GPUs' time slices, under the state directory: `{"gpu-0": "Long"}`, a GPU absent is `Default`.
 pub const SIMULATED_FILE: &str = "simulated-time-slices.json";
+/// The simulated GPUs' compute modes, beside it: `{"gpu-0": "ExclusiveProcess"}`, a GPU absent is `Default`.
+pub const SIMULATED_COMPUTE_MODES: &str = "simulated-compute-modes.json";
 
 /// How long one `nvidia-smi` may take before it is given up on (it runs under the prepare lock).
 const NVIDIA_SMI_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// Why a time slice could not be set; the claim's prepare fails with it, and the kubelet retries.
+/// Why a setting could not be changed; the claim's prepare fails with it, and the kubelet retries.
 #[derive(Debug, thiserror::Error)]
-pub enum TimeSliceError {
+pub enum GpuSettingError {
     #[error("run {program} ({args}): {source}. Is the NVIDIA driver's nvidia-smi under --driver-root?")]
     Spawn {
         program: String,
@@ -31,7 +35,7 @@ pub enum TimeSliceError {
     Failed { program: String, args: String, status: String, output: String },
     #[error("{program} {args} did not finish within {timeout:?}; it was killed")]
     TimedOut { program: String, args: String, timeout: Duration },
-    #[error("record the simulated time slice in {path}: {source}")]
+    #[error("record the simulated setting in {path}: {source}")]
     Simulated {
         path: PathBuf,
         #[source]
@@ -39,17 +43,38 @@ pub enum TimeSliceError {
     },
 }
 
-/// The control for `gpu`'s backend: simulated GPUs keep theirs under `state_dir`, for the boot `boot_id`.
-pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path, boot_id: &str) -> std::sync::Arc<dyn TimeSliceControl> {
+/// The settings of `gpu`'s backend: simulated GPUs keep theirs under `state_dir`, for the boot `boot_id`.
+pub fn backend(gpu: &crate::cli::GpuArgs, state_dir: &Path, boot_id: &str) -> std::sync::Arc<dyn GpuSettings> {
     match gpu.gpu_backend {
-        crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedTimeSlices::for_boot(state_dir, boot_id)),
+        crate::cli::GpuBackend::Simulated => std::sync::Arc::new(SimulatedGpuSettings::for_boot(state_dir, boot_id)),
         crate::cli::GpuBackend::Nvml => std::sync::Arc::new(NvidiaSmi::of(gpu)),
     }
 }
 
-/// Sets a GPU's time slice.
-pub trait TimeSliceControl: Send + Sync + std::fmt::Debug {
-    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError>;
+/// Sets a GPU's time slice and compute mode.
+pub trait GpuSettings: Send + Sync + std::fmt::Debug {
+    fn set_time_slice(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), GpuSettingError>;
+    fn set_compute_mode(&self, gpu: &Gpu, mode: ComputeMode) -> Result<(), GpuSettingError>;
+}
+
+/// A GPU's compute mode, of those the agent sets: `ExclusiveProcess` while an MPS daemon serves the GPU (only its
+/// MPS server may then make a CUDA context on it, so a container cannot bypass the daemon and its limits), else
+/// `Default`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum ComputeMode {
+    #[default]
+    Default,
+    ExclusiveProcess,
+}
+
+impl ComputeMode {
+    /// The name `nvidia-smi -c` takes.
+    pub fn nvidia_smi_name(self) -> &'static str {
+        match self {
+            ComputeMode::Default => "DEFAULT",
+            ComputeMode::ExclusiveProcess => "EXCLUSIVE_PROCESS",
+        }
+    }
 }
 
 /// The number `nvidia-smi compute-policy --set-timeslice` takes: 0=DEFAULT, 1=SHORT, 2=MEDIUM, 3=LONG.
@@ -89,7 +114,7 @@ impl NvidiaSmi {
         Self { program, library_dir: None, timeout }
     }
 
-    fn run(&self, args: &[String]) -> Result<(), TimeSliceError> {
+    fn run(&self, args: &[String]) -> Result<(), GpuSettingError> {
         let program = self.program.display().to_string();
         let shown = args.join(" ");
         let mut command = Command::new(&self.program);
@@ -97,7 +122,7 @@ impl NvidiaSmi {
         if let Some(dir) = &self.library_dir {
             command.env("LD_LIBRARY_PATH", dir);
         }
-        let mut child = command.spawn().map_err(|source| TimeSliceError::Spawn {
+        let mut child = command.spawn().map_err(|source| GpuSettingError::Spawn {
             program: program.clone(),
             args: shown.clone(),
             source,
@@ -108,18 +133,18 @@ impl NvidiaSmi {
             Ok(Some(status)) => status,
             Ok(None) => {
                 give_up(child);
-                return Err(TimeSliceError::TimedOut { program, args: shown, timeout: self.timeout });
+                return Err(GpuSettingError::TimedOut { program, args: shown, timeout: self.timeout });
             }
             Err(source) => {
                 give_up(child);
-                return Err(TimeSliceError::Spawn { program, args: shown, source });
+                return Err(GpuSettingError::Spawn { program, args: shown, source });
             }
         };
         if status.success() {
             return Ok(());
         }
         let output: String = outputs.into_iter().filter_map(|reader| reader.join().ok()).collect();
-        Err(TimeSliceError::Failed {
+        Err(GpuSettingError::Failed {
             program,
             args: shown,
             status: status.to_string(),
@@ -160,65 +185,83 @@ fn give_up(mut child: Child) {
     std::thread::spawn(move || child.wait());
 }
 
-impl TimeSliceControl for NvidiaSmi {
-    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError> {
+impl GpuSettings for NvidiaSmi {
+    fn set_time_slice(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), GpuSettingError> {
         let value = nvidia_smi_value(interval).to_string();
         self.run(&["compute-policy".into(), "-i".into(), gpu.uuid.clone(), "--set-timeslice".into(), value])
     }
+
+    fn set_compute_mode(&self, gpu: &Gpu, mode: ComputeMode) -> Result<(), GpuSettingError> {
+        self.run(&["-i".into(), gpu.uuid.clone(), "-c".into(), mode.nvidia_smi_name().into()])
+    }
 }
 
-/// Simulated GPUs' time slices, kept in a file like a GPU keeps its setting: across agent restarts.
+/// Simulated GPUs' settings, kept in files like a GPU keeps them: across agent restarts, not across reboots.
 #[derive(Debug, Clone)]
-pub struct SimulatedTimeSlices {
-    path: PathBuf,
-    /// `<file>.boot` and the boot it is to name: written with the first setting, so an agent that never sets one
-    /// leaves no file behind.
+pub struct SimulatedGpuSettings {
+    dir: PathBuf,
+    /// `<time slice file>.boot` and the boot it is to name: written with the first setting, so an agent that never
+    /// sets one leaves no file behind.
     boot: Option<(PathBuf, String)>,
 }
 
-impl SimulatedTimeSlices {
+impl SimulatedGpuSettings {
     pub fn new(state_dir: &Path) -> Self {
-        Self { path: state_dir.join(SIMULATED_FILE), boot: None }
+        Self { dir: state_dir.to_path_buf(), boot: None }
     }
 
     /// As [`new`](Self::new), and like a real GPU after a reboot: settings recorded during another boot than
     /// `boot_id` (named by `<file>.boot`) are gone.
     pub fn for_boot(state_dir: &Path, boot_id: &str) -> Self {
         let boot_file = state_dir.join(format!("{SIMULATED_FILE}.boot"));
-        let path = state_dir.join(SIMULATED_FILE);
         if let Ok(recorded) = std::fs::read_to_string(&boot_file)
             && recorded.trim() != boot_id.trim()
         {
             // Best effort: a file left behind only keeps simulated settings a reboot would have cleared.
-            let _ = crate::fsutil::remove_if_exists(&path);
+            for file in [SIMULATED_FILE, SIMULATED_COMPUTE_MODES] {
+                let _ = crate::fsutil::remove_if_exists(&state_dir.join(file));
+            }
             let _ = crate::fsutil::remove_if_exists(&boot_file);
         }
-        Self { path, boot: Some((boot_file, boot_id.trim().to_string())) }
+        Self { dir: state_dir.to_path_buf(), boot: Some((boot_file, boot_id.trim().to_string())) }
     }
 
-    /// What each simulated GPU is set to (device name → interval); an unreadable file reads as all `Default`.
-    pub fn read(path: &Path) -> BTreeMap<String, TimeSliceInterval> {
+    /// What each simulated GPU is set to in `path` (device name → setting); an unreadable file reads as all default.
+    pub fn read<T: serde::de::DeserializeOwned>(path: &Path) -> BTreeMap<String, T> {
         std::fs::read(path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok()).unwrap_or_default()
     }
-}
 
-impl TimeSliceControl for SimulatedTimeSlices {
-    fn set(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), TimeSliceError> {
-        let mut all = Self::read(&self.path);
-        match interval {
-            TimeSliceInterval::Default => all.remove(&gpu.device_name()),
-            other => all.insert(gpu.device_name(), other),
-        };
-        let bytes = serde_json::to_vec_pretty(&all)
-            .map_err(|e| TimeSliceError::Simulated { path: self.path.clone(), source: std::io::Error::other(e) })?;
+    /// Records `gpu`'s setting in `file`: `value`, or none (absent) when it is the default.
+    fn record<T>(&self, file: &str, gpu: &Gpu, value: T) -> Result<(), GpuSettingError>
+    where
+        T: serde::Serialize + serde::de::DeserializeOwned + Default + PartialEq,
+    {
+        let path = self.dir.join(file);
+        let failed = |source| GpuSettingError::Simulated { path: path.clone(), source };
+        let mut all: BTreeMap<String, T> = Self::read(&path);
+        if value == T::default() {
+            all.remove(&gpu.device_name());
+        } else {
+            all.insert(gpu.device_name(), value);
+        }
+        let bytes = serde_json::to_vec_pretty(&all).map_err(|e| failed(std::io::Error::other(e)))?;
         if let Some((boot_file, boot_id)) = &self.boot
             && !boot_file.exists()
         {
             crate::fsutil::write_atomic(boot_file, boot_id.as_bytes())
-                .map_err(|source| TimeSliceError::Simulated { path: boot_file.clone(), source })?;
+                .map_err(|source| GpuSettingError::Simulated { path: boot_file.clone(), source })?;
         }
-        crate::fsutil::write_atomic(&self.path, &bytes)
-            .map_err(|source| TimeSliceError::Simulated { path: self.path.clone(), source })
+        crate::fsutil::write_atomic(&path, &bytes).map_err(failed)
+    }
+}
+
+impl GpuSettings for SimulatedGpuSettings {
+    fn set_time_slice(&self, gpu: &Gpu, interval: TimeSliceInterval) -> Result<(), GpuSettingError> {
+        self.record(SIMULATED_FILE, gpu, interval)
+    }
+
+    fn set_compute_mode(&self, gpu: &Gpu, mode: ComputeMode) -> Result<(), GpuSettingError> {
+        self.record(SIMULATED_COMPUTE_MODES, gpu, mode)
     }
 }
 
@@ -239,7 +282,8 @@ mod tests {
         let gpu = test_gpu(0, "0000:01:00.0");
         let failing = NvidiaSmi::with_program("/bin/sh".into(), Duration::from_secs(10));
         // `sh compute-policy …` fails: no such script; its message is part of the error.
-        let error = failing.set(&gpu, TimeSliceInterval::Long).err().map(|e| e.to_string()).unwrap_or_default();
+        let error =
+            failing.set_time_slice(&gpu, TimeSliceInterval::Long).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(
             error.contains("compute-policy -i GPU-00000000-0000-0000-0000-000000000000 --set-timeslice 3"),
             "{error}"
@@ -247,7 +291,8 @@ mod tests {
         assert!(error.contains("failed (exit status"), "{error}");
         assert!(error.contains("compute-policy"), "{error}");
         let missing = NvidiaSmi::with_program("/nonexistent/nvidia-smi".into(), Duration::from_secs(10));
-        let error = missing.set(&gpu, TimeSliceInterval::Short).err().map(|e| e.to_string()).unwrap_or_default();
+        let error =
+            missing.set_time_slice(&gpu, TimeSliceInterval::Short).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(error.contains("Is the NVIDIA driver's nvidia-smi under --driver-root?"), "{error}");
     }
 
@@ -260,32 +305,50 @@ mod tests {
         std::fs::set_permissions(&hung, std::fs::Permissions::from_mode(0o755))?;
         let started = Instant::now();
         let outcome = NvidiaSmi::with_program(hung, Duration::from_millis(300))
-            .set(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long);
-        assert!(matches!(outcome, Err(TimeSliceError::TimedOut { .. })), "{outcome:?}");
+            .set_time_slice(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long);
+        assert!(matches!(outcome, Err(GpuSettingError::TimedOut { .. })), "{outcome:?}");
         assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
         Ok(())
     }
 
     #[test]
-    fn simulated_gpus_keep_their_time_slice_in_a_file() -> Result<(), Box<dyn std::error::Error>> {
+    fn nvidia_smi_is_asked_for_the_compute_mode() {
+        let gpu = test_gpu(0, "0000:01:00.0");
+        let failing = NvidiaSmi::with_program("/bin/sh".into(), Duration::from_secs(10));
+        let error = failing.set_compute_mode(&gpu, ComputeMode::ExclusiveProcess).err().map(|e| e.to_string());
+        let error = error.unwrap_or_default();
+        assert!(error.contains("-i GPU-00000000-0000-0000-0000-000000000000 -c EXCLUSIVE_PROCESS"), "{error}");
+        assert_eq!(ComputeMode::Default.nvidia_smi_name(), "DEFAULT");
+    }
+
+    #[test]
+    fn simulated_gpus_keep_their_settings_in_files() -> Result<(), Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
-        let control = SimulatedTimeSlices::new(dir.path());
-        control.set(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long)?;
-        control.set(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Short)?;
-        control.set(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Default)?;
-        let now = SimulatedTimeSlices::read(&dir.path().join(SIMULATED_FILE));
-        assert_eq!(now, [("gpu-0".to_string(), TimeSliceInterval::Long)].into());
-        // An agent start in the same boot keeps them; one after a reboot finds them gone, as on a real GPU.
+        let control = SimulatedGpuSettings::new(dir.path());
+        control.set_time_slice(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long)?;
+        control.set_time_slice(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Short)?;
+        control.set_time_slice(&test_gpu(1, "0000:02:00.0"), TimeSliceInterval::Default)?;
+        control.set_compute_mode(&test_gpu(1, "0000:02:00.0"), ComputeMode::ExclusiveProcess)?;
         let file = dir.path().join(SIMULATED_FILE);
+        let modes = dir.path().join(SIMULATED_COMPUTE_MODES);
+        let now: BTreeMap<String, TimeSliceInterval> = SimulatedGpuSettings::read(&file);
+        assert_eq!(now, [("gpu-0".to_string(), TimeSliceInterval::Long)].into());
+        let now: BTreeMap<String, ComputeMode> = SimulatedGpuSettings::read(&modes);
+        assert_eq!(now, [("gpu-1".to_string(), ComputeMode::ExclusiveProcess)].into());
+        control.set_compute_mode(&test_gpu(1, "0000:02:00.0"), ComputeMode::Default)?;
+        assert!(SimulatedGpuSettings::read::<ComputeMode>(&modes).is_empty());
+        control.set_compute_mode(&test_gpu(1, "0000:02:00.0"), ComputeMode::ExclusiveProcess)?;
+        // An agent start in the same boot keeps them; one after a reboot finds them gone, as on a real GPU.
         let boot_file = dir.path().join(format!("{SIMULATED_FILE}.boot"));
-        let started = SimulatedTimeSlices::for_boot(dir.path(), "boot-1");
+        let started = SimulatedGpuSettings::for_boot(dir.path(), "boot-1");
         assert!(!boot_file.exists(), "nothing set in this boot yet, no file");
-        started.set(&test_gpu(2, "0000:03:00.0"), TimeSliceInterval::Short)?;
-        assert_eq!(SimulatedTimeSlices::read(&file).len(), 2);
-        SimulatedTimeSlices::for_boot(dir.path(), "boot-1");
-        assert_eq!(SimulatedTimeSlices::read(&file).len(), 2, "the same boot");
-        SimulatedTimeSlices::for_boot(dir.path(), "boot-2");
-        assert!(SimulatedTimeSlices::read(&file).is_empty() && !boot_file.exists(), "after a reboot");
+        started.set_time_slice(&test_gpu(2, "0000:03:00.0"), TimeSliceInterval::Short)?;
+        assert_eq!(SimulatedGpuSettings::read::<TimeSliceInterval>(&file).len(), 2);
+        SimulatedGpuSettings::for_boot(dir.path(), "boot-1");
+        assert_eq!(SimulatedGpuSettings::read::<TimeSliceInterval>(&file).len(), 2, "the same boot");
+        SimulatedGpuSettings::for_boot(dir.path(), "boot-2");
+        assert!(SimulatedGpuSettings::read::<TimeSliceInterval>(&file).is_empty(), "after a reboot");
+        assert!(SimulatedGpuSettings::read::<ComputeMode>(&modes).is_empty() && !boot_file.exists());
         Ok(())
     }
 }
