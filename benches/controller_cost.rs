@@ -416,11 +416,9 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
 fn cpu_seconds(pid: u32, ticks: f64) -> anyhow::Result<f64> {
     let stat =
         std::fs::read_to_string(format!("/proc/{pid}/stat")).with_context(|| format!("read /proc/{pid}/stat"))?;
-    let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).context("malformed /proc/PID/stat")?;
-    let fields: Vec<&str> = after_name.split_whitespace().collect();
-    // After the name: state is field 3, so utime (14) and stime (15) are at 11 and 12.
-    let utime: f64 = fields.get(11).and_then(|v| v.parse().ok()).context("no utime in /proc/PID/stat")?;
-    let stime: f64 = fields.get(12).and_then(|v| v.parse().ok()).context("no stime in /proc/PID/stat")?;
+    let stat = gpu_dra::proc_stat::ProcStat::parse(&stat).context("malformed /proc/PID/stat")?;
+    let utime = stat.number(14).context("no utime in /proc/PID/stat")?;
+    let stime = stat.number(15).context("no stime in /proc/PID/stat")?;
     Ok((utime + stime) / ticks)
 }
 

@@ -14,5 +14,6 @@ pub mod kube_client;
 pub mod kubelet_plugin;
 pub mod leader;
 pub mod node_agent;
+pub mod proc_stat;
 pub mod signals;
 pub mod telemetry;

@@ -3,6 +3,7 @@
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 /// A driver program and the directory of its libraries.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -24,5 +25,14 @@ impl DriverTool {
             .unwrap_or_else(|| PathBuf::from(name));
         let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
         Self { program, library_dir }
+    }
+
+    /// The program as a command, with the driver's libraries where the dynamic loader finds them.
+    pub fn command(&self) -> Command {
+        let mut command = Command::new(&self.program);
+        if let Some(dir) = &self.library_dir {
+            command.env("LD_LIBRARY_PATH", dir);
+        }
+        command
     }
 }

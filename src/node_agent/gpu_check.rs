@@ -235,7 +235,7 @@ fn check_mps(args: &GpuCheckArgs, claim: &[Device]) -> Result<(), GpuCheckError>
     println!(
         "\nMPS control daemon for {} device(s), as a claim asking MPS gets one ({}):",
         claim.len(),
-        program.program.display()
+        program.shown()
     );
     // Its whole GPUs in EXCLUSIVE_PROCESS while it runs, as a prepare sets them (simulated GPUs keep theirs in a
     // state file of the agent's, not checked here).

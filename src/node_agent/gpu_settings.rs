@@ -5,10 +5,11 @@
 //! path, restarts included, runs on machines without GPUs.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use super::bounded_run::{self, Outcome};
+use super::driver_tool::DriverTool;
 
 use crate::kubelet_plugin::config::TimeSliceInterval;
 use crate::node_agent::gpu::Gpu;
@@ -90,9 +91,7 @@ pub fn nvidia_smi_value(interval: TimeSliceInterval) -> u8 {
 /// `nvidia-smi` of the driver under the driver root, run with that root's libraries.
 #[derive(Debug, Clone)]
 pub struct NvidiaSmi {
-    program: PathBuf,
-    /// The directory of the driver's `libnvidia-ml.so.1`, when it is not where the dynamic loader looks.
-    library_dir: Option<PathBuf>,
+    tool: DriverTool,
     timeout: Duration,
 }
 
@@ -100,8 +99,7 @@ impl NvidiaSmi {
     /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`; `nvml_library` is the NVML
     /// library discovery loads (its directory joins `LD_LIBRARY_PATH` when it is a path).
     pub fn new(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
-        let tool = super::driver_tool::DriverTool::find(driver_root, "nvidia-smi", nvml_library);
-        Self { program: tool.program, library_dir: tool.library_dir, timeout: NVIDIA_SMI_TIMEOUT }
+        Self { tool: DriverTool::find(driver_root, "nvidia-smi", nvml_library), timeout: NVIDIA_SMI_TIMEOUT }
     }
 
     /// The `nvidia-smi` of the driver `gpu` names (its driver root, `/` unless given, and NVML library).
@@ -111,78 +109,26 @@ impl NvidiaSmi {
 
     /// A given program and time limit (tests of the process handling).
     pub fn with_program(program: PathBuf, timeout: Duration) -> Self {
-        Self { program, library_dir: None, timeout }
+        Self { tool: DriverTool { program, library_dir: None }, timeout }
     }
 
     fn run(&self, args: &[String]) -> Result<(), GpuSettingError> {
-        let program = self.program.display().to_string();
+        let program = self.tool.program.display().to_string();
         let shown = args.join(" ");
-        let mut command = Command::new(&self.program);
-        command.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        if let Some(dir) = &self.library_dir {
-            command.env("LD_LIBRARY_PATH", dir);
+        let mut command = self.tool.command();
+        command.args(args);
+        match bounded_run::run(command, None, self.timeout) {
+            Ok(Outcome::Exited { status, .. }) if status.success() => Ok(()),
+            Ok(Outcome::Exited { status, stdout, stderr }) => Err(GpuSettingError::Failed {
+                program,
+                args: shown,
+                status: status.to_string(),
+                output: format!("{stdout}{stderr}").trim().to_string(),
+            }),
+            Ok(Outcome::TimedOut) => Err(GpuSettingError::TimedOut { program, args: shown, timeout: self.timeout }),
+            Err(source) => Err(GpuSettingError::Spawn { program, args: shown, source }),
         }
-        let mut child = command.spawn().map_err(|source| GpuSettingError::Spawn {
-            program: program.clone(),
-            args: shown.clone(),
-            source,
-        })?;
-        // Drained while it runs, so no amount of output can block it.
-        let outputs = [drain(child.stdout.take()), drain(child.stderr.take())];
-        let status = match wait_at_most(&mut child, self.timeout) {
-            Ok(Some(status)) => status,
-            Ok(None) => {
-                give_up(child);
-                return Err(GpuSettingError::TimedOut { program, args: shown, timeout: self.timeout });
-            }
-            Err(source) => {
-                give_up(child);
-                return Err(GpuSettingError::Spawn { program, args: shown, source });
-            }
-        };
-        if status.success() {
-            return Ok(());
-        }
-        let output: String = outputs.into_iter().filter_map(|reader| reader.join().ok()).collect();
-        Err(GpuSettingError::Failed {
-            program,
-            args: shown,
-            status: status.to_string(),
-            output: output.trim().to_string(),
-        })
     }
-}
-
-/// Reads a pipe to its end on a thread of its own.
-fn drain(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut text = String::new();
-        if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_string(&mut text);
-        }
-        text
-    })
-}
-
-/// The child's exit status, or `None` when it has not exited within `limit`.
-fn wait_at_most(child: &mut Child, limit: Duration) -> std::io::Result<Option<ExitStatus>> {
-    let started = Instant::now();
-    loop {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
-        if started.elapsed() >= limit {
-            return Ok(None);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// Kills a child that overran and reaps it on a thread of its own: one stuck in the kernel (a wedged GPU) may not
-/// die at once, and the caller holds the prepare lock.
-fn give_up(mut child: Child) {
-    let _ = child.kill();
-    std::thread::spawn(move || child.wait());
 }
 
 impl GpuSettings for NvidiaSmi {
@@ -269,6 +215,7 @@ impl GpuSettings for SimulatedGpuSettings {
 mod tests {
     use super::*;
     use crate::node_agent::gpu::test_gpu;
+    use std::time::Instant;
 
     #[test]
     fn nvidia_smi_numbers() {

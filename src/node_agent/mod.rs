@@ -11,6 +11,7 @@
 //! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing,
 //! does not register with the kubelet, and retries with back-off: never a crash loop.
 
+pub mod bounded_run;
 pub mod device;
 pub mod discovery;
 pub mod driver_tool;

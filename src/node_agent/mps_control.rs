@@ -24,7 +24,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
-use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -37,8 +36,11 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::counter::Counter;
 use tracing::{info, warn};
 
+use super::bounded_run::{self, Outcome};
+use super::driver_tool::DriverTool;
 use super::mps_sys::{self, kill_group};
 use crate::kubelet_plugin::mps::{MpsDaemon, MpsDirs};
+use crate::proc_stat::start_time;
 
 /// How long a daemon has to create its control pipe after it starts.
 pub const START_TIMEOUT: Duration = Duration::from_secs(15);
@@ -97,23 +99,21 @@ pub enum MpsError {
 pub struct MpsProgram {
     /// Run with `args` then `-f` as the daemon, with `args` alone as the client that sends `quit`. Its directory
     /// leads `PATH`: the daemon starts the driver's `nvidia-cuda-mps-server` beside it.
-    pub program: PathBuf,
+    pub tool: DriverTool,
     pub args: Vec<OsString>,
-    /// The directory of the driver's libraries, when it is not where the dynamic loader looks.
-    pub library_dir: Option<PathBuf>,
 }
 
 impl MpsProgram {
     /// `nvidia-cuda-mps-control` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`, with the libraries
     /// of the NVML library discovery loads.
     pub fn nvidia(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
-        let tool = super::driver_tool::DriverTool::find(driver_root, "nvidia-cuda-mps-control", nvml_library);
-        Self { program: tool.program, args: Vec::new(), library_dir: tool.library_dir }
+        Self { tool: DriverTool::find(driver_root, "nvidia-cuda-mps-control", nvml_library), args: Vec::new() }
     }
 
     /// This binary's stand-in (`gpu-dra simulated-mps-control`).
     pub fn stand_in() -> std::io::Result<Self> {
-        Ok(Self { program: std::env::current_exe()?, args: vec!["simulated-mps-control".into()], library_dir: None })
+        let tool = DriverTool { program: std::env::current_exe()?, library_dir: None };
+        Ok(Self { tool, args: vec!["simulated-mps-control".into()] })
     }
 
     /// The program for `gpu`'s backend.
@@ -126,13 +126,15 @@ impl MpsProgram {
         }
     }
 
+    /// Where the program is, as shown in messages.
+    pub fn shown(&self) -> std::path::Display<'_> {
+        self.tool.program.display()
+    }
+
     fn command(&self, daemon: &MpsDaemon, dirs: &MpsDirs) -> Command {
-        let mut command = Command::new(&self.program);
+        let mut command = self.tool.command();
         command.args(&self.args).envs(daemon.daemon_env(dirs)).stdin(Stdio::null());
-        if let Some(dir) = &self.library_dir {
-            command.env("LD_LIBRARY_PATH", dir);
-        }
-        if let Some(bin) = self.program.parent().filter(|dir| dir.is_absolute()) {
+        if let Some(bin) = self.tool.program.parent().filter(|dir| dir.is_absolute()) {
             let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
             command.env("PATH", format!("{}:{path}", bin.display()));
         }
@@ -157,7 +159,7 @@ pub struct MpsDaemons {
 
 impl std::fmt::Debug for MpsDaemons {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpsDaemons").field("program", &self.program.program).field("root", &self.root).finish()
+        f.debug_struct("MpsDaemons").field("program", &self.program.tool.program).field("root", &self.root).finish()
     }
 }
 
@@ -408,11 +410,7 @@ impl Supervisor {
 
 /// Starts the daemon in its own mount namespace with the claim's `shm` directory at `/dev/shm`, and records its pid.
 fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &str) -> Result<Child, MpsError> {
-    let failed = |source| MpsError::Spawn {
-        program: program.program.display().to_string(),
-        claim_uid: claim_uid.into(),
-        source,
-    };
+    let failed = |source| MpsError::Spawn { program: program.shown().to_string(), claim_uid: claim_uid.into(), source };
     let log =
         std::fs::OpenOptions::new().create(true).append(true).open(dirs.log.join("daemon.out")).map_err(failed)?;
     let errors = log.try_clone().map_err(failed)?;
@@ -436,50 +434,16 @@ fn quit(program: &MpsProgram, dirs: &MpsDirs) {
 /// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`
 /// does, and answers what the client printed; the client is killed after [`STOP_TIMEOUT`].
 fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<String> {
-    let mut command = Command::new(&program.program);
-    command
-        .args(&program.args)
-        .env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe)
-        .env("CUDA_MPS_LOG_DIRECTORY", &dirs.log)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if let Some(dir) = &program.library_dir {
-        command.env("LD_LIBRARY_PATH", dir);
-    }
-    let mut client = command.spawn()?;
-    if let Some(mut stdin) = client.stdin.take() {
-        // A client that exits before reading gets the rest of its handling below (its status and output).
-        let _ = stdin.write_all(format!("{line}\n").as_bytes());
-    }
-    let deadline = Instant::now() + STOP_TIMEOUT;
-    let status = loop {
-        if let Some(status) = client.try_wait()? {
-            break status;
+    let mut command = program.tool.command();
+    command.args(&program.args).env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe).env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
+    match bounded_run::run(command, Some(format!("{line}\n").as_bytes()), STOP_TIMEOUT)? {
+        Outcome::Exited { status, stdout, .. } if status.success() => Ok(stdout),
+        Outcome::Exited { status, stdout, stderr } => {
+            Err(std::io::Error::other(format!("{status}: {}{}", stdout.trim(), stderr.trim())))
         }
-        if Instant::now() >= deadline {
-            let _ = client.kill();
-            let _ = client.wait();
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("no answer within {STOP_TIMEOUT:?}"),
-            ));
+        Outcome::TimedOut => {
+            Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer within {STOP_TIMEOUT:?}")))
         }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let read = |pipe: Option<&mut dyn std::io::Read>| {
-        let mut text = String::new();
-        if let Some(pipe) = pipe {
-            let _ = pipe.read_to_string(&mut text);
-        }
-        text
-    };
-    let output = read(client.stdout.as_mut().map(|p| p as &mut dyn std::io::Read));
-    let errors = read(client.stderr.as_mut().map(|p| p as &mut dyn std::io::Read));
-    if status.success() {
-        Ok(output)
-    } else {
-        Err(std::io::Error::other(format!("{status}: {}{}", output.trim(), errors.trim())))
     }
 }
 
@@ -525,18 +489,6 @@ fn stop_leftover(dirs: &MpsDirs) {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
-}
-
-/// A process's start time in clock ticks since boot (`/proc/<pid>/stat` field 22), which tells a pid's reuse apart.
-fn start_time(pid: u32) -> Option<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may hold spaces and parentheses; the fields after its last ')' are plain.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let state = rest.split_whitespace().next()?;
-    if state == "Z" {
-        return None;
-    }
-    rest.split_whitespace().nth(19).map(str::to_string)
 }
 
 fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {

@@ -44,12 +44,10 @@ fn read() -> Option<Reading> {
     Some(reading)
 }
 
-/// Fields of `/proc/self/stat` after the parenthesised command name (which may contain spaces).
+/// CPU time, threads and start time from `/proc/self/stat`.
 fn parse_stat(stat: &str, boot_time: f64) -> Option<Reading> {
-    let after_comm = &stat[stat.rfind(')')? + 2..];
-    let fields: Vec<&str> = after_comm.split_whitespace().collect();
-    // Field numbers from proc(5), counted from 1 with pid=1 and comm=2; `fields[0]` is field 3 (state).
-    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<f64>().ok());
+    let stat = crate::proc_stat::ProcStat::parse(stat)?;
+    let field = |n: usize| stat.number(n);
     Some(Reading {
         cpu_seconds: (field(14)? + field(15)?) / CLOCK_TICKS_PER_SECOND,
         threads: field(20)? as i64,

@@ -49,8 +49,7 @@ async fn reaped(what: &str, pid: u32) -> anyhow::Result<()> {
 
 /// Whether `pid` runs (a zombie does not).
 fn alive(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .is_ok_and(|stat| stat.rsplit(')').next().is_some_and(|rest| !rest.trim_start().starts_with('Z')))
+    gpu_dra::proc_stat::start_time(pid).is_some()
 }
 
 async fn next_daemon(claim: &Path, after: usize) -> anyhow::Result<u32> {
