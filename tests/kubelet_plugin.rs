@@ -21,7 +21,7 @@ use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
-    a_claim_asking_mps_gets_its_own_daemon_while_prepared, a_daemon_that_cannot_start_leaves_the_gpu_as_it_was,
+    a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default,
     mps_settings_naming_no_device_are_refused,
 };
 use serde_json::{Value, json};
@@ -51,7 +51,7 @@ fn main() {
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
-            test!(a_daemon_that_cannot_start_leaves_the_gpu_as_it_was),
+            test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
         ],
     )
 }

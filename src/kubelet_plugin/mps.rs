@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::allocation::{ClaimRef, PlannedDevice};
-use super::checkpoint::Checkpoint;
+use super::checkpoint::{Checkpoint, PrepareState};
 use super::config::{MpsConfig, SharingStrategy, pinned_limit_mib};
 
 /// Where a client finds the daemon's pipes (MPS's default, so images need no configuration of their own).
@@ -187,15 +187,20 @@ pub fn exclusive_gpus(planned: &[PlannedDevice]) -> BTreeSet<String> {
     planned.iter().filter(|p| !p.admin_access && !p.device.is_mig()).map(|p| p.device.name()).collect()
 }
 
-/// The devices [`Checkpoint::exclusive_process`] lists that no claim's MPS daemon serves any more (a recovered
-/// claim's counts: its spec names its daemon): those to set back to the `Default` compute mode.
-pub fn exclusive_to_set_back(checkpoint: &Checkpoint, pool: &str) -> Vec<String> {
-    let served = |device: &str| {
-        checkpoint.holders(pool, device).any(|(uid, held)| {
-            !held.admin_access && checkpoint.claims.get(uid).is_some_and(|entry| entry.mps.is_some())
-        })
-    };
-    checkpoint.exclusive_process.iter().filter(|d| !served(d)).cloned().collect()
+/// The devices [`Checkpoint::exclusive_process`] lists whose UUID (`uuid_of` a device name; `None`: gone from the
+/// node) no prepared claim's MPS daemon serves: those to set back to the `Default` compute mode. A daemon serves the
+/// UUIDs it records, which leave out devices held with admin access (also for a recovered claim, whose spec names
+/// its daemon's); a claim half prepared (its prepare failed or was interrupted) has none running.
+pub fn exclusive_to_set_back(checkpoint: &Checkpoint, uuid_of: impl Fn(&str) -> Option<String>) -> Vec<String> {
+    let served: BTreeSet<&str> = checkpoint
+        .claims
+        .values()
+        .filter(|entry| entry.state == PrepareState::PrepareCompleted)
+        .filter_map(|entry| entry.mps.as_ref())
+        .flat_map(|daemon| daemon.uuids.iter().map(String::as_str))
+        .collect();
+    let idle = |device: &String| uuid_of(device).is_none_or(|uuid| !served.contains(uuid.as_str()));
+    checkpoint.exclusive_process.iter().filter(|d| idle(d)).cloned().collect()
 }
 
 /// Each device's pinned memory limit: the default for all, then the per-device ones, whose keys are a device's UUID
@@ -364,16 +369,16 @@ mod tests {
 
     #[test]
     fn gpus_served_by_an_mps_daemon_are_exclusive_until_no_daemon_serves_them() {
-        use crate::kubelet_plugin::checkpoint::{ClaimEntry, PrepareState, PreparedDevice};
+        use crate::kubelet_plugin::checkpoint::{ClaimEntry, PreparedDevice};
         let mut looked_at = device("monitor", 2, mps(MpsConfig::default()));
         looked_at.admin_access = true;
         let planned = [device("gpus", 0, mps(MpsConfig::default())), looked_at];
         assert_eq!(exclusive_gpus(&planned), BTreeSet::from(["gpu-0".to_string()]));
 
-        let entry = |devices: &[(&str, bool)], daemon: bool| ClaimEntry {
+        let entry = |devices: &[(&str, bool)], daemon: &[&str], state| ClaimEntry {
             namespace: "ns".into(),
             name: "c".into(),
-            state: PrepareState::PrepareCompleted,
+            state,
             devices: devices
                 .iter()
                 .map(|(device, admin_access)| PreparedDevice {
@@ -388,14 +393,21 @@ mod tests {
                 })
                 .collect(),
             recovered: false,
-            mps: daemon.then(MpsDaemon::default),
+            mps: (!daemon.is_empty())
+                .then(|| MpsDaemon { uuids: daemon.iter().map(|u| u.to_string()).collect(), ..MpsDaemon::default() }),
         };
         let mut checkpoint = Checkpoint::new("boot");
-        checkpoint.exclusive_process = ["gpu-0", "gpu-1", "gpu-2"].map(String::from).into();
-        // gpu-0: its MPS claim holds it. gpu-1: only a claim without MPS. gpu-2: an MPS claim with admin access only.
-        checkpoint.claims.insert("mps".into(), entry(&[("gpu-0", false), ("gpu-2", true)], true));
-        checkpoint.claims.insert("plain".into(), entry(&[("gpu-1", false)], false));
-        assert_eq!(exclusive_to_set_back(&checkpoint, "node-a"), ["gpu-1", "gpu-2"]);
-        assert_eq!(exclusive_to_set_back(&checkpoint, "other-pool"), ["gpu-0", "gpu-1", "gpu-2"]);
+        checkpoint.exclusive_process = ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-9"].map(String::from).into();
+        // gpu-0: its MPS claim's daemon serves it. gpu-1: only a claim without MPS holds it. gpu-2: the MPS claim
+        // holds it with admin access (its daemon does not serve it). gpu-3: a half-prepared MPS claim's (no daemon
+        // runs). gpu-9: gone from the node.
+        let completed = PrepareState::PrepareCompleted;
+        let mps_claim = entry(&[("gpu-0", false), ("gpu-2", true)], &["GPU-0"], completed);
+        checkpoint.claims.insert("mps".into(), mps_claim);
+        checkpoint.claims.insert("plain".into(), entry(&[("gpu-1", false)], &[], completed));
+        let half = entry(&[("gpu-3", false)], &["GPU-3"], PrepareState::PrepareStarted);
+        checkpoint.claims.insert("half".into(), half);
+        let uuid_of = |name: &str| name.strip_prefix("gpu-").filter(|n| *n != "9").map(|n| format!("GPU-{n}"));
+        assert_eq!(exclusive_to_set_back(&checkpoint, uuid_of), ["gpu-1", "gpu-2", "gpu-3", "gpu-9"]);
     }
 }

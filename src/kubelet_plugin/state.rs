@@ -484,7 +484,8 @@ impl DriverState {
         let mut written = Vec::new();
         for mut claim in ready {
             let write = self
-                .set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks)
+                .ensure_default_compute_modes(checkpoint, &claim)
+                .and_then(|()| self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks))
                 .and_then(|()| self.start_mps(&mut claim))
                 .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));
             match write {
@@ -617,11 +618,11 @@ impl DriverState {
             // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
             // device never is (its parent's time slice is not changed for it).
             let whole = entry.devices.iter().map(|d| d.device.clone()).filter(|d| !device::is_mig_device_name(d));
-            if entry.mps.is_some() {
-                // So may their compute mode, for its MPS daemon.
-                checkpoint.exclusive_process.extend(whole.clone());
-            }
             checkpoint.time_sliced.extend(whole);
+            // So may the compute mode of those its MPS daemon served.
+            if let Some(daemon) = &entry.mps {
+                checkpoint.exclusive_process.extend(self.exclusive_devices_of(daemon));
+            }
             checkpoint.claims.insert(uid.clone(), entry);
         }
         let moved_to = self.store.replace_corrupt(&checkpoint)?;
@@ -677,7 +678,6 @@ impl DriverState {
         }
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
-        self.reapply_compute_modes(&mut checkpoint);
         // Daemons of prepared claims started again; those of claims no longer prepared (or half prepared) stopped
         // and their directories removed.
         let daemons: BTreeMap<String, MpsDaemon> = checkpoint
@@ -687,6 +687,8 @@ impl DriverState {
             .filter_map(|(uid, e)| Some((uid.clone(), e.mps.clone()?)))
             .collect();
         let mut orphans = self.mps.reconcile(&daemons);
+        // After the daemons: a GPU is never back at DEFAULT while one a previous agent left still serves it.
+        self.reapply_compute_modes(&mut checkpoint);
         // A writer killed between creating its temporary file and renaming it leaves the temporary behind.
         match cdi::remove_abandoned_spec_temporaries(&self.cdi_dir, &self.cdi_kind) {
             Ok(removed) => orphans += removed,

@@ -40,6 +40,12 @@ fn daemon(pipe: PathBuf) -> anyhow::Result<()> {
     let env = |name: &str| std::env::var(name).unwrap_or_default();
     let pid = std::process::id();
     std::fs::write(PathBuf::from("/dev/shm").join(SHM_MARKER), pid.to_string()).context("write to /dev/shm")?;
+    let mut server = Command::new(std::env::current_exe()?)
+        .args(["simulated-mps-control", "--server"])
+        .stdin(Stdio::null())
+        .spawn()
+        .context("start the MPS server")?;
+    writeln!(log, "server pid={}", server.id())?;
     let listener = UnixListener::bind(pipe.join(CONTROL_PIPE)).context("create the control pipe")?;
     writeln!(
         log,
@@ -48,12 +54,6 @@ fn daemon(pipe: PathBuf) -> anyhow::Result<()> {
         env("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
         env("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT")
     )?;
-    let mut server = Command::new(std::env::current_exe()?)
-        .args(["simulated-mps-control", "--server"])
-        .stdin(Stdio::null())
-        .spawn()
-        .context("start the MPS server")?;
-    writeln!(log, "server pid={}", server.id())?;
     for connection in listener.incoming() {
         let Ok(connection) = connection else { continue };
         for line in BufReader::new(connection).lines() {

@@ -59,7 +59,9 @@ pub(super) fn become_subreaper() -> std::io::Result<()> {
 
 /// Reaps the exited children of this process in process group `pgid` (a dead daemon's MPS servers, handed to the
 /// agent as their reaper and killed with [`kill_group`]), waiting at most `within` for the group to empty; answers
-/// how many were reaped. Only that group is waited for: the agent's other children stay theirs to wait on.
+/// how many were reaped. A child still there then (a CUDA process tearing down its GPU context can take a while to
+/// die) is waited for by a thread of its own, so it never stays a zombie. Only that group is waited for: the agent's
+/// other children stay theirs to wait on.
 pub(super) fn reap_group(pgid: u32, within: Duration) -> usize {
     let Ok(pgid) = i32::try_from(pgid) else { return 0 };
     if pgid <= 0 {
@@ -76,7 +78,15 @@ pub(super) fn reap_group(pgid: u32, within: Duration) -> usize {
             continue;
         }
         // -1: no child left in the group (ECHILD); 0: some still run (killed, not yet dead).
-        if pid < 0 || Instant::now() >= deadline {
+        if pid < 0 {
+            return reaped;
+        }
+        if Instant::now() >= deadline {
+            std::thread::spawn(move || {
+                let mut status = 0;
+                // SAFETY: as above; blocks until each is gone, then ends with ECHILD.
+                while unsafe { libc::waitpid(-pgid, &mut status, 0) } > 0 {}
+            });
             return reaped;
         }
         std::thread::sleep(Duration::from_millis(10));

@@ -128,6 +128,9 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     let second = next_daemon(&claim_dir, 1).await?;
     ensure!(second != first && !alive(first), "daemon {first} was not replaced: {:?}", started_pids(&claim_dir));
     reaped("the dead daemon's server to be killed and reaped", first_server).await?;
+    // By the agent: the test process is not the server's reaper (the agent is, as its container's PID 1 would be).
+    let log = agent.log_text();
+    ensure!(log.contains("reaped the MPS servers the daemon left"), "the agent did not reap the server:\n{log}");
     let restarts = agent.metric("gpu_dra_kubelet_plugin_mps_daemon_restarts_total", &[]).await?;
     ensure!(restarts == 1.0, "restarts counted: {restarts}");
 
@@ -196,12 +199,14 @@ pub(super) async fn mps_settings_naming_no_device_are_refused(ctx: TestContext) 
 }
 
 /// A daemon that cannot be started (its claim's directory cannot be made) fails the prepare with the reason, and the
-/// GPU set to EXCLUSIVE_PROCESS for it is set back; the kubelet's retry, once the fault is gone, prepares it.
-pub(super) async fn a_daemon_that_cannot_start_leaves_the_gpu_as_it_was(ctx: TestContext) -> anyhow::Result<()> {
+/// GPU set to EXCLUSIVE_PROCESS for it is set back to DEFAULT; the kubelet's retry, once the fault is gone, prepares
+/// it. A set-back that fails at unprepare is counted and keeps the next claim asking no MPS from getting the GPU in
+/// EXCLUSIVE_PROCESS.
+pub(super) async fn an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
-    let _agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
     let ns = ctx.namespace.as_str();
     let uid = allocated_claim(&ctx, "blocked", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
     let claims = [(ns, "blocked", uid.as_str())];
@@ -212,6 +217,8 @@ pub(super) async fn a_daemon_that_cannot_start_leaves_the_gpu_as_it_was(ctx: Tes
     let error = &answers.get(&uid).context("no answer")?.error;
     ensure!(error.contains("create the MPS directories of claim"), "{error:?}");
     ensure!(dirs.compute_modes()?.is_empty(), "compute modes after a failed prepare: {:?}", dirs.compute_modes()?);
+    let log = agent.log_text();
+    ensure!(log.contains("set the GPU's compute mode back to DEFAULT"), "it was never set, or not back:\n{log}");
     let recorded = checkpoint(&dirs, "boot-1")?;
     ensure!(recorded.exclusive_process.is_empty() && !recorded.claims.contains_key(&uid), "{recorded:?}");
 
@@ -219,8 +226,29 @@ pub(super) async fn a_daemon_that_cannot_start_leaves_the_gpu_as_it_was(ctx: Tes
     let answers = kubelet.prepare(&claims).await?;
     ensure!(answers.values().all(|a| a.error.is_empty()), "the retry: {answers:?}");
     ensure!(dirs.compute_modes()?.get("gpu-0").map(String::as_str) == Some("ExclusiveProcess"), "after the retry");
+
+    // Setting it back fails at unprepare (the simulated GPU's setting cannot be written): it stays listed and is
+    // counted, and a claim asking no MPS is not given the GPU in EXCLUSIVE_PROCESS: its prepare fails saying why
+    // until the GPU can be set back, then succeeds with the GPU at DEFAULT.
+    let modes = dirs.state().join("simulated-compute-modes.json");
+    std::fs::remove_file(&modes)?;
+    std::fs::create_dir(&modes)?;
     let unprepared = kubelet.unprepare(&claims).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
-    ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
+    let failures = agent.metric("gpu_dra_kubelet_plugin_compute_mode_restore_failures_total", &[]).await?;
+    ensure!(failures == 1.0, "failed set-backs counted: {failures}");
+    ensure!(checkpoint(&dirs, "boot-1")?.exclusive_process.contains("gpu-0"), "no longer listed after a failure");
+    let plain_uid = allocated_claim(&ctx, "plain", &node, &["gpu-0"], json!([])).await?;
+    let plain = [(ns, "plain", plain_uid.as_str())];
+    let answers = kubelet.prepare(&plain).await?;
+    let error = &answers.get(&plain_uid).context("no answer")?.error;
+    ensure!(error.contains("is still in the EXCLUSIVE_PROCESS compute mode"), "{error:?}");
+    std::fs::remove_dir(&modes)?;
+    let answers = kubelet.prepare(&plain).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "once it can be set back: {answers:?}");
+    ensure!(dirs.compute_modes()?.is_empty(), "compute modes of the plain claim: {:?}", dirs.compute_modes()?);
+    ensure!(checkpoint(&dirs, "boot-1")?.exclusive_process.is_empty(), "still listed once set back");
+    let unprepared = kubelet.unprepare(&plain).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     Ok(())
 }

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tracing::{info, warn};
 
-use super::super::allocation::ClaimRef;
+use super::super::allocation::{ClaimRef, Inventory};
 use super::super::checkpoint::Checkpoint;
 use super::super::config::TimeSliceInterval;
 use super::super::mps::{self, MpsDaemon};
@@ -115,8 +115,37 @@ impl DriverState {
     /// any more back to the `Default` compute mode, taking it off the list (in memory: the next save records it). A
     /// GPU gone from the node, or a failed set, stays listed (the next unprepare or start-up tries again).
     pub(super) fn reset_compute_modes(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) {
+        for (device, e) in self.set_back_compute_modes(checkpoint, devices) {
+            self.metrics.compute_mode_restore_failures.inc();
+            warn!(device, error = %e, "setting the GPU's compute mode back to DEFAULT failed; the next unprepare or \
+                  start-up tries again");
+        }
+    }
+
+    /// Before a claim that asks no MPS is prepared: its GPUs that an MPS claim's daemon left in `EXCLUSIVE_PROCESS`
+    /// (a set-back that failed) are set back now, or the prepare fails saying so (the kubelet retries), so that a
+    /// claim never gets a GPU on which one process at a time can run.
+    pub(super) fn ensure_default_compute_modes(&self, checkpoint: &mut Checkpoint, todo: &Todo) -> Result<(), String> {
+        if todo.mps.is_some() {
+            return Ok(());
+        }
+        let devices = todo.devices.iter().map(Device::name).collect();
+        match self.set_back_compute_modes(checkpoint, &devices).into_iter().next() {
+            None => Ok(()),
+            Some((device, e)) => Err(format!(
+                "claim {}: device {device:?} is still in the EXCLUSIVE_PROCESS compute mode an MPS claim's daemon \
+                 needed, and setting it back to DEFAULT failed: {e}",
+                todo.claim
+            )),
+        }
+    }
+
+    /// Sets the listed, idle devices among `devices` back to `Default` (see [`Self::reset_compute_modes`]); the
+    /// devices that could not be, with why.
+    fn set_back_compute_modes(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) -> Vec<(String, String)> {
         let inventory = self.inventory.borrow().clone();
-        let idle = mps::exclusive_to_set_back(checkpoint, &self.pool);
+        let idle = mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory));
+        let mut failed = Vec::new();
         for device in idle.iter().filter(|d| devices.contains(*d)) {
             if device::is_mig_device_name(device) || inventory.get(device).is_some_and(Device::is_mig) {
                 checkpoint.exclusive_process.remove(device);
@@ -131,21 +160,19 @@ impl DriverState {
                     info!(device, "set the GPU's compute mode back to DEFAULT: no MPS daemon serves it");
                     checkpoint.exclusive_process.remove(device);
                 }
-                Err(e) => {
-                    self.metrics.compute_mode_restore_failures.inc();
-                    warn!(device, error = %e, "setting the GPU's compute mode back failed; the next unprepare or \
-                          start-up tries again");
-                }
+                Err(e) => failed.push((device.clone(), e.to_string())),
             }
         }
+        failed
     }
 
-    /// Start-up: every GPU listed in [`Checkpoint::exclusive_process`] set to what it is to be now: `EXCLUSIVE_PROCESS`
-    /// while a prepared claim's MPS daemon serves it (again: a driver reloaded without a reboot forgot it), else
-    /// back to `Default`.
+    /// Start-up, once the daemons of prepared claims run again: every GPU listed in
+    /// [`Checkpoint::exclusive_process`] set to what it is to be now: `EXCLUSIVE_PROCESS` while a prepared claim's MPS
+    /// daemon serves it (again: a driver reloaded without a reboot forgot it), else back to `Default`.
     pub(super) fn reapply_compute_modes(&self, checkpoint: &mut Checkpoint) {
         let inventory = self.inventory.borrow().clone();
-        let idle: BTreeSet<String> = mps::exclusive_to_set_back(checkpoint, &self.pool).into_iter().collect();
+        let idle: BTreeSet<String> =
+            mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory)).into_iter().collect();
         for device in checkpoint.exclusive_process.difference(&idle) {
             let Some(gpu) = inventory.get(device).filter(|d| !d.is_mig()).map(|d| &d.gpu) else { continue };
             if let Err(e) = self.gpu_settings.set_compute_mode(gpu, ComputeMode::ExclusiveProcess) {
@@ -153,6 +180,14 @@ impl DriverState {
             }
         }
         self.reset_compute_modes(checkpoint, &idle);
+    }
+
+    /// The UUIDs an MPS claim's daemon serves that are whole GPUs of this node, by device name: what it makes
+    /// exclusive (see [`mps::exclusive_gpus`]).
+    pub(super) fn exclusive_devices_of(&self, daemon: &MpsDaemon) -> BTreeSet<String> {
+        let inventory = self.inventory.borrow();
+        let served = |d: &&Device| !d.is_mig() && daemon.uuids.iter().any(|u| u == d.uuid());
+        inventory.values().filter(served).map(Device::name).collect()
     }
 
     /// Every listed GPU whose claims went back to its defaults: time slice and compute mode. Answers whether the
@@ -165,4 +200,9 @@ impl DriverState {
         self.reset_compute_modes(checkpoint, &exclusive);
         before != (checkpoint.time_sliced.len(), checkpoint.exclusive_process.len())
     }
+}
+
+/// A whole GPU's UUID by its device name (`None` for a MIG device or one gone from the node).
+fn whole_gpu_uuid(inventory: &Inventory) -> impl Fn(&str) -> Option<String> + '_ {
+    |name| inventory.get(name).filter(|d| !d.is_mig()).map(|d| d.uuid().to_string())
 }
