@@ -48,7 +48,8 @@ pub const START_TIMEOUT: Duration = Duration::from_secs(15);
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 /// The control pipe a daemon creates in its pipe directory once it takes clients.
 pub const CONTROL_PIPE: &str = "control";
-/// The daemon's pid and start time, in the claim's directory: start-up stops a daemon a previous agent left.
+/// The daemon's pid, start time and the kernel's boot ID, in the claim's directory: start-up stops a daemon a
+/// previous agent left.
 const PID_FILE: &str = "daemon.pid";
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// How long a dead daemon's killed servers have to die and be reaped before its supervisor goes on.
@@ -419,7 +420,7 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     command.arg("-f").stdout(log).stderr(errors).process_group(0);
     mps_sys::own_dev_shm(&mut command, &dirs.shm).map_err(failed)?;
     let child = command.spawn().map_err(failed)?;
-    let record = format!("{} {}\n", child.id(), start_time(child.id()).unwrap_or_default());
+    let record = format!("{} {} {}\n", child.id(), start_time(child.id()).unwrap_or_default(), boot_id());
     if let Err(e) = std::fs::write(dirs.claim.join(PID_FILE), record) {
         warn!(claim_uid, error = %e, "recording the MPS daemon's pid failed");
     }
@@ -475,20 +476,34 @@ fn log_tail(dirs: &MpsDirs) -> String {
     if lines.is_empty() { "(empty)".into() } else { lines.join(" | ") }
 }
 
-/// Kills a daemon a previous agent left: the recorded pid, only while it has the recorded start time (a pid reused
-/// by another process is left alone).
+/// Kills a daemon a previous agent left (see [`leftover`]).
 fn stop_leftover(dirs: &MpsDirs) {
     let Ok(record) = std::fs::read_to_string(dirs.claim.join(PID_FILE)) else { return };
-    let mut fields = record.split_whitespace();
-    let (Some(Ok(pid)), Some(started)) = (fields.next().map(str::parse::<u32>), fields.next()) else { return };
-    if start_time(pid).as_deref() == Some(started) {
+    if let Some((pid, started)) = leftover(&record, &boot_id(), start_time) {
         warn!(pid, dir = %dirs.claim.display(), "stopping an MPS control daemon a previous agent left running");
         kill_group(pid);
         let deadline = Instant::now() + STOP_TIMEOUT;
-        while start_time(pid).as_deref() == Some(started) && Instant::now() < deadline {
+        while start_time(pid).as_deref() == Some(started.as_str()) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
     }
+}
+
+/// The daemon a pid file records, when it still runs: the recorded pid, only while it has the recorded start time
+/// (`start_time_of` it now) in the recorded boot (a pid and start time of another boot, when the directory outlived a
+/// reboot, or a pid reused by another process, are left alone).
+fn leftover(record: &str, boot_id: &str, start_time_of: impl Fn(u32) -> Option<String>) -> Option<(u32, String)> {
+    let mut fields = record.split_whitespace();
+    let pid = fields.next()?.parse::<u32>().ok()?;
+    let started = fields.next()?.to_string();
+    let recorded_boot = fields.next().unwrap_or_default();
+    let same_boot = recorded_boot.is_empty() || boot_id.is_empty() || recorded_boot == boot_id;
+    (same_boot && start_time_of(pid).as_deref() == Some(started.as_str())).then_some((pid, started))
+}
+
+/// The kernel's boot ID (empty when unreadable): the pid and start time of a process are only unique within it.
+fn boot_id() -> String {
+    crate::kubelet_plugin::checkpoint::boot_id()
 }
 
 fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {
@@ -496,5 +511,27 @@ fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(MpsError::Remove { claim_uid: claim_uid.into(), dir: dirs.claim.clone(), source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_recorded_daemon_still_running_in_this_boot_is_a_leftover() {
+        let running = |pid: u32| (pid == 42).then(|| "1000".to_string());
+        let cases = [
+            ("42 1000 boot-a\n", Some((42, "1000".to_string()))),
+            ("42 1000\n", Some((42, "1000".to_string()))), // no boot recorded: the start time decides
+            ("42 1000 boot-b\n", None),                    // another boot: its pid and start time mean nothing now
+            ("42 999 boot-a\n", None),                     // the pid was reused
+            ("43 1000 boot-a\n", None),                    // gone
+            ("garbage", None),
+            ("", None),
+        ];
+        for (record, expected) in cases {
+            assert_eq!(leftover(record, "boot-a", running), expected, "{record:?}");
+        }
     }
 }
