@@ -4,8 +4,9 @@
 # NVML's health events report in 5 s (--watch-health: the events each GPU supports, any fault with its class), and,
 # when asked (--check-time-slice: not on a node running claims), the first GPU's time slice set to Long and back,
 # and (--check-mig-device: likewise) a MIG device of the smallest profile made on the first GPU in MIG mode with room,
-# found by discovery, its claim's CDI spec written (printed with the sample's), and destroyed, and (--check-mps) an MPS
-# control daemon started for the sample claim's GPUs, asked for its servers (get_server_list) and stopped.
+# found by discovery, its claim's CDI spec written (printed with the sample's), and destroyed, and (--check-mps:
+# likewise) an MPS control daemon started for the sample claim's GPUs, set to EXCLUSIVE_PROCESS first, asked for its
+# servers (get_server_list) and stopped, the GPUs set back to DEFAULT.
 #
 # Usage: e2e/gpu-check.sh [gpu-dra gpu-check flags…]
 #   e.g. e2e/gpu-check.sh --driver-root /run/nvidia/driver --claim-gpus 2

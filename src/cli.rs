@@ -282,8 +282,9 @@ pub struct GpuCheckArgs {
     #[arg(long)]
     pub check_mig_device: bool,
     /// Start an MPS control daemon for the sample claim's GPUs as a claim asking `sharing.strategy: MPS` does
-    /// (`nvidia-cuda-mps-control -f` under the driver root, in its own mount namespace; needs root), ask it for its
-    /// servers through its control pipe, and stop it again.
+    /// (their compute mode set to EXCLUSIVE_PROCESS, `nvidia-cuda-mps-control -f` under the driver root, in its own
+    /// mount namespace; needs root), ask it for its servers through its control pipe, stop it again and set the GPUs
+    /// back to DEFAULT (not on a node running claims).
     #[arg(long)]
     pub check_mps: bool,
 }

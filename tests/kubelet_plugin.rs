@@ -21,8 +21,8 @@ use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
-    a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default,
-    mps_settings_naming_no_device_are_refused,
+    a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_admin_access_claim_beside_an_mps_claim_changes_nothing,
+    an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
 };
 use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
@@ -52,6 +52,7 @@ fn main() {
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
+            test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
         ],
     )
 }

@@ -190,13 +190,18 @@ pub fn exclusive_gpus(planned: &[PlannedDevice]) -> BTreeSet<String> {
 /// The devices [`Checkpoint::exclusive_process`] lists whose UUID (`uuid_of` a device name; `None`: gone from the
 /// node) no prepared claim's MPS daemon serves: those to set back to the `Default` compute mode. A daemon serves the
 /// UUIDs it records, which leave out devices held with admin access (also for a recovered claim, whose spec names
-/// its daemon's); a claim half prepared (its prepare failed or was interrupted) has none running.
-pub fn exclusive_to_set_back(checkpoint: &Checkpoint, uuid_of: impl Fn(&str) -> Option<String>) -> Vec<String> {
+/// its daemon's); a claim half prepared (its prepare failed or was interrupted) has none, unless its daemon still
+/// runs (`daemon_runs` for its UID: a prepare whose last save failed).
+pub fn exclusive_to_set_back(
+    checkpoint: &Checkpoint,
+    uuid_of: impl Fn(&str) -> Option<String>,
+    daemon_runs: impl Fn(&str) -> bool,
+) -> Vec<String> {
     let served: BTreeSet<&str> = checkpoint
         .claims
-        .values()
-        .filter(|entry| entry.state == PrepareState::PrepareCompleted)
-        .filter_map(|entry| entry.mps.as_ref())
+        .iter()
+        .filter(|(uid, entry)| entry.state == PrepareState::PrepareCompleted || daemon_runs(uid))
+        .filter_map(|(_, entry)| entry.mps.as_ref())
         .flat_map(|daemon| daemon.uuids.iter().map(String::as_str))
         .collect();
     let idle = |device: &String| uuid_of(device).is_none_or(|uuid| !served.contains(uuid.as_str()));
@@ -408,6 +413,10 @@ mod tests {
         let half = entry(&[("gpu-3", false)], &["GPU-3"], PrepareState::PrepareStarted);
         checkpoint.claims.insert("half".into(), half);
         let uuid_of = |name: &str| name.strip_prefix("gpu-").filter(|n| *n != "9").map(|n| format!("GPU-{n}"));
-        assert_eq!(exclusive_to_set_back(&checkpoint, uuid_of), ["gpu-1", "gpu-2", "gpu-3", "gpu-9"]);
+        let none_runs = |_: &str| false;
+        assert_eq!(exclusive_to_set_back(&checkpoint, uuid_of, none_runs), ["gpu-1", "gpu-2", "gpu-3", "gpu-9"]);
+        // A half-prepared claim whose daemon still runs (its last save failed) still serves its GPU.
+        let half_runs = |uid: &str| uid == "half";
+        assert_eq!(exclusive_to_set_back(&checkpoint, uuid_of, half_runs), ["gpu-1", "gpu-2", "gpu-9"]);
     }
 }

@@ -482,9 +482,10 @@ impl DriverState {
             ready = rest;
         }
         let mut written = Vec::new();
+        let batch_exclusive: BTreeSet<String> = ready.iter().flat_map(|t| t.exclusive.iter().cloned()).collect();
         for mut claim in ready {
             let write = self
-                .ensure_default_compute_modes(checkpoint, &claim)
+                .ensure_default_compute_modes(checkpoint, &claim, &batch_exclusive)
                 .and_then(|()| self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks))
                 .and_then(|()| self.start_mps(&mut claim))
                 .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));
@@ -686,9 +687,11 @@ impl DriverState {
             .filter(|(_, e)| e.state == PrepareState::PrepareCompleted)
             .filter_map(|(uid, e)| Some((uid.clone(), e.mps.clone()?)))
             .collect();
+        self.set_exclusive_again(&checkpoint);
         let mut orphans = self.mps.reconcile(&daemons);
         // After the daemons: a GPU is never back at DEFAULT while one a previous agent left still serves it.
-        self.reapply_compute_modes(&mut checkpoint);
+        let exclusive = checkpoint.exclusive_process.clone();
+        self.reset_compute_modes(&mut checkpoint, &exclusive);
         // A writer killed between creating its temporary file and renaming it leaves the temporary behind.
         match cdi::remove_abandoned_spec_temporaries(&self.cdi_dir, &self.cdi_kind) {
             Ok(removed) => orphans += removed,

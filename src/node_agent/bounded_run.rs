@@ -3,7 +3,8 @@
 
 use std::io::{Read, Write};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::thread::JoinHandle;
+use std::sync::mpsc::Receiver;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// How a bounded run ended.
@@ -40,19 +41,49 @@ pub fn run(mut command: Command, input: Option<&[u8]>, limit: Duration) -> std::
             return Err(e);
         }
     };
-    let [stdout, stderr] = outputs.map(|reader| reader.join().unwrap_or_default());
+    let [stdout, stderr] = outputs.map(Drained::take);
     Ok(Outcome::Exited { status, stdout, stderr })
 }
 
-/// Reads a pipe to its end on a thread of its own.
-fn drain(pipe: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
+/// How long the output of a program that exited may take to reach its end.
+const OUTPUT_AFTER_EXIT: Duration = Duration::from_secs(1);
+
+/// A pipe being read on a thread of its own.
+struct Drained {
+    read: Arc<Mutex<Vec<u8>>>,
+    ended: Receiver<()>,
+}
+
+impl Drained {
+    /// What was read once the pipe ended, or [`OUTPUT_AFTER_EXIT`] after the program exited: a descendant left
+    /// running may hold the pipe open, and what came by then is what there is.
+    fn take(self) -> String {
+        let _ = self.ended.recv_timeout(OUTPUT_AFTER_EXIT);
+        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+        String::from_utf8_lossy(&read).into_owned()
+    }
+}
+
+/// Reads a pipe as its output comes, on a thread of its own.
+fn drain(pipe: Option<impl Read + Send + 'static>) -> Drained {
+    let read = Arc::new(Mutex::new(Vec::new()));
+    let (ended, receive) = std::sync::mpsc::channel();
+    let into = read.clone();
     std::thread::spawn(move || {
-        let mut text = String::new();
         if let Some(mut pipe) = pipe {
-            let _ = pipe.read_to_string(&mut text);
+            let mut chunk = [0u8; 4096];
+            loop {
+                match pipe.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => into.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
         }
-        text
-    })
+        let _ = ended.send(());
+    });
+    Drained { read, ended: receive }
 }
 
 /// The child's exit status, or `None` when it has not exited within `limit`.
@@ -87,6 +118,15 @@ mod tests {
             panic!("timed out");
         };
         assert_eq!((status.code(), stdout.as_str(), stderr.as_str()), (Some(3), "got quit\n", "oops\n"));
+        // A program that exits leaving a child with its output open is answered all the same.
+        let mut detached = Command::new("/bin/sh");
+        detached.args(["-c", "echo before; sleep 30 & exit 0"]);
+        let started = Instant::now();
+        let Outcome::Exited { stdout, .. } = run(detached, None, Duration::from_secs(10))? else {
+            panic!("timed out");
+        };
+        assert_eq!(stdout, "before\n");
+        assert!(started.elapsed() < Duration::from_secs(5), "took {:?}", started.elapsed());
         let mut hung = Command::new("/bin/sh");
         hung.args(["-c", "exec sleep 30"]);
         let started = Instant::now();

@@ -9,8 +9,8 @@ use std::process::Command;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DriverTool {
     pub program: PathBuf,
-    /// The directory of the driver's `libnvidia-ml.so.1`, when it is not where the dynamic loader looks: it joins
-    /// `LD_LIBRARY_PATH`.
+    /// The directory of the driver's `libnvidia-ml.so.1`, when it is not where the dynamic loader looks: the program
+    /// runs with `LD_LIBRARY_PATH` set to it.
     pub library_dir: Option<PathBuf>,
 }
 

@@ -97,7 +97,7 @@ pub struct NvidiaSmi {
 
 impl NvidiaSmi {
     /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`; `nvml_library` is the NVML
-    /// library discovery loads (its directory joins `LD_LIBRARY_PATH` when it is a path).
+    /// library discovery loads (`LD_LIBRARY_PATH` is set to its directory when it is a path).
     pub fn new(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
         Self { tool: DriverTool::find(driver_root, "nvidia-smi", nvml_library), timeout: NVIDIA_SMI_TIMEOUT }
     }
@@ -259,13 +259,20 @@ mod tests {
     }
 
     #[test]
-    fn nvidia_smi_is_asked_for_the_compute_mode() {
+    fn nvidia_smi_is_asked_for_the_compute_mode() -> Result<(), Box<dyn std::error::Error>> {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir()?;
+        let refusing = dir.path().join("nvidia-smi");
+        std::fs::write(&refusing, "#!/bin/sh\necho \"Insufficient Permissions\" >&2\nexit 4\n")?;
+        std::fs::set_permissions(&refusing, std::fs::Permissions::from_mode(0o755))?;
         let gpu = test_gpu(0, "0000:01:00.0");
-        let failing = NvidiaSmi::with_program("/bin/sh".into(), Duration::from_secs(10));
+        let failing = NvidiaSmi::with_program(refusing, Duration::from_secs(10));
         let error = failing.set_compute_mode(&gpu, ComputeMode::ExclusiveProcess).err().map(|e| e.to_string());
         let error = error.unwrap_or_default();
         assert!(error.contains("-i GPU-00000000-0000-0000-0000-000000000000 -c EXCLUSIVE_PROCESS"), "{error}");
+        assert!(error.contains("failed (exit status: 4): Insufficient Permissions"), "{error}");
         assert_eq!(ComputeMode::Default.nvidia_smi_name(), "DEFAULT");
+        Ok(())
     }
 
     #[test]

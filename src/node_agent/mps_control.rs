@@ -187,6 +187,11 @@ impl MpsDaemons {
         self.len() == 0
     }
 
+    /// Whether the claim has a daemon supervised (running, or waiting to be started again).
+    pub fn supervises(&self, claim_uid: &str) -> bool {
+        self.running().contains_key(claim_uid)
+    }
+
     /// The pid of the claim's daemon as now running, if it is.
     pub fn pid(&self, claim_uid: &str) -> Option<u32> {
         self.running().get(claim_uid).map(|s| s.pid.load(Ordering::SeqCst)).filter(|pid| *pid != 0)
@@ -365,8 +370,12 @@ impl Supervisor {
                 // and are reaped (they were handed to the agent, its reaper).
                 kill_group(running.id());
                 let reaped = mps_sys::reap_group(running.id(), REAP_WITHIN);
-                if reaped > 0 {
-                    info!(claim_uid = %self.claim_uid, reaped, "reaped the MPS servers the daemon left");
+                if reaped.count > 0 {
+                    info!(claim_uid = %self.claim_uid, reaped = reaped.count, "reaped the MPS servers the daemon left");
+                }
+                if reaped.lingering {
+                    warn!(claim_uid = %self.claim_uid, "MPS servers the daemon left are still dying {REAP_WITHIN:?} \
+                          after they were killed (stuck in the GPU driver?); they are reaped when they die");
                 }
                 if self.stop.load(Ordering::SeqCst) {
                     return;

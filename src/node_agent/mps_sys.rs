@@ -4,10 +4,12 @@
 
 #![allow(unsafe_code)]
 
+use std::collections::BTreeSet;
 use std::ffi::{CStr, CString};
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::Command;
+use std::sync::{Mutex, Once, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Makes `command`'s process run in a private mount namespace with `shm` bind-mounted at `/dev/shm` (needs
@@ -57,38 +59,68 @@ pub(super) fn become_subreaper() -> std::io::Result<()> {
     if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
 }
 
+/// What [`reap_group`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Reaped {
+    /// Members reaped.
+    pub count: usize,
+    /// Members still there at the deadline (a CUDA process tearing down its GPU context can take a while to die):
+    /// the agent's one reaper thread collects them as they die.
+    pub lingering: bool,
+}
+
 /// Reaps the exited children of this process in process group `pgid` (a dead daemon's MPS servers, handed to the
-/// agent as their reaper and killed with [`kill_group`]), waiting at most `within` for the group to empty; answers
-/// how many were reaped. A child still there then (a CUDA process tearing down its GPU context can take a while to
-/// die) is waited for by a thread of its own, so it never stays a zombie. Only that group is waited for: the agent's
-/// other children stay theirs to wait on.
-pub(super) fn reap_group(pgid: u32, within: Duration) -> usize {
-    let Ok(pgid) = i32::try_from(pgid) else { return 0 };
+/// agent as their reaper and killed with [`kill_group`]), waiting at most `within` for the group to empty. Only
+/// that group is waited for: the agent's other children stay theirs to wait on.
+pub(super) fn reap_group(pgid: u32, within: Duration) -> Reaped {
+    let Ok(pgid) = i32::try_from(pgid) else { return Reaped::default() };
     if pgid <= 0 {
-        return 0;
+        return Reaped::default();
     }
     let deadline = Instant::now() + within;
-    let mut reaped = 0;
-    loop {
-        let mut status = 0;
-        // SAFETY: a plain system call writing to a local.
-        let pid = unsafe { libc::waitpid(-pgid, &mut status, libc::WNOHANG) };
-        if pid > 0 {
-            reaped += 1;
-            continue;
-        }
-        // -1: no child left in the group (ECHILD); 0: some still run (killed, not yet dead).
-        if pid < 0 {
-            return reaped;
-        }
+    let mut reaped = Reaped::default();
+    while reap_exited(pgid, &mut reaped.count) {
         if Instant::now() >= deadline {
-            std::thread::spawn(move || {
-                let mut status = 0;
-                // SAFETY: as above; blocks until each is gone, then ends with ECHILD.
-                while unsafe { libc::waitpid(-pgid, &mut status, 0) } > 0 {}
-            });
-            return reaped;
+            reap_later(pgid);
+            reaped.lingering = true;
+            break;
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    reaped
+}
+
+/// Reaps the members of group `pgid` that have exited, counting them; whether members remain (alive, or dying).
+fn reap_exited(pgid: i32, count: &mut usize) -> bool {
+    loop {
+        let mut status = 0;
+        // SAFETY: a plain system call writing to a local.
+        match unsafe { libc::waitpid(-pgid, &mut status, libc::WNOHANG) } {
+            pid if pid > 0 => *count += 1,
+            // 0: some still run; -1: none left (ECHILD).
+            result => return result == 0,
+        }
+    }
+}
+
+/// Groups with members that outlived [`reap_group`]'s wait, and the one thread that reaps them as they die (a
+/// group's number cannot be taken by a new process group before its last member is reaped, here).
+static LINGERING: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
+static REAPER: Once = Once::new();
+
+fn reap_later(pgid: i32) {
+    LINGERING.lock().unwrap_or_else(PoisonError::into_inner).insert(pgid);
+    REAPER.call_once(|| {
+        std::thread::spawn(|| {
+            loop {
+                std::thread::sleep(Duration::from_secs(1));
+                let groups = LINGERING.lock().unwrap_or_else(PoisonError::into_inner).clone();
+                for pgid in groups {
+                    if !reap_exited(pgid, &mut 0) {
+                        LINGERING.lock().unwrap_or_else(PoisonError::into_inner).remove(&pgid);
+                    }
+                }
+            }
+        });
+    });
 }

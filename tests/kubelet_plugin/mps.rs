@@ -36,10 +36,18 @@ fn server_pids(claim: &Path) -> Vec<u32> {
     log.lines().filter_map(|line| line.strip_prefix("server pid=")?.trim().parse().ok()).collect()
 }
 
-/// Waits until `pid` is gone from the process table: dead and reaped, not left a zombie.
-async fn reaped(what: &str, pid: u32) -> anyhow::Result<()> {
+/// The start time `/proc/<pid>/stat` records for `pid`, a zombie's too; `None` once it is gone.
+fn recorded_start(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    gpu_dra::proc_stat::ProcStat::parse(&stat)?.field(22).map(str::to_string)
+}
+
+/// Waits until `pid`, which started at `started` (read while it ran), is gone from the process table: dead and
+/// reaped, not left a zombie (the pid taken again since by another process, with another start time, counts as gone).
+async fn reaped(what: &str, pid: u32, started: Option<String>) -> anyhow::Result<()> {
+    ensure!(started.is_some(), "{what}: process {pid} was not running to begin with");
     let gone = wait::until(what, Duration::from_secs(10), || async {
-        Ok((!Path::new(&format!("/proc/{pid}")).exists()).then_some(()))
+        Ok((started.is_none() || recorded_start(pid) != started).then_some(()))
     })
     .await;
     let state = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
@@ -124,10 +132,11 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     // container's PID 1 is), and the daemon is started again and counted.
     let first_server = *server_pids(&claim_dir).first().context("the daemon started no server")?;
     ensure!(alive(first_server), "server {first_server} does not run");
+    let first_server_start = recorded_start(first_server);
     std::process::Command::new("kill").args(["-9", &first.to_string()]).status()?;
     let second = next_daemon(&claim_dir, 1).await?;
     ensure!(second != first && !alive(first), "daemon {first} was not replaced: {:?}", started_pids(&claim_dir));
-    reaped("the dead daemon's server to be killed and reaped", first_server).await?;
+    reaped("the dead daemon's server to be killed and reaped", first_server, first_server_start).await?;
     // By the agent: the test process is not the server's reaper (the agent is, as its container's PID 1 would be).
     let log = agent.log_text();
     ensure!(log.contains("reaped the MPS servers the daemon left"), "the agent did not reap the server:\n{log}");
@@ -165,11 +174,12 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
 
     // Unprepare: the daemon is told to quit (and stops its server), and its directories go.
     let fourth_server = *server_pids(&claim_dir).last().context("no server")?;
+    let fourth_server_start = recorded_start(fourth_server);
     let mut kubelet = Kubelet::register(&dirs).await?;
     let unprepared = kubelet.unprepare(&claims).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(!alive(fourth), "daemon {fourth} still runs after unprepare");
-    reaped("the quit daemon's server to go", fourth_server).await?;
+    reaped("the quit daemon's server to go", fourth_server, fourth_server_start).await?;
     ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
     ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
     let listed = checkpoint(&dirs, "boot-1")?.exclusive_process;
@@ -250,5 +260,44 @@ pub(super) async fn an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default(ct
     ensure!(checkpoint(&dirs, "boot-1")?.exclusive_process.is_empty(), "still listed once set back");
     let unprepared = kubelet.unprepare(&plain).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    Ok(())
+}
+
+/// A monitoring claim holding the GPU with admin access, prepared in one batch with an MPS claim of that GPU (either
+/// first): it changes nothing of the GPU, which stays in EXCLUSIVE_PROCESS for the MPS claim and listed, and is set
+/// back to DEFAULT once both are unprepared.
+pub(super) async fn an_admin_access_claim_beside_an_mps_claim_changes_nothing(ctx: TestContext) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Namespace;
+    use k8s_openapi::api::resource::v1::ResourceClaim;
+    use kube::Api;
+    use kube::api::{Patch, PatchParams, PostParams};
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let label = json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}});
+    Api::<Namespace>::all(ctx.client.clone()).patch(ns, &PatchParams::default(), &Patch::Merge(&label)).await?;
+    let mps_uid = allocated_claim(&ctx, "mps", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
+    let claims = super::support::objects::claims(&ctx);
+    let monitor: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "monitor"}, "spec": {"devices": {
+        "requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu", "adminAccess": true}}]}}}))?;
+    let monitor_uid = claims.create(&PostParams::default(), &monitor).await?.metadata.uid.context("no UID")?;
+    let status = json!({"status": {"allocation": {"devices": {"results": [
+        {"request": "gpus", "driver": DRIVER, "pool": node, "device": "gpu-0", "adminAccess": true}]}}}});
+    claims.patch_status("monitor", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let (mps, monitor) = ((ns, "mps", mps_uid.as_str()), (ns, "monitor", monitor_uid.as_str()));
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    for batch in [[mps, monitor], [monitor, mps]] {
+        let answers = kubelet.prepare(&batch).await?;
+        ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+        let modes = dirs.compute_modes()?;
+        ensure!(modes.get("gpu-0").map(String::as_str) == Some("ExclusiveProcess"), "{batch:?}: {modes:?}");
+        let listed = checkpoint(&dirs, "boot-1")?.exclusive_process;
+        ensure!(listed.contains("gpu-0"), "{batch:?}: the GPU is no longer listed: {listed:?}");
+        let unprepared = kubelet.unprepare(&batch).await?;
+        ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+        ensure!(dirs.compute_modes()?.is_empty(), "{batch:?}: after unprepare: {:?}", dirs.compute_modes()?);
+    }
     Ok(())
 }

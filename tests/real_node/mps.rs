@@ -87,7 +87,9 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
 
     let claim = claim_of(ctx, "mps").await?;
     let uid = claim_uid(ctx, &claim).await?;
-    let uuid = super::allocated(ctx, &node.name, &claim).await?.uuids.into_iter().next().context("no GPU")?;
+    let seen = super::allocated(ctx, &node.name, &claim).await?;
+    let uuid = seen.uuids.into_iter().next().context("no GPU")?;
+    let minor = seen.minors.into_iter().next().context("no GPU")?;
     for (name, user) in [("a", "0"), ("b", "1000")] {
         let log = wait::until(&format!("container {name} to list /dev/shm"), WAIT, || async {
             let params = LogParams { container: Some(name.into()), ..LogParams::default() };
@@ -124,16 +126,23 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     // Its GPU is in EXCLUSIVE_PROCESS compute mode while the daemon serves it.
     let compute_modes = node.agent_state_dir()?.join("simulated-compute-modes.json");
     let modes = || std::fs::read_to_string(&compute_modes).unwrap_or_default().split_whitespace().collect::<String>();
-    ensure!(modes().contains("\"ExclusiveProcess\""), "compute modes while the pod runs: {}", modes());
+    let exclusive = format!("\"gpu-{minor}\":\"ExclusiveProcess\"");
+    ensure!(modes().contains(&exclusive), "compute modes while the pod runs: {} (no {exclusive})", modes());
 
     // The daemon dies, leaving its server: the agent (its container's PID 1) kills the server and reaps it, so it
     // does not stay a zombie, and starts the daemon again.
     let servers = servers_of(&pipe);
     ensure!(servers.len() == 1, "servers of the claim's daemon: {servers:?}");
-    std::process::Command::new("kill").args(["-9", &daemons[0].to_string()]).status()?;
     let server = servers[0];
+    // Its start time, a zombie's too: the pid taken again by another process counts as gone.
+    let started = |pid: u32| {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        gpu_dra::proc_stat::ProcStat::parse(&stat)?.field(22).map(str::to_string)
+    };
+    let server_start = started(server).context("the server is gone before its daemon")?;
+    std::process::Command::new("kill").args(["-9", &daemons[0].to_string()]).status()?;
     wait::until("the dead daemon's server to be killed and reaped", WAIT, || async {
-        Ok((!Path::new(&format!("/proc/{server}")).exists()).then_some(()))
+        Ok((started(server).as_ref() != Some(&server_start)).then_some(()))
     })
     .await
     .with_context(|| {

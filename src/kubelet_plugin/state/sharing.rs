@@ -124,27 +124,39 @@ impl DriverState {
 
     /// Before a claim that asks no MPS is prepared: its GPUs that an MPS claim's daemon left in `EXCLUSIVE_PROCESS`
     /// (a set-back that failed) are set back now, or the prepare fails saying so (the kubelet retries), so that a
-    /// claim never gets a GPU on which one process at a time can run.
-    pub(super) fn ensure_default_compute_modes(&self, checkpoint: &mut Checkpoint, todo: &Todo) -> Result<(), String> {
+    /// claim never gets a GPU left that way by a claim that is gone. Not the devices it holds with admin access (it
+    /// changes nothing of those), nor those an MPS claim of the same batch (`batch_exclusive`) is about to use.
+    pub(super) fn ensure_default_compute_modes(
+        &self,
+        checkpoint: &mut Checkpoint,
+        todo: &Todo,
+        batch_exclusive: &BTreeSet<String>,
+    ) -> Result<(), String> {
         if todo.mps.is_some() {
             return Ok(());
         }
-        let devices = todo.devices.iter().map(Device::name).collect();
-        match self.set_back_compute_modes(checkpoint, &devices).into_iter().next() {
-            None => Ok(()),
-            Some((device, e)) => Err(format!(
-                "claim {}: device {device:?} is still in the EXCLUSIVE_PROCESS compute mode an MPS claim's daemon \
-                 needed, and setting it back to DEFAULT failed: {e}",
-                todo.claim
-            )),
-        }
+        let held = checkpoint.claims.get(&todo.claim.uid).map(|entry| &entry.devices[..]).unwrap_or_default();
+        let devices = held
+            .iter()
+            .filter(|d| !d.admin_access && !batch_exclusive.contains(&d.device))
+            .map(|d| d.device.clone())
+            .collect();
+        let Some((device, e)) = self.set_back_compute_modes(checkpoint, &devices).into_iter().next() else {
+            return Ok(());
+        };
+        self.metrics.compute_mode_restore_failures.inc();
+        Err(format!(
+            "claim {}: device {device:?} is still in the EXCLUSIVE_PROCESS compute mode an MPS claim's daemon needed, \
+             and setting it back to DEFAULT failed: {e}",
+            todo.claim
+        ))
     }
 
     /// Sets the listed, idle devices among `devices` back to `Default` (see [`Self::reset_compute_modes`]); the
     /// devices that could not be, with why.
     fn set_back_compute_modes(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) -> Vec<(String, String)> {
         let inventory = self.inventory.borrow().clone();
-        let idle = mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory));
+        let idle = mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory), |uid| self.mps.supervises(uid));
         let mut failed = Vec::new();
         for device in idle.iter().filter(|d| devices.contains(*d)) {
             if device::is_mig_device_name(device) || inventory.get(device).is_some_and(Device::is_mig) {
@@ -166,20 +178,19 @@ impl DriverState {
         failed
     }
 
-    /// Start-up, once the daemons of prepared claims run again: every GPU listed in
-    /// [`Checkpoint::exclusive_process`] set to what it is to be now: `EXCLUSIVE_PROCESS` while a prepared claim's MPS
-    /// daemon serves it (again: a driver reloaded without a reboot forgot it), else back to `Default`.
-    pub(super) fn reapply_compute_modes(&self, checkpoint: &mut Checkpoint) {
+    /// Start-up, before the daemons of prepared claims are started again: `EXCLUSIVE_PROCESS` set again on every
+    /// listed GPU a prepared claim's daemon serves (a driver reloaded without a reboot forgot it), as a prepare sets
+    /// it before its daemon starts. The others are set back once the daemons run ([`Self::reset_compute_modes`]).
+    pub(super) fn set_exclusive_again(&self, checkpoint: &Checkpoint) {
         let inventory = self.inventory.borrow().clone();
         let idle: BTreeSet<String> =
-            mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory)).into_iter().collect();
+            mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory), |_| false).into_iter().collect();
         for device in checkpoint.exclusive_process.difference(&idle) {
             let Some(gpu) = inventory.get(device).filter(|d| !d.is_mig()).map(|d| &d.gpu) else { continue };
             if let Err(e) = self.gpu_settings.set_compute_mode(gpu, ComputeMode::ExclusiveProcess) {
                 warn!(device, error = %e, "setting the compute mode of a GPU an MPS daemon serves failed");
             }
         }
-        self.reset_compute_modes(checkpoint, &idle);
     }
 
     /// The UUIDs an MPS claim's daemon serves that are whole GPUs of this node, by device name: what it makes
