@@ -482,10 +482,9 @@ impl DriverState {
             ready = rest;
         }
         let mut written = Vec::new();
-        let batch_exclusive: BTreeSet<String> = ready.iter().flat_map(|t| t.exclusive.iter().cloned()).collect();
         for mut claim in ready {
             let write = self
-                .ensure_default_compute_modes(checkpoint, &claim, &batch_exclusive)
+                .ensure_default_compute_modes(checkpoint, &claim)
                 .and_then(|()| self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks))
                 .and_then(|()| self.start_mps(&mut claim))
                 .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));

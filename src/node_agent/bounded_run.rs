@@ -41,7 +41,8 @@ pub fn run(mut command: Command, input: Option<&[u8]>, limit: Duration) -> std::
             return Err(e);
         }
     };
-    let [stdout, stderr] = outputs.map(Drained::take);
+    let until = Instant::now() + OUTPUT_AFTER_EXIT;
+    let [stdout, stderr] = outputs.map(|output| output.take(until));
     Ok(Outcome::Exited { status, stdout, stderr })
 }
 
@@ -50,23 +51,24 @@ const OUTPUT_AFTER_EXIT: Duration = Duration::from_secs(1);
 
 /// A pipe being read on a thread of its own.
 struct Drained {
-    read: Arc<Mutex<Vec<u8>>>,
+    /// What was read; `None` once taken (the reader then drops what still comes).
+    read: Arc<Mutex<Option<Vec<u8>>>>,
     ended: Receiver<()>,
 }
 
 impl Drained {
-    /// What was read once the pipe ended, or [`OUTPUT_AFTER_EXIT`] after the program exited: a descendant left
+    /// What was read once the pipe ended, or at `until` (shortly after the program exited): a descendant left
     /// running may hold the pipe open, and what came by then is what there is.
-    fn take(self) -> String {
-        let _ = self.ended.recv_timeout(OUTPUT_AFTER_EXIT);
-        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner);
+    fn take(self, until: Instant) -> String {
+        let _ = self.ended.recv_timeout(until.saturating_duration_since(Instant::now()));
+        let read = self.read.lock().unwrap_or_else(PoisonError::into_inner).take().unwrap_or_default();
         String::from_utf8_lossy(&read).into_owned()
     }
 }
 
 /// Reads a pipe as its output comes, on a thread of its own.
 fn drain(pipe: Option<impl Read + Send + 'static>) -> Drained {
-    let read = Arc::new(Mutex::new(Vec::new()));
+    let read = Arc::new(Mutex::new(Some(Vec::new())));
     let (ended, receive) = std::sync::mpsc::channel();
     let into = read.clone();
     std::thread::spawn(move || {
@@ -75,7 +77,11 @@ fn drain(pipe: Option<impl Read + Send + 'static>) -> Drained {
             loop {
                 match pipe.read(&mut chunk) {
                     Ok(0) => break,
-                    Ok(n) => into.lock().unwrap_or_else(PoisonError::into_inner).extend_from_slice(&chunk[..n]),
+                    Ok(n) => {
+                        if let Some(read) = into.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+                            read.extend_from_slice(&chunk[..n]);
+                        }
+                    }
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(_) => break,
                 }

@@ -124,23 +124,14 @@ impl DriverState {
 
     /// Before a claim that asks no MPS is prepared: its GPUs that an MPS claim's daemon left in `EXCLUSIVE_PROCESS`
     /// (a set-back that failed) are set back now, or the prepare fails saying so (the kubelet retries), so that a
-    /// claim never gets a GPU left that way by a claim that is gone. Not the devices it holds with admin access (it
-    /// changes nothing of those), nor those an MPS claim of the same batch (`batch_exclusive`) is about to use.
-    pub(super) fn ensure_default_compute_modes(
-        &self,
-        checkpoint: &mut Checkpoint,
-        todo: &Todo,
-        batch_exclusive: &BTreeSet<String>,
-    ) -> Result<(), String> {
+    /// claim never gets a GPU left that way by a claim that is gone. Not the devices it holds with admin access: it
+    /// changes nothing of those (an MPS claim of the same batch, not yet completed, may be about to use one).
+    pub(super) fn ensure_default_compute_modes(&self, checkpoint: &mut Checkpoint, todo: &Todo) -> Result<(), String> {
         if todo.mps.is_some() {
             return Ok(());
         }
         let held = checkpoint.claims.get(&todo.claim.uid).map(|entry| &entry.devices[..]).unwrap_or_default();
-        let devices = held
-            .iter()
-            .filter(|d| !d.admin_access && !batch_exclusive.contains(&d.device))
-            .map(|d| d.device.clone())
-            .collect();
+        let devices = held.iter().filter(|d| !d.admin_access).map(|d| d.device.clone()).collect();
         let Some((device, e)) = self.set_back_compute_modes(checkpoint, &devices).into_iter().next() else {
             return Ok(());
         };
