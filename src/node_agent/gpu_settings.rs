@@ -243,13 +243,24 @@ mod tests {
         assert!(error.contains("Is the NVIDIA driver's nvidia-smi under --driver-root?"), "{error}");
     }
 
+    /// Held by a test while it writes and runs a script: a script run while another thread's fork still holds a
+    /// just-written one open for writing fails with ETXTBSY ("Text file busy").
+    static SCRIPTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// An executable `nvidia-smi` in `dir` that runs `script`.
+    fn fake_nvidia_smi(dir: &tempfile::TempDir, script: &str) -> std::io::Result<PathBuf> {
+        use std::os::unix::fs::PermissionsExt;
+        let path = dir.path().join("nvidia-smi");
+        std::fs::write(&path, format!("#!/bin/sh\n{script}\n"))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+        Ok(path)
+    }
+
     #[test]
     fn a_hung_nvidia_smi_is_given_up_on_in_time() -> Result<(), Box<dyn std::error::Error>> {
-        use std::os::unix::fs::PermissionsExt;
+        let _scripts = SCRIPTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let dir = tempfile::tempdir()?;
-        let hung = dir.path().join("nvidia-smi");
-        std::fs::write(&hung, "#!/bin/sh\nexec sleep 30\n")?;
-        std::fs::set_permissions(&hung, std::fs::Permissions::from_mode(0o755))?;
+        let hung = fake_nvidia_smi(&dir, "exec sleep 30")?;
         let started = Instant::now();
         let outcome = NvidiaSmi::with_program(hung, Duration::from_millis(300))
             .set_time_slice(&test_gpu(0, "0000:01:00.0"), TimeSliceInterval::Long);
@@ -260,11 +271,9 @@ mod tests {
 
     #[test]
     fn nvidia_smi_is_asked_for_the_compute_mode() -> Result<(), Box<dyn std::error::Error>> {
-        use std::os::unix::fs::PermissionsExt;
+        let _scripts = SCRIPTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let dir = tempfile::tempdir()?;
-        let refusing = dir.path().join("nvidia-smi");
-        std::fs::write(&refusing, "#!/bin/sh\necho \"Insufficient Permissions\" >&2\nexit 4\n")?;
-        std::fs::set_permissions(&refusing, std::fs::Permissions::from_mode(0o755))?;
+        let refusing = fake_nvidia_smi(&dir, "echo \"Insufficient Permissions\" >&2; exit 4")?;
         let gpu = test_gpu(0, "0000:01:00.0");
         let failing = NvidiaSmi::with_program(refusing, Duration::from_secs(10));
         let error = failing.set_compute_mode(&gpu, ComputeMode::ExclusiveProcess).err().map(|e| e.to_string());
