@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use super::allocation::{ClaimRef, PlannedDevice};
 use super::checkpoint::{Checkpoint, PrepareState};
 use super::config::{MpsConfig, SharingStrategy, pinned_limit_mib};
+use crate::node_agent::device::Device;
 
 /// Where a client finds the daemon's pipes (MPS's default, so images need no configuration of their own).
 pub const CLIENT_PIPE_DIRECTORY: &str = "/tmp/nvidia-mps";
@@ -180,11 +181,12 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
     Ok(Some(wanted))
 }
 
-/// The whole GPUs of a claim whose MPS daemon serves them, by device name: set to the `EXCLUSIVE_PROCESS` compute
-/// mode while it is prepared. A MIG device is not (the compute mode is its parent GPU's, which other claims' MIG
-/// devices share), nor one held with admin access (the daemon does not serve it).
-pub fn exclusive_gpus(planned: &[PlannedDevice]) -> BTreeSet<String> {
-    planned.iter().filter(|p| !p.admin_access && !p.device.is_mig()).map(|p| p.device.name()).collect()
+/// The whole GPUs among `devices` (a claim's, or the node's) that `daemon` serves, by device name: set to the
+/// `EXCLUSIVE_PROCESS` compute mode while its claim is prepared. A MIG device is not (the compute mode is its parent
+/// GPU's, which other claims' MIG devices share), nor one held with admin access (the daemon does not serve it).
+pub fn exclusive_gpus<'a>(daemon: &MpsDaemon, devices: impl IntoIterator<Item = &'a Device>) -> BTreeSet<String> {
+    let served = |d: &&Device| !d.is_mig() && daemon.uuids.iter().any(|u| u == d.uuid());
+    devices.into_iter().filter(served).map(Device::name).collect()
 }
 
 /// The devices [`Checkpoint::exclusive_process`] lists whose UUID (`uuid_of` a device name; `None`: gone from the
@@ -373,12 +375,13 @@ mod tests {
     }
 
     #[test]
-    fn gpus_served_by_an_mps_daemon_are_exclusive_until_no_daemon_serves_them() {
+    fn gpus_served_by_an_mps_daemon_are_exclusive_until_no_daemon_serves_them() -> Result<(), String> {
         use crate::kubelet_plugin::checkpoint::{ClaimEntry, PreparedDevice};
         let mut looked_at = device("monitor", 2, mps(MpsConfig::default()));
         looked_at.admin_access = true;
         let planned = [device("gpus", 0, mps(MpsConfig::default())), looked_at];
-        assert_eq!(exclusive_gpus(&planned), BTreeSet::from(["gpu-0".to_string()]));
+        let daemon = plan(&claim(), &planned)?.ok_or("no daemon")?;
+        assert_eq!(exclusive_gpus(&daemon, planned.iter().map(|p| &p.device)), BTreeSet::from(["gpu-0".to_string()]));
 
         let entry = |devices: &[(&str, bool)], daemon: &[&str], state| ClaimEntry {
             namespace: "ns".into(),
@@ -418,5 +421,6 @@ mod tests {
         // A half-prepared claim whose daemon still runs (its last save failed) still serves its GPU.
         let half_runs = |uid: &str| uid == "half";
         assert_eq!(exclusive_to_set_back(&checkpoint, uuid_of, half_runs), ["gpu-1", "gpu-2", "gpu-9"]);
+        Ok(())
     }
 }

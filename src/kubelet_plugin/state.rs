@@ -392,7 +392,8 @@ impl DriverState {
                     newly_listed.push(device.clone());
                 }
             }
-            let exclusive = if mps.is_some() { mps::exclusive_gpus(&planned) } else { BTreeSet::new() };
+            let exclusive = mps.as_ref().map(|d| mps::exclusive_gpus(d, planned.iter().map(|p| &p.device)));
+            let exclusive = exclusive.unwrap_or_default();
             for device in &exclusive {
                 if checkpoint.exclusive_process.insert(device.clone()) {
                     newly_exclusive.push(device.clone());
@@ -621,7 +622,7 @@ impl DriverState {
             checkpoint.time_sliced.extend(whole);
             // So may the compute mode of those its MPS daemon served.
             if let Some(daemon) = &entry.mps {
-                checkpoint.exclusive_process.extend(self.exclusive_devices_of(daemon));
+                checkpoint.exclusive_process.extend(mps::exclusive_gpus(daemon, self.inventory.borrow().values()));
             }
             checkpoint.claims.insert(uid.clone(), entry);
         }

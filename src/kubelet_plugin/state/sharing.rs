@@ -184,14 +184,6 @@ impl DriverState {
         }
     }
 
-    /// The UUIDs an MPS claim's daemon serves that are whole GPUs of this node, by device name: what it makes
-    /// exclusive (see [`mps::exclusive_gpus`]).
-    pub(super) fn exclusive_devices_of(&self, daemon: &MpsDaemon) -> BTreeSet<String> {
-        let inventory = self.inventory.borrow();
-        let served = |d: &&Device| !d.is_mig() && daemon.uuids.iter().any(|u| u == d.uuid());
-        inventory.values().filter(served).map(Device::name).collect()
-    }
-
     /// Every listed GPU whose claims went back to its defaults: time slice and compute mode. Answers whether the
     /// lists changed (for the caller to save).
     pub(super) fn reset_idle_gpus(&self, checkpoint: &mut Checkpoint) -> bool {
