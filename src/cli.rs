@@ -66,10 +66,11 @@ pub struct ControllerArgs {
     /// Address of the HTTP endpoint serving /metrics, /healthz and /readyz (`127.0.0.1:0` picks a free port).
     #[arg(long, env = "GPU_DRA_METRICS_ADDR", default_value = "0.0.0.0:8080")]
     pub metrics_addr: SocketAddr,
-    /// Requests per second for Events, on a client of their own so that Events never hold up claims (0: unlimited).
+    /// Events per second, sent on a client of their own so that Events never hold up claims (0: unlimited). The
+    /// Event sender keeps this rate itself, sending what is queued in batches.
     #[arg(long, env = "GPU_DRA_EVENTS_QPS", default_value_t = 50.0)]
     pub events_qps: f64,
-    /// Events allowed at once above the average.
+    /// Events allowed at once above the average; also the largest batch (at most 25).
     #[arg(long, env = "GPU_DRA_EVENTS_BURST", default_value_t = 200)]
     pub events_burst: u32,
     /// Watch and act on one namespace only (tests, or one controller per tenant); default: all namespaces.

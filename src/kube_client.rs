@@ -74,19 +74,35 @@ impl TokenBucket {
 
     /// Takes a token, or says how long until one is there.
     pub fn try_take(&self) -> Result<(), Duration> {
-        self.try_take_at(Instant::now())
+        self.try_take_at(1, Instant::now())
     }
 
-    fn try_take_at(&self, now: Instant) -> Result<(), Duration> {
+    /// Takes `n` tokens (at most the burst) once they are all there, waiting as long as it takes.
+    pub async fn take(&self, n: usize) {
+        let n = u32::try_from(n.min(self.burst())).unwrap_or(u32::MAX);
+        while let Err(wait) = self.try_take_at(n, Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// Tokens the bucket holds when full.
+    pub fn burst(&self) -> usize {
+        // Made from a u32.
+        self.burst as usize
+    }
+
+    /// Takes `n` tokens, all or none, or says how long until they are there.
+    fn try_take_at(&self, n: u32, now: Instant) -> Result<(), Duration> {
+        let n = f64::from(n);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         let (tokens, last) = &mut *state;
         *tokens = (*tokens + now.saturating_duration_since(*last).as_secs_f64() * self.qps).min(self.burst);
         *last = now;
-        if *tokens >= 1.0 {
-            *tokens -= 1.0;
+        if *tokens >= n {
+            *tokens -= n;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((1.0 - *tokens) / self.qps))
+            Err(Duration::from_secs_f64((n - *tokens) / self.qps))
         }
     }
 }
@@ -149,16 +165,28 @@ mod tests {
         let bucket = TokenBucket::new(10.0, 3);
         let t0 = Instant::now();
         for _ in 0..3 {
-            assert!(bucket.try_take_at(t0).is_ok());
+            assert!(bucket.try_take_at(1, t0).is_ok());
         }
-        let wait = bucket.try_take_at(t0).expect_err("burst spent");
+        let wait = bucket.try_take_at(1, t0).expect_err("burst spent");
         assert!((wait.as_secs_f64() - 0.1).abs() < 1e-6, "{wait:?}");
-        assert!(bucket.try_take_at(t0 + Duration::from_millis(100)).is_ok());
-        assert!(bucket.try_take_at(t0 + Duration::from_millis(100)).is_err());
+        assert!(bucket.try_take_at(1, t0 + Duration::from_millis(100)).is_ok());
+        assert!(bucket.try_take_at(1, t0 + Duration::from_millis(100)).is_err());
         // Idle time refills at most to the burst.
         for _ in 0..3 {
-            assert!(bucket.try_take_at(t0 + Duration::from_secs(60)).is_ok());
+            assert!(bucket.try_take_at(1, t0 + Duration::from_secs(60)).is_ok());
         }
-        assert!(bucket.try_take_at(t0 + Duration::from_secs(60)).is_err());
+        assert!(bucket.try_take_at(1, t0 + Duration::from_secs(60)).is_err());
+    }
+
+    #[test]
+    fn several_tokens_are_taken_all_or_none() {
+        let bucket = TokenBucket::new(10.0, 5);
+        let t0 = Instant::now();
+        assert!(bucket.try_take_at(3, t0).is_ok());
+        let wait = bucket.try_take_at(3, t0).expect_err("two left, three asked");
+        assert!((wait.as_secs_f64() - 0.1).abs() < 1e-6, "one more token: {wait:?}");
+        assert!(bucket.try_take_at(2, t0).is_ok(), "a refused take took nothing");
+        assert!(bucket.try_take_at(3, t0 + Duration::from_millis(300)).is_ok());
+        assert_eq!(bucket.burst(), 5);
     }
 }

@@ -23,6 +23,7 @@ use support::objects::{self, CLASS, claim_statuses, create_pod, create_template,
 use support::process::Component;
 use support::{TestContext, wait};
 use workloads::{
+    a_burst_of_pods_gets_every_creation_event_within_the_rate_limit,
     extended_resource_claim_of_finished_pod_is_released, finished_pod_claim_is_deleted_once_and_never_recreated,
     pod_status_naming_another_pods_claim_gets_no_reservation,
     recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated,
@@ -49,6 +50,7 @@ fn main() {
             test!(health_and_metrics_endpoints),
             test!(metrics_match_kube_controller_manager_after_real_work),
             test!(each_claim_of_a_pod_gets_an_event_naming_it),
+            test!(a_burst_of_pods_gets_every_creation_event_within_the_rate_limit),
             test!(finished_pod_claims_are_deleted_and_user_claims_released),
             test!(finished_pod_claim_is_deleted_once_and_never_recreated),
             test!(extended_resource_claim_of_finished_pod_is_released),

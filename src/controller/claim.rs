@@ -32,7 +32,7 @@ enum Consumer {
     Gone(&'static str),
 }
 
-#[instrument(skip(ctx, key), fields(claim = %key))]
+#[instrument(level = "debug", skip(ctx, key), fields(claim = %key))]
 pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
     let Some(claim) = ctx.caches.claim(&key.namespace, &key.name) else {
         return Ok(());
@@ -57,7 +57,7 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
         }
         match pod_consumer(ctx, &key.namespace, consumer).await? {
             Consumer::Alive => valid.push(consumer.clone()),
-            Consumer::Gone(why) => info!(pod = %consumer.name, why, "dropping reservation"),
+            Consumer::Gone(why) => debug!(pod = %consumer.name, why, "dropping reservation"),
         }
     }
     let has_finalizer = claim.finalizers().iter().any(|f| f == DELETE_PROTECTION_FINALIZER);
@@ -82,7 +82,7 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
                 .map_err(|source| SyncError::UpdateClaimStatus { claim: key.clone(), source })?;
             allocated = decide::is_allocated(&updated.object);
             resource_version = updated.object.resource_version();
-            info!(reservations = valid.len(), deallocated = deallocate, "updated claim status");
+            debug!(reservations = valid.len(), deallocated = deallocate, "updated claim status");
         }
         if has_finalizer && !allocated {
             let finalizers: Vec<&String> =
@@ -92,7 +92,7 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
                 .patch(&key.name, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .map_err(|source| SyncError::RemoveFinalizer { claim: key.clone(), source })?;
-            info!("removed the delete-protection finalizer");
+            debug!("removed the delete-protection finalizer");
         }
     }
 
@@ -152,7 +152,7 @@ async fn delete_if_pod_finished(ctx: &Context, key: &ObjectKey, claim: &Resource
         return Ok(());
     };
     delete_claim(ctx, key, claim).await?;
-    info!(pod = pod_name, why, "deleted claim");
+    debug!(pod = pod_name, why, "deleted claim");
     ctx.events.claim_normal(
         claim,
         Reason::ResourceClaimDeleted,

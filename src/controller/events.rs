@@ -6,10 +6,10 @@
 //! (as in client-go), so a pod with several claims gets one event per claim, and
 //! `kubectl get events --field-selector related.name=<claim>` finds it.
 //!
-//! Events never slow the controller down: they queue for one background sender (one at a time, so repeats
-//! aggregate), which uses a client with its own rate limit (`--events-qps`). At most [`MAX_QUEUED`] wait; beyond
-//! that they are dropped and counted in `gpu_dra_controller_events_dropped_total`, as client-go's recorder drops
-//! what it cannot send.
+//! Events never slow the controller down: they queue for one background sender ([`sender`]), which uses a client
+//! of its own and keeps the rate limit (`--events-qps`) itself, sending what is queued in batches. At most
+//! [`MAX_QUEUED`] wait; beyond that they are dropped and counted in `gpu_dra_controller_events_dropped_total`, as
+//! client-go's recorder drops what it cannot send.
 //!
 //! The sender remembers each recent event in a few hundred bytes (its key and name), at most [`MAX_SERIES`] of
 //! them: a burst of 5,000 pods makes 5,000 creation events, and keeping the whole Event objects for the window (as
@@ -20,18 +20,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use k8s_openapi::api::core::v1::ObjectReference;
-use k8s_openapi::api::events::v1::Event;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use kube::Resource;
-use kube::api::{Patch, PatchParams, PostParams};
-use serde_json::json;
 use tokio::sync::mpsc;
-use tracing::warn;
 
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
+use crate::kube_client::TokenBucket;
+
+mod sender;
 
 /// How long a sent event takes repeats into its series (client-go and kube-runtime: 6 minutes).
 pub const SERIES_WINDOW: SignedDuration = SignedDuration::from_secs(6 * 60);
@@ -119,15 +117,11 @@ impl std::fmt::Debug for Events {
 }
 
 impl Events {
-    /// `client` should be one of its own, with its own rate limit. Starts the sender task.
-    pub fn new(client: kube::Client, instance: String) -> Self {
-        let (queue, mut queued) = mpsc::channel::<Queued>(MAX_QUEUED);
-        let mut sender = Sender { client, instance, recent: RecentEvents::default() };
-        tokio::spawn(async move {
-            while let Some(event) = queued.recv().await {
-                sender.send(event).await;
-            }
-        });
+    /// `client` should be one of its own, without a rate limit: the sender keeps `pace` (`--events-qps`, none:
+    /// unlimited) itself, so that it can send a batch at once. Starts the sender task.
+    pub fn new(client: kube::Client, instance: String, pace: Option<Arc<TokenBucket>>) -> Self {
+        let (queue, queued) = mpsc::channel::<Queued>(MAX_QUEUED);
+        tokio::spawn(sender::run(sender::Sender::new(client, instance), queued, pace));
         Self { queue, dropped: Arc::default() }
     }
 
@@ -250,103 +244,6 @@ impl RecentEvents {
     }
 }
 
-/// The background sender: creates Events, or patches the series of a recent one.
-struct Sender {
-    client: kube::Client,
-    instance: String,
-    recent: RecentEvents,
-}
-
-impl Sender {
-    async fn send(&mut self, queued: Queued) {
-        let now = Timestamp::now();
-        self.recent.expire(now);
-        let key = SeriesKey::new(&queued.regarding, queued.related.as_ref(), queued.type_, queued.reason);
-        if let Some(sent) = self.recent.repeat(&key, now) {
-            let patch = json!({"series": {"count": sent.count, "lastObservedTime": MicroTime(now)}});
-            let request = events_request(&sent.namespace)
-                .patch(&sent.name, &PatchParams::default(), &Patch::Merge(&patch))
-                .map_err(kube::Error::BuildRequest);
-            match self.send_unread(request, "patch").await {
-                Ok(_) => return,
-                // Deleted meanwhile (events expire on the server too): start a new one.
-                Err(kube::Error::Api(status)) if status.code == 404 => self.recent.forget(&key),
-                Err(err) => return log_failure(&queued, &err),
-            }
-        }
-        let event = self.event(&queued, now);
-        let namespace = event.metadata.namespace.clone().unwrap_or_default();
-        let name = event.metadata.name.clone().unwrap_or_default();
-        let request = serde_json::to_vec(&event).map_err(kube::Error::SerdeError).and_then(|body| {
-            events_request(&namespace).create(&PostParams::default(), body).map_err(kube::Error::BuildRequest)
-        });
-        match self.send_unread(request, "create").await {
-            Ok(_) => self.recent.insert(key, Sent { namespace, name, count: 1, last: now }),
-            Err(err) => log_failure(&queued, &err),
-        }
-    }
-
-    /// Sends a request and leaves its answer undecoded: the Event the API server returns (managed fields and all)
-    /// is of no use here, and decoding it was a good part of the sender's CPU. (Errors are still decoded: kube
-    /// turns a failure's Status into `kube::Error::Api`.)
-    async fn send_unread(&self, request: kube::Result<http::Request<Vec<u8>>>, verb: &'static str) -> kube::Result<()> {
-        let mut request = request?;
-        request.extensions_mut().insert(verb);
-        self.client.request_text(request).await.map(drop)
-    }
-
-    fn event(&self, queued: &Queued, now: Timestamp) -> Event {
-        let Queued { regarding, related, type_, reason, note } = queued;
-        let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
-        let object = regarding.name.as_deref().unwrap_or(super::CLAIM_FIELD_MANAGER);
-        Event {
-            metadata: ObjectMeta {
-                name: Some(format!("{object}.{:x}", now.as_nanosecond())),
-                namespace: Some(namespace),
-                ..Default::default()
-            },
-            event_time: Some(MicroTime(now)),
-            type_: Some(type_.as_str().into()),
-            reason: Some(reason.as_str().into()),
-            action: Some(reason.action().into()),
-            note: Some(truncate_note(note.clone())),
-            regarding: Some(regarding.clone()),
-            related: related.clone(),
-            reporting_controller: Some(super::CLAIM_FIELD_MANAGER.into()),
-            reporting_instance: Some(self.instance.clone()),
-            ..Default::default()
-        }
-    }
-}
-
-/// Requests on events.k8s.io/v1 Events in `namespace`.
-fn events_request(namespace: &str) -> kube::core::Request {
-    kube::core::Request::new(Event::url_path(&(), Some(namespace)))
-}
-
-/// The API limits an Event's note to 1 kB.
-fn truncate_note(mut note: String) -> String {
-    if note.len() > 1024 {
-        let mut cut = 1021;
-        while !note.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        note.truncate(cut);
-        note.push_str("...");
-    }
-    note
-}
-
-fn log_failure(queued: &Queued, err: &kube::Error) {
-    warn!(
-        reason = queued.reason.as_str(),
-        object = ?queued.regarding.name,
-        related = ?queued.related.as_ref().and_then(|r| r.name.as_deref()),
-        error = %err,
-        "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
-    );
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -458,12 +355,5 @@ mod tests {
         recent.expire(now);
         assert_eq!(recent.repeat(&key(0), now).map(|s| s.name), Some("p0.2".into()), "the new series is kept");
         assert!(recent.repeat(&key(1), now).is_none(), "the oldest is forgotten");
-    }
-
-    #[test]
-    fn notes_are_cut_to_the_api_limit_on_a_character_boundary() {
-        assert_eq!(truncate_note("short".into()), "short");
-        let cut = truncate_note("é".repeat(600));
-        assert!(cut.len() <= 1024 && cut.ends_with("..."), "{}", cut.len());
     }
 }

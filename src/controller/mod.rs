@@ -221,9 +221,11 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         timing.validate()?;
     }
     let client = crate::kube_client::client(&args.client).await.map_err(ControllerError::Client)?;
-    let events_limit =
-        crate::kube_client::ClientArgs { kube_api_qps: args.events_qps, kube_api_burst: args.events_burst };
-    let events_client = crate::kube_client::client(&events_limit).await.map_err(ControllerError::Client)?;
+    // The Event sender keeps `--events-qps` itself (it sends in batches), so its client has no limit of its own.
+    let unlimited = crate::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: args.events_burst };
+    let events_client = crate::kube_client::client(&unlimited).await.map_err(ControllerError::Client)?;
+    let events_pace = (args.events_qps > 0.0)
+        .then(|| Arc::new(crate::kube_client::TokenBucket::new(args.events_qps, args.events_burst.max(1))));
     let stop = CancellationToken::new();
     crate::signals::spawn_signal_handler(stop.clone()).map_err(ControllerError::Signal)?;
 
@@ -231,7 +233,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     let (caches, writers) = Caches::new();
     let caches = Arc::new(caches);
     let queue = WorkQueue::new();
-    let events = Events::new(events_client, identity.clone());
+    let events = Events::new(events_client, identity.clone(), events_pace);
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ProcessCollector));
     crate::telemetry::build::register(&mut registry);
@@ -346,6 +348,8 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
 async fn worker(ctx: Arc<Context>) {
     while let Some(key) = ctx.queue.next().await {
         let started = Instant::now();
+        // The one span every log line of a sync carries its object in (`sync{key=pod:ns/name}`); the syncs' own
+        // spans are debug-level, so that at info a sync makes one span, not two with the same key.
         let span = info_span!("sync", key = %key);
         let result = tokio::time::timeout(SYNC_TIMEOUT, sync(&ctx, &key))
             .instrument(span)

@@ -28,7 +28,7 @@ enum Outcome {
     Record(String),
 }
 
-#[instrument(skip(ctx, key), fields(pod = %key))]
+#[instrument(level = "debug", skip(ctx, key), fields(pod = %key))]
 pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
     let Some(pod) = ctx.caches.pod(key) else {
         debug!("pod is gone");
@@ -172,7 +172,7 @@ async fn create_claim(
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());
     }
-    info!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
+    debug!(claim = %created.name_any(), pod_claim, template = template_name, "created ResourceClaim");
     let note =
         format!("Created ResourceClaim {} from template {template_name} for pod claim {pod_claim}", created.name_any());
     ctx.events.pod_claim_normal(pod, &created, Reason::ResourceClaimCreated, note);
@@ -239,11 +239,21 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
         "metadata": {"name": key.name, "namespace": key.namespace, "uid": pod.metadata.uid},
         "status": {"resourceClaimStatuses": statuses},
     });
-    let api = api_object::namespaced::<Pod>(ctx.client.clone(), &key.namespace);
     let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
-    api.patch_status(&key.name, &params, &Patch::Apply(&patch))
-        .await
-        .map_err(|source| SyncError::ApplyPodStatus { pod: key.clone(), source })?;
+    // The answer (the whole pod, managed fields and all) is left undecoded: nothing here reads it, and the
+    // informer brings the pod anyway. (A failure's Status is still decoded into `kube::Error::Api`.)
+    let path = <k8s_openapi::api::core::v1::Pod as kube::Resource>::url_path(&(), Some(&key.namespace));
+    let applied = kube::core::Request::new(path)
+        .patch_subresource("status", &key.name, &params, &Patch::Apply(&patch))
+        .map_err(kube::Error::BuildRequest);
+    let sent = match applied {
+        Ok(mut request) => {
+            request.extensions_mut().insert("patch_status");
+            ctx.client.request_text(request).await.map(drop)
+        }
+        Err(err) => Err(err),
+    };
+    sent.map_err(|source| SyncError::ApplyPodStatus { pod: key.clone(), source })?;
     ctx.caches.remember_applied(pod, new);
     debug!(entries = statuses.len(), "applied pod claim statuses");
     Ok(())
@@ -300,7 +310,7 @@ async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, Stri
                 pod: pod_name.clone(),
                 source,
             })?;
-        info!(claim = %name, "reserved claim for the scheduled pod");
+        debug!(claim = %name, "reserved claim for the scheduled pod");
     }
     Ok(())
 }

@@ -123,7 +123,7 @@ pub fn enqueue_groups_using(ctx: &Context, namespace: &str, template: &str) {
 
 /// syncPodGroup: give every template claim of the PodGroup its one claim (found or created) and record them
 /// all in ONE status apply.
-#[instrument(skip(ctx, key), fields(podgroup = %key))]
+#[instrument(level = "debug", skip(ctx, key), fields(podgroup = %key))]
 pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
     let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name) else {
         debug!("PodGroup is gone");
@@ -209,7 +209,7 @@ async fn create_claim(
     if let Some(uid) = group.metadata.uid.as_deref() {
         ctx.caches.remember_created(uid, created.clone());
     }
-    info!(claim = %created.name_any(), group_claim, template = template_name, "created ResourceClaim for PodGroup");
+    debug!(claim = %created.name_any(), group_claim, template = template_name, "created ResourceClaim for PodGroup");
     let note = format!(
         "Created ResourceClaim {} from template {template_name} for claim {group_claim} of PodGroup {}",
         created.name_any(),
@@ -234,7 +234,7 @@ async fn apply_statuses(ctx: &Context, group: &PodGroup, new: &[(String, String)
         .patch_status(&key.name, &params, &Patch::Apply(&patch))
         .await
         .map_err(|source| SyncError::ApplyPodGroupStatus { group: key.clone(), source })?;
-    info!(entries = new.len(), "recorded claims in the PodGroup status");
+    debug!(entries = new.len(), "recorded claims in the PodGroup status");
     Ok(())
 }
 
@@ -303,7 +303,7 @@ pub async fn keep_group_reservation(
     }
     match verdict {
         GroupReservation::Drop(why) => {
-            info!(podgroup = %consumer.name, why, "dropping reservation");
+            debug!(podgroup = %consumer.name, why, "dropping reservation");
             Ok(false)
         }
         GroupReservation::Keep | GroupReservation::AskServer => Ok(true),

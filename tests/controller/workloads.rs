@@ -1,11 +1,14 @@
 //! The controller under workloads the parity checklist does not cover: pods that finish and stay (Jobs),
 //! extended resources allocated by the scheduler, an informer that lags behind the API server, and a pod status
-//! that names a claim made for someone else.
+//! that names a claim made for someone else, and a burst of pods whose Events the rate limit holds back.
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::jiff::Timestamp;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -227,5 +230,61 @@ async fn extended_resources_are_off(ctx: &TestContext, class: &str, pod: &str) -
     .await?;
     let claims = list_claims(ctx).await?;
     ensure!(claims.is_empty(), "claims were made for an unschedulable pod ({message}): {claims:?}");
+    Ok(())
+}
+
+/// A Job of 30 pods, two template claims each, created at once, with Events limited to 10/s (burst 10): every
+/// claim gets its own `ResourceClaimCreated` Event (60 of them, with distinct names, none dropped, none folded into
+/// a series), and the sender, which sends them in batches, keeps the limit: 60 Events from a full bucket of 10
+/// take at least 5 s at 10/s.
+pub(super) async fn a_burst_of_pods_gets_every_creation_event_within_the_rate_limit(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &["--events-qps", "10", "--events-burst", "10"]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let claims = json!([
+        {"name": "gpu-a", "resourceClaimTemplateName": "one-gpu"},
+        {"name": "gpu-b", "resourceClaimTemplateName": "one-gpu"}
+    ]);
+    let pods: Vec<String> = (0..30).map(|i| format!("job-{i:02}")).collect();
+    futures::future::try_join_all(pods.iter().map(|pod| create_pod(&ctx, pod, claims.clone()))).await?;
+
+    let api: Api<Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    let events = wait::until("60 ResourceClaimCreated events", Duration::from_secs(60), || async {
+        let events: Vec<Event> = api
+            .list(&Default::default())
+            .await?
+            .items
+            .into_iter()
+            .filter(|e| e.reason.as_deref() == Some("ResourceClaimCreated"))
+            .collect();
+        Ok((events.len() >= 60).then_some(events))
+    })
+    .await?;
+    ensure!(events.len() == 60, "{} creation events for 60 claims", events.len());
+    let names: HashSet<&str> = events.iter().filter_map(|e| e.metadata.name.as_deref()).collect();
+    ensure!(names.len() == 60, "{} distinct event names for 60 events", names.len());
+    let about: HashSet<(String, String)> = events
+        .iter()
+        .filter_map(|e| Some((e.regarding.as_ref()?.name.clone()?, e.related.as_ref()?.name.clone()?)))
+        .collect();
+    ensure!(about.len() == 60, "60 (pod, claim) pairs expected, the events name {}", about.len());
+    for pod in &pods {
+        let claims = about.iter().filter(|(regarding, _)| regarding == pod).count();
+        ensure!(claims == 2, "pod {pod} has {claims} creation events, not one per claim");
+    }
+    ensure!(events.iter().all(|e| e.series.is_none()), "a creation event was counted in a series");
+
+    let mut sent: Vec<Timestamp> = events.iter().filter_map(|e| Some(e.event_time.as_ref()?.0)).collect();
+    sent.sort();
+    let (first, last) = (sent.first().context("no event time")?, sent.last().context("no event time")?);
+    let spread = last.duration_since(*first).as_secs_f64();
+    ensure!(spread >= 4.5, "60 events sent within {spread:.1} s: faster than 10/s after a burst of 10");
+
+    let (_, metrics) = controller.get("/metrics").await?;
+    ensure!(
+        metrics.lines().any(|line| line == "gpu_dra_controller_events_dropped_total 0"),
+        "events were dropped, or the counter is missing"
+    );
     Ok(())
 }
