@@ -70,7 +70,7 @@ pub struct ControllerArgs {
     /// Event sender keeps this rate itself, sending what is queued in batches.
     #[arg(long, env = "GPU_DRA_EVENTS_QPS", default_value_t = 50.0)]
     pub events_qps: f64,
-    /// Events allowed at once above the average; also the largest batch (at most 25).
+    /// Events allowed at once above the average; when limited, also the largest batch (at most 25).
     #[arg(long, env = "GPU_DRA_EVENTS_BURST", default_value_t = 200)]
     pub events_burst: u32,
     /// Watch and act on one namespace only (tests, or one controller per tenant); default: all namespaces.

@@ -102,7 +102,8 @@ impl TokenBucket {
             *tokens -= n;
             Ok(())
         } else {
-            Err(Duration::from_secs_f64((n - *tokens) / self.qps))
+            // A tiny rate (`--events-qps 1e-20`) waits for ever rather than overflowing a Duration.
+            Err(Duration::try_from_secs_f64((n - *tokens) / self.qps).unwrap_or(Duration::MAX))
         }
     }
 }
@@ -188,5 +189,10 @@ mod tests {
         assert!(bucket.try_take_at(2, t0).is_ok(), "a refused take took nothing");
         assert!(bucket.try_take_at(3, t0 + Duration::from_millis(300)).is_ok());
         assert_eq!(bucket.burst(), 5);
+
+        // A rate too small to wait for waits for ever instead of overflowing.
+        let tiny = TokenBucket::new(1e-20, 1);
+        assert!(tiny.try_take_at(1, t0).is_ok());
+        assert_eq!(tiny.try_take_at(1, t0), Err(Duration::MAX));
     }
 }

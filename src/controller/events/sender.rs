@@ -107,12 +107,12 @@ impl Sender {
             .collect()
             .await;
         for outcome in outcomes {
-            self.settle(outcome).await;
+            self.settle(outcome, now).await;
         }
         for (queued, key) in repeats {
             let write = self.plan(queued, key, now);
             let outcome = self.write(write).await;
-            self.settle(outcome).await;
+            self.settle(outcome, now).await;
         }
     }
 
@@ -162,13 +162,12 @@ impl Sender {
 
     /// Remembers a created series. A series whose Event is gone is forgotten and its Event created anew at once,
     /// before any later repeat of it in the batch is planned (which then counts on the new Event).
-    async fn settle(&mut self, outcome: Outcome) {
+    async fn settle(&mut self, outcome: Outcome, now: Timestamp) {
         match outcome {
             Outcome::Done => {}
             Outcome::Created { key, sent } => self.recent.insert(key, sent),
             Outcome::Gone { queued, key } => {
                 self.recent.forget(&key);
-                let now = Timestamp::now();
                 let write = Write::Create { event: Box::new(self.event(&queued, now)), queued: *queued, key };
                 if let Outcome::Created { key, sent } = self.write(write).await {
                     self.recent.insert(key, sent);
