@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, PostParams};
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, ListParams, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
@@ -171,10 +172,10 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
         create_pods(&client, "warm", 1).await?;
         recorded.wait_all("warm", 1, Duration::from_secs(60)).await.context("warm-up pod never got its claim")?;
 
-        let mut before = settle(process.pid(), ticks).await?;
+        let mut before = settle(process.pid(), ticks, &client).await?;
         create_pods(&client, "burst", s.burst_pods).await?;
         recorded.wait_all("burst", s.burst_pods, Duration::from_secs(900)).await?;
-        let after = settle(process.pid(), ticks).await?;
+        let after = settle(process.pid(), ticks, &client).await?;
         f.burst_cpu_per_1000 = (after - before) / s.burst_pods as f64 * 1000.0;
         before = after;
 
@@ -182,7 +183,7 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
             let prefix = format!("rate{rate}");
             let created = create_at_rate(&client, &prefix, rate, s.seconds).await?;
             recorded.wait_all(&prefix, created.len(), Duration::from_secs(300)).await?;
-            let after = settle(process.pid(), ticks).await?;
+            let after = settle(process.pid(), ticks, &client).await?;
             let cpu = (after - before) / created.len() as f64 * 1000.0;
             before = after;
             let mut latencies: Vec<f64> = created
@@ -205,7 +206,7 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
         let process = start(contender, &cluster, s).await?;
         recorded.wait_all("backlog", s.backlog, Duration::from_secs(1800)).await?;
         f.backlog_seconds = started.elapsed().as_secs_f64();
-        f.backlog_cpu_per_1000 = settle(process.pid(), ticks).await? / s.backlog as f64 * 1000.0;
+        f.backlog_cpu_per_1000 = settle(process.pid(), ticks, &client).await? / s.backlog as f64 * 1000.0;
         f.backlog_rss_mib = peak_rss_mib(process.pid())?;
         drop(process);
         cluster.stop()?;
@@ -372,34 +373,46 @@ async fn create_at_rate(
 }
 
 /// Waits until `pid` has finished the work a phase left behind (Events still being sent at the Event client's QPS,
-/// a garbage collection): until its CPU time grows by at most one clock tick in [`SETTLED`]. Without it that work
-/// is billed to the next phase — a burst of 2,000 pods leaves up to 20 s of queued Events at 50/s, which had raised
-/// gpu-dra's CPU per pod at 20 pods/s from 1.2–1.4 to 2.2 ms — and the burst looks cheaper than it is. A process
-/// still busy after [`SETTLE_LIMIT`] is read anyway, with a warning, so that the run's other figures are not lost.
-/// Returns the process's CPU seconds as last read.
-async fn settle(pid: u32, ticks: f64) -> anyhow::Result<f64> {
+/// a garbage collection): until, over [`SETTLED`], its CPU time grows by at most one clock tick and the namespace's
+/// Events stop growing in number. Without it that work is billed to the next phase — a burst of 2,000 pods leaves
+/// up to 20 s of queued Events at 50/s, which had raised gpu-dra's CPU per pod at 20 pods/s from 1.2–1.4 to 2.2 ms —
+/// and the burst looks cheaper than it is. The Event count is needed since Events are sent in batches: the drain can
+/// cost under a tick in several seconds. (Applies to both contenders alike; kube-controller-manager writes none.) A
+/// process still busy after [`SETTLE_LIMIT`] is read anyway, with a warning, so that the run's other figures are not
+/// lost. Returns the process's CPU seconds as last read.
+async fn settle(pid: u32, ticks: f64, client: &Client) -> anyhow::Result<f64> {
     let deadline = Instant::now() + SETTLE_LIMIT;
     let mut last = cpu_seconds(pid, ticks)?;
+    let mut last_events = event_count(client).await?;
+    let started = Instant::now();
     loop {
         tokio::time::sleep(SETTLED).await;
         let now = cpu_seconds(pid, ticks)?;
-        if now - last <= 1.5 / ticks {
+        let events = event_count(client).await?;
+        if now - last <= 1.5 / ticks && events == last_events {
+            eprintln!("    settled in {:.0?} ({events} Events in the namespace)", started.elapsed());
             return Ok(now);
         }
         if Instant::now() > deadline {
             eprintln!(
-                "    warning: process {pid} still busy {SETTLE_LIMIT:?} after its phase ended ({:.2} CPU s in the \
-                 last {SETTLED:?}); read as it is",
-                now - last
+                "    warning: process {pid} still busy {SETTLE_LIMIT:?} after its phase ended ({:.2} CPU s and {} \
+                 Events in the last {SETTLED:?}); read as it is",
+                now - last,
+                events.saturating_sub(last_events)
             );
             return Ok(now);
         }
-        last = now;
+        (last, last_events) = (now, events);
     }
 }
 
-/// How long a contender must stay (almost) idle to count as settled: long enough that a drain at 50 Events/s (about
-/// 8 ms of CPU a second) shows as more than one 10 ms clock tick.
+/// Events in the benchmark's namespace.
+async fn event_count(client: &Client) -> anyhow::Result<usize> {
+    let api = Api::<Event>::namespaced(client.clone(), NAMESPACE);
+    Ok(api.list_metadata(&ListParams::default()).await.context("list Events")?.items.len())
+}
+
+/// How long a contender must stay (almost) idle to count as settled.
 const SETTLED: Duration = Duration::from_secs(3);
 /// How long [`settle`] waits at most.
 const SETTLE_LIMIT: Duration = Duration::from_secs(300);
