@@ -13,7 +13,8 @@
 //     long after it started: phase Succeeded;
 //   - a pod that is deleted, finished (phase Succeeded/Failed) or terminating gets UnprepareResources;
 //   - a terminating pod is then deleted for good (grace period 0, UID precondition), as the kubelet's status
-//     manager does once its containers stopped.
+//     manager does once its containers stopped; "deleted" says the node is done with a pod, also one that a
+//     grace-period-0 delete removed before the harness saw it terminating.
 //
 // Every observable step is one JSON line on stdout; logs go to stderr or --log-file.
 package main
@@ -363,6 +364,12 @@ func (h *harness) sync(ctx context.Context, key string) error {
 	if prev != nil && (pod == nil || pod.UID != prev.pod.UID || finished(pod)) {
 		if err := h.unprepare(ctx, key, prev); err != nil {
 			return err
+		}
+		if pod == nil {
+			// Deleted for good before this sync saw it terminating (grace period 0: the terminating update
+			// and the removal come one right after the other): the node is done with it all the same.
+			emit(event{Event: "deleted", Pod: key})
+			return nil
 		}
 		prev = nil
 	}

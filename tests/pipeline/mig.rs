@@ -372,7 +372,8 @@ pub(super) async fn claim_and_pod(
 async fn delete_pod_and_claim(ctx: &TestContext, name: &str, kubelet: &KubeletHarness) -> anyhow::Result<()> {
     let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     objects::pods(ctx).delete(name, &now).await?;
-    // Never prepared: nothing to unprepare, so the kubelet side only finishes the deletion.
+    // Never prepared. The kubelet side says `deleted` once done with it: after finishing the deletion, or, when
+    // the pod was gone before it saw it terminating, after unpreparing what the failed prepare may have left.
     kubelet.wait_for("deleted", &format!("{}/{name}", ctx.namespace), PREPARE_TIMEOUT).await?;
     objects::claims(ctx).delete(name, &DeleteParams::default()).await?;
     Ok(())
