@@ -15,6 +15,8 @@
 //!   cargo bench --bench controller_cost
 //!   GPU_DRA_COST_BACKLOG=2000 GPU_DRA_COST_SECONDS=10 cargo bench --bench controller_cost
 //!
+//! `GPU_DRA_COST_LATENCY_DIR=<dir>` also writes each steady-rate pod's latency to a CSV file there.
+//!
 //! `GPU_DRA_COST_ONLY=gpu-dra` (or `kcm`) measures one contender and prints its figures without the table: for
 //! trying a change or profiling one process, not for ratios.
 //!
@@ -190,6 +192,7 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
                 .iter()
                 .filter_map(|(name, at)| Some(recorded.at(name)?.saturating_duration_since(*at).as_secs_f64() * 1e3))
                 .collect();
+            write_latencies(contender, rate, &created, &recorded)?;
             latencies.sort_by(f64::total_cmp);
             f.steady.push((rate, cpu, percentile(&latencies, 0.50), percentile(&latencies, 0.99)));
         }
@@ -346,6 +349,32 @@ async fn create_pods(client: &Client, prefix: &str, count: usize) -> anyhow::Res
 
 /// Creates `rate` pods a second for `seconds`, each on its own task at its tick; returns when each create was
 /// answered, by name.
+/// With `GPU_DRA_COST_LATENCY_DIR` set, writes each pod's latency at `rate` to `<dir>/<contender>-<rate>.csv`
+/// (`ms since the phase's first pod,latency ms`, in creation order): to see whether a p99 comes from slow pods
+/// spread over the run or from one stall of the control plane.
+fn write_latencies(
+    contender: Contender,
+    rate: u32,
+    created: &[(String, Instant)],
+    recorded: &Recorded,
+) -> anyhow::Result<()> {
+    let Some(dir) = std::env::var_os("GPU_DRA_COST_LATENCY_DIR") else {
+        return Ok(());
+    };
+    let Some(first) = created.iter().map(|(_, at)| *at).min() else {
+        return Ok(());
+    };
+    let mut csv = String::from("created_ms,latency_ms\n");
+    for (name, at) in created {
+        if let Some(seen) = recorded.at(name) {
+            let latency = seen.saturating_duration_since(*at).as_secs_f64() * 1e3;
+            csv.push_str(&format!("{:.1},{latency:.2}\n", at.duration_since(first).as_secs_f64() * 1e3));
+        }
+    }
+    let path = std::path::Path::new(&dir).join(format!("{contender:?}-{rate}.csv").to_lowercase());
+    std::fs::write(&path, csv).with_context(|| format!("write {}", path.display()))
+}
+
 async fn create_at_rate(
     client: &Client,
     prefix: &str,
