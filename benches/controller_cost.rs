@@ -188,11 +188,15 @@ async fn measure(contender: Contender, s: &Settings, ticks: f64) -> anyhow::Resu
             let after = settle(process.pid(), ticks, &client).await?;
             let cpu = (after - before) / created.len() as f64 * 1000.0;
             before = after;
-            let mut latencies: Vec<f64> = created
+            // Per pod that got its claim: when its create was answered, and its latency in ms.
+            let samples: Vec<(Instant, f64)> = created
                 .iter()
-                .filter_map(|(name, at)| Some(recorded.at(name)?.saturating_duration_since(*at).as_secs_f64() * 1e3))
+                .filter_map(|(name, at)| {
+                    Some((*at, recorded.at(name)?.saturating_duration_since(*at).as_secs_f64() * 1e3))
+                })
                 .collect();
-            write_latencies(contender, rate, &created, &recorded)?;
+            write_latencies(contender, rate, &samples)?;
+            let mut latencies: Vec<f64> = samples.iter().map(|(_, ms)| *ms).collect();
             latencies.sort_by(f64::total_cmp);
             f.steady.push((rate, cpu, percentile(&latencies, 0.50), percentile(&latencies, 0.99)));
         }
@@ -347,34 +351,26 @@ async fn create_pods(client: &Client, prefix: &str, count: usize) -> anyhow::Res
     Ok(())
 }
 
-/// Creates `rate` pods a second for `seconds`, each on its own task at its tick; returns when each create was
-/// answered, by name.
 /// With `GPU_DRA_COST_LATENCY_DIR` set, writes each pod's latency at `rate` to `<dir>/<contender>-<rate>.csv`
 /// (`ms since the phase's first pod,latency ms`, in creation order): to see whether a p99 comes from slow pods
 /// spread over the run or from one stall of the control plane.
-fn write_latencies(
-    contender: Contender,
-    rate: u32,
-    created: &[(String, Instant)],
-    recorded: &Recorded,
-) -> anyhow::Result<()> {
+fn write_latencies(contender: Contender, rate: u32, samples: &[(Instant, f64)]) -> anyhow::Result<()> {
     let Some(dir) = std::env::var_os("GPU_DRA_COST_LATENCY_DIR") else {
         return Ok(());
     };
-    let Some(first) = created.iter().map(|(_, at)| *at).min() else {
+    let Some(first) = samples.iter().map(|(at, _)| *at).min() else {
         return Ok(());
     };
     let mut csv = String::from("created_ms,latency_ms\n");
-    for (name, at) in created {
-        if let Some(seen) = recorded.at(name) {
-            let latency = seen.saturating_duration_since(*at).as_secs_f64() * 1e3;
-            csv.push_str(&format!("{:.1},{latency:.2}\n", at.duration_since(first).as_secs_f64() * 1e3));
-        }
+    for (at, latency) in samples {
+        csv.push_str(&format!("{:.1},{latency:.2}\n", at.duration_since(first).as_secs_f64() * 1e3));
     }
     let path = std::path::Path::new(&dir).join(format!("{contender:?}-{rate}.csv").to_lowercase());
     std::fs::write(&path, csv).with_context(|| format!("write {}", path.display()))
 }
 
+/// Creates `rate` pods a second for `seconds`, each on its own task at its tick; returns when each create was
+/// answered, by name.
 async fn create_at_rate(
     client: &Client,
     prefix: &str,
