@@ -5,7 +5,7 @@
 //!
 //! Each test has two fake nodes (simulated GPUs, own kubelet directories, its own agent and kubelet harness), a
 //! DeviceClass, and a namespaced gpu-dra controller; the cluster runs kube-controller-manager's garbage collector,
-//! namespace, deployment and replicaset controllers (never its claim controller).
+//! namespace, deployment, replicaset and statefulset controllers (never its claim controller).
 
 mod support;
 
@@ -15,6 +15,8 @@ mod compute;
 mod dynamic_mig;
 #[path = "pipeline/mig.rs"]
 mod mig;
+#[path = "pipeline/workloads.rs"]
+mod workloads;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
@@ -31,15 +33,20 @@ use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
 use support::process::Component;
 use support::{TestContext, objects, wait};
+use workloads::{
+    a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus,
+    deleting_a_namespace_with_running_gpu_pods_leaves_nothing,
+    draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus,
+};
 
-const KCM_CONTROLLERS: &str = "--controllers=deployment-controller,replicaset-controller";
+const KCM_CONTROLLERS: &str = "deployment-controller,replicaset-controller,statefulset-controller";
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() {
     support::run_with_env(
         "pipeline",
         false,
-        &[("GPU_DRA_E2E_KCM_FLAGS", KCM_CONTROLLERS)],
+        &[("GPU_DRA_E2E_KCM_CONTROLLERS", KCM_CONTROLLERS)],
         &[
             test!(a_template_pod_gets_two_h100s_prepared_and_released),
             test!(replicas_get_their_own_gpus_and_the_one_beyond_capacity_waits),
@@ -52,6 +59,9 @@ fn main() {
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
             test!(nvidias_mig_quickstart_runs_as_a_deployment),
             test!(the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices),
+            test!(a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus),
+            test!(draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus),
+            test!(deleting_a_namespace_with_running_gpu_pods_leaves_nothing),
         ],
     )
 }

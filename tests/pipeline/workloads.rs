@@ -1,0 +1,235 @@
+//! What clusters do to GPU pods besides creating and deleting them, through the whole pipeline: a StatefulSet
+//! replica replaced under its own name, a node drained with the Eviction API, a namespace deleted with everything
+//! in it. The workload controllers are kube-controller-manager's own (statefulset, deployment, replicaset,
+//! namespace); the nodes' kubelet side is the kubelet's DRA code (the harness).
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use super::support::{TestContext, objects, wait};
+use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
+
+/// A StatefulSet replica deleted (`kubectl delete pod web-0`, a failed node) comes back under the same name with a
+/// new UID. Its old claim belongs to the old pod: the controller must not adopt it, must give the new pod a claim
+/// of its own and delete the old one, so its GPUs come free. The node is full (two replicas of two H100s on a
+/// node of four), so the new replica starts only once they do, and it gets exactly those GPUs. The other replica
+/// keeps its claim, prepared once. Scaled to zero, every claim and CDI spec goes.
+pub(super) async fn a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "pair", 2).await?;
+    let node = bed.nodes[1].name.clone();
+    let template = bed.pod_on(&ctx, "web", &node, "pair")?;
+    let set: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": 2, "serviceName": "web", "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}}, "spec": template.spec}}
+    }))?;
+    let sets: Api<StatefulSet> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    sets.create(&PostParams::default(), &set).await?;
+    let pods = objects::pods(&ctx);
+    for pod in ["web-0", "web-1"] {
+        wait::until(&format!("the StatefulSet to create {pod}"), PREPARE_TIMEOUT, || async {
+            Ok(pods.get_opt(pod).await?.map(drop))
+        })
+        .await?;
+        bed.prepared(&ctx, pod).await?;
+    }
+    let old_uid = pods.get("web-0").await?.metadata.uid.context("web-0 without uid")?;
+    let (old_claim, kept_claim) = (claim_of(&ctx, "web-0", "gpus").await?, claim_of(&ctx, "web-1", "gpus").await?);
+    let freed = allocated(&ctx, &old_claim).await?;
+
+    pods.delete("web-0", &DeleteParams::default()).await?;
+    let (new_uid, new_claim) = wait::until("web-0 back under its name with a claim", PREPARE_TIMEOUT, || async {
+        let Some(pod) = pods.get_opt("web-0").await? else { return Ok(None) };
+        let uid = pod.metadata.uid.clone().unwrap_or_default();
+        let claim = objects::claim_statuses(&pod).into_iter().find(|(n, _)| n == "gpus").and_then(|(_, c)| c);
+        Ok(claim.filter(|_| uid != old_uid).map(|c| (uid, c)))
+    })
+    .await?;
+    ensure!(new_claim != old_claim, "the new web-0 was given the old pod's claim {old_claim}");
+    let kubelet = &bed.node(&node)?.kubelet;
+    let key = |pod: &str| format!("{}/{pod}", ctx.namespace);
+    wait::until("the new web-0 to be prepared", PREPARE_TIMEOUT, || async {
+        Ok((kubelet.count("prepared", &key("web-0")) == 2).then_some(()))
+    })
+    .await?;
+    wait::until("the old web-0's claim to be deleted", PREPARE_TIMEOUT, || async {
+        Ok(objects::claims(&ctx).get_opt(&old_claim).await?.is_none().then_some(()))
+    })
+    .await?;
+    let claim = objects::claims(&ctx).get(&new_claim).await?;
+    let owners = claim.metadata.owner_references.unwrap_or_default();
+    ensure!(
+        owners.len() == 1 && owners[0].uid == new_uid && owners[0].controller == Some(true),
+        "the new claim's owners {owners:?}, the new pod's uid {new_uid}"
+    );
+    let got = allocated(&ctx, &new_claim).await?;
+    ensure!(got == freed, "the node is full: the new web-0 should get the freed {freed:?}, got {got:?}");
+    ensure!(claim_of(&ctx, "web-1", "gpus").await? == kept_claim, "web-1's claim changed");
+    let (prepared, unprepared) = (kubelet.count("prepared", &key("web-1")), kubelet.count("unprepared", &key("web-1")));
+    ensure!(prepared == 1 && unprepared == 0, "web-1 prepared {prepared}, unprepared {unprepared} times");
+    eprintln!("web-0 replaced ({old_uid} → {new_uid}): claim {old_claim} deleted, {new_claim} got its GPUs {got:?}");
+
+    sets.patch("web", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 0}}))).await?;
+    let dirs = &bed.node(&node)?.dirs;
+    wait::until("no claims and no CDI specs once scaled to zero", PREPARE_TIMEOUT, || async {
+        let gone = objects::list_claims(&ctx).await?.is_empty() && dirs.cdi_specs()?.is_empty();
+        Ok(gone.then_some(()))
+    })
+    .await
+}
+
+/// `kubectl drain`: the node is cordoned and each of its pods evicted through the Eviction API. A Deployment's
+/// evicted replicas come back on the other node with claims of their own; the drained node's kubelet unprepares
+/// the old ones, whose claims and CDI specs go.
+pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let (drained, other) = (bed.nodes[0].name.clone(), bed.nodes[1].name.clone());
+    cordon(&ctx, &other, true).await?;
+    let template = bed.pod(
+        &ctx,
+        "trainer",
+        json!([{"name": "gpus", "resourceClaimTemplateName": "one-h100"}]),
+        &[("app", &["gpus"])],
+    )?;
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "trainers"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "trainer"}},
+                 "template": {"metadata": {"labels": {"app": "trainer"}}, "spec": template.spec}}
+    }))?;
+    Api::<Deployment>::namespaced(ctx.client.clone(), &ctx.namespace)
+        .create(&PostParams::default(), &deployment)
+        .await?;
+    let before = replicas(&ctx, &bed, 2, &BTreeSet::new()).await?;
+    let mut old_claims = BTreeSet::new();
+    for (pod, node) in &before {
+        ensure!(*node == drained, "{pod} ran on {node} while it was cordoned");
+        old_claims.insert(claim_of(&ctx, pod, "gpus").await?);
+    }
+
+    cordon(&ctx, &other, false).await?;
+    cordon(&ctx, &drained, true).await?;
+    let pods = objects::pods(&ctx);
+    for (pod, _) in &before {
+        pods.evict(pod, &EvictParams::default()).await.with_context(|| format!("evict {pod}"))?;
+    }
+    let old: BTreeSet<String> = before.into_iter().map(|(pod, _)| pod).collect();
+    let after = replicas(&ctx, &bed, 2, &old).await?;
+    for (pod, node) in &after {
+        ensure!(*node == other, "{pod} came back on {node}, not on the uncordoned {other}");
+        let claim = claim_of(&ctx, pod, "gpus").await?;
+        ensure!(!old_claims.contains(&claim), "{pod} was given an evicted pod's claim {claim}");
+        let devices = allocated(&ctx, &claim).await?;
+        ensure!(devices.len() == 1 && devices.iter().all(|(pool, _)| *pool == other), "{pod}: {devices:?}");
+    }
+    eprintln!("drained {drained}: {old:?} evicted, {after:?} took their place");
+    let node = bed.node(&drained)?;
+    for pod in &old {
+        node.kubelet.wait_for("unprepared", &format!("{}/{pod}", ctx.namespace), PREPARE_TIMEOUT).await?;
+    }
+    wait::until("the evicted pods' claims and CDI specs to go", PREPARE_TIMEOUT, || async {
+        let claims: BTreeSet<String> =
+            objects::list_claims(&ctx).await?.into_iter().filter_map(|c| c.metadata.name).collect();
+        Ok((claims.is_disjoint(&old_claims) && node.dirs.cdi_specs()?.is_empty()).then_some(()))
+    })
+    .await
+}
+
+/// `kubectl delete namespace` with GPU pods running in it, one with a template claim and two sharing a claim of
+/// their own: the namespace controller deletes everything at once, claims before their pods are gone. The claims
+/// wait for their pods (the scheduler's delete-protection finalizer), the kubelet unprepares, and the controller
+/// releases and deallocates them: the namespace is gone soon after, no CDI spec left, no claim stuck.
+pub(super) async fn deleting_a_namespace_with_running_gpu_pods_leaves_nothing(ctx: TestContext) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let node = bed.nodes[1].name.clone();
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "shared"},
+        "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": bed.class}}]}}
+    }))?;
+    objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+    let pods = objects::pods(&ctx);
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "trainer", &node, "one-h100")?).await?;
+    for name in ["user-1", "user-2"] {
+        let mut pod =
+            bed.pod(&ctx, name, json!([{"name": "gpus", "resourceClaimName": "shared"}]), &[("app", &["gpus"])])?;
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node.clone())].into());
+        }
+        pods.create(&PostParams::default(), &pod).await?;
+    }
+    for pod in ["trainer", "user-1", "user-2"] {
+        bed.prepared(&ctx, pod).await?;
+    }
+    let dirs = &bed.node(&node)?.dirs;
+    ensure!(dirs.cdi_specs()?.len() == 2, "specs before the deletion: {:?}", dirs.cdi_specs()?);
+
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    namespaces.delete(&ctx.namespace, &DeleteParams::default()).await?;
+    let gone = wait::until("the namespace to be gone", Duration::from_secs(90), || async {
+        Ok(namespaces.get_opt(&ctx.namespace).await?.is_none().then_some(()))
+    })
+    .await;
+    if let Err(err) = gone {
+        let left = namespaces.get_opt(&ctx.namespace).await?.and_then(|n| n.status).and_then(|s| s.conditions);
+        let claims: Vec<_> = objects::list_claims(&ctx)
+            .await?
+            .into_iter()
+            .map(|c| (c.metadata.name, c.metadata.finalizers, c.status.map(|s| s.reserved_for)))
+            .collect();
+        return Err(err.context(format!("namespace conditions {left:?}; claims left {claims:?}")));
+    }
+    ensure!(dirs.cdi_specs()?.is_empty(), "CDI specs outlived their namespace: {:?}", dirs.cdi_specs()?);
+    let kubelet = &bed.node(&node)?.kubelet;
+    for pod in ["trainer", "user-1", "user-2"] {
+        let key = format!("{}/{pod}", ctx.namespace);
+        ensure!(kubelet.count("unprepared", &key) == 1, "{key} unprepared {} times", kubelet.count("unprepared", &key));
+    }
+    Ok(())
+}
+
+/// Marks `node` unschedulable (`kubectl cordon`) or schedulable again.
+async fn cordon(ctx: &TestContext, node: &str, unschedulable: bool) -> anyhow::Result<()> {
+    let patch = json!({"spec": {"unschedulable": unschedulable}});
+    Api::<Node>::all(ctx.client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
+/// Waits for `count` prepared pods labelled `app=trainer` other than `except`; (pod, node) of each.
+async fn replicas(
+    ctx: &TestContext,
+    bed: &Testbed,
+    count: usize,
+    except: &BTreeSet<String>,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let names = wait::until(&format!("{count} new replicas"), PREPARE_TIMEOUT, || async {
+        let list = objects::pods(ctx).list(&ListParams::default().labels("app=trainer")).await?;
+        let names: Vec<String> = list
+            .items
+            .into_iter()
+            .filter(|p: &Pod| p.metadata.deletion_timestamp.is_none())
+            .filter_map(|p| p.metadata.name)
+            .filter(|n| !except.contains(n))
+            .collect();
+        Ok((names.len() == count).then_some(names))
+    })
+    .await?;
+    let mut placed = Vec::new();
+    for name in names {
+        let (node, _) = bed.prepared(ctx, &name).await?;
+        placed.push((name, node));
+    }
+    Ok(placed)
+}
