@@ -30,9 +30,12 @@ mod host;
 mod mig;
 #[path = "real_node/mps.rs"]
 mod mps;
+#[path = "real_node/workloads.rs"]
+mod workloads;
 
 use mig::containers_get_exactly_their_mig_devices;
 use mps::containers_of_a_pod_are_clients_of_their_claims_mps_daemon;
+use workloads::a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion;
 
 fn main() {
     support::run_on_real_node_cluster(
@@ -44,6 +47,7 @@ fn main() {
             test!(containers_of_two_namespaces_share_one_gpu_by_memory),
             test!(containers_get_exactly_their_mig_devices),
             test!(containers_of_a_pod_are_clients_of_their_claims_mps_daemon),
+            test!(a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion),
         ],
     )
 }

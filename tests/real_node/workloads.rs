@@ -1,0 +1,179 @@
+//! A StatefulSet of GPU workers on the real node, through what a cluster does to it over its life: a replica
+//! replaced under its own name, the node drained for maintenance and uncordoned, the namespace deleted.
+
+use std::collections::BTreeSet;
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use super::support::real_node::RealNode;
+use super::support::{self, TestContext, objects, wait};
+use super::{SHOW_GPUS, Seen, WAIT, allocated, claim_of, claim_uid, install, on_gpu_node, seen_by, specs_of};
+
+const REPLICAS: [&str; 2] = ["web-0", "web-1"];
+
+/// Two replicas, each with a GPU of its own from a template, in a namespace of their own:
+/// - `web-0` deleted comes back under its name with a new UID: a new claim (never the old pod's), the old claim
+///   and its CDI spec gone, and the container sees the GPU it was allocated;
+/// - the node drained as `kubectl drain --pod-selector` does (cordoned, each replica evicted through the Eviction
+///   API): the replicas come back Pending, with claims of their own but no allocation, while every claim of the
+///   evicted ones and its CDI spec go; uncordoned, they run again with their GPUs;
+/// - the namespace deleted with the replicas running: gone, no CDI spec or claim left behind.
+pub(super) async fn a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    on_gpu_node(&ctx, "sts-node", async |node| {
+        install(&ctx, node)?;
+        let namespace = support::create_namespace(&ctx.client, "training").await?;
+        let training = TestContext { namespace: namespace.clone(), ..ctx.clone() };
+        let result = lifecycle(&training, node).await;
+        if result.is_err() {
+            // Before the chart goes: its controller releases the claims a namespace deletion waits for.
+            let _ = Api::<Namespace>::all(ctx.client.clone()).delete(&namespace, &DeleteParams::default()).await;
+        }
+        result
+    })
+    .await
+}
+
+async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
+    let n = node.name.as_str();
+    let one_gpu = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": "gpu.gpu-dra.dev"}}]}}});
+    objects::create_template_in(&ctx.client, &ctx.namespace, "one-gpu", one_gpu).await?;
+    let set: StatefulSet = serde_json::from_value(json!({
+        "metadata": {"name": "web"},
+        "spec": {"replicas": REPLICAS.len(), "serviceName": "web", "podManagementPolicy": "Parallel",
+                 "selector": {"matchLabels": {"app": "web"}},
+                 "template": {"metadata": {"labels": {"app": "web"}}, "spec": {
+                     "nodeSelector": {"kubernetes.io/hostname": n}, "terminationGracePeriodSeconds": 1,
+                     "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}],
+                     "containers": [{"name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
+                                     "command": ["sh", "-c", SHOW_GPUS], "resources": {"claims": [{"name": "gpu"}]}}]}}}
+    }))?;
+    Api::<StatefulSet>::namespaced(ctx.client.clone(), &ctx.namespace).create(&PostParams::default(), &set).await?;
+    let pods = objects::pods(ctx);
+    let mut claims = Vec::new();
+    for pod in REPLICAS {
+        wait::until(&format!("the StatefulSet to create {pod}"), WAIT, || async {
+            Ok(pods.get_opt(pod).await?.map(drop))
+        })
+        .await?;
+        claims.push(running_with_its_gpu(ctx, n, pod).await?.0);
+    }
+
+    // web-0 replaced under its name.
+    let old_uid = pods.get("web-0").await?.metadata.uid.context("web-0 without uid")?;
+    let old_claim_uid = claim_uid(ctx, &claims[0]).await?;
+    pods.delete("web-0", &DeleteParams::default()).await?;
+    wait::until("web-0 back under its name", WAIT, || async {
+        let pod = pods.get_opt("web-0").await?;
+        Ok(pod.filter(|p| p.metadata.uid.as_deref() != Some(old_uid.as_str())).map(drop))
+    })
+    .await?;
+    let (claim, seen) = running_with_its_gpu(ctx, n, "web-0").await?;
+    ensure!(claim != claims[0], "the new web-0 was given the old pod's claim {claim}");
+    gone(ctx, node, &claims[..1], &[old_claim_uid]).await?;
+    eprintln!("web-0 replaced: claim {} → {claim}, sees {:?}", claims[0], seen.uuids);
+    claims[0] = claim;
+
+    // The node drained and uncordoned.
+    let uids = [claim_uid(ctx, &claims[0]).await?, claim_uid(ctx, &claims[1]).await?];
+    let evicted: Vec<String> = {
+        let mut uids = Vec::new();
+        for pod in REPLICAS {
+            uids.push(pods.get(pod).await?.metadata.uid.context("pod without uid")?);
+        }
+        uids
+    };
+    cordon(ctx, n, true).await?;
+    for pod in REPLICAS {
+        pods.evict(pod, &EvictParams::default()).await.with_context(|| format!("evict {pod}"))?;
+    }
+    for pod in REPLICAS {
+        let why = wait::until(&format!("{pod} back and unschedulable"), WAIT, || async {
+            let Some(pod) = pods.get_opt(pod).await? else { return Ok(None) };
+            if pod.metadata.uid.as_ref().is_none_or(|uid| evicted.contains(uid)) {
+                return Ok(None);
+            }
+            Ok(unschedulable(&pod))
+        })
+        .await?;
+        ensure!(why.contains("unschedulable"), "{pod} pending for another reason: {why}");
+        let claim = claim_of(ctx, pod).await?;
+        let allocation = allocated(ctx, n, &claim).await?;
+        ensure!(allocation.minors.is_empty(), "{pod} is not scheduled, yet its claim {claim} has {allocation:?}");
+    }
+    gone(ctx, node, &claims, &uids).await?;
+    cordon(ctx, n, false).await?;
+    let mut after = BTreeSet::new();
+    for (i, pod) in REPLICAS.iter().enumerate() {
+        let (claim, seen) = running_with_its_gpu(ctx, n, pod).await?;
+        ensure!(claim != claims[i], "{pod} came back with the evicted pod's claim {claim}");
+        ensure!(after.insert(seen.uuids.clone()), "two replicas share {:?}", seen.uuids);
+        claims[i] = claim;
+    }
+    eprintln!("drained and uncordoned: the replicas run again with claims {claims:?}");
+
+    // The namespace deleted with the replicas running.
+    let uids = [claim_uid(ctx, &claims[0]).await?, claim_uid(ctx, &claims[1]).await?];
+    let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+    namespaces.delete(&ctx.namespace, &DeleteParams::default()).await?;
+    let deleted = wait::until("the namespace to be gone", WAIT, || async {
+        Ok(namespaces.get_opt(&ctx.namespace).await?.is_none().then_some(()))
+    })
+    .await;
+    if let Err(err) = deleted {
+        let left = namespaces.get_opt(&ctx.namespace).await?.and_then(|n| n.status).and_then(|s| s.conditions);
+        return Err(err.context(format!("namespace conditions {left:?}")));
+    }
+    for uid in &uids {
+        ensure!(specs_of(node, uid)?.is_empty(), "the CDI spec of claim {uid} outlived its namespace");
+    }
+    Ok(())
+}
+
+/// Waits until `pod` runs and has listed its devices; checks that it sees exactly what its claim was allocated and
+/// returns (claim, what it sees).
+async fn running_with_its_gpu(ctx: &TestContext, node: &str, pod: &str) -> anyhow::Result<(String, Seen)> {
+    let claim = claim_of(ctx, pod).await?;
+    let seen = seen_by(ctx, pod).await?;
+    let want = allocated(ctx, node, &claim).await?;
+    ensure!(seen == want && seen.minors.len() == 1, "{pod} sees {seen:?}; its claim {claim} was allocated {want:?}");
+    Ok((claim, seen))
+}
+
+/// Waits until the claims `names` and the CDI specs of the claims with `uids` are gone.
+async fn gone(ctx: &TestContext, node: &RealNode, names: &[String], uids: &[String]) -> anyhow::Result<()> {
+    wait::until(&format!("claims {names:?} and their CDI specs to go"), WAIT, || async {
+        for name in names {
+            if objects::claims(ctx).get_opt(name).await?.is_some() {
+                return Ok(None);
+            }
+        }
+        for uid in uids {
+            if !specs_of(node, uid)?.is_empty() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await
+}
+
+/// Marks `node` unschedulable (`kubectl cordon`) or schedulable again (`kubectl uncordon`).
+async fn cordon(ctx: &TestContext, node: &str, unschedulable: bool) -> anyhow::Result<()> {
+    let patch = json!({"spec": {"unschedulable": unschedulable}});
+    Api::<Node>::all(ctx.client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
+/// The scheduler's message when `pod` is Pending as unschedulable.
+fn unschedulable(pod: &Pod) -> Option<String> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+    scheduled.message.clone()
+}
