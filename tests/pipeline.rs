@@ -34,6 +34,7 @@ use support::node::{DRIVER, NodeDirs, start_agent};
 use support::process::Component;
 use support::{TestContext, objects, wait};
 use workloads::{
+    a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it,
     a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus,
     deleting_a_namespace_with_running_gpu_pods_leaves_nothing,
     draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus,
@@ -62,6 +63,7 @@ fn main() {
             test!(a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus),
             test!(draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus),
             test!(deleting_a_namespace_with_running_gpu_pods_leaves_nothing),
+            test!(a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it),
         ],
     )
 }

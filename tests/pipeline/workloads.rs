@@ -1,6 +1,6 @@
 //! What clusters do to GPU pods besides creating and deleting them, through the whole pipeline: a StatefulSet
 //! replica replaced under its own name, a node drained with the Eviction API, a namespace deleted with everything
-//! in it. The workload controllers are kube-controller-manager's own (statefulset, deployment, replicaset,
+//! in it, a high-priority pod finding the GPUs taken. The workload controllers are kube-controller-manager's own (statefulset, deployment, replicaset,
 //! namespace); the nodes' kubelet side is the kubelet's DRA code (the harness).
 
 use std::collections::BTreeSet;
@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
@@ -232,4 +233,77 @@ async fn replicas(
         placed.push((name, node));
     }
     Ok(placed)
+}
+
+/// Pod priority with GPUs full: four low-priority pods hold a node's four H100s and a high-priority pod asks for one
+/// there. kube-scheduler 1.34–1.37 cannot preempt for DRA devices (its `dynamicresources` plugin has no
+/// `PreFilterExtensions`, so a victim's removal frees nothing in its simulation; KEP-5690 adds it later): the
+/// high-priority pod stays Pending and says so, and no low-priority pod is evicted. What an operator does instead,
+/// deleting one, hands its GPU to the waiting pod.
+pub(super) async fn a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let classes: Api<PriorityClass> = Api::all(ctx.client.clone());
+    let class = |level: &str| format!("{}-{level}", ctx.namespace);
+    for (level, value) in [("low", 10), ("high", 1_000_000)] {
+        let priority: PriorityClass =
+            serde_json::from_value(json!({"metadata": {"name": class(level)}, "value": value}))?;
+        classes.create(&PostParams::default(), &priority).await?;
+    }
+    let result = wait_for_a_freed_gpu(&ctx, &bed, &class("low"), &class("high")).await;
+    for level in ["low", "high"] {
+        let _ = classes.delete(&class(level), &DeleteParams::default()).await;
+    }
+    result
+}
+
+async fn wait_for_a_freed_gpu(ctx: &TestContext, bed: &Testbed, low: &str, high: &str) -> anyhow::Result<()> {
+    let node = bed.nodes[1].name.clone();
+    let pods = objects::pods(ctx);
+    let with_priority = |name: &str, class: &str| -> anyhow::Result<Pod> {
+        let mut pod = bed.pod_on(ctx, name, &node, "one-h100")?;
+        if let Some(spec) = pod.spec.as_mut() {
+            spec.priority_class_name = Some(class.to_string());
+        }
+        Ok(pod)
+    };
+    let lows: Vec<String> = (0..4).map(|i| format!("low-{i}")).collect();
+    for name in &lows {
+        pods.create(&PostParams::default(), &with_priority(name, low)?).await?;
+        bed.prepared(ctx, name).await?;
+    }
+    pods.create(&PostParams::default(), &with_priority("urgent", high)?).await?;
+    let why = wait::until("the scheduler to give up on preemption for urgent", PREPARE_TIMEOUT, || async {
+        Ok(unschedulable(&pods.get("urgent").await?).filter(|why| why.contains("preemption")))
+    })
+    .await?;
+    ensure!(why.contains("Preemption is not helpful"), "the scheduler said: {why}");
+    let kubelet = &bed.node(&node)?.kubelet;
+    for name in &lows {
+        let pod = pods.get(name).await?;
+        let key = format!("{}/{name}", ctx.namespace);
+        ensure!(
+            pod.metadata.deletion_timestamp.is_none() && kubelet.count("unprepared", &key) == 0,
+            "{name} was preempted: {:?}",
+            pod.status.and_then(|s| s.conditions)
+        );
+    }
+    ensure!(pods.get("urgent").await?.status.and_then(|s| s.nominated_node_name).is_none(), "urgent was nominated");
+
+    let freed = allocated(ctx, &claim_of(ctx, "low-0", "gpus").await?).await?;
+    bed.delete_pod(ctx, "low-0", &node).await?;
+    let (on, _) = bed.prepared(ctx, "urgent").await?;
+    let got = allocated(ctx, &claim_of(ctx, "urgent", "gpus").await?).await?;
+    ensure!(on == node && got == freed, "urgent got {got:?} on {on}, not low-0's freed {freed:?}");
+    eprintln!("urgent waited ({why}); got {got:?} once low-0 was deleted");
+    Ok(())
+}
+
+/// The scheduler's message while `pod` is Pending as unschedulable.
+fn unschedulable(pod: &Pod) -> Option<String> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
+    scheduled.message.clone()
 }
