@@ -35,6 +35,7 @@ use support::process::Component;
 use support::{TestContext, objects, wait};
 use workloads::{
     a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it,
+    a_rolling_update_on_a_full_node_hands_the_old_replicas_gpus_to_the_new_ones,
     a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus,
     deleting_a_namespace_with_running_gpu_pods_leaves_nothing,
     draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus,
@@ -61,6 +62,7 @@ fn main() {
             test!(nvidias_mig_quickstart_runs_as_a_deployment),
             test!(the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices),
             test!(a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus),
+            test!(a_rolling_update_on_a_full_node_hands_the_old_replicas_gpus_to_the_new_ones),
             test!(draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus),
             test!(deleting_a_namespace_with_running_gpu_pods_leaves_nothing),
             test!(a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it),

@@ -1,5 +1,5 @@
 //! What clusters do to GPU pods besides creating and deleting them, through the whole pipeline: a StatefulSet
-//! replica replaced under its own name, a node drained with the Eviction API, a namespace deleted with everything
+//! replica replaced under its own name, a Deployment rolled on a full node, a node drained with the Eviction API, a namespace deleted with everything
 //! in it, a high-priority pod finding the GPUs taken. The workload controllers are kube-controller-manager's own (statefulset, deployment, replicaset,
 //! namespace); the nodes' kubelet side is the kubelet's DRA code (the harness).
 
@@ -146,6 +146,59 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
         Ok((claims.is_disjoint(&old_claims) && node.dirs.cdi_specs()?.is_empty()).then_some(()))
     })
     .await
+}
+
+/// A Deployment rolled to a new template on a full node, the way GPU Deployments roll (`maxSurge: 0`,
+/// `maxUnavailable: 1`: no GPU is spare for a surge pod): each old replica's claim is deleted and its GPUs go to a
+/// new replica, until only the new replicas and their claims are left, holding all of the node's GPUs.
+pub(super) async fn a_rolling_update_on_a_full_node_hands_the_old_replicas_gpus_to_the_new_ones(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "pair", 2).await?;
+    let node = bed.nodes[1].name.clone();
+    let template = bed.pod_on(&ctx, "trainer", &node, "pair")?;
+    let deployment: Deployment = serde_json::from_value(json!({
+        "metadata": {"name": "trainers"},
+        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "trainer"}},
+                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+                 "template": {"metadata": {"labels": {"app": "trainer"}}, "spec": template.spec}}
+    }))?;
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    deployments.create(&PostParams::default(), &deployment).await?;
+    let before = replicas(&ctx, &bed, 2, &BTreeSet::new()).await?;
+    let (mut old_claims, mut gpus) = (BTreeSet::new(), BTreeSet::new());
+    for (pod, _) in &before {
+        let claim = claim_of(&ctx, pod, "gpus").await?;
+        gpus.extend(allocated(&ctx, &claim).await?);
+        old_claims.insert(claim);
+    }
+    ensure!(gpus.len() == 4, "two replicas of two H100s should fill the node: {gpus:?}");
+
+    let roll = json!({"spec": {"template": {"metadata": {"annotations": {"e2e.gpu-dra.dev/revision": "2"}}}}});
+    deployments.patch("trainers", &PatchParams::default(), &Patch::Merge(&roll)).await?;
+    let old: BTreeSet<String> = before.into_iter().map(|(pod, _)| pod).collect();
+    let after = replicas(&ctx, &bed, 2, &old).await?;
+    let (mut new_claims, mut handed_on) = (BTreeSet::new(), BTreeSet::new());
+    let kubelet = &bed.node(&node)?.kubelet;
+    for (pod, _) in &after {
+        let claim = claim_of(&ctx, pod, "gpus").await?;
+        ensure!(!old_claims.contains(&claim), "{pod} was given an old replica's claim {claim}");
+        handed_on.extend(allocated(&ctx, &claim).await?);
+        new_claims.insert(claim);
+        let key = format!("{}/{pod}", ctx.namespace);
+        ensure!(kubelet.count("prepared", &key) == 1, "{key} prepared {} times", kubelet.count("prepared", &key));
+    }
+    ensure!(handed_on == gpus, "the new replicas hold {handed_on:?}, the node's GPUs are {gpus:?}");
+    let dirs = &bed.node(&node)?.dirs;
+    wait::until("only the new replicas' claims and CDI specs", PREPARE_TIMEOUT, || async {
+        let claims: BTreeSet<String> =
+            objects::list_claims(&ctx).await?.into_iter().filter_map(|c| c.metadata.name).collect();
+        Ok((claims == new_claims && dirs.cdi_specs()?.len() == 2).then_some(()))
+    })
+    .await?;
+    eprintln!("rolled: {old:?} → {after:?}, claims {old_claims:?} → {new_claims:?}");
+    Ok(())
 }
 
 /// `kubectl delete namespace` with GPU pods running in it, one with a template claim and two sharing a claim of
