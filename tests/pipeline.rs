@@ -5,7 +5,7 @@
 //!
 //! Each test has two fake nodes (simulated GPUs, own kubelet directories, its own agent and kubelet harness), a
 //! DeviceClass, and a namespaced gpu-dra controller; the cluster runs kube-controller-manager's garbage collector,
-//! namespace, deployment, replicaset and statefulset controllers (never its claim controller).
+//! namespace, deployment, replicaset, statefulset and disruption controllers (never its claim controller).
 
 mod support;
 
@@ -24,6 +24,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use compute::inference_pods_share_one_gpu_by_compute;
 use dynamic_mig::the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices;
+use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
@@ -41,7 +42,8 @@ use workloads::{
     draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus,
 };
 
-const KCM_CONTROLLERS: &str = "deployment-controller,replicaset-controller,statefulset-controller";
+const KCM_CONTROLLERS: &str =
+    "deployment-controller,replicaset-controller,statefulset-controller,disruption-controller";
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() {
@@ -156,6 +158,26 @@ impl Testbed {
             spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node.to_string())].into());
         }
         Ok(pod)
+    }
+
+    /// Creates Deployment `trainers`: `replicas` copies of `pod`, selected by its `app` label (its name), rolled by
+    /// `strategy` (`null`: the default rolling update).
+    async fn deploy(
+        &self,
+        ctx: &TestContext,
+        pod: Pod,
+        replicas: i32,
+        strategy: Value,
+    ) -> anyhow::Result<Api<Deployment>> {
+        let app = pod.metadata.name.clone().context("pod template without a name")?;
+        let deployment: Deployment = serde_json::from_value(json!({
+            "metadata": {"name": "trainers"},
+            "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": app}}, "strategy": strategy,
+                     "template": {"metadata": {"labels": {"app": app}}, "spec": pod.spec}}
+        }))?;
+        let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+        deployments.create(&PostParams::default(), &deployment).await?;
+        Ok(deployments)
     }
 
     /// Waits until some node's kubelet prepared `pod`; returns (node, container → CDI ids).
@@ -286,13 +308,7 @@ async fn replicas_get_their_own_gpus_and_the_one_beyond_capacity_waits(ctx: Test
         json!([{"name": "gpus", "resourceClaimTemplateName": "pair"}]),
         &[("app", &["gpus"])],
     )?;
-    let deployment: k8s_openapi::api::apps::v1::Deployment = serde_json::from_value(json!({
-        "metadata": {"name": "trainers"},
-        "spec": {"replicas": 3, "selector": {"matchLabels": {"app": "replica"}},
-                 "template": {"metadata": {"labels": {"app": "replica"}}, "spec": template.spec}}
-    }))?;
-    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    deployments.create(&PostParams::default(), &deployment).await?;
+    let deployments = bed.deploy(&ctx, template, 3, Value::Null).await?;
     let pods = wait::until("three replica pods", Duration::from_secs(30), || async {
         let list = objects::pods(&ctx).list(&ListParams::default().labels("app=replica")).await?;
         Ok((list.items.len() == 3).then_some(list.items))

@@ -4,21 +4,24 @@
 //! namespace); the nodes' kubelet side is the kubelet's DRA code (the harness).
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
-use k8s_openapi::api::apps::v1::{Deployment, StatefulSet};
+use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::support::{TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
 /// A StatefulSet replica deleted (`kubectl delete pod web-0`, a failed node) comes back under the same name with a
-/// new UID. Its old claim belongs to the old pod: the controller must not adopt it, must give the new pod a claim
-/// of its own and delete the old one, so its GPUs come free. The node is full (two replicas of two H100s on a
+/// new UID. Its old claim belongs to the old pod: the controller must not adopt it but give the new pod a claim of
+/// its own, and the old one must be deleted (by the controller, as kube-controller-manager's does once the pod is
+/// replaced, or by the garbage collector once its owner is gone), so its GPUs come free. The node is full (two replicas of two H100s on a
 /// node of four), so the new replica starts only once they do, and it gets exactly those GPUs. The other replica
 /// keeps its claim, prepared once. Scaled to zero, every claim and CDI spec goes.
 pub(super) async fn a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus(
@@ -59,10 +62,12 @@ pub(super) async fn a_statefulset_replica_replaced_under_its_name_gets_a_new_cla
     ensure!(new_claim != old_claim, "the new web-0 was given the old pod's claim {old_claim}");
     let kubelet = &bed.node(&node)?.kubelet;
     let key = |pod: &str| format!("{}/{pod}", ctx.namespace);
-    wait::until("the new web-0 to be prepared", PREPARE_TIMEOUT, || async {
-        Ok((kubelet.count("prepared", &key("web-0")) == 2).then_some(()))
+    let prepared = wait::until("the new web-0 to be prepared", PREPARE_TIMEOUT, || async {
+        let count = kubelet.count("prepared", &key("web-0"));
+        Ok((count >= 2).then_some(count))
     })
     .await?;
+    ensure!(prepared == 2, "web-0 under its two UIDs was prepared {prepared} times");
     wait::until("the old web-0's claim to be deleted", PREPARE_TIMEOUT, || async {
         Ok(objects::claims(&ctx).get_opt(&old_claim).await?.is_none().then_some(()))
     })
@@ -89,9 +94,10 @@ pub(super) async fn a_statefulset_replica_replaced_under_its_name_gets_a_new_cla
     .await
 }
 
-/// `kubectl drain`: the node is cordoned and each of its pods evicted through the Eviction API. A Deployment's
-/// evicted replicas come back on the other node with claims of their own; the drained node's kubelet unprepares
-/// the old ones, whose claims and CDI specs go.
+/// `kubectl drain`: the node is cordoned and each of its pods evicted through the Eviction API, which keeps to the
+/// Deployment's PodDisruptionBudget (one replica down at most: a refused eviction is retried, as `kubectl drain`
+/// does). The evicted replicas come back on the other node with claims of their own; the drained node's kubelet
+/// unprepares the old ones, whose claims and CDI specs go.
 pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -105,13 +111,13 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
         json!([{"name": "gpus", "resourceClaimTemplateName": "one-h100"}]),
         &[("app", &["gpus"])],
     )?;
-    let deployment: Deployment = serde_json::from_value(json!({
+    bed.deploy(&ctx, template, 2, Value::Null).await?;
+    let budget: PodDisruptionBudget = serde_json::from_value(json!({
         "metadata": {"name": "trainers"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "trainer"}},
-                 "template": {"metadata": {"labels": {"app": "trainer"}}, "spec": template.spec}}
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "trainer"}}}
     }))?;
-    Api::<Deployment>::namespaced(ctx.client.clone(), &ctx.namespace)
-        .create(&PostParams::default(), &deployment)
+    Api::<PodDisruptionBudget>::namespaced(ctx.client.clone(), &ctx.namespace)
+        .create(&PostParams::default(), &budget)
         .await?;
     let before = replicas(&ctx, &bed, 2, &BTreeSet::new()).await?;
     let mut old_claims = BTreeSet::new();
@@ -123,8 +129,9 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
     cordon(&ctx, &other, false).await?;
     cordon(&ctx, &drained, true).await?;
     let pods = objects::pods(&ctx);
+    let mut refused = 0;
     for (pod, _) in &before {
-        pods.evict(pod, &EvictParams::default()).await.with_context(|| format!("evict {pod}"))?;
+        refused += evict(&pods, pod).await?;
     }
     let old: BTreeSet<String> = before.into_iter().map(|(pod, _)| pod).collect();
     let after = replicas(&ctx, &bed, 2, &old).await?;
@@ -135,7 +142,9 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
         let devices = allocated(&ctx, &claim).await?;
         ensure!(devices.len() == 1 && devices.iter().all(|(pool, _)| *pool == other), "{pod}: {devices:?}");
     }
-    eprintln!("drained {drained}: {old:?} evicted, {after:?} took their place");
+    eprintln!(
+        "drained {drained}: {old:?} evicted ({refused} evictions refused by the budget), {after:?} took their place"
+    );
     let node = bed.node(&drained)?;
     for pod in &old {
         node.kubelet.wait_for("unprepared", &format!("{}/{pod}", ctx.namespace), PREPARE_TIMEOUT).await?;
@@ -158,14 +167,8 @@ pub(super) async fn a_rolling_update_on_a_full_node_hands_the_old_replicas_gpus_
     bed.h100_template(&ctx, "pair", 2).await?;
     let node = bed.nodes[1].name.clone();
     let template = bed.pod_on(&ctx, "trainer", &node, "pair")?;
-    let deployment: Deployment = serde_json::from_value(json!({
-        "metadata": {"name": "trainers"},
-        "spec": {"replicas": 2, "selector": {"matchLabels": {"app": "trainer"}},
-                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-                 "template": {"metadata": {"labels": {"app": "trainer"}}, "spec": template.spec}}
-    }))?;
-    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    deployments.create(&PostParams::default(), &deployment).await?;
+    let strategy = json!({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}});
+    let deployments = bed.deploy(&ctx, template, 2, strategy).await?;
     let before = replicas(&ctx, &bed, 2, &BTreeSet::new()).await?;
     let (mut old_claims, mut gpus) = (BTreeSet::new(), BTreeSet::new());
     for (pod, _) in &before {
@@ -203,8 +206,9 @@ pub(super) async fn a_rolling_update_on_a_full_node_hands_the_old_replicas_gpus_
 
 /// `kubectl delete namespace` with GPU pods running in it, one with a template claim and two sharing a claim of
 /// their own: the namespace controller deletes everything at once, claims before their pods are gone. The claims
-/// wait for their pods (the scheduler's delete-protection finalizer), the kubelet unprepares, and the controller
-/// releases and deallocates them: the namespace is gone soon after, no CDI spec left, no claim stuck.
+/// wait for their pods (the scheduler's delete-protection finalizer) and the controller releases and deallocates
+/// them once the pods are gone: the namespace is gone soon after, with no claim stuck, and the kubelet unprepares
+/// each pod once, leaving no CDI spec.
 pub(super) async fn deleting_a_namespace_with_running_gpu_pods_leaves_nothing(ctx: TestContext) -> anyhow::Result<()> {
     let bed = Testbed::start(&ctx).await?;
     bed.h100_template(&ctx, "one-h100", 1).await?;
@@ -245,13 +249,35 @@ pub(super) async fn deleting_a_namespace_with_running_gpu_pods_leaves_nothing(ct
             .collect();
         return Err(err.context(format!("namespace conditions {left:?}; claims left {claims:?}")));
     }
-    ensure!(dirs.cdi_specs()?.is_empty(), "CDI specs outlived their namespace: {:?}", dirs.cdi_specs()?);
+    // With a grace period of 0 the pods leave the API before the kubelet has stopped them; it unprepares after.
     let kubelet = &bed.node(&node)?.kubelet;
-    for pod in ["trainer", "user-1", "user-2"] {
-        let key = format!("{}/{pod}", ctx.namespace);
-        ensure!(kubelet.count("unprepared", &key) == 1, "{key} unprepared {} times", kubelet.count("unprepared", &key));
+    let keys: Vec<String> = ["trainer", "user-1", "user-2"].iter().map(|p| format!("{}/{p}", ctx.namespace)).collect();
+    wait::until("every pod unprepared and no CDI spec left", PREPARE_TIMEOUT, || async {
+        let unprepared = keys.iter().all(|k| kubelet.count("unprepared", k) >= 1);
+        Ok((unprepared && dirs.cdi_specs()?.is_empty()).then_some(()))
+    })
+    .await?;
+    for key in &keys {
+        ensure!(kubelet.count("unprepared", key) == 1, "{key} unprepared {} times", kubelet.count("unprepared", key));
     }
     Ok(())
+}
+
+/// Evicts `pod` as `kubectl drain` does, retrying while a disruption budget refuses it (429); how often it was refused.
+async fn evict(pods: &Api<Pod>, pod: &str) -> anyhow::Result<usize> {
+    let refused = AtomicUsize::new(0);
+    wait::until(&format!("the disruption budget to allow evicting {pod}"), PREPARE_TIMEOUT, || async {
+        match pods.evict(pod, &EvictParams::default()).await {
+            Ok(_) => Ok(Some(())),
+            Err(kube::Error::Api(status)) if status.code == 429 => {
+                refused.fetch_add(1, Ordering::Relaxed);
+                Ok(None)
+            }
+            Err(err) => Err(anyhow::Error::new(err).context(format!("evict {pod}"))),
+        }
+    })
+    .await?;
+    Ok(refused.into_inner())
 }
 
 /// Marks `node` unschedulable (`kubectl cordon`) or schedulable again.
@@ -289,8 +315,9 @@ async fn replicas(
 }
 
 /// Pod priority with GPUs full: four low-priority pods hold a node's four H100s and a high-priority pod asks for one
-/// there. kube-scheduler 1.34–1.37 cannot preempt for DRA devices (its `dynamicresources` plugin has no
-/// `PreFilterExtensions`, so a victim's removal frees nothing in its simulation; KEP-5690 adds it later): the
+/// there. kube-scheduler 1.34–1.37 cannot preempt for DRA devices: its `dynamicresources` Filter refuses a node
+/// whose devices are taken as `UnschedulableAndUnresolvable` ("cannot allocate all claims"), and preemption only
+/// looks at nodes refused as `Unschedulable` (`preemption.go`, `findCandidates`; KEP-5690 is to change this). The
 /// high-priority pod stays Pending and says so, and no low-priority pod is evicted. What an operator does instead,
 /// deleting one, hands its GPU to the waiting pod.
 pub(super) async fn a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it(
@@ -300,12 +327,16 @@ pub(super) async fn a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets
     bed.h100_template(&ctx, "one-h100", 1).await?;
     let classes: Api<PriorityClass> = Api::all(ctx.client.clone());
     let class = |level: &str| format!("{}-{level}", ctx.namespace);
-    for (level, value) in [("low", 10), ("high", 1_000_000)] {
-        let priority: PriorityClass =
-            serde_json::from_value(json!({"metadata": {"name": class(level)}, "value": value}))?;
-        classes.create(&PostParams::default(), &priority).await?;
+    let result = async {
+        for (level, value) in [("low", 10), ("high", 1_000_000)] {
+            let priority: PriorityClass =
+                serde_json::from_value(json!({"metadata": {"name": class(level)}, "value": value}))?;
+            classes.create(&PostParams::default(), &priority).await?;
+        }
+        wait_for_a_freed_gpu(&ctx, &bed, &class("low"), &class("high")).await
     }
-    let result = wait_for_a_freed_gpu(&ctx, &bed, &class("low"), &class("high")).await;
+    .await;
+    // Cluster-scoped: deleted whatever happened (a class not created is simply not found).
     for level in ["low", "high"] {
         let _ = classes.delete(&class(level), &DeleteParams::default()).await;
     }

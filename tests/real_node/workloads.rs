@@ -31,8 +31,14 @@ pub(super) async fn a_statefulset_lives_through_a_replaced_replica_a_drain_and_i
         let training = TestContext { namespace: namespace.clone(), ..ctx.clone() };
         let result = lifecycle(&training, node).await;
         if result.is_err() {
-            // Before the chart goes: its controller releases the claims a namespace deletion waits for.
-            let _ = Api::<Namespace>::all(ctx.client.clone()).delete(&namespace, &DeleteParams::default()).await;
+            // Before the chart goes: its controller releases the claims a namespace deletion waits for, and its
+            // pods must be gone while the kubelet still runs.
+            let namespaces: Api<Namespace> = Api::all(ctx.client.clone());
+            let _ = namespaces.delete(&namespace, &DeleteParams::default()).await;
+            let _ = wait::until("the failed test's namespace to be gone", WAIT, || async {
+                Ok(namespaces.get_opt(&namespace).await?.is_none().then_some(()))
+            })
+            .await;
         }
         result
     })

@@ -25,7 +25,7 @@ impl Cluster {
         Self::start_with(binary, kcm_claim_controller, &[])
     }
 
-    /// Like [`Cluster::start`], passing `env` to `e2e/cluster.sh up` (e.g. `GPU_DRA_E2E_KCM_FLAGS`).
+    /// Like [`Cluster::start`], passing `env` to `e2e/cluster.sh up` (e.g. `GPU_DRA_E2E_KCM_CONTROLLERS`).
     pub fn start_with(binary: &str, kcm_claim_controller: bool, env: &[(&str, &str)]) -> anyhow::Result<Self> {
         if !kcm_claim_controller
             && env.is_empty()
