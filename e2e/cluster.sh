@@ -33,7 +33,8 @@
 # on every address and advertises the node's, so the `kubernetes` Service (10.0.0.1) has an endpoint pods reach
 # through kube-proxy; Node,RBAC authorization with NodeRestriction; ServiceAccount admission (pods get tokens);
 # kube-controller-manager also runs the serviceaccount, root-ca-certificate-publisher, deployment, replicaset,
-# statefulset, daemonset, job and device-taint-eviction controllers. `down` first takes down every real node e2e/node.sh started.
+# statefulset, daemonset, job and device-taint-eviction controllers. `down` first takes down every real node
+# e2e/node.sh started.
 #
 # From Kubernetes 1.37 on, the API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the
 # controller tests use it to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim

@@ -331,11 +331,7 @@ async fn replicas_get_their_own_gpus_and_the_one_beyond_capacity_waits(ctx: Test
     deployments.patch("trainers", &PatchParams::default(), &Patch::Merge(json!({"spec": {"replicas": 4}}))).await?;
     let reason = wait::until("the fourth replica to be unschedulable", Duration::from_secs(30), || async {
         let list = objects::pods(&ctx).list(&ListParams::default().labels("app=replica")).await?;
-        Ok(list.items.iter().find_map(|p| {
-            let conditions = p.status.as_ref()?.conditions.as_ref()?;
-            let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
-            scheduled.message.clone()
-        }))
+        Ok(list.items.iter().find_map(objects::unschedulable_message))
     })
     .await?;
     ensure!(reason.contains("cannot allocate all claims"), "scheduler said: {reason}");

@@ -220,12 +220,7 @@ async fn extended_resources_are_off(ctx: &TestContext, class: &str, pod: &str) -
     );
     let message = wait::until("the scheduler to find no node for nvidia.com/gpu", SETTLE, || async {
         let p = objects::pods(ctx).get(pod).await?;
-        let conditions = p.status.and_then(|s| s.conditions).unwrap_or_default();
-        Ok(conditions
-            .into_iter()
-            .find(|c| c.type_ == "PodScheduled" && c.status == "False")
-            .and_then(|c| c.message)
-            .filter(|m| m.contains("Insufficient nvidia.com/gpu")))
+        Ok(objects::unschedulable_message(&p).filter(|m| m.contains("Insufficient nvidia.com/gpu")))
     })
     .await?;
     let claims = list_claims(ctx).await?;

@@ -1,7 +1,8 @@
 //! What clusters do to GPU pods besides creating and deleting them, through the whole pipeline: a StatefulSet
-//! replica replaced under its own name, a Deployment rolled on a full node, a node drained with the Eviction API, a namespace deleted with everything
-//! in it, a high-priority pod finding the GPUs taken. The workload controllers are kube-controller-manager's own (statefulset, deployment, replicaset,
-//! namespace); the nodes' kubelet side is the kubelet's DRA code (the harness).
+//! replica replaced under its own name, a Deployment rolled on a full node, a node drained with the Eviction API, a
+//! namespace deleted with everything in it, a high-priority pod finding the GPUs taken. The workload controllers are
+//! kube-controller-manager's own (statefulset, deployment, replicaset, disruption, namespace); the nodes' kubelet
+//! side is the kubelet's DRA code (the harness).
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,21 +10,21 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::scheduling::v1::PriorityClass;
 use kube::api::{Api, DeleteParams, EvictParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use super::support::{TestContext, objects, wait};
-use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
+use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of, pod_using};
 
 /// A StatefulSet replica deleted (`kubectl delete pod web-0`, a failed node) comes back under the same name with a
 /// new UID. Its old claim belongs to the old pod: the controller must not adopt it but give the new pod a claim of
 /// its own, and the old one must be deleted (by the controller, as kube-controller-manager's does once the pod is
-/// replaced, or by the garbage collector once its owner is gone), so its GPUs come free. The node is full (two replicas of two H100s on a
-/// node of four), so the new replica starts only once they do, and it gets exactly those GPUs. The other replica
-/// keeps its claim, prepared once. Scaled to zero, every claim and CDI spec goes.
+/// replaced, or by the garbage collector once its owner is gone), so its GPUs come free. The node is full (two
+/// replicas of two H100s on a node of four), so the new replica starts only once they do, and it gets exactly those
+/// GPUs. The other replica keeps its claim, prepared once. Scaled to zero, every claim and CDI spec goes.
 pub(super) async fn a_statefulset_replica_replaced_under_its_name_gets_a_new_claim_and_the_freed_gpus(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -104,7 +105,7 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
     let bed = Testbed::start(&ctx).await?;
     bed.h100_template(&ctx, "one-h100", 1).await?;
     let (drained, other) = (bed.nodes[0].name.clone(), bed.nodes[1].name.clone());
-    cordon(&ctx, &other, true).await?;
+    objects::cordon(&ctx.client, &other, true).await?;
     let template = bed.pod(
         &ctx,
         "trainer",
@@ -126,8 +127,8 @@ pub(super) async fn draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus(
         old_claims.insert(claim_of(&ctx, pod, "gpus").await?);
     }
 
-    cordon(&ctx, &other, false).await?;
-    cordon(&ctx, &drained, true).await?;
+    objects::cordon(&ctx.client, &other, false).await?;
+    objects::cordon(&ctx.client, &drained, true).await?;
     let pods = objects::pods(&ctx);
     let mut refused = 0;
     for (pod, _) in &before {
@@ -221,12 +222,7 @@ pub(super) async fn deleting_a_namespace_with_running_gpu_pods_leaves_nothing(ct
     let pods = objects::pods(&ctx);
     pods.create(&PostParams::default(), &bed.pod_on(&ctx, "trainer", &node, "one-h100")?).await?;
     for name in ["user-1", "user-2"] {
-        let mut pod =
-            bed.pod(&ctx, name, json!([{"name": "gpus", "resourceClaimName": "shared"}]), &[("app", &["gpus"])])?;
-        if let Some(spec) = pod.spec.as_mut() {
-            spec.node_selector = Some([("kubernetes.io/hostname".to_string(), node.clone())].into());
-        }
-        pods.create(&PostParams::default(), &pod).await?;
+        pods.create(&PostParams::default(), &pod_using(name, &node, "shared")?).await?;
     }
     for pod in ["trainer", "user-1", "user-2"] {
         bed.prepared(&ctx, pod).await?;
@@ -278,13 +274,6 @@ async fn evict(pods: &Api<Pod>, pod: &str) -> anyhow::Result<usize> {
     })
     .await?;
     Ok(refused.into_inner())
-}
-
-/// Marks `node` unschedulable (`kubectl cordon`) or schedulable again.
-async fn cordon(ctx: &TestContext, node: &str, unschedulable: bool) -> anyhow::Result<()> {
-    let patch = json!({"spec": {"unschedulable": unschedulable}});
-    Api::<Node>::all(ctx.client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    Ok(())
 }
 
 /// Waits for `count` prepared pods labelled `app=trainer` other than `except`; (pod, node) of each.
@@ -360,7 +349,7 @@ async fn wait_for_a_freed_gpu(ctx: &TestContext, bed: &Testbed, low: &str, high:
     }
     pods.create(&PostParams::default(), &with_priority("urgent", high)?).await?;
     let why = wait::until("the scheduler to give up on preemption for urgent", PREPARE_TIMEOUT, || async {
-        Ok(unschedulable(&pods.get("urgent").await?).filter(|why| why.contains("preemption")))
+        Ok(objects::unschedulable_message(&pods.get("urgent").await?).filter(|why| why.contains("preemption")))
     })
     .await?;
     ensure!(why.contains("Preemption is not helpful"), "the scheduler said: {why}");
@@ -383,11 +372,4 @@ async fn wait_for_a_freed_gpu(ctx: &TestContext, bed: &Testbed, low: &str, high:
     ensure!(on == node && got == freed, "urgent got {got:?} on {on}, not low-0's freed {freed:?}");
     eprintln!("urgent waited ({why}); got {got:?} once low-0 was deleted");
     Ok(())
-}
-
-/// The scheduler's message while `pod` is Pending as unschedulable.
-fn unschedulable(pod: &Pod) -> Option<String> {
-    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
-    let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
-    scheduled.message.clone()
 }

@@ -5,8 +5,8 @@ use std::collections::BTreeSet;
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::core::v1::{Namespace, Node, Pod};
-use kube::api::{Api, DeleteParams, EvictParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, DeleteParams, EvictParams, PostParams};
 use serde_json::json;
 
 use super::support::real_node::RealNode;
@@ -95,7 +95,7 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
         }
         uids
     };
-    cordon(ctx, n, true).await?;
+    objects::cordon(&ctx.client, n, true).await?;
     for pod in REPLICAS {
         pods.evict(pod, &EvictParams::default()).await.with_context(|| format!("evict {pod}"))?;
     }
@@ -105,7 +105,7 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
             if pod.metadata.uid.as_ref().is_none_or(|uid| evicted.contains(uid)) {
                 return Ok(None);
             }
-            Ok(unschedulable(&pod))
+            Ok(objects::unschedulable_message(&pod))
         })
         .await?;
         ensure!(why.contains("unschedulable"), "{pod} pending for another reason: {why}");
@@ -114,7 +114,7 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
         ensure!(allocation.minors.is_empty(), "{pod} is not scheduled, yet its claim {claim} has {allocation:?}");
     }
     gone(ctx, node, &claims, &uids).await?;
-    cordon(ctx, n, false).await?;
+    objects::cordon(&ctx.client, n, false).await?;
     let mut after = BTreeSet::new();
     for (i, pod) in REPLICAS.iter().enumerate() {
         let (claim, seen) = running_with_its_gpu(ctx, n, pod).await?;
@@ -168,18 +168,4 @@ async fn gone(ctx: &TestContext, node: &RealNode, names: &[String], uids: &[Stri
         Ok(Some(()))
     })
     .await
-}
-
-/// Marks `node` unschedulable (`kubectl cordon`) or schedulable again (`kubectl uncordon`).
-async fn cordon(ctx: &TestContext, node: &str, unschedulable: bool) -> anyhow::Result<()> {
-    let patch = json!({"spec": {"unschedulable": unschedulable}});
-    Api::<Node>::all(ctx.client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
-    Ok(())
-}
-
-/// The scheduler's message when `pod` is Pending as unschedulable.
-fn unschedulable(pod: &Pod) -> Option<String> {
-    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
-    let scheduled = conditions.iter().find(|c| c.type_ == "PodScheduled" && c.status == "False")?;
-    scheduled.message.clone()
 }

@@ -1,9 +1,9 @@
 //! Small builders for the objects controller tests create, from JSON so that any field (even one unknown to the
 //! compiled types) can be set.
 
-use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::{Device, DeviceClass, ResourceClaim, ResourceSlice};
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 
 use super::TestContext;
@@ -218,6 +218,22 @@ pub async fn published_devices(client: &kube::Client, node: &str) -> anyhow::Res
     Ok(slices.items.into_iter().flat_map(|s| s.spec.devices.unwrap_or_default()).collect())
 }
 
+/// The scheduler's message while `pod` is Pending as unschedulable (its `PodScheduled` condition).
+pub fn unschedulable_message(pod: &Pod) -> Option<String> {
+    let conditions = pod.status.as_ref()?.conditions.as_ref()?;
+    let scheduled = conditions
+        .iter()
+        .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))?;
+    Some(scheduled.message.clone().unwrap_or_default())
+}
+
+/// Marks `node` unschedulable (`kubectl cordon`) or schedulable again (`kubectl uncordon`).
+pub async fn cordon(client: &kube::Client, node: &str, unschedulable: bool) -> anyhow::Result<()> {
+    let patch = json!({"spec": {"unschedulable": unschedulable}});
+    Api::<Node>::all(client.clone()).patch(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
 /// Waits until the scheduler has said why `pod` in `namespace` cannot be placed; returns its message.
 pub async fn unschedulable(
     client: &kube::Client,
@@ -227,12 +243,7 @@ pub async fn unschedulable(
 ) -> anyhow::Result<String> {
     let pods = Api::<Pod>::namespaced(client.clone(), namespace);
     super::wait::until(&format!("{namespace}/{pod} to be found unschedulable"), timeout, || async {
-        let pod = pods.get(pod).await?;
-        let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
-        Ok(conditions
-            .into_iter()
-            .find(|c| c.type_ == "PodScheduled" && c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
-            .map(|c| c.message.unwrap_or_default()))
+        Ok(unschedulable_message(&pods.get(pod).await?))
     })
     .await
 }
