@@ -9,6 +9,8 @@
 
 mod support;
 
+#[path = "pipeline/choices.rs"]
+mod choices;
 #[path = "pipeline/compute.rs"]
 mod compute;
 #[path = "pipeline/dynamic_mig.rs"]
@@ -22,6 +24,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
+use choices::{
+    a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config,
+    two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own,
+};
 use compute::inference_pods_share_one_gpu_by_compute;
 use dynamic_mig::the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices;
 use k8s_openapi::api::apps::v1::Deployment;
@@ -68,6 +74,8 @@ fn main() {
             test!(draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus),
             test!(deleting_a_namespace_with_running_gpu_pods_leaves_nothing),
             test!(a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it),
+            test!(a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config),
+            test!(two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own),
         ],
     )
 }

@@ -1,0 +1,200 @@
+//! What pods ask for beyond "n GPUs of a class", through the whole pipeline: a prioritized list of choices
+//! (`firstAvailable`: an H100, else an A100) with configuration for one choice only, and two GPUs that must be of
+//! one model (`matchAttribute`) with a container per request. The scheduler picks; what is ours is that the agent
+//! publishes attributes the constraints can name, applies each choice's configuration, and answers each device with
+//! the request names the kubelet matches against a container's `resources.claims[].request`.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::PostParams;
+use serde_json::{Value, json};
+
+use super::support::node::DRIVER;
+use super::support::{TestContext, objects, wait};
+use super::{PREPARE_TIMEOUT, Testbed, allocation_results, attribute, claim_of, inject};
+
+/// A pod on `node` whose containers (name → `resources.claims` entries) use the one pod claim `pod_claim`, made
+/// from `template`.
+fn pod(name: &str, node: &str, pod_claim: &str, template: &str, containers: &[(&str, Value)]) -> anyhow::Result<Pod> {
+    let containers: Vec<Value> = containers
+        .iter()
+        .map(|(c, uses)| json!({"name": c, "image": "registry.k8s.io/pause:3.10", "resources": {"claims": uses}}))
+        .collect();
+    Ok(serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"containers": containers,
+                 "resourceClaims": [{"name": pod_claim, "resourceClaimTemplateName": template}],
+                 "nodeSelector": {"kubernetes.io/hostname": node}, "terminationGracePeriodSeconds": 0}
+    }))?)
+}
+
+/// A CEL selector for GPUs whose product name starts with `product`.
+fn product_selector(product: &str) -> Value {
+    json!([{"cel": {"expression": format!("device.attributes['{DRIVER}'].productName.startsWith('{product}')")}}])
+}
+
+/// The device `pod`'s container `container` was given: its one CDI id resolved on `node`, checked to inject exactly
+/// the device node of the GPU allocated to the pod as `device`.
+fn one_device_injected(
+    bed: &Testbed,
+    node: &str,
+    containers: &BTreeMap<String, Vec<String>>,
+    container: &str,
+    device: &str,
+) -> anyhow::Result<()> {
+    let ids = containers.get(container).with_context(|| format!("no container {container} in {containers:?}"))?;
+    ensure!(ids.len() == 1, "container {container} got CDI ids {ids:?}, expected one (for {device})");
+    let (device_nodes, _) = inject(&bed.node(node)?.dirs, ids)?;
+    let expected = format!("/dev/nvidia{}", device.trim_start_matches("gpu-"));
+    ensure!(device_nodes.contains(&expected), "{ids:?} inject {device_nodes:?}, not {expected}");
+    Ok(())
+}
+
+/// A prioritized list (`firstAvailable`, on by default since 1.34): an H100 if one is free, else an A100, and a time
+/// slice configured for the A100 choice only (`requests: ["gpu/a100"]`), as a team whose jobs run on either model
+/// but share the older GPUs would write it. On a node with two of each, pods created one at a time get the H100s
+/// first, then the A100s, and the fifth waits. Each allocation names its choice (`gpu/h100`, `gpu/a100`); the
+/// kubelet gives the device to the container that asked for request `gpu` (the agent answers the base request's
+/// name: with the subrequest's, the kubelet's `cdiDevicesAsList` gives such a container nothing) and none to the
+/// container that asked for nothing. Only the A100s get the time slice. When an H100's pod goes, the waiting pod
+/// gets that H100, still the first choice, without a time slice; when an A100's pod goes, its time slice is set back.
+pub(super) async fn a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    let time_slice = json!({"driver": DRIVER, "parameters": {"apiVersion": format!("{DRIVER}/v1alpha1"),
+        "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}});
+    objects::create_template(
+        &ctx,
+        "h100-else-a100",
+        json!({"spec": {"devices": {
+            "requests": [{"name": "gpu", "firstAvailable": [
+                {"name": "h100", "deviceClassName": bed.class, "selectors": product_selector("NVIDIA H100")},
+                {"name": "a100", "deviceClassName": bed.class, "selectors": product_selector("NVIDIA A100")}]}],
+            "config": [{"requests": ["gpu/a100"], "opaque": time_slice}]}}}),
+    )
+    .await?;
+    let node = bed.nodes[0].name.clone();
+    let containers = [("train", json!([{"name": "gpus", "request": "gpu"}])), ("logger", json!([]))];
+    let pods = objects::pods(&ctx);
+
+    // (pod, the choice it must get, the product that choice means)
+    let expected = [
+        ("job-1", "gpu/h100", "NVIDIA H100"),
+        ("job-2", "gpu/h100", "NVIDIA H100"),
+        ("job-3", "gpu/a100", "NVIDIA A100"),
+        ("job-4", "gpu/a100", "NVIDIA A100"),
+    ];
+    let mut devices = BTreeMap::new();
+    for (name, choice, product) in expected {
+        pods.create(&PostParams::default(), &pod(name, &node, "gpus", "h100-else-a100", &containers)?).await?;
+        let device = prepared_with_choice(&ctx, &bed, name, choice, product).await?;
+        devices.insert(name, device);
+    }
+    let a100s: BTreeMap<String, String> =
+        ["job-3", "job-4"].iter().map(|p| (devices[p].clone(), "Long".to_string())).collect();
+    let dirs = &bed.node(&node)?.dirs;
+    ensure!(dirs.time_slices()? == a100s, "time slices {:?}, expected the A100s' only {a100s:?}", dirs.time_slices()?);
+
+    pods.create(&PostParams::default(), &pod("job-5", &node, "gpus", "h100-else-a100", &containers)?).await?;
+    let why = objects::unschedulable(&ctx.client, &ctx.namespace, "job-5", PREPARE_TIMEOUT).await?;
+    ensure!(why.contains("cannot allocate all claims"), "the scheduler said: {why}");
+
+    bed.delete_pod(&ctx, "job-1", &node).await?;
+    let device = prepared_with_choice(&ctx, &bed, "job-5", "gpu/h100", "NVIDIA H100").await?;
+    ensure!(device == devices["job-1"], "job-5 got {device}, not the H100 job-1 left ({})", devices["job-1"]);
+    ensure!(dirs.time_slices()? == a100s, "an H100 was time-sliced: {:?}", dirs.time_slices()?);
+
+    bed.delete_pod(&ctx, "job-3", &node).await?;
+    let left: BTreeMap<String, String> = [(devices["job-4"].clone(), "Long".to_string())].into();
+    ensure!(dirs.time_slices()? == left, "after job-3 went: {:?}, expected {left:?}", dirs.time_slices()?);
+    Ok(())
+}
+
+/// Waits until `pod` is prepared; checks that its claim holds one device, chosen as `choice`, a `product`, given to
+/// container `train` alone; returns the device.
+async fn prepared_with_choice(
+    ctx: &TestContext,
+    bed: &Testbed,
+    pod: &str,
+    choice: &str,
+    product: &str,
+) -> anyhow::Result<String> {
+    let (node, containers) = bed.prepared(ctx, pod).await?;
+    let claim = claim_of(ctx, pod, "gpus").await?;
+    let results = allocation_results(ctx, &ctx.namespace, &claim).await?;
+    let [result] = results.as_slice() else { anyhow::bail!("{pod}: allocation results {results:?}") };
+    ensure!(result.request == choice, "{pod} got {} as {}, expected {choice}", result.device, result.request);
+    let name = attribute(ctx, &node, &result.device, "productName").await?;
+    ensure!(name.starts_with(product), "{pod}: {} is a {name}, chosen as {choice}", result.device);
+    one_device_injected(bed, &node, &containers, "train", &result.device)?;
+    ensure!(containers.get("logger").is_some_and(Vec::is_empty), "{pod}: the logger got {containers:?}");
+    Ok(result.device.clone())
+}
+
+/// Two GPUs that must be of one model (`constraints: matchAttribute: <driver>/productName`, two requests of one
+/// GPU each), as data-parallel training asks so no rank waits for a slower GPU, with one container per request and
+/// a third using the whole claim. On a node of two A100s and two H100s, the first pod gets one model's pair and the
+/// second the other's: never one of each. Each request's container gets its own GPU, the third both (the agent
+/// names each device's request), and a third pod waits until a pair is freed, then gets that pair.
+pub(super) async fn two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    objects::create_template(
+        &ctx,
+        "matched-pair",
+        json!({"spec": {"devices": {
+            "requests": [{"name": "rank-0", "exactly": {"deviceClassName": bed.class}},
+                         {"name": "rank-1", "exactly": {"deviceClassName": bed.class}}],
+            "constraints": [{"requests": ["rank-0", "rank-1"], "matchAttribute": format!("{DRIVER}/productName")}]}}}),
+    )
+    .await?;
+    let node = bed.nodes[0].name.clone();
+    let containers = [
+        ("rank-0", json!([{"name": "pair", "request": "rank-0"}])),
+        ("rank-1", json!([{"name": "pair", "request": "rank-1"}])),
+        ("monitor", json!([{"name": "pair"}])),
+    ];
+    let pods = objects::pods(&ctx);
+    let mut models = BTreeMap::new();
+    for name in ["ddp-1", "ddp-2"] {
+        pods.create(&PostParams::default(), &pod(name, &node, "pair", "matched-pair", &containers)?).await?;
+        let (model, pair) = matched_pair(&ctx, &bed, name).await?;
+        models.insert(name, (model, pair));
+    }
+    ensure!(models["ddp-1"].0 != models["ddp-2"].0, "both pairs are {}: {models:?}", models["ddp-1"].0);
+
+    pods.create(&PostParams::default(), &pod("ddp-3", &node, "pair", "matched-pair", &containers)?).await?;
+    let why = objects::unschedulable(&ctx.client, &ctx.namespace, "ddp-3", PREPARE_TIMEOUT).await?;
+    ensure!(why.contains("cannot allocate all claims"), "the scheduler said: {why}");
+    bed.delete_pod(&ctx, "ddp-1", &node).await?;
+    let got = wait::until("ddp-3 to get the freed pair", PREPARE_TIMEOUT, || async {
+        Ok(Some(matched_pair(&ctx, &bed, "ddp-3").await?))
+    })
+    .await?;
+    ensure!(got == models["ddp-1"], "ddp-3 got {got:?}, not the pair ddp-1 left {:?}", models["ddp-1"]);
+    Ok(())
+}
+
+/// Waits until `pod` is prepared; checks that its two GPUs are one model, one per rank's container and both in the
+/// monitor's; returns (the model, the two devices).
+async fn matched_pair(ctx: &TestContext, bed: &Testbed, pod: &str) -> anyhow::Result<(String, BTreeSet<String>)> {
+    let (node, containers) = bed.prepared(ctx, pod).await?;
+    let claim = claim_of(ctx, pod, "pair").await?;
+    let results = allocation_results(ctx, &ctx.namespace, &claim).await?;
+    ensure!(results.len() == 2, "{pod}: allocation results {results:?}");
+    let mut products = BTreeSet::new();
+    for result in &results {
+        products.insert(attribute(ctx, &node, &result.device, "productName").await?);
+        one_device_injected(bed, &node, &containers, &result.request, &result.device)?;
+    }
+    let [model] = Vec::from_iter(products).try_into().map_err(|p| anyhow::anyhow!("{pod}: one of each: {p:?}"))?;
+    let pair: BTreeSet<String> = results.iter().map(|r| r.device.clone()).collect();
+    ensure!(pair.len() == 2, "{pod}: both ranks got {pair:?}");
+    let monitor = containers.get("monitor").map(Vec::len);
+    ensure!(monitor == Some(2), "{pod}: the monitor got {containers:?}, expected both GPUs");
+    Ok((model, pair))
+}
