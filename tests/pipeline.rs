@@ -17,6 +17,8 @@ mod compute;
 mod dynamic_mig;
 #[path = "pipeline/mig.rs"]
 mod mig;
+#[path = "pipeline/nodes.rs"]
+mod nodes;
 #[path = "pipeline/workloads.rs"]
 mod workloads;
 
@@ -35,6 +37,9 @@ use k8s_openapi::api::core::v1::{Namespace, Pod};
 use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult, ResourceClaim, ResourceSlice};
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
+use nodes::{
+    a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
+};
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
@@ -76,6 +81,8 @@ fn main() {
             test!(a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it),
             test!(a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config),
             test!(two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own),
+            test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
+            test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
         ],
     )
 }
@@ -86,6 +93,26 @@ struct Node {
     dirs: NodeDirs,
     agent: Component,
     kubelet: KubeletHarness,
+}
+
+impl Node {
+    /// Registers node number `index` of the test (labelled for its pods), with `gpus`, and starts its agent and
+    /// kubelet side.
+    fn start(ctx: &TestContext, index: usize, gpus: &str) -> anyhow::Result<Self> {
+        let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+        let name = format!("e2e-{suffix}-{index}");
+        ctx.cluster.add_node_labeled(&name, &[&format!("gpu-dra.dev/e2e={}", ctx.namespace)])?;
+        let dirs = NodeDirs::new()?;
+        let agent = start_agent(ctx, &name, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+        let kubelet = KubeletHarness::start(ctx, &name, &dirs)?;
+        Ok(Self { name, dirs, agent, kubelet })
+    }
+
+    async fn wait_ready(&self) -> anyhow::Result<()> {
+        self.agent.wait_ready().await?;
+        self.kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+        Ok(())
+    }
 }
 
 /// Two GPU nodes, a DeviceClass and a controller, all the test's own.
@@ -100,20 +127,12 @@ const GPUS: [&str; 2] = ["2xA100-80GB,2xH100-80GB", "4xH100-80GB"];
 
 impl Testbed {
     async fn start(ctx: &TestContext) -> anyhow::Result<Self> {
-        let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
-        let label = format!("gpu-dra.dev/e2e={}", ctx.namespace);
         let mut nodes = Vec::new();
         for (i, gpus) in GPUS.iter().enumerate() {
-            let name = format!("e2e-{suffix}-{i}");
-            ctx.cluster.add_node_labeled(&name, &[&label])?;
-            let dirs = NodeDirs::new()?;
-            let agent = start_agent(ctx, &name, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
-            let kubelet = KubeletHarness::start(ctx, &name, &dirs)?;
-            nodes.push(Node { name, dirs, agent, kubelet });
+            nodes.push(Node::start(ctx, i, gpus)?);
         }
         for node in &nodes {
-            node.agent.wait_ready().await?;
-            node.kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
+            node.wait_ready().await?;
         }
         let class: DeviceClass = serde_json::from_value(json!({
             "metadata": {"name": ctx.namespace},
@@ -123,6 +142,15 @@ impl Testbed {
         Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
         let controller = Component::controller(ctx, &[]).await?;
         Ok(Self { nodes, controller, class: ctx.namespace.clone() })
+    }
+
+    /// A node with `gpus` joins, as a new machine would: its Node object, agent and kubelet side; returns its name.
+    async fn add_node(&mut self, ctx: &TestContext, gpus: &str) -> anyhow::Result<String> {
+        let node = Node::start(ctx, self.nodes.len(), gpus)?;
+        node.wait_ready().await?;
+        let name = node.name.clone();
+        self.nodes.push(node);
+        Ok(name)
     }
 
     fn node(&self, name: &str) -> anyhow::Result<&Node> {

@@ -24,6 +24,7 @@ pub mod mps_control;
 pub mod mps_stand_in;
 mod mps_sys;
 mod plugin;
+pub mod retry;
 pub mod slices;
 
 use std::net::SocketAddr;
@@ -51,11 +52,9 @@ use crate::telemetry::process::ProcessCollector;
 use crate::telemetry::server::{self, Liveness, Readiness, ServerError};
 use gpu::Gpu;
 use plugin::PluginSettings;
+use retry::{BACKOFF_START, RoundFailure};
 use slices::publisher::{Outcome, Publisher};
 
-/// First and longest pause after a failed discovery or publish.
-const BACKOFF_START: Duration = Duration::from_secs(1);
-const BACKOFF_MAX: Duration = Duration::from_secs(300);
 /// Changes to the node's slices that arrive together are handled once.
 const DEBOUNCE: Duration = Duration::from_millis(200);
 
@@ -164,7 +163,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         let round = async {
             if health_only && let Some((gpus, devices, ours)) = &known {
                 let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
-                return Ok::<_, String>((devices.len(), outcome));
+                return Ok::<_, RoundFailure>((devices.len(), outcome));
             }
             sharing.refresh(&client, &node, &gpu.driver_name).await;
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
@@ -208,7 +207,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 known = Some((gpus.clone(), devices, ours.clone()));
                 // Unless the API server dropped the counters just now: then the MIG devices as they exist, at once.
                 if mig_layout(gpu.mig_layout, &publisher) == layout {
-                    return Ok::<_, String>((count, outcome));
+                    return Ok::<_, RoundFailure>((count, outcome));
                 }
             }
         }
@@ -228,12 +227,12 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
                 next_full
             }
-            Err(reason) => {
+            Err(RoundFailure { reason, node_missing }) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
-                warn!(error = %reason, retry_in = ?backoff, "discover and publish failed");
+                let (wait, next) = retry::after_failure(backoff, node_missing);
+                warn!(error = %reason, retry_in = ?wait, "discover and publish failed");
                 readiness.set(Err(reason));
-                let wait = backoff;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
+                backoff = next;
                 tokio::time::Instant::now() + wait
             }
         };
@@ -344,11 +343,14 @@ async fn publish(
     ours: &std::collections::BTreeSet<String>,
     publisher: &Publisher,
     monitor: &health::Monitor,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, RoundFailure> {
     let taints = gpus.iter().map(|gpu| (gpu.uuid.clone(), monitor.taints(gpu))).collect();
     let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);
-    publisher.publish(&pool).await.map_err(|e| e.to_string())
+    publisher.publish(&pool).await.map_err(|e| RoundFailure {
+        node_missing: matches!(e, slices::publisher::PublishError::NodeNotFound { .. }),
+        reason: e.to_string(),
+    })
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

@@ -1,0 +1,63 @@
+//! When the agent tries again after a round (discover and publish) failed: exponential back-off from 1 s to 5
+//! minutes, so a broken driver or API server is not hammered, except while the agent's Node object is missing.
+//!
+//! A Node deleted and registered again under its name (`kubectl delete node` and a kubelet restart, a machine
+//! replaced under the same name) takes the node's ResourceSlices with it: the garbage collector deletes them with
+//! their owner. The agent can publish them again only once the new Node exists (they must be owned by it), and
+//! nothing it watches changes when that happens. Backing off as for other failures would leave a re-registered
+//! node's GPUs unpublished for up to the back-off reached while it was away (64 s after two minutes), so while the
+//! Node is missing the agent looks again at least every [`NODE_MISSING_RETRY`]: one read of one object.
+
+use std::time::Duration;
+
+/// First pause after a failed round.
+pub const BACKOFF_START: Duration = Duration::from_secs(1);
+/// Longest pause after failed rounds.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
+/// Longest pause while the Node object is missing.
+pub const NODE_MISSING_RETRY: Duration = Duration::from_secs(5);
+
+/// Why a round failed.
+#[derive(Debug)]
+pub struct RoundFailure {
+    pub reason: String,
+    /// The Node object this agent publishes for does not exist (deleted, not yet registered, or a wrong
+    /// `--node-name`).
+    pub node_missing: bool,
+}
+
+impl From<String> for RoundFailure {
+    fn from(reason: String) -> Self {
+        Self { reason, node_missing: false }
+    }
+}
+
+/// After a failed round with back-off `backoff`: (how long to wait now, the back-off after the next failure).
+pub fn after_failure(backoff: Duration, node_missing: bool) -> (Duration, Duration) {
+    let next = (backoff * 2).min(BACKOFF_MAX);
+    if node_missing { (backoff.min(NODE_MISSING_RETRY), next) } else { (backoff, next) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn back_off_doubles_to_its_cap_and_a_missing_node_is_looked_at_every_few_seconds() {
+        let s = Duration::from_secs;
+        // (back-off, node missing) → (wait, next back-off)
+        let table = [
+            ((s(1), false), (s(1), s(2))),
+            ((s(32), false), (s(32), s(64))),
+            ((s(256), false), (s(256), s(300))),
+            ((s(300), false), (s(300), s(300))),
+            ((s(1), true), (s(1), s(2))),
+            ((s(4), true), (s(4), s(8))),
+            ((s(64), true), (s(5), s(128))),
+            ((s(300), true), (s(5), s(300))),
+        ];
+        for ((backoff, missing), expected) in table {
+            assert_eq!(after_failure(backoff, missing), expected, "back-off {backoff:?}, node missing {missing}");
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! What happens to GPU nodes in clusters that grow and are repaired, through the whole pipeline: a node joining while
+//! GPU pods wait for room (an autoscaler's scale-up), and a Node object deleted and registered again under its name
+//! (`kubectl delete node` and a kubelet restart, or a machine replaced under the same name).
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceSlice;
+use kube::ResourceExt;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
+use serde_json::Value;
+
+use super::support::{TestContext, objects, wait};
+use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
+
+/// A Deployment of two trainers that each take a whole node's four H100s: the node of four takes one; the other
+/// waits as unschedulable (the other node has two H100s). A node of four H100s joins (its Node object, agent and
+/// kubelet started, as a new machine's), and the waiting replica is placed there and prepared, with GPUs of that node.
+pub(super) async fn a_node_joining_takes_the_gpu_pods_waiting_for_room(ctx: TestContext) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "four-h100", 4).await?;
+    let template = bed.pod(
+        &ctx,
+        "trainer",
+        serde_json::json!([{"name": "gpus", "resourceClaimTemplateName": "four-h100"}]),
+        &[("train", &["gpus"])],
+    )?;
+    bed.deploy(&ctx, template, 2, Value::Null).await?;
+    let pods = objects::pods(&ctx);
+    let waiting = wait::until("one replica placed and one waiting", PREPARE_TIMEOUT, || async {
+        let list = pods.list(&ListParams::default().labels("app=trainer")).await?;
+        let waiting = list.items.iter().find(|p| objects::unschedulable_message(p).is_some());
+        let placed = list.items.iter().filter(|p| p.spec.as_ref().is_some_and(|s| s.node_name.is_some())).count();
+        Ok(waiting.filter(|_| placed == 1).and_then(|p| p.metadata.name.clone()))
+    })
+    .await?;
+
+    let joined = Instant::now();
+    let node = bed.add_node(&ctx, "4xH100-80GB").await?;
+    let (placed_on, _) = bed.prepared(&ctx, &waiting).await?;
+    ensure!(placed_on == node, "{waiting} was placed on {placed_on}, not the node that joined ({node})");
+    let devices = allocated(&ctx, &claim_of(&ctx, &waiting, "gpus").await?).await?;
+    ensure!(devices.len() == 4 && devices.iter().all(|(pool, _)| *pool == node), "{waiting} got {devices:?}");
+    eprintln!("node joined → waiting replica prepared on it in {:?}", joined.elapsed());
+    Ok(())
+}
+
+/// How long the Node stays deleted: long enough for the agent's back-off over its failed publishes to reach 16 s
+/// (1, 2, 4, 8, 16 s), so that an agent backing off as for any failure would look again only 13 s after the Node is
+/// back (31 s after the first failure).
+const AWAY: Duration = Duration::from_secs(18);
+/// How soon after the Node is back its GPUs must be published (the agent looks every 5 s while it is missing).
+const REPUBLISHED_WITHIN: Duration = Duration::from_secs(8);
+
+/// A Node object deleted while its machine runs on (its agent, its kubelet and a prepared pod stay), then registered
+/// again under its name with a new UID after a while. The garbage collector deletes the ResourceSlices the old Node
+/// owned; the agent publishes them again within seconds of the new Node's registration, owned by it (owned by the
+/// old one, the collector would delete them again), so the node's GPUs can be allocated once more. The prepared pod
+/// keeps its CDI spec throughout.
+pub(super) async fn a_node_deleted_and_registered_again_publishes_its_gpus_again(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let node = bed.nodes[1].name.clone();
+    let pods = objects::pods(&ctx);
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "running", &node, "one-h100")?).await?;
+    bed.prepared(&ctx, "running").await?;
+    let specs = bed.node(&node)?.dirs.cdi_specs()?;
+
+    let nodes = Api::<Node>::all(ctx.client.clone());
+    let old_uid = nodes.get(&node).await?.uid().context("node without a UID")?;
+    nodes.delete(&node, &DeleteParams::default()).await?;
+    wait::until("the garbage collector to delete the old Node's slices", Duration::from_secs(60), || async {
+        Ok(node_slices(&ctx, &node).await?.is_empty().then_some(()))
+    })
+    .await?;
+
+    // Away for a while, as a machine being repaired: the agent's publishes fail meanwhile (no Node to own slices).
+    tokio::time::sleep(AWAY).await;
+    let registered = Instant::now();
+    ctx.cluster.add_node_labeled(&node, &[&format!("gpu-dra.dev/e2e={}", ctx.namespace)])?;
+    let new_uid = nodes.get(&node).await?.uid().context("node without a UID")?;
+    ensure!(new_uid != old_uid, "the Node came back with its old UID {old_uid}");
+    wait::until("the agent to publish the node's four GPUs again", Duration::from_secs(90), || async {
+        let slices = node_slices(&ctx, &node).await?;
+        let devices: usize = slices.iter().map(|s| s.spec.devices.as_ref().map_or(0, Vec::len)).sum();
+        Ok((devices == 4).then_some(slices))
+    })
+    .await?;
+    let published = registered.elapsed();
+    ensure!(published <= REPUBLISHED_WITHIN, "published again {published:?} after the Node came back");
+    // Owned by the new Node: the collector leaves them (checked after a pause in which it would have acted).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let slices = node_slices(&ctx, &node).await?;
+    let owners: Vec<String> = slices.iter().flat_map(|s| s.owner_references().iter().map(|o| o.uid.clone())).collect();
+    ensure!(!slices.is_empty() && owners.iter().all(|o| *o == new_uid), "slices owned by {owners:?}, not {new_uid}");
+    ensure!(bed.node(&node)?.dirs.cdi_specs()? == specs, "the running pod's CDI spec changed");
+
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "after", &node, "one-h100")?).await?;
+    bed.prepared(&ctx, "after").await?;
+    let (before, after) = (
+        allocated(&ctx, &claim_of(&ctx, "running", "gpus").await?).await?,
+        allocated(&ctx, &claim_of(&ctx, "after", "gpus").await?).await?,
+    );
+    ensure!(before.is_disjoint(&after), "the new pod got the running pod's GPU: {after:?}");
+    eprintln!("Node registered again → its GPUs published again in {published:?}");
+    Ok(())
+}
+
+/// The ResourceSlices of `node`.
+async fn node_slices(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<ResourceSlice>> {
+    let list = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
+        .await?;
+    Ok(list.items)
+}
