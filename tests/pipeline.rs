@@ -5,7 +5,8 @@
 //!
 //! Each test has two fake nodes (simulated GPUs, own kubelet directories, its own agent and kubelet harness), a
 //! DeviceClass, and a namespaced gpu-dra controller; the cluster runs kube-controller-manager's garbage collector,
-//! namespace, deployment, replicaset, statefulset and disruption controllers (never its claim controller).
+//! namespace, deployment, replicaset, statefulset, disruption, job and resourcequota controllers (never its claim
+//! controller).
 
 mod support;
 
@@ -19,6 +20,8 @@ mod dynamic_mig;
 mod mig;
 #[path = "pipeline/nodes.rs"]
 mod nodes;
+#[path = "pipeline/quota.rs"]
+mod quota;
 #[path = "pipeline/workloads.rs"]
 mod workloads;
 
@@ -40,6 +43,7 @@ use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_r
 use nodes::{
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
 };
+use quota::a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free;
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
@@ -53,8 +57,8 @@ use workloads::{
     draining_a_node_moves_its_gpu_replicas_and_frees_their_gpus,
 };
 
-const KCM_CONTROLLERS: &str =
-    "deployment-controller,replicaset-controller,statefulset-controller,disruption-controller";
+const KCM_CONTROLLERS: &str = "deployment-controller,replicaset-controller,statefulset-controller,\
+                               disruption-controller,job-controller,resourcequota-controller";
 const PREPARE_TIMEOUT: Duration = Duration::from_secs(60);
 
 fn main() {
@@ -83,6 +87,7 @@ fn main() {
             test!(two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own),
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
+            test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
         ],
     )
 }

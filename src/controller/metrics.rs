@@ -80,6 +80,7 @@ pub struct ControllerMetrics {
     another_controller: Gauge,
     observe_only: Gauge,
     leader: Gauge,
+    waiting_for_quota: Gauge,
 }
 
 impl ControllerMetrics {
@@ -95,6 +96,7 @@ impl ControllerMetrics {
             another_controller: Gauge::default(),
             observe_only: Gauge::default(),
             leader: Gauge::default(),
+            waiting_for_quota: Gauge::default(),
         };
         registry.register(
             "gpu_dra_controller_sync_duration_seconds",
@@ -116,6 +118,12 @@ impl ControllerMetrics {
             "gpu_dra_controller_leader",
             "1 while this replica holds the leader lease",
             metrics.leader.clone(),
+        );
+        registry.register(
+            "gpu_dra_controller_waiting_for_quota",
+            "Pods and PodGroups whose claims a ResourceQuota refused, waiting for a quota of their namespace to \
+             change (one deleted meanwhile counts until then)",
+            metrics.waiting_for_quota.clone(),
         );
         let creates = metrics.creates.clone();
         registry.register_collector(Box::new(UpstreamMetrics { creates, queue: queue.clone() }));
@@ -161,6 +169,10 @@ impl ControllerMetrics {
 
     pub fn set_leader(&self, on: bool) {
         self.leader.set(i64::from(on));
+    }
+
+    pub fn set_waiting_for_quota(&self, keys: usize) {
+        self.waiting_for_quota.set(i64::try_from(keys).unwrap_or(i64::MAX));
     }
 }
 

@@ -12,7 +12,8 @@
 //! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods; PodGroups
 //! served only later are noticed without a restart ([`group_api`]).
 //!
-//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched). Writes: resourceclaims
+//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched), resourcequotas (their
+//! metadata watched: a change looks again at the pods whose claims a quota refused, [`quota`]). Writes: resourceclaims
 //! (create, delete, status), pods/status and podgroups/status (server-side apply), events, and one Lease for
 //! leader election.
 //!
@@ -139,6 +140,7 @@ pub mod naming;
 pub mod pod;
 pub mod podgroup;
 pub mod queue;
+pub mod quota;
 pub mod slim_claim;
 pub mod slim_pod;
 pub mod slim_pod_group;
@@ -202,6 +204,8 @@ pub struct Context {
     pub foreign: ForeignControllerDetector,
     /// Wakes the PodGroup discovery while PodGroups are not handled.
     pub group_api: group_api::GroupApi,
+    /// Pods and PodGroups whose claims a ResourceQuota refused, looked at again when a quota changes.
+    pub quota: quota::QuotaWaits,
 }
 
 impl std::fmt::Debug for Context {
@@ -245,6 +249,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
         events,
         foreign: ForeignControllerDetector::new(args.on_another_claim_controller),
         group_api: group_api::GroupApi::default(),
+        quota: quota::QuotaWaits::default(),
     });
 
     let readiness = Readiness::not_ready("informer caches have not synced");
@@ -264,6 +269,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     caches.set_groups_served(groups == group_api::Availability::Served);
     ctx.group_api.started_with(groups);
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
+    tokio::spawn(quota::watch(client.clone(), args.namespace.clone(), ctx.clone()));
 
     let (role_tx, mut role) = watch::channel(if args.leader_elect { Role::Unknown } else { Role::Leader });
     // Without election the sender stays here, so the role never changes (and never reads as closed).

@@ -11,13 +11,13 @@ use k8s_openapi::api::core::v1::PodResourceClaim;
 use kube::Resource;
 use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::json;
-use tracing::{debug, info, instrument, warn};
+use tracing::{debug, info, instrument};
 
 use super::decide::{self, ClaimSource, Recorded, RecordedVerdict, Seen};
 use super::error::SyncError;
 use super::events::Reason;
 use super::podgroup::Membership;
-use super::queue::ObjectKey;
+use super::queue::{ObjectKey, WorkKey};
 use super::{CLAIM_FIELD_MANAGER, Context, POD_STATUS_FIELD_MANAGER};
 
 /// What became of one pod claim in this sync.
@@ -44,6 +44,7 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
         return Ok(());
     }
     let observe_only = ctx.foreign.observe_only();
+    let quota_changes = ctx.quota.changes(&key.namespace);
     let applied = ctx.caches.applied_statuses(&pod);
     let mut to_record = Vec::new();
     let mut errors = Vec::new();
@@ -66,10 +67,9 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
         let entries: Vec<(String, String)> = applied.iter().cloned().chain(to_record.iter().cloned()).collect();
         apply_claim_statuses(ctx, &pod, &entries).await?;
     }
-    if let Some(first) = errors.first() {
-        if let Some((403, message)) = first.api_status() {
-            warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
-        }
+    if !errors.is_empty() {
+        let refused: Vec<&SyncError> = errors.iter().collect();
+        super::quota::after_failure(ctx, &key.namespace, &WorkKey::Pod(key.clone()), quota_changes, &refused);
         return Err(match errors.len() {
             1 => errors.remove(0),
             count => SyncError::Several { count, first: Box::new(errors.remove(0)) },

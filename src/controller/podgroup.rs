@@ -16,7 +16,7 @@ use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use kube::{Client, ResourceExt};
 use serde_json::json;
-use tracing::{debug, info, instrument, warn};
+use tracing::{debug, info, instrument};
 
 use super::api_object;
 use super::decide::Recorded;
@@ -132,6 +132,7 @@ pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncEr
     if group.metadata.deletion_timestamp.is_some() || ctx.foreign.observe_only() {
         return Ok(());
     }
+    let quota_changes = ctx.quota.changes(&key.namespace);
     let mut to_record = Vec::new();
     for gc in decide_group::group_claims(&group) {
         match handle_group_claim(ctx, &group, gc).await {
@@ -142,9 +143,8 @@ pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncEr
                 // and the sync ends at the first failed claim.
                 let note = format!("PodGroupResourceClaim {}: {err}", gc.name);
                 ctx.events.pod_group_warning(&group, Reason::FailedResourceClaimCreation, note);
-                if let Some((403, message)) = err.api_status() {
-                    warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
-                }
+                let work = WorkKey::PodGroup(key.clone());
+                super::quota::after_failure(ctx, &key.namespace, &work, quota_changes, &[&err]);
                 return Err(err);
             }
         }

@@ -28,6 +28,7 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
         ("resource.k8s.io", "resourceclaimtemplates", "list,watch"),
         ("scheduling.k8s.io", "podgroups", "get,list,watch"),
         ("scheduling.k8s.io", "podgroups/status", "patch"),
+        ("", "resourcequotas", "list,watch"),
         ("events.k8s.io", "events", "create,patch"),
     ]);
     ensure!(granted == expected, "controller ClusterRole {granted:?}");
@@ -70,6 +71,11 @@ async fn controller_under_its_account(ctx: &TestContext, applied: &[Value]) -> a
     .with_context(|| controller.log_tail())?;
     let claim = objects::claims(ctx).get(&recorded).await?;
     ensure!(claim.metadata.owner_references.is_some_and(|o| o[0].name == "trainer"), "claim {recorded} not the pod's");
+    ensure!(
+        !controller.log_text().contains("cannot watch ResourceQuotas"),
+        "the controller's ServiceAccount cannot watch ResourceQuotas:\n{}",
+        controller.log_tail()
+    );
     wait::until("the ResourceClaimCreated event", SETTLE, || async {
         Ok(events_about(ctx, "trainer").await?.into_iter().find(|(_, reason, _)| reason == "ResourceClaimCreated"))
     })

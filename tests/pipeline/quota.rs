@@ -1,0 +1,134 @@
+//! A team namespace with a GPU quota, through the whole pipeline: a ResourceQuota on its DeviceClass's devices
+//! (`<class>.deviceclass.resource.k8s.io/devices`, kube-controller-manager's resourcequota controller keeping the
+//! usage) and a Job asking for more GPUs at once than the quota allows.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::ResourceQuota;
+use kube::api::{Api, ListParams, PostParams};
+use serde_json::json;
+
+use super::support::{TestContext, objects, wait};
+use super::{PREPARE_TIMEOUT, Testbed, claim_of};
+
+/// How long each of the Job's pods runs (the kubelet harness's `run-for`): long enough for a pod refused all that
+/// time to be backing off for seconds (the back-off doubles from 5 ms: 10 s of refusals reach about 5 s).
+const RUN_FOR: &str = "15s";
+/// How soon after quota comes free a waiting pod must have its claim.
+const CLAIMED_WITHIN: Duration = Duration::from_secs(3);
+
+/// A Job of four one-GPU pods, all at once, in a namespace whose quota allows two GPUs. Two pods get their claims
+/// and run; the quota refuses the other two's claims (403 "exceeded quota"): each is told so in one Warning Event
+/// (repeats aggregated), the controller's `gpu_dra_controller_waiting_for_quota` counts them, and the controller
+/// does not mistake the refusal for a missing permission. When the first
+/// two finish, their claims are deleted, the quota controller writes the lower usage, and the waiting pods get their
+/// claims within seconds (the controller watches ResourceQuotas; kube-controller-manager waits out each pod's
+/// back-off, by then seconds and growing to 1,000 s), and run. The Job completes.
+pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let devices = format!("{}.deviceclass.resource.k8s.io/devices", bed.class);
+    let quota: ResourceQuota =
+        serde_json::from_value(json!({"metadata": {"name": "gpus"}, "spec": {"hard": {devices.as_str(): "2"}}}))?;
+    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    quotas.create(&PostParams::default(), &quota).await?;
+    // Until the quota controller has written the quota's status, the API server refuses every claim it covers.
+    wait::until("the quota controller to take up the quota", PREPARE_TIMEOUT, || async {
+        let status = quotas.get("gpus").await?.status.and_then(|s| s.hard);
+        Ok(status.is_some_and(|h| h.contains_key(&devices)).then_some(()))
+    })
+    .await?;
+
+    let mut pod = bed.pod(
+        &ctx,
+        "train",
+        json!([{"name": "gpu", "resourceClaimTemplateName": "one-h100"}]),
+        &[("train", &["gpu"])],
+    )?;
+    let spec = pod.spec.as_mut().context("pod without spec")?;
+    spec.restart_policy = Some("Never".into());
+    let job: Job = serde_json::from_value(json!({
+        "metadata": {"name": "train"},
+        "spec": {"completions": 4, "parallelism": 4, "backoffLimit": 0,
+                 "template": {"metadata": {"annotations": {"e2e.gpu-dra.dev/run-for": RUN_FOR}}, "spec": pod.spec}}
+    }))?;
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    jobs.create(&PostParams::default(), &job).await?;
+
+    let pods = objects::pods(&ctx);
+    let list = ListParams::default().labels("job-name=train");
+    let (claimed, waiting) = wait::until("two pods with claims and two refused", PREPARE_TIMEOUT, || async {
+        let all = pods.list(&list).await?.items;
+        let (claimed, waiting): (Vec<_>, Vec<_>) =
+            all.iter().partition(|p| objects::claim_statuses(p).iter().any(|(_, c)| c.is_some()));
+        let names = |p: Vec<&k8s_openapi::api::core::v1::Pod>| -> Vec<String> {
+            p.iter().filter_map(|p| p.metadata.name.clone()).collect()
+        };
+        Ok((all.len() == 4 && claimed.len() == 2).then(|| (names(claimed), names(waiting))))
+    })
+    .await?;
+    for name in &waiting {
+        let warnings = wait::until(&format!("{name}'s quota warning"), PREPARE_TIMEOUT, || async {
+            let events = objects::events_about(&ctx, name).await?;
+            let warnings: Vec<String> = events
+                .into_iter()
+                .filter(|(_, reason, _)| reason == "FailedResourceClaimCreation")
+                .map(|(_, _, note)| note)
+                .collect();
+            Ok((!warnings.is_empty()).then_some(warnings))
+        })
+        .await?;
+        ensure!(warnings.len() == 1, "{name}: the refusals were not aggregated into one Event: {warnings:?}");
+        ensure!(warnings[0].contains("exceeded quota: gpus"), "{name}: {warnings:?}");
+    }
+    let waiting_metric = bed.controller.metric("gpu_dra_controller_waiting_for_quota", &[]).await?;
+    ensure!(waiting_metric == 2.0, "gpu_dra_controller_waiting_for_quota is {waiting_metric}, expected 2");
+    for name in &claimed {
+        bed.prepared(&ctx, name).await?;
+    }
+    // The first two finish: their claims go, and the waiting pods' claims come within seconds.
+    let claims: Vec<String> = {
+        let mut names = Vec::new();
+        for name in &claimed {
+            names.push(claim_of(&ctx, name, "gpu").await?);
+        }
+        names
+    };
+    let freed = wait::until("a finished pod's claim to be deleted", Duration::from_secs(60), || async {
+        for claim in &claims {
+            if objects::claims(&ctx).get_opt(claim).await?.is_none() {
+                return Ok(Some(Instant::now()));
+            }
+        }
+        Ok(None)
+    })
+    .await?;
+    let first = wait::until("a waiting pod to get its claim", Duration::from_secs(60), || async {
+        for name in &waiting {
+            if objects::claim_statuses(&pods.get(name).await?).iter().any(|(_, c)| c.is_some()) {
+                return Ok(Some(freed.elapsed()));
+            }
+        }
+        Ok(None)
+    })
+    .await?;
+    ensure!(first <= CLAIMED_WITHIN, "a waiting pod got its claim {first:?} after quota came free");
+    for name in &waiting {
+        bed.prepared(&ctx, name).await?;
+    }
+    let waiting_metric = bed.controller.metric("gpu_dra_controller_waiting_for_quota", &[]).await?;
+    ensure!(waiting_metric == 0.0, "gpu_dra_controller_waiting_for_quota is {waiting_metric} once all have claims");
+    wait::until("the Job to complete", Duration::from_secs(90), || async {
+        let status = jobs.get("train").await?.status;
+        Ok(status.and_then(|s| s.succeeded).filter(|n| *n == 4))
+    })
+    .await?;
+    let log = bed.controller.log_text();
+    ensure!(!log.contains("grant the controller's ServiceAccount"), "a quota refusal taken for a missing permission");
+    eprintln!("quota came free → the waiting pod's claim in {first:?} (from the 200 ms poll that saw a claim gone)");
+    Ok(())
+}
