@@ -33,8 +33,8 @@
 # on every address and advertises the node's, so the `kubernetes` Service (10.0.0.1) has an endpoint pods reach
 # through kube-proxy; Node,RBAC authorization with NodeRestriction; ServiceAccount admission (pods get tokens);
 # kube-controller-manager also runs the serviceaccount, root-ca-certificate-publisher, deployment, replicaset,
-# statefulset, daemonset, job and device-taint-eviction controllers. `down` first takes down every real node
-# e2e/node.sh started.
+# statefulset, daemonset, job, device-taint-eviction and resourcequota controllers. `down` first takes down every
+# real node e2e/node.sh started.
 #
 # From Kubernetes 1.37 on, the API server enables the alpha field `derivedAttributes` (DRADerivedAttributes): the
 # controller tests use it to prove that fields unknown to the compiled Rust types (k8s-openapi v1_34) survive claim
@@ -349,7 +349,7 @@ cmd_up() {
     if [[ -n "$NODE_IP" ]]; then
         controllers+=,serviceaccount-controller,root-ca-certificate-publisher-controller,deployment-controller
         controllers+=,replicaset-controller,statefulset-controller,daemonset-controller,job-controller
-        controllers+=,device-taint-eviction-controller
+        controllers+=,device-taint-eviction-controller,resourcequota-controller
         kcm_real_node_flags=(--root-ca-file "$STATE/pki/ca.crt")
     fi
     [[ -n "${GPU_DRA_E2E_KCM_CONTROLLERS:-}" ]] && controllers+=,$GPU_DRA_E2E_KCM_CONTROLLERS

@@ -30,11 +30,14 @@ mod host;
 mod mig;
 #[path = "real_node/mps.rs"]
 mod mps;
+#[path = "real_node/quota.rs"]
+mod quota;
 #[path = "real_node/workloads.rs"]
 mod workloads;
 
 use mig::containers_get_exactly_their_mig_devices;
 use mps::containers_of_a_pod_are_clients_of_their_claims_mps_daemon;
+use quota::a_job_over_its_namespaces_gpu_quota_runs_as_its_pods_finish;
 use workloads::a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion;
 
 fn main() {
@@ -48,6 +51,7 @@ fn main() {
             test!(containers_get_exactly_their_mig_devices),
             test!(containers_of_a_pod_are_clients_of_their_claims_mps_daemon),
             test!(a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion),
+            test!(a_job_over_its_namespaces_gpu_quota_runs_as_its_pods_finish),
         ],
     )
 }
@@ -232,12 +236,13 @@ async fn seen_by_in(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Re
     Ok(seen)
 }
 
-/// The log of `pod` in `namespace` once it runs and has listed its devices (`echo listed`).
+/// The log of `pod` in `namespace` once it runs (or ran to completion) and has listed its devices (`echo listed`).
 async fn listing(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<String> {
     let pods = Api::<Pod>::namespaced(ctx.client.clone(), namespace);
     wait::until(&format!("pod {pod} to run and list its devices"), WAIT, || async {
         let phase = pods.get(pod).await?.status.and_then(|s| s.phase).unwrap_or_default();
-        if phase != "Running" {
+        // A Job's pod may have finished since.
+        if phase != "Running" && phase != "Succeeded" {
             return Ok(None);
         }
         let log = pods.logs(pod, &LogParams::default()).await?;
