@@ -2,8 +2,8 @@
 //! and `ci/all-on-values.yaml`), the schema's refusals, every rendered object accepted by a server-side apply, and
 //! least privilege both ways: each component, run as a process under its chart ServiceAccount with the settings of
 //! its rendered workload, does its job; it is refused what lies outside its grant; the admission policy keeps
-//! the node agent to its own node's ResourceSlices and pool; and the agent needs no host path beyond the
-//! DaemonSet's mounts, beside the real kubelet plugin watcher.
+//! the node agent to its own node's ResourceSlices and pool; the agent needs no host path beyond the DaemonSet's
+//! mounts, beside the real kubelet plugin watcher; and the pods meet the Pod Security levels the docs name.
 //!
 //! Objects are applied with the pinned kubectl (`apply --server-side`), which also hands back what the server
 //! stored as JSON: the chart's YAML is never parsed here.
@@ -16,6 +16,8 @@ mod artifacts;
 mod identities;
 #[path = "chart/mounts.rs"]
 mod mounts;
+#[path = "chart/pod_security.rs"]
+mod pod_security;
 #[path = "chart/podgroup.rs"]
 mod podgroup;
 #[path = "chart/policy.rs"]
@@ -53,6 +55,7 @@ use identities::{
     node_agent_works_under_its_service_account_and_is_refused_the_rest,
 };
 use mounts::node_agent_works_with_only_its_mounts_beside_the_real_kubelet;
+use pod_security::pods_meet_the_pod_security_levels_the_docs_name;
 use policy::admission_policy_keeps_the_node_agent_to_its_own_node;
 use render::{
     every_rendered_object_is_accepted_by_the_api_server, lints_and_renders_with_default_and_all_on_values,
@@ -74,6 +77,7 @@ fn main() {
             test!(controller_works_under_its_service_account_and_is_refused_the_rest),
             test!(node_agent_works_under_its_service_account_and_is_refused_the_rest),
             test!(admission_policy_keeps_the_node_agent_to_its_own_node),
+            test!(pods_meet_the_pod_security_levels_the_docs_name),
             test!(node_agent_works_with_only_its_mounts_beside_the_real_kubelet),
             test!(release_has_one_version_everywhere),
             test!(release_version_names_the_commit_and_whether_the_tree_was_dirty),
