@@ -12,8 +12,8 @@
 //! syncPodGroup ([`podgroup`]) gives each PodGroup template claim ONE claim shared by the group's pods; PodGroups
 //! served only later are noticed without a restart ([`group_api`]).
 //!
-//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served (watched), resourcequotas (their
-//! metadata watched: a change looks again at the pods whose claims a quota refused, [`quota`]). Writes: resourceclaims
+//! Reads: pods, resourceclaims, resourceclaimtemplates, podgroups where served, resourcequotas (watched; a quota
+//! that leaves room for claims looks again at the pods whose claims it refused, [`quota`]). Writes: resourceclaims
 //! (create, delete, status), pods/status and podgroups/status (server-side apply), events, and one Lease for
 //! leader election.
 //!
@@ -369,9 +369,24 @@ async fn worker(ctx: Arc<Context>) {
         let label = result.as_ref().map_or_else(SyncError::metric_label, |()| "success");
         ctx.metrics.sync_finished(kind, label, started.elapsed().as_secs_f64());
         match result {
-            Ok(()) => ctx.queue.forget(&key),
+            Ok(()) => {
+                ctx.queue.forget(&key);
+                if ctx.quota.forget(&key) {
+                    ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+                }
+            }
             Err(err) => {
-                let delay = ctx.queue.retry(key.clone());
+                if let Some((code, message)) = err.api_status()
+                    && decide::quota::refusal(code, message) == decide::quota::Refusal::Permission
+                {
+                    warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
+                }
+                // A quota's refusal is woken by the quota's change; the back-off is only the net under a missed one.
+                let delay = if quota::is_quota_refusal(&err) {
+                    ctx.queue.retry_within(key.clone(), quota::QUOTA_RETRY_MAX)
+                } else {
+                    ctx.queue.retry(key.clone())
+                };
                 warn!(%key, error = %err, retry_in = ?delay, "sync failed");
             }
         }

@@ -63,13 +63,15 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
             }
         }
     }
+    if !errors.is_empty() {
+        let refused: Vec<&SyncError> = errors.iter().collect();
+        super::quota::after_failure(ctx, &key.namespace, &WorkKey::Pod(key.clone()), quota_changes, &refused);
+    }
     if !to_record.is_empty() {
         let entries: Vec<(String, String)> = applied.iter().cloned().chain(to_record.iter().cloned()).collect();
         apply_claim_statuses(ctx, &pod, &entries).await?;
     }
     if !errors.is_empty() {
-        let refused: Vec<&SyncError> = errors.iter().collect();
-        super::quota::after_failure(ctx, &key.namespace, &WorkKey::Pod(key.clone()), quota_changes, &refused);
         return Err(match errors.len() {
             1 => errors.remove(0),
             count => SyncError::Several { count, first: Box::new(errors.remove(0)) },

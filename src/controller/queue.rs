@@ -208,11 +208,17 @@ impl WorkQueue {
 
     /// Re-adds `key` after its back-off delay; returns the delay.
     pub fn retry(&self, key: WorkKey) -> Duration {
+        self.retry_within(key, MAX_DELAY)
+    }
+
+    /// [`Self::retry`] with the delay capped at `longest`: for a key something else usually wakes first (a quota
+    /// refusal, woken by the quota's change), this bounds how long it waits when that wake-up is missed.
+    pub fn retry_within(&self, key: WorkKey, longest: Duration) -> Duration {
         let delay = {
             let mut state = self.lock();
             let failures = state.failures.entry(key.clone()).or_insert(0);
             *failures = failures.saturating_add(1);
-            backoff(*failures)
+            backoff(*failures).min(longest)
         };
         self.add_after(key, delay);
         delay

@@ -42,7 +42,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use tokio::sync::{Notify, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::cli::{GpuBackend, NodeAgentArgs};
 use crate::kubelet_plugin::allocation::Inventory;
@@ -159,13 +159,20 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     // When the next full round is due: health-only rounds leave it, so a GPU whose health keeps changing never
     // holds off rediscovery and the sharing label.
     let mut next_full = tokio::time::Instant::now();
+    // Since when the Node object has been missing (rounds failing for it).
+    let mut node_missing_since: Option<std::time::Instant> = None;
     loop {
         let round = async {
             if health_only && let Some((gpus, devices, ours)) = &known {
                 let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
                 return Ok::<_, RoundFailure>((devices.len(), outcome));
             }
-            sharing.refresh(&client, &node, &gpu.driver_name).await;
+            let node_seen = sharing.refresh(&client, &node, &gpu.driver_name).await;
+            // With the plugin serving, a round for a missing Node stops here: nothing can be published for it.
+            if !node_seen && plugin_task.is_some() {
+                let reason = format!("node {node} not found: waiting for the Node to be registered again");
+                return Err(RoundFailure { reason, node_missing: true });
+            }
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
@@ -222,6 +229,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                     info!(devices = count, generation, slices, "node pool up to date");
                 }
                 backoff = BACKOFF_START;
+                node_missing_since = None;
                 if full {
                     next_full = tokio::time::Instant::now() + args.resync_period;
                 }
@@ -229,8 +237,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
             Err(RoundFailure { reason, node_missing }) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
-                let (wait, next) = retry::after_failure(backoff, node_missing);
-                warn!(error = %reason, retry_in = ?wait, "discover and publish failed");
+                let was_missing = node_missing_since.is_some();
+                node_missing_since = node_missing.then(|| node_missing_since.unwrap_or_else(std::time::Instant::now));
+                let (wait, next) = retry::after_failure(backoff, node_missing_since.map(|t| t.elapsed()));
+                if node_missing && was_missing {
+                    debug!(error = %reason, retry_in = ?wait, "discover and publish failed again");
+                } else {
+                    warn!(error = %reason, retry_in = ?wait, "discover and publish failed");
+                }
                 readiness.set(Err(reason));
                 backoff = next;
                 tokio::time::Instant::now() + wait
@@ -271,20 +285,20 @@ impl SharingChoice {
     }
 
     /// Reads the Node's labels, from the API server's cache (resourceVersion 0: one cheap read per node and
-    /// resync, never a quorum read from etcd). A Node that cannot be read keeps the current mode: the round goes
-    /// on, and the publisher reports what is wrong with the Node.
-    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) {
+    /// resync, never a quorum read from etcd); false when the Node does not exist. A Node that cannot be read keeps
+    /// the current mode: the round goes on, and the publisher reports what is wrong with the Node.
+    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) -> bool {
         let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
         let labels = match nodes.get_metadata_opt_with(node, &kube::api::GetParams::any()).await {
             Ok(Some(meta)) => meta.metadata.labels.unwrap_or_default(),
-            Ok(None) => return,
+            Ok(None) => return false,
             Err(err) => {
                 if !std::mem::replace(&mut self.read_failure_reported, true) {
                     let label = slices::node_sharing::label_key(driver);
                     warn!(error = %err, %label, "cannot read this Node's labels (the chart grants nodes get); GPU \
                           sharing stays as it is until it can");
                 }
-                return;
+                return true;
             }
         };
         self.read_failure_reported = false;
@@ -303,6 +317,7 @@ impl SharingChoice {
             info!(%label, "GPU sharing of this node: {to} (was {from})");
             self.current = now;
         }
+        true
     }
 }
 

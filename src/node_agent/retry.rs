@@ -6,7 +6,10 @@
 //! their owner. The agent can publish them again only once the new Node exists (they must be owned by it), and
 //! nothing it watches changes when that happens. Backing off as for other failures would leave a re-registered
 //! node's GPUs unpublished for up to the back-off reached while it was away (64 s after two minutes), so while the
-//! Node is missing the agent looks again at least every [`NODE_MISSING_RETRY`]: one read of one object.
+//! Node is missing the agent looks again at least every [`NODE_MISSING_RETRY`], for [`NODE_MISSING_PATIENCE`], then
+//! every [`NODE_LONG_MISSING_RETRY`]. Once its kubelet plugin runs, such a round stops at the Node's cached read
+//! (one GET served from the API server's watch cache): no discovery, no slice listing. In a cluster the pod garbage
+//! collector deletes the agent pod of a Node gone for good within about a minute.
 
 use std::time::Duration;
 
@@ -14,8 +17,12 @@ use std::time::Duration;
 pub const BACKOFF_START: Duration = Duration::from_secs(1);
 /// Longest pause after failed rounds.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(300);
-/// Longest pause while the Node object is missing.
+/// Longest pause while the Node object has been missing for less than [`NODE_MISSING_PATIENCE`].
 pub const NODE_MISSING_RETRY: Duration = Duration::from_secs(5);
+/// How long a missing Node is looked for every [`NODE_MISSING_RETRY`].
+pub const NODE_MISSING_PATIENCE: Duration = Duration::from_secs(600);
+/// Longest pause once the Node has been missing longer.
+pub const NODE_LONG_MISSING_RETRY: Duration = Duration::from_secs(60);
 
 /// Why a round failed.
 #[derive(Debug)]
@@ -32,10 +39,16 @@ impl From<String> for RoundFailure {
     }
 }
 
-/// After a failed round with back-off `backoff`: (how long to wait now, the back-off after the next failure).
-pub fn after_failure(backoff: Duration, node_missing: bool) -> (Duration, Duration) {
+/// After a failed round with back-off `backoff`, the Node missing for `node_missing_for` (`None`: it is not):
+/// (how long to wait now, the back-off after the next failure).
+pub fn after_failure(backoff: Duration, node_missing_for: Option<Duration>) -> (Duration, Duration) {
     let next = (backoff * 2).min(BACKOFF_MAX);
-    if node_missing { (backoff.min(NODE_MISSING_RETRY), next) } else { (backoff, next) }
+    let wait = match node_missing_for {
+        Some(missing) if missing < NODE_MISSING_PATIENCE => backoff.min(NODE_MISSING_RETRY),
+        Some(_) => backoff.min(NODE_LONG_MISSING_RETRY),
+        None => backoff,
+    };
+    (wait, next)
 }
 
 #[cfg(test)]
@@ -43,21 +56,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn back_off_doubles_to_its_cap_and_a_missing_node_is_looked_at_every_few_seconds() {
+    fn back_off_doubles_to_its_cap_and_a_missing_node_is_looked_at_every_few_seconds_then_every_minute() {
         let s = Duration::from_secs;
-        // (back-off, node missing) → (wait, next back-off)
+        // (back-off, missing for) → (wait, next back-off)
         let table = [
-            ((s(1), false), (s(1), s(2))),
-            ((s(32), false), (s(32), s(64))),
-            ((s(256), false), (s(256), s(300))),
-            ((s(300), false), (s(300), s(300))),
-            ((s(1), true), (s(1), s(2))),
-            ((s(4), true), (s(4), s(8))),
-            ((s(64), true), (s(5), s(128))),
-            ((s(300), true), (s(5), s(300))),
+            ((s(1), None), (s(1), s(2))),
+            ((s(32), None), (s(32), s(64))),
+            ((s(256), None), (s(256), s(300))),
+            ((s(300), None), (s(300), s(300))),
+            ((s(1), Some(s(0))), (s(1), s(2))),
+            ((s(4), Some(s(3))), (s(4), s(8))),
+            ((s(64), Some(s(60))), (s(5), s(128))),
+            ((s(300), Some(s(599))), (s(5), s(300))),
+            ((s(300), Some(s(600))), (s(60), s(300))),
+            ((s(32), Some(s(3600))), (s(32), s(64))),
         ];
         for ((backoff, missing), expected) in table {
-            assert_eq!(after_failure(backoff, missing), expected, "back-off {backoff:?}, node missing {missing}");
+            assert_eq!(after_failure(backoff, missing), expected, "back-off {backoff:?}, missing for {missing:?}");
         }
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::ResourceQuota;
+use k8s_openapi::api::core::v1::{ConfigMap, ResourceQuota};
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 
@@ -14,15 +14,19 @@ use super::support::{TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, Testbed, claim_of};
 
 /// How long each of the Job's pods runs (the kubelet harness's `run-for`): long enough for a pod refused all that
-/// time to be backing off for seconds (the back-off doubles from 5 ms: 10 s of refusals reach about 5 s).
-const RUN_FOR: &str = "15s";
+/// time to be backing off for many seconds (the back-off doubles from 5 ms: retries about 10, 20 and 41 s after the
+/// first refusal, so quota freed after about 29 s would wait some 12 s for the next).
+const RUN_FOR: &str = "28s";
+/// Writes to another quota of the namespace while the pods wait (ConfigMaps counted): none may wake them.
+const OTHER_WRITES: usize = 20;
 /// How soon after quota comes free a waiting pod must have its claim.
 const CLAIMED_WITHIN: Duration = Duration::from_secs(3);
 
 /// A Job of four one-GPU pods, all at once, in a namespace whose quota allows two GPUs. Two pods get their claims
 /// and run; the quota refuses the other two's claims (403 "exceeded quota"): each is told so in one Warning Event
 /// (repeats aggregated), the controller's `gpu_dra_controller_waiting_for_quota` counts them, and the controller
-/// does not mistake the refusal for a missing permission. When the first
+/// does not mistake the refusal for a missing permission. Twenty writes to another quota of the namespace (a
+/// ConfigMap count) meanwhile make no more refused creates than the back-off would. When the first
 /// two finish, their claims are deleted, the quota controller writes the lower usage, and the waiting pods get their
 /// claims within seconds (the controller watches ResourceQuotas; kube-controller-manager waits out each pod's
 /// back-off, by then seconds and growing to 1,000 s), and run. The Job completes.
@@ -85,8 +89,8 @@ pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free
         ensure!(warnings.len() == 1, "{name}: the refusals were not aggregated into one Event: {warnings:?}");
         ensure!(warnings[0].contains("exceeded quota: gpus"), "{name}: {warnings:?}");
     }
-    let waiting_metric = bed.controller.metric("gpu_dra_controller_waiting_for_quota", &[]).await?;
-    ensure!(waiting_metric == 2.0, "gpu_dra_controller_waiting_for_quota is {waiting_metric}, expected 2");
+    waiting_for_quota(&bed, 2.0).await?;
+    other_quota_writes_wake_nobody(&ctx, &bed).await?;
     for name in &claimed {
         bed.prepared(&ctx, name).await?;
     }
@@ -120,8 +124,7 @@ pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free
     for name in &waiting {
         bed.prepared(&ctx, name).await?;
     }
-    let waiting_metric = bed.controller.metric("gpu_dra_controller_waiting_for_quota", &[]).await?;
-    ensure!(waiting_metric == 0.0, "gpu_dra_controller_waiting_for_quota is {waiting_metric} once all have claims");
+    waiting_for_quota(&bed, 0.0).await?;
     wait::until("the Job to complete", Duration::from_secs(90), || async {
         let status = jobs.get("train").await?.status;
         Ok(status.and_then(|s| s.succeeded).filter(|n| *n == 4))
@@ -130,5 +133,53 @@ pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free
     let log = bed.controller.log_text();
     ensure!(!log.contains("grant the controller's ServiceAccount"), "a quota refusal taken for a missing permission");
     eprintln!("quota came free → the waiting pod's claim in {first:?} (from the 200 ms poll that saw a claim gone)");
+    Ok(())
+}
+
+/// Waits until `gpu_dra_controller_waiting_for_quota` reads `expected`.
+async fn waiting_for_quota(bed: &Testbed, expected: f64) -> anyhow::Result<()> {
+    let what = format!("gpu_dra_controller_waiting_for_quota to be {expected}");
+    wait::until(&what, Duration::from_secs(10), || async {
+        let now = bed.controller.metric("gpu_dra_controller_waiting_for_quota", &[]).await?;
+        Ok((now == expected).then_some(()))
+    })
+    .await
+}
+
+/// Creates a quota on ConfigMaps and [`OTHER_WRITES`] ConfigMaps (each a write of that quota's usage); checks that
+/// the claims refused meanwhile are no more than the waiting pods' own retries would make.
+async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> anyhow::Result<()> {
+    let failed = async || {
+        let labels = [("status", "failure")];
+        bed.controller.metric("dynamic_resource_allocation_resourceclaim_creates_total", &labels).await
+    };
+    // Until the waiting pods' own back-off is seconds long (the first retries come milliseconds apart).
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before = failed().await?;
+    let started = Instant::now();
+    let quota: ResourceQuota = serde_json::from_value(
+        json!({"metadata": {"name": "configmaps"}, "spec": {"hard": {"count/configmaps": "100"}}}),
+    )?;
+    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    quotas.create(&PostParams::default(), &quota).await?;
+    wait::until("the ConfigMap quota's status", PREPARE_TIMEOUT, || async {
+        Ok(quotas.get("configmaps").await?.status.and_then(|s| s.hard).map(drop))
+    })
+    .await?;
+    let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    for i in 0..OTHER_WRITES {
+        let map: ConfigMap = serde_json::from_value(json!({"metadata": {"name": format!("settings-{i}")}}))?;
+        maps.create(&PostParams::default(), &map).await?;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let refused = failed().await? - before;
+    // Two waiting pods backing off by seconds: a retry or two each, whatever the quota writes (woken by each write,
+    // they would be refused twice per write).
+    ensure!(
+        refused <= 4.0,
+        "{refused} claim creates refused in {:?} of writes to another quota (two pods waiting)",
+        started.elapsed()
+    );
+    eprintln!("{OTHER_WRITES} writes to another quota: {refused} more refused creates in {:?}", started.elapsed());
     Ok(())
 }

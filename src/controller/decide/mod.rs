@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 use super::naming::claim_generate_name;
 
 pub mod podgroup;
+pub mod quota;
 
 /// Annotation on a generated claim naming the pod claim (`spec.resourceClaims[].name`) it was made for.
 pub const POD_CLAIM_NAME_ANNOTATION: &str = "resource.kubernetes.io/pod-claim-name";
