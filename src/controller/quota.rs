@@ -129,10 +129,16 @@ impl QuotaWaits {
         let before = state.quotas.get(&id);
         let room = room_freed(before, limits.as_ref());
         // Every quota is kept, those without claim limits too: its status may add them later.
+        let deleted = limits.is_none();
         match limits {
             Some(limits) => state.quotas.insert(id, limits),
             None => state.quotas.remove(&id),
         };
+        // A namespace's count of changes goes with its last quota (a namespace deleted), unless keys wait there.
+        if deleted && !state.waiting.contains_key(namespace) && !state.quotas.keys().any(|(ns, _)| ns == namespace) {
+            state.changes.remove(namespace);
+            return Vec::new();
+        }
         let Some(room) = room else { return Vec::new() };
         *state.changes.entry(namespace.to_string()).or_default() += 1;
         let Some(waiting) = state.waiting.get_mut(namespace) else { return Vec::new() };
@@ -287,6 +293,16 @@ mod tests {
         assert!(waits.wait("team-a", pod("p1"), seen));
         // A refusal after the change was seen waits for the next one.
         assert!(!waits.wait("team-a", pod("p2"), waits.changes("team-a")));
+    }
+
+    #[test]
+    fn a_namespaces_count_of_changes_goes_with_its_last_quota() {
+        let waits = watching();
+        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(1))]))).is_empty());
+        assert_eq!(waits.changes("team-a"), 1);
+        assert!(waits.quota_changed("team-a", "gpus", None).is_empty());
+        assert_eq!(waits.changes("team-a"), 0);
+        assert!(waits.lock().quotas.is_empty() && waits.lock().changes.is_empty());
     }
 
     #[test]
