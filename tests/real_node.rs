@@ -28,6 +28,8 @@ use support::{TestContext, objects, wait};
 mod host;
 #[path = "real_node/mig.rs"]
 mod mig;
+#[path = "real_node/monitoring.rs"]
+mod monitoring;
 #[path = "real_node/mps.rs"]
 mod mps;
 #[path = "real_node/quota.rs"]
@@ -36,6 +38,7 @@ mod quota;
 mod workloads;
 
 use mig::containers_get_exactly_their_mig_devices;
+use monitoring::a_gpu_monitor_sees_which_container_holds_which_gpu_through_pod_resources;
 use mps::containers_of_a_pod_are_clients_of_their_claims_mps_daemon;
 use quota::a_job_over_its_namespaces_gpu_quota_runs_as_its_pods_finish;
 use workloads::a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion;
@@ -52,6 +55,7 @@ fn main() {
             test!(containers_of_a_pod_are_clients_of_their_claims_mps_daemon),
             test!(a_statefulset_lives_through_a_replaced_replica_a_drain_and_its_namespace_deletion),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_its_pods_finish),
+            test!(a_gpu_monitor_sees_which_container_holds_which_gpu_through_pod_resources),
         ],
     )
 }
@@ -223,6 +227,11 @@ async fn seen_by(ctx: &TestContext, pod: &str) -> anyhow::Result<Seen> {
 /// [`seen_by`] for a pod in `namespace`.
 async fn seen_by_in(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Result<Seen> {
     let log = listing(ctx, namespace, pod).await?;
+    parse_seen(pod, &log)
+}
+
+/// Reads what [`SHOW_GPUS`] printed in `pod`'s log.
+fn parse_seen(pod: &str, log: &str) -> anyhow::Result<Seen> {
     let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
     for line in log.lines() {
         if let Some(uuids) = line.strip_prefix("GPU_DRA_GPU_UUIDS=") {

@@ -15,6 +15,7 @@ pub mod harness;
 pub mod measure;
 pub mod node;
 pub mod objects;
+pub mod pod_resources;
 pub mod podgroup;
 pub mod process;
 pub mod real_node;
