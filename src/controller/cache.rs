@@ -440,6 +440,11 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
         return;
     }
     let namespace = pod.namespace().unwrap_or_default();
+    let going = deleted || pod.metadata.deletion_timestamp.is_some();
+    if (going || decide::is_pod_done(pod)) && ctx.quota.forget(&WorkKey::Pod(object_key(pod))) {
+        // Gone or done while a quota held back its claims: it must not take a later wake from a live pod.
+        ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+    }
     if deleted || decide::is_pod_done(pod) {
         for name in decide::all_claim_names(pod) {
             ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));

@@ -204,7 +204,7 @@ pub struct Context {
     pub foreign: ForeignControllerDetector,
     /// Wakes the PodGroup discovery while PodGroups are not handled.
     pub group_api: group_api::GroupApi,
-    /// Pods and PodGroups whose claims a ResourceQuota refused, looked at again when a quota changes.
+    /// Pods and PodGroups whose claims a ResourceQuota refused, looked at again when a quota leaves room for claims.
     pub quota: quota::QuotaWaits,
 }
 
@@ -381,13 +381,16 @@ async fn worker(ctx: Arc<Context>) {
                 {
                     warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
                 }
-                // A quota's refusal is woken by the quota's change; the back-off is only the net under a missed one.
-                let delay = if quota::is_quota_refusal(&err) {
-                    ctx.queue.retry_within(key.clone(), quota::QUOTA_RETRY_MAX)
+                if quota::is_quota_refusal(&err) {
+                    // Woken by the quota's change; this retry is the net under a missed one, and refusals do not
+                    // build up the back-off a failure of another kind would start from.
+                    ctx.queue.forget(&key);
+                    ctx.queue.add_after(key.clone(), quota::QUOTA_RETRY);
+                    debug!(%key, error = %err, retry_in = ?quota::QUOTA_RETRY, "sync refused for quota");
                 } else {
-                    ctx.queue.retry(key.clone())
-                };
-                warn!(%key, error = %err, retry_in = ?delay, "sync failed");
+                    let delay = ctx.queue.retry(key.clone());
+                    warn!(%key, error = %err, retry_in = ?delay, "sync failed");
+                }
             }
         }
         ctx.queue.done(&key);

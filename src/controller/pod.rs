@@ -72,6 +72,8 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
         apply_claim_statuses(ctx, &pod, &entries).await?;
     }
     if !errors.is_empty() {
+        // A quota's refusal first: the worker retries the key as one (see `quota`).
+        errors.sort_by_key(|e| !super::quota::is_quota_refusal(e));
         return Err(match errors.len() {
             1 => errors.remove(0),
             count => SyncError::Several { count, first: Box::new(errors.remove(0)) },

@@ -72,6 +72,9 @@ fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
             // Its reservations go now (upstream: the deleted PodGroup's claims are queued); its claims follow by
             // the garbage collector, through their owner reference.
             let namespace = group.namespace().unwrap_or_default();
+            if ctx.quota.forget(&WorkKey::PodGroup(object_key(&**group))) {
+                ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+            }
             if let Some(uid) = group.metadata.uid.as_deref() {
                 ctx.caches.group_gone(uid);
                 for key in ctx.caches.claims_by_owner.get(uid) {

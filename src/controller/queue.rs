@@ -113,6 +113,10 @@ struct State {
     /// Keys being processed, with the time they were handed out.
     processing: HashMap<Arc<WorkKey>, Instant>,
     failures: HashMap<WorkKey, u32>,
+    /// The one pending delayed add of each key: when it is due. A later delayed add of a key is dropped while an
+    /// earlier one is pending, an earlier one replaces it (client-go's delaying queue keeps one entry per key), so
+    /// a key that fails often never piles up timers.
+    delayed: HashMap<WorkKey, Instant>,
     shut_down: bool,
 }
 
@@ -208,32 +212,46 @@ impl WorkQueue {
 
     /// Re-adds `key` after its back-off delay; returns the delay.
     pub fn retry(&self, key: WorkKey) -> Duration {
-        self.retry_within(key, MAX_DELAY)
-    }
-
-    /// [`Self::retry`] with the delay capped at `longest`: for a key something else usually wakes first (a quota
-    /// refusal, woken by the quota's change), this bounds how long it waits when that wake-up is missed.
-    pub fn retry_within(&self, key: WorkKey, longest: Duration) -> Duration {
         let delay = {
             let mut state = self.lock();
             let failures = state.failures.entry(key.clone()).or_insert(0);
             *failures = failures.saturating_add(1);
-            backoff(*failures).min(longest)
+            backoff(*failures)
         };
         self.add_after(key, delay);
         delay
     }
 
-    /// Adds `key` after `delay` (a planned second look, not a failure: the back-off is untouched).
+    /// Adds `key` after `delay` (a planned second look, not a failure: the back-off is untouched), unless an add of
+    /// it is already due sooner.
     pub fn add_after(&self, key: WorkKey, delay: Duration) {
-        if self.lock().shut_down {
-            return;
+        let due = Instant::now() + delay;
+        {
+            let mut state = self.lock();
+            if state.shut_down {
+                return;
+            }
+            self.metrics.retries.inc();
+            match state.delayed.get(&key) {
+                Some(pending) if *pending <= due => return,
+                _ => state.delayed.insert(key.clone(), due),
+            };
         }
-        self.metrics.retries.inc();
         let queue = self.clone();
         tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
-            queue.add(key);
+            tokio::time::sleep_until(due.into()).await;
+            let current = {
+                let mut state = queue.lock();
+                // Replaced by an earlier add that already fired, or by a newer one: that one adds the key.
+                let current = state.delayed.get(&key) == Some(&due);
+                if current {
+                    state.delayed.remove(&key);
+                }
+                current
+            };
+            if current {
+                queue.add(key);
+            }
         });
     }
 
@@ -350,6 +368,21 @@ mod tests {
         tokio::task::yield_now().await;
         queue.shut_down();
         assert_eq!(waiter.await.ok().flatten(), None);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_key_has_one_pending_delayed_add_the_soonest() {
+        let queue = WorkQueue::new();
+        queue.add_after(pod("a"), Duration::from_secs(60));
+        queue.add_after(pod("a"), Duration::from_secs(90));
+        queue.add_after(pod("a"), Duration::from_secs(30));
+        assert_eq!(queue.lock().delayed.len(), 1);
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        assert_eq!(queue.next().await, Some(pod("a")), "the soonest fired");
+        queue.done(&pod("a"));
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(queue.depth(), 0, "the later ones were dropped, not fired as well");
+        assert!(queue.lock().delayed.is_empty());
     }
 
     #[tokio::test(start_paused = true)]

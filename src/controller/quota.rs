@@ -7,19 +7,22 @@
 //! comes free, its GPUs idle meanwhile: the quota a team's finished Job pods give back goes unused.
 //!
 //! Here the controller watches ResourceQuotas and keeps, per quota, the claim limits in its status (`hard` and
-//! `used` of those two kinds of resource). When one of them leaves more room (`used` down: the quota controller
-//! counted a claim gone; `hard` up or gone; the quota deleted), as many refused keys of that namespace as there is
-//! room for are queued at once, oldest refusal first. Nothing else wakes them: quota writes for other resources (a
-//! pod's CPU, a ConfigMap count) and for claims taking room never do, so a namespace over its quota costs a refused
-//! create per freed unit, not per write. A refused key is retried on its own at most every [`QUOTA_RETRY_MAX`]
-//! (instead of up to 1,000 s) in case a change is missed, and is forgotten once its sync succeeds.
+//! `used` of those two kinds of resource). When a change leaves more room for some of them (`used` down: the quota
+//! controller counted a claim gone; `hard` up or gone; the quota deleted), as many refused keys of that namespace
+//! as every quota there leaves room for (for the freed resources and the claim count) are queued at once, oldest
+//! refusal first. Quota writes that leave no room for claims (another claim counted in, a pod's CPU, a ConfigMap
+//! count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not per write.
+//! A refused key is also retried on its own every [`QUOTA_RETRY`], in case a change is missed (its back-off
+//! count is reset: a later failure of another kind starts from 5 ms), and is forgotten once its sync succeeds or
+//! its pod is deleted or done. A key woken and refused again (the API server's quota admission can lag the watch
+//! by a moment) is looked at once more after [`WOKEN_REFUSED_AGAIN`].
 //!
-//! A change that lands between the API server's refusal and the key being remembered would be missed; the changes
-//! that left room are counted per namespace, and a key refused after one it could not have seen is queued again at
-//! once. While the watch is not working (no permission: the chart grants it), nothing is remembered and refused keys
-//! keep to the capped back-off.
+//! A change that lands between the API server's refusal and the key being remembered would be missed: changes that
+//! left room are numbered (one sequence for all namespaces), and a key refused after one its sync began before is
+//! queued again at once. Without permission to list ResourceQuotas (the chart grants it) nothing is remembered and
+//! refused keys keep to the 60 s retries.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -32,25 +35,38 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tracing::{debug, info, warn};
 
 use super::Context;
-use super::decide::quota::{ClaimLimits, Refusal, claim_limits, refusal, room_freed};
+use super::decide::quota::{ClaimLimits, Refusal, claim_limits, freed_resources, refusal, room_for_claims};
 use super::error::SyncError;
 use super::queue::WorkKey;
 
-/// Longest retry delay of a key a quota refused: the safety net when the quota's change is missed.
-pub const QUOTA_RETRY_MAX: Duration = Duration::from_secs(60);
+/// How often a key a quota refused is retried on its own: the safety net when the quota's change is missed.
+pub const QUOTA_RETRY: Duration = Duration::from_secs(60);
+/// When a key woken by a quota's change and refused again is looked at once more.
+pub const WOKEN_REFUSED_AGAIN: Duration = Duration::from_secs(1);
 
 /// Whether `err` is a quota's refusal.
 pub fn is_quota_refusal(err: &SyncError) -> bool {
     err.api_status().is_some_and(|(code, message)| refusal(code, message) == Refusal::Quota)
 }
 
+/// What to do with a key just refused for quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterRefusal {
+    /// Wait for a quota's change (or the 60 s retry).
+    Wait,
+    /// Look again now: room was left while its sync ran.
+    Now,
+    /// Look again after [`WOKEN_REFUSED_AGAIN`]: it was woken for room and refused anyway.
+    Soon,
+}
+
 /// The keys a quota refused, oldest refusal first, and what the controller knows of the quotas.
 #[derive(Debug, Default)]
 pub struct QuotaWaits {
     state: Mutex<State>,
-    /// Keys remembered (waiting or queued again and not yet through): lets a successful sync skip the lock.
+    /// Keys remembered (waiting or woken and not yet through): lets a successful sync skip the lock.
     tracked: AtomicUsize,
-    /// Whether the watch of ResourceQuotas has listed and is not failing.
+    /// Whether the quotas could be listed (a permission missing: not).
     watching: AtomicBool,
 }
 
@@ -58,13 +74,24 @@ pub struct QuotaWaits {
 struct State {
     /// Claim limits per quota (namespace, name), as last seen.
     quotas: HashMap<(String, String), ClaimLimits>,
-    /// Changes that left room, per namespace.
+    /// The sequence number of the last change that left room, overall and per namespace; a namespace without an
+    /// entry reads `forgotten_up_to` (the last number of a namespace whose entry went with its last quota).
+    last_change: u64,
     changes: HashMap<String, u64>,
+    forgotten_up_to: u64,
     /// Keys waiting, per namespace, by the order of their first refusal.
     waiting: HashMap<String, BTreeMap<u64, WorkKey>>,
-    /// Every remembered key's place in that order, kept while it is queued again after a change.
+    /// Every remembered key's place in that order, kept while it is woken and not yet through.
     first_refused: HashMap<WorkKey, u64>,
-    next: u64,
+    /// Keys woken by a change and not refused again since.
+    woken: HashSet<WorkKey>,
+    next_place: u64,
+}
+
+impl State {
+    fn changes_of(&self, namespace: &str) -> u64 {
+        self.changes.get(namespace).copied().unwrap_or(self.forgotten_up_to)
+    }
 }
 
 impl QuotaWaits {
@@ -72,43 +99,54 @@ impl QuotaWaits {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// How many changes that left room `namespace` has seen: read before a sync, handed to [`Self::wait`].
+    /// The number of the last change that left room in `namespace`: read before a sync, handed to [`Self::wait`].
     pub fn changes(&self, namespace: &str) -> u64 {
         if !self.watching.load(Ordering::Relaxed) {
             return 0;
         }
-        self.lock().changes.get(namespace).copied().unwrap_or(0)
+        self.lock().changes_of(namespace)
     }
 
-    /// Remembers `key`, refused for quota in `namespace` by a sync that began after `seen` changes there; true when
-    /// room was left since (look again now). Nothing is remembered while the quota watch is not working.
-    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64) -> bool {
+    /// Remembers `key`, refused for quota in `namespace` by a sync that began when the last change there was
+    /// `seen`; says when to look again. Nothing is remembered while the quotas cannot be listed.
+    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64) -> AfterRefusal {
         if !self.watching.load(Ordering::Relaxed) {
-            return false;
+            return AfterRefusal::Wait;
         }
         let mut state = self.lock();
-        let changed = state.changes.get(namespace).copied().unwrap_or(0) != seen;
+        let changed = state.changes_of(namespace) != seen;
+        let woken = state.woken.remove(&key);
         let place = match state.first_refused.get(&key) {
             Some(place) => *place,
             None => {
-                state.next += 1;
-                let place = state.next;
+                state.next_place += 1;
+                let place = state.next_place;
                 state.first_refused.insert(key.clone(), place);
                 place
             }
         };
         state.waiting.entry(namespace.to_string()).or_default().insert(place, key);
         self.tracked.store(state.first_refused.len(), Ordering::Relaxed);
-        changed
+        match (changed, woken) {
+            (true, _) => AfterRefusal::Now,
+            (false, true) => AfterRefusal::Soon,
+            (false, false) => AfterRefusal::Wait,
+        }
     }
 
-    /// `key` synced without a quota refusal (claims made, or the pod is gone): no longer remembered. True when it
-    /// was.
+    /// Whether `key` is remembered (refused for quota and not through since).
+    pub fn is_waiting(&self, key: &WorkKey) -> bool {
+        self.tracked.load(Ordering::Relaxed) > 0 && self.lock().first_refused.contains_key(key)
+    }
+
+    /// `key` synced without a quota refusal (claims made, or the pod is gone), or its pod went or finished: no
+    /// longer remembered. True when it was.
     pub fn forget(&self, key: &WorkKey) -> bool {
         if self.tracked.load(Ordering::Relaxed) == 0 {
             return false;
         }
         let mut state = self.lock();
+        state.woken.remove(key);
         let Some(place) = state.first_refused.remove(key) else { return false };
         let (WorkKey::Pod(k) | WorkKey::Claim(k) | WorkKey::PodGroup(k)) = key;
         if let Some(waiting) = state.waiting.get_mut(&k.namespace) {
@@ -121,112 +159,151 @@ impl QuotaWaits {
         true
     }
 
-    /// Quota `name` of `namespace` is now `limits` (`None`: deleted). Returns the keys to queue again: as many as
-    /// there is room for, oldest refusal first, when it left room for claims; none otherwise.
+    /// Quota `name` of `namespace` is now `limits` (`None`: deleted). Returns the keys to queue again: when the
+    /// change left room for claims, as many as every quota of the namespace leaves room for, oldest refusal first.
     pub fn quota_changed(&self, namespace: &str, name: &str, limits: Option<ClaimLimits>) -> Vec<WorkKey> {
         let mut state = self.lock();
+        let state = &mut *state;
         let id = (namespace.to_string(), name.to_string());
-        let before = state.quotas.get(&id);
-        let room = room_freed(before, limits.as_ref());
+        let freed = freed_resources(state.quotas.get(&id), limits.as_ref());
         // Every quota is kept, those without claim limits too: its status may add them later.
-        let deleted = limits.is_none();
         match limits {
             Some(limits) => state.quotas.insert(id, limits),
             None => state.quotas.remove(&id),
         };
-        // A namespace's count of changes goes with its last quota (a namespace deleted), unless keys wait there.
-        if deleted && !state.waiting.contains_key(namespace) && !state.quotas.keys().any(|(ns, _)| ns == namespace) {
-            state.changes.remove(namespace);
+        if freed.is_empty() {
             return Vec::new();
         }
-        let Some(room) = room else { return Vec::new() };
-        *state.changes.entry(namespace.to_string()).or_default() += 1;
-        let Some(waiting) = state.waiting.get_mut(namespace) else { return Vec::new() };
+        state.last_change += 1;
+        let in_namespace = state.quotas.iter().filter(|((ns, _), _)| ns == namespace).map(|(_, limits)| limits);
+        let room = room_for_claims(in_namespace.clone(), &freed);
+        let last_quota_gone = in_namespace.count() == 0;
         let mut keys = Vec::new();
-        while keys.len() < room {
-            let Some((_, key)) = waiting.pop_first() else { break };
-            keys.push(key);
+        if let Some(waiting) = state.waiting.get_mut(namespace) {
+            while keys.len() < room {
+                let Some((_, key)) = waiting.pop_first() else { break };
+                keys.push(key);
+            }
+            if waiting.is_empty() {
+                state.waiting.remove(namespace);
+            }
         }
-        if waiting.is_empty() {
-            state.waiting.remove(namespace);
+        state.woken.extend(keys.iter().cloned());
+        // A namespace's entry goes with its last quota (a namespace deleted) once nothing waits there; it then
+        // reads the number of this change, so a sync begun before it still sees that it came.
+        if last_quota_gone && !state.waiting.contains_key(namespace) {
+            state.changes.remove(namespace);
+            state.forgotten_up_to = state.last_change;
+        } else {
+            state.changes.insert(namespace.to_string(), state.last_change);
         }
         keys
     }
 
-    /// The watch listed (true) or failed (false).
+    /// The quotas are listed again: those not in `listed` were deleted meanwhile. Returns the keys to queue again.
+    fn relisted(&self, listed: &HashSet<(String, String)>) -> Vec<WorkKey> {
+        let gone: Vec<(String, String)> =
+            self.lock().quotas.keys().filter(|id| !listed.contains(*id)).cloned().collect();
+        gone.into_iter().flat_map(|(ns, name)| self.quota_changed(&ns, &name, None)).collect()
+    }
+
     fn set_watching(&self, on: bool) {
         self.watching.store(on, Ordering::Relaxed);
     }
 
-    /// Keys remembered now (waiting, or queued again and not yet through).
+    /// Keys remembered now (waiting, or woken and not yet through).
     pub fn waiting(&self) -> usize {
         self.tracked.load(Ordering::Relaxed)
     }
 }
 
-/// After a failed sync of `key` in `namespace` (begun after `seen` changes that left room there): remembers it when
-/// a quota refused one of its claims.
+/// After a failed sync of `key` in `namespace` (begun when the last change that left room there was `seen`):
+/// remembers it when a quota refused one of its claims.
 pub fn after_failure(ctx: &Context, namespace: &str, key: &WorkKey, seen: u64, errors: &[&SyncError]) {
     let Some((_, message)) =
         errors.iter().filter_map(|e| e.api_status()).find(|(c, m)| refusal(*c, m) == Refusal::Quota)
     else {
         return;
     };
-    info!(%message, "waiting for quota: looked at again when a ResourceQuota of the namespace leaves room");
-    if ctx.quota.wait(namespace, key.clone(), seen) {
-        ctx.queue.add(key.clone());
+    let first = !ctx.quota.is_waiting(key);
+    match ctx.quota.wait(namespace, key.clone(), seen) {
+        AfterRefusal::Now => ctx.queue.add(key.clone()),
+        AfterRefusal::Soon => ctx.queue.add_after(key.clone(), WOKEN_REFUSED_AGAIN),
+        AfterRefusal::Wait => {}
+    }
+    if first {
+        info!(%message, "waiting for quota: looked at again when a ResourceQuota of the namespace leaves room");
     }
     ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
 }
 
 /// Watches ResourceQuotas and queues the refused keys of a namespace when one of its quotas leaves room for claims.
-/// Without permission to watch them the controller works on, refused keys retried with the capped back-off alone;
-/// that is said once.
+/// Without permission to list them the controller works on, refused keys retried every minute alone; that is said
+/// once. A watch that breaks and resumes loses nothing (kube's watcher resumes from the last resourceVersion, or
+/// lists again: quotas missing from that list were deleted meanwhile).
 pub async fn watch(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
     let api: Api<ResourceQuota> = match &namespace {
         Some(ns) => Api::namespaced(client, ns),
         None => Api::all(client),
     };
-    let failing = AtomicBool::new(false);
+    let reported = AtomicBool::new(false);
+    let mut listed: Option<HashSet<(String, String)>> = None;
     watcher(api, watcher::Config::default())
         .default_backoff()
         .for_each(|event| {
-            let changed = match event {
-                Ok(watcher::Event::Apply(quota) | watcher::Event::InitApply(quota)) => {
-                    Some((quota.metadata.namespace.clone(), quota.metadata.name.clone(), Some(claim_limits(&quota))))
-                }
-                Ok(watcher::Event::Delete(quota)) => {
-                    Some((quota.metadata.namespace.clone(), quota.metadata.name.clone(), None))
-                }
-                Ok(watcher::Event::InitDone) => {
-                    failing.store(false, Ordering::Relaxed);
-                    ctx.quota.set_watching(true);
-                    None
-                }
-                Ok(watcher::Event::Init) => None,
-                Err(err) => {
-                    ctx.quota.set_watching(false);
-                    if failing.swap(true, Ordering::Relaxed) {
-                        debug!(error = %err, "watch of ResourceQuotas still failing");
-                    } else {
-                        warn!(error = %err, "cannot watch ResourceQuotas (the chart grants list and watch): pods whose \
-                              claims a quota refused are retried every {QUOTA_RETRY_MAX:?} at most, not when quota \
-                              comes free");
+            let mut keys = Vec::new();
+            match event {
+                Ok(event) => {
+                    reported.store(false, Ordering::Relaxed);
+                    match event {
+                        watcher::Event::Init => listed = Some(HashSet::new()),
+                        watcher::Event::InitApply(quota) => {
+                            let (ns, name) = id(&quota);
+                            if let Some(listed) = listed.as_mut() {
+                                listed.insert((ns.clone(), name.clone()));
+                            }
+                            keys = ctx.quota.quota_changed(&ns, &name, Some(claim_limits(&quota)));
+                        }
+                        watcher::Event::InitDone => {
+                            if let Some(listed) = listed.take() {
+                                keys = ctx.quota.relisted(&listed);
+                            }
+                            ctx.quota.set_watching(true);
+                        }
+                        watcher::Event::Apply(quota) => {
+                            let (ns, name) = id(&quota);
+                            keys = ctx.quota.quota_changed(&ns, &name, Some(claim_limits(&quota)));
+                        }
+                        watcher::Event::Delete(quota) => {
+                            let (ns, name) = id(&quota);
+                            keys = ctx.quota.quota_changed(&ns, &name, None);
+                        }
                     }
-                    None
                 }
-            };
-            if let Some((Some(ns), Some(name), limits)) = changed {
-                let keys = ctx.quota.quota_changed(&ns, &name, limits);
-                if !keys.is_empty() {
-                    debug!(namespace = %ns, quota = %name, keys = keys.len(), "a ResourceQuota left room for claims: \
-                           looking again at the keys it refused");
-                    keys.into_iter().for_each(|key| ctx.queue.add(key));
+                // The list itself refused (a missing permission): nothing can be woken, so nothing is remembered.
+                Err(err @ watcher::Error::InitialListFailed(_)) => {
+                    ctx.quota.set_watching(false);
+                    if !reported.swap(true, Ordering::Relaxed) {
+                        warn!(error = %err, "cannot list ResourceQuotas (the chart grants list and watch): pods whose \
+                              claims a quota refused are retried every {QUOTA_RETRY:?}, not when quota comes free");
+                    }
                 }
+                // A broken watch resumes where it was: what is remembered stays valid.
+                Err(err) => debug!(error = %err, "watch of ResourceQuotas interrupted; resuming"),
+            }
+            if !keys.is_empty() {
+                debug!(keys = keys.len(), "a ResourceQuota left room for claims: looking again at the keys it refused");
+                ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+                keys.into_iter().for_each(|key| ctx.queue.add(key));
             }
             futures::future::ready(())
         })
         .await;
+}
+
+/// A quota's namespace and name.
+fn id(quota: &ResourceQuota) -> (String, String) {
+    (quota.metadata.namespace.clone().unwrap_or_default(), quota.metadata.name.clone().unwrap_or_default())
 }
 
 #[cfg(test)]
@@ -244,10 +321,14 @@ mod tests {
         WorkKey::Pod(ObjectKey::new("team-a", name))
     }
 
+    fn gpus(hard: i64, used: i64) -> Option<ClaimLimits> {
+        Some(limits(&[(GPUS, Some(hard), Some(used))]))
+    }
+
     fn watching() -> QuotaWaits {
         let waits = QuotaWaits::default();
         waits.set_watching(true);
-        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(2))]))).is_empty());
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 2)).is_empty());
         waits
     }
 
@@ -255,27 +336,25 @@ mod tests {
     fn freed_room_wakes_that_many_keys_oldest_refusal_first_and_only_in_its_namespace() {
         let waits = watching();
         for name in ["p1", "p2", "p3"] {
-            assert!(!waits.wait("team-a", pod(name), waits.changes("team-a")));
+            assert_eq!(waits.wait("team-a", pod(name), waits.changes("team-a")), AfterRefusal::Wait);
         }
         let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
-        assert!(!waits.wait("team-b", other.clone(), waits.changes("team-b")));
+        assert_eq!(waits.wait("team-b", other.clone(), waits.changes("team-b")), AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 4);
 
-        // Usage up (another claim got in) or another resource's write: nobody.
-        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(2))]))).is_empty());
+        // Usage up (another claim got in), a write of the same, or another resource's quota: nobody.
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 2)).is_empty());
         assert!(waits.quota_changed("team-a", "pods", Some(limits(&[]))).is_empty());
         // One GPU freed: the oldest refusal.
-        assert_eq!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(1))]))), vec![pod("p1")]);
-        // It is refused again (it needed two): it keeps its place, ahead of p2.
-        assert!(!waits.wait("team-a", pod("p1"), waits.changes("team-a")));
-        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(2))]))).is_empty());
-        assert_eq!(
-            waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(0))]))),
-            vec![pod("p1"), pod("p2")]
-        );
+        assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 1)), vec![pod("p1")]);
+        // Refused again (it needed two) right after its wake: looked at once more soon; it keeps its place.
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Soon);
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait, "once");
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 2)).is_empty());
+        assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 0)), vec![pod("p1"), pod("p2")]);
         // p2 got its claim; p3 still waits, and team-b's key was never woken.
         waits.forget(&pod("p2"));
-        assert_eq!(waits.waiting(), 3, "p1 (queued again), p3, q1");
+        assert_eq!(waits.waiting(), 3, "p1 (woken), p3, q1");
         assert_eq!(waits.quota_changed("team-a", "gpus", None), vec![pod("p3")]);
         waits.forget(&pod("p1"));
         waits.forget(&pod("p3"));
@@ -285,30 +364,57 @@ mod tests {
     }
 
     #[test]
+    fn another_full_quota_of_the_namespace_holds_the_wake_back() {
+        let waits = watching();
+        assert!(waits.quota_changed("team-a", "claims", Some(limits(&[(CLAIMS, Some(4), Some(4))]))).is_empty());
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait);
+        // A GPU freed, but the claim count is full: nobody.
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
+        // The claim count freed: now p1.
+        let claims = Some(limits(&[(CLAIMS, Some(4), Some(3))]));
+        assert_eq!(waits.quota_changed("team-a", "claims", claims), vec![pod("p1")]);
+    }
+
+    const CLAIMS: &str = crate::controller::decide::quota::CLAIM_COUNT;
+
+    #[test]
     fn a_key_refused_after_a_change_it_did_not_see_is_looked_at_again_at_once() {
         let waits = watching();
         let seen = waits.changes("team-a");
         // The quota controller wrote the freed usage while the create was on its way back.
-        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(1))]))).is_empty());
-        assert!(waits.wait("team-a", pod("p1"), seen));
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
+        assert_eq!(waits.wait("team-a", pod("p1"), seen), AfterRefusal::Now);
         // A refusal after the change was seen waits for the next one.
-        assert!(!waits.wait("team-a", pod("p2"), waits.changes("team-a")));
+        assert_eq!(waits.wait("team-a", pod("p2"), waits.changes("team-a")), AfterRefusal::Wait);
     }
 
     #[test]
-    fn a_namespaces_count_of_changes_goes_with_its_last_quota() {
+    fn a_namespaces_entry_goes_with_its_last_quota_and_its_deletion_still_counts() {
         let waits = watching();
-        assert!(waits.quota_changed("team-a", "gpus", Some(limits(&[(GPUS, Some(2), Some(1))]))).is_empty());
-        assert_eq!(waits.changes("team-a"), 1);
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
+        let seen = waits.changes("team-a");
+        assert_eq!(seen, 1);
+        // The last quota deleted while a sync was under way: the entry goes, the change is still seen.
         assert!(waits.quota_changed("team-a", "gpus", None).is_empty());
-        assert_eq!(waits.changes("team-a"), 0);
         assert!(waits.lock().quotas.is_empty() && waits.lock().changes.is_empty());
+        assert_eq!(waits.wait("team-a", pod("p1"), seen), AfterRefusal::Now);
+        // Other namespaces without an entry read the same number: a key refused there after it waits.
+        let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
+        assert_eq!(waits.wait("team-b", other, waits.changes("team-b")), AfterRefusal::Wait);
     }
 
     #[test]
-    fn nothing_is_remembered_while_the_watch_does_not_work() {
+    fn quotas_missing_from_a_new_list_were_deleted() {
+        let waits = watching();
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait);
+        assert_eq!(waits.relisted(&HashSet::new()), vec![pod("p1")]);
+        assert!(waits.lock().quotas.is_empty());
+    }
+
+    #[test]
+    fn nothing_is_remembered_while_the_quotas_cannot_be_listed() {
         let waits = QuotaWaits::default();
-        assert!(!waits.wait("team-a", pod("p1"), 0));
+        assert_eq!(waits.wait("team-a", pod("p1"), 0), AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 0);
     }
 }

@@ -153,8 +153,8 @@ async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> any
         let labels = [("status", "failure")];
         bed.controller.metric("dynamic_resource_allocation_resourceclaim_creates_total", &labels).await
     };
-    // Until the waiting pods' own back-off is seconds long (the first retries come milliseconds apart).
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Until the waiting pods' updates (the scheduler's conditions) have settled: each makes a sync, refused again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let before = failed().await?;
     let started = Instant::now();
     let quota: ResourceQuota = serde_json::from_value(
@@ -173,8 +173,8 @@ async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> any
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let refused = failed().await? - before;
-    // Two waiting pods backing off by seconds: a retry or two each, whatever the quota writes (woken by each write,
-    // they would be refused twice per write).
+    // Two waiting pods retried every minute: none of these writes leaves room (woken by each, they would be
+    // refused twice per write).
     ensure!(
         refused <= 4.0,
         "{refused} claim creates refused in {:?} of writes to another quota (two pods waiting)",

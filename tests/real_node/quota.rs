@@ -15,7 +15,7 @@ use super::{WAIT, allocated, claim_of, claim_uid, install, on_gpu_node, seen_by,
 
 /// Each pod lists its GPU, then works this long and exits 0.
 const WORK: &str = "ls -l /dev/ | grep ' nvidia[0-9]*$'; echo GPU_DRA_GPU_UUIDS=$GPU_DRA_GPU_UUIDS; echo listed; \
-                    sleep 12";
+                    sleep 20";
 
 /// In a namespace whose ResourceQuota allows two of the chart's GPUs (`gpu.gpu-dra.dev.deviceclass.resource.k8s.io/
 /// devices: 2`), a Job of four one-GPU pods at once on a node of four: two pods get their claims and run, each

@@ -43,7 +43,7 @@ pub type ClaimLimits = BTreeMap<String, (Option<i64>, Option<i64>)>;
 
 /// Whether a quota resource limits claims.
 fn limits_claims(resource: &str) -> bool {
-    resource == "count/resourceclaims.resource.k8s.io" || resource.ends_with(".deviceclass.resource.k8s.io/devices")
+    resource == CLAIM_COUNT || resource.ends_with(".deviceclass.resource.k8s.io/devices")
 }
 
 /// The claim limits of `quota`'s status.
@@ -77,39 +77,47 @@ fn count(quantity: &str) -> Option<i64> {
     digits.parse::<i64>().ok()?.checked_mul(factor)
 }
 
-/// How much more room for claims `after` leaves than `before` (`None`: the quota is new or deleted): `None` when
-/// none; else how many claims' worth, at most (`usize::MAX` when it cannot be told).
-pub fn room_freed(before: Option<&ClaimLimits>, after: Option<&ClaimLimits>) -> Option<usize> {
-    match (before, after) {
-        // Deleted: whatever it limited is free.
-        (Some(before), None) => (!before.is_empty()).then_some(usize::MAX),
-        // New: it only takes room (until its status says more, below).
-        (None, _) => None,
-        (Some(before), Some(after)) => {
-            let grew = after.iter().any(|(resource, (hard, used))| {
-                let (old_hard, old_used) = before.get(resource).copied().unwrap_or((None, None));
-                let hard_grew = match (old_hard, *hard) {
-                    (Some(old), Some(new)) => new > old,
-                    // The quota controller wrote the status (until then every create is refused).
-                    (None, Some(_)) => true,
-                    _ => false,
-                };
-                let used_fell = matches!((old_used, *used), (Some(old), Some(new)) if new < old);
-                hard_grew || used_fell
-            }) || before.keys().any(|resource| !after.contains_key(resource));
-            grew.then(|| available(after))
-        }
+/// The resource every claim counts against, whatever its devices.
+pub const CLAIM_COUNT: &str = "count/resourceclaims.resource.k8s.io";
+
+/// Room left for `resource` under `limits`: `Some(hard - used)` when both are known, `Some(0)` when only the limit
+/// is (the quota's usage not written yet: the API server refuses every create it covers), `None` when `resource`
+/// is not limited there.
+pub fn room(limits: &ClaimLimits, resource: &str) -> Option<i64> {
+    match limits.get(resource).copied() {
+        Some((Some(hard), Some(used))) => Some(hard.saturating_sub(used)),
+        Some((Some(_), None)) => Some(0),
+        _ => None,
     }
 }
 
-/// Claims' worth of room left under `limits` (the least over its resources), `usize::MAX` when it cannot be told.
-fn available(limits: &ClaimLimits) -> usize {
-    limits
-        .values()
-        .map(|(hard, used)| match (hard, used) {
-            (Some(hard), Some(used)) => usize::try_from(hard.saturating_sub(*used).max(1)).unwrap_or(usize::MAX),
-            _ => usize::MAX,
-        })
+/// The resources for which a quota's change left more room (`before`/`after` `None`: the quota is new/deleted):
+/// more room than before, or no longer limited. A quota seen for the first time frees nothing.
+pub fn freed_resources(before: Option<&ClaimLimits>, after: Option<&ClaimLimits>) -> Vec<String> {
+    let Some(before) = before else { return Vec::new() };
+    let limited_before = before.iter().filter(|(_, (hard, _))| hard.is_some()).map(|(r, _)| r);
+    match after {
+        None => limited_before.cloned().collect(),
+        Some(after) => limited_before
+            .filter(|r| match (room(before, r), room(after, r)) {
+                (_, None) => true,
+                (Some(old), Some(new)) => new > old && new > 0,
+                (None, Some(new)) => new > 0,
+            })
+            .cloned()
+            .collect(),
+    }
+}
+
+/// How many claims can be created now for the `freed` resources, under every quota of the namespace (`quotas`):
+/// the least room over them and the claim count, `usize::MAX` when nothing limits them, 0 when one is full.
+pub fn room_for_claims<'a>(quotas: impl Iterator<Item = &'a ClaimLimits> + Clone, freed: &[String]) -> usize {
+    freed
+        .iter()
+        .map(String::as_str)
+        .chain([CLAIM_COUNT])
+        .flat_map(|resource| quotas.clone().filter_map(move |q| room(q, resource)))
+        .map(|r| usize::try_from(r.max(0)).unwrap_or(0))
         .min()
         .unwrap_or(usize::MAX)
 }
@@ -170,41 +178,66 @@ mod tests {
     #[test]
     fn room_is_freed_only_by_less_used_more_allowed_or_a_limit_gone() {
         let two_of_two = limits(&[(GPUS, Some(2), Some(2))]);
-        // (case, before, after, room freed)
-        type Case = (&'static str, Option<ClaimLimits>, Option<ClaimLimits>, Option<usize>);
+        let none: Vec<&str> = Vec::new();
+        // (case, before, after, resources freed)
+        type Case = (&'static str, Option<ClaimLimits>, Option<ClaimLimits>, Vec<&'static str>);
         let table: Vec<Case> = vec![
-            ("a claim counted gone", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(2), Some(1))])), Some(1)),
+            ("a claim counted gone", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(2), Some(1))])), vec![GPUS]),
+            ("the limit raised", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(5), Some(2))])), vec![GPUS]),
+            ("a claim counted in", Some(limits(&[(GPUS, Some(2), Some(1))])), Some(two_of_two.clone()), none.clone()),
+            ("the limit lowered", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(1), Some(2))])), none.clone()),
+            ("nothing changed", Some(two_of_two.clone()), Some(two_of_two.clone()), none.clone()),
+            ("the limit dropped from the quota", Some(two_of_two.clone()), Some(limits(&[])), vec![GPUS]),
+            ("the quota deleted", Some(two_of_two.clone()), None, vec![GPUS]),
+            ("a quota of other resources deleted", Some(limits(&[])), None, none.clone()),
+            ("a quota seen for the first time", None, Some(limits(&[(GPUS, Some(2), Some(0))])), none.clone()),
             (
-                "three gone at once",
-                Some(limits(&[(GPUS, Some(4), Some(4))])),
-                Some(limits(&[(GPUS, Some(4), Some(1))])),
-                Some(3),
+                "its limit written, usage not yet",
+                Some(limits(&[])),
+                Some(limits(&[(CLAIMS, Some(3), None)])),
+                none.clone(),
             ),
-            ("the limit raised", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(5), Some(2))])), Some(3)),
-            ("a claim counted in", Some(limits(&[(GPUS, Some(2), Some(1))])), Some(two_of_two.clone()), None),
-            ("the limit lowered", Some(two_of_two.clone()), Some(limits(&[(GPUS, Some(1), Some(2))])), None),
-            ("nothing changed", Some(two_of_two.clone()), Some(two_of_two.clone()), None),
-            ("the limit dropped from the quota", Some(two_of_two.clone()), Some(limits(&[])), Some(usize::MAX)),
-            ("the quota deleted", Some(two_of_two.clone()), None, Some(usize::MAX)),
-            ("a quota of other resources deleted", Some(limits(&[])), None, None),
-            ("a new quota", None, Some(two_of_two.clone()), None),
-            ("its status written", Some(limits(&[])), Some(limits(&[(CLAIMS, Some(3), Some(0))])), Some(3)),
             (
-                "one of two limits full",
+                "then its usage",
+                Some(limits(&[(CLAIMS, Some(3), None)])),
+                Some(limits(&[(CLAIMS, Some(3), Some(0))])),
+                vec![CLAIMS],
+            ),
+            (
+                "usage written, full",
+                Some(limits(&[(CLAIMS, Some(3), None)])),
+                Some(limits(&[(CLAIMS, Some(3), Some(3))])),
+                none.clone(),
+            ),
+            (
+                "one of two resources freed",
                 Some(limits(&[(GPUS, Some(8), Some(8)), (CLAIMS, Some(4), Some(3))])),
                 Some(limits(&[(GPUS, Some(8), Some(6)), (CLAIMS, Some(4), Some(3))])),
-                Some(1),
-            ),
-            (
-                "a count it cannot read",
-                Some(limits(&[(GPUS, Some(2), Some(2))])),
-                Some(limits(&[(GPUS, None, Some(1))])),
-                Some(usize::MAX),
+                vec![GPUS],
             ),
         ];
         for (case, before, after, expected) in table {
-            assert_eq!(room_freed(before.as_ref(), after.as_ref()), expected, "{case}");
+            assert_eq!(freed_resources(before.as_ref(), after.as_ref()), expected, "{case}");
         }
+    }
+
+    #[test]
+    fn room_for_claims_is_the_least_over_the_namespaces_quotas_and_the_claim_count() {
+        const H100: &str = "h100.deviceclass.resource.k8s.io/devices";
+        let gpus = limits(&[(GPUS, Some(8), Some(5)), (H100, Some(4), Some(4))]);
+        let claims = limits(&[(CLAIMS, Some(10), Some(8))]);
+        let freed = vec![GPUS.to_string()];
+        // GPUS has 3, the claim count 2: 2. The full H100 class does not hold back claims of the other class.
+        assert_eq!(room_for_claims([&gpus, &claims].into_iter(), &freed), 2);
+        assert_eq!(room_for_claims([&gpus].into_iter(), &freed), 3);
+        // Another quota of the namespace still full for the freed resource: nothing.
+        let full = limits(&[(GPUS, Some(2), Some(2))]);
+        assert_eq!(room_for_claims([&gpus, &full].into_iter(), &freed), 0);
+        // Nothing limits it any more (its quota deleted): every waiting key.
+        assert_eq!(room_for_claims([&claims].into_iter(), &[H100.to_string()]), 2);
+        assert_eq!(room_for_claims(std::iter::empty(), &freed), usize::MAX);
+        // A limit whose usage is not written yet refuses everything.
+        assert_eq!(room_for_claims([&limits(&[(CLAIMS, Some(3), None)])].into_iter(), &freed), 0);
     }
 
     #[test]
