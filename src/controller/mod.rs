@@ -376,12 +376,11 @@ async fn worker(ctx: Arc<Context>) {
                 }
             }
             Err(err) => {
-                if let Some((code, message)) = err.api_status()
-                    && decide::quota::refusal(code, message) == decide::quota::Refusal::Permission
-                {
+                let refused = err.api_status().map(|(code, message)| (decide::quota::refusal(code, message), message));
+                if let Some((decide::quota::Refusal::Permission, message)) = refused {
                     warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
                 }
-                if quota::is_quota_refusal(&err) {
+                if matches!(refused, Some((decide::quota::Refusal::Quota, _))) {
                     // Woken by the quota's change; this retry is the net under a missed one, and refusals do not
                     // build up the back-off a failure of another kind would start from.
                     ctx.queue.forget(&key);

@@ -44,7 +44,7 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
         return Ok(());
     }
     let observe_only = ctx.foreign.observe_only();
-    let quota_changes = ctx.quota.changes(&key.namespace);
+    let quota_changes = ctx.quota.changes();
     let applied = ctx.caches.applied_statuses(&pod);
     let mut to_record = Vec::new();
     let mut errors = Vec::new();

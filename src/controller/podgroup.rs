@@ -135,7 +135,7 @@ pub async fn sync_pod_group(ctx: &Context, key: &ObjectKey) -> Result<(), SyncEr
     if group.metadata.deletion_timestamp.is_some() || ctx.foreign.observe_only() {
         return Ok(());
     }
-    let quota_changes = ctx.quota.changes(&key.namespace);
+    let quota_changes = ctx.quota.changes();
     let mut to_record = Vec::new();
     for gc in decide_group::group_claims(&group) {
         match handle_group_claim(ctx, &group, gc).await {

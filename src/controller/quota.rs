@@ -18,12 +18,12 @@
 //! by a moment) is looked at once more after [`WOKEN_REFUSED_AGAIN`].
 //!
 //! A change that lands between the API server's refusal and the key being remembered would be missed: changes that
-//! left room are numbered (one sequence for all namespaces), and a key refused after one its sync began before is
-//! queued again at once. Without permission to list ResourceQuotas (the chart grants it) nothing is remembered and
+//! left room are numbered (one sequence for all namespaces, read before each sync with one atomic load), and a key
+//! refused after a change in its namespace numbered above what its sync read is queued again at once. Without permission to list ResourceQuotas (the chart grants it) nothing is remembered and
 //! refused keys keep to the 60 s retries.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -68,6 +68,9 @@ pub struct QuotaWaits {
     tracked: AtomicUsize,
     /// Whether the quotas could be listed (a permission missing: not).
     watching: AtomicBool,
+    /// The number of the last change that left room, in any namespace (`State::last_change`, readable without
+    /// the lock: every pod sync reads it).
+    last_change: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -99,44 +102,39 @@ impl QuotaWaits {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The number of the last change that left room in `namespace`: read before a sync, handed to [`Self::wait`].
-    pub fn changes(&self, namespace: &str) -> u64 {
-        if !self.watching.load(Ordering::Relaxed) {
-            return 0;
-        }
-        self.lock().changes_of(namespace)
+    /// The number of the last change that left room, in any namespace: read before a sync, handed to
+    /// [`Self::wait`].
+    pub fn changes(&self) -> u64 {
+        self.last_change.load(Ordering::Relaxed)
     }
 
-    /// Remembers `key`, refused for quota in `namespace` by a sync that began when the last change there was
-    /// `seen`; says when to look again. Nothing is remembered while the quotas cannot be listed.
-    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64) -> AfterRefusal {
+    /// Remembers `key`, refused for quota in `namespace` by a sync that began when the last change was `seen`;
+    /// says when to look again, and whether the key is newly remembered. Nothing is remembered while the quotas
+    /// cannot be listed.
+    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64) -> (AfterRefusal, bool) {
         if !self.watching.load(Ordering::Relaxed) {
-            return AfterRefusal::Wait;
+            return (AfterRefusal::Wait, false);
         }
         let mut state = self.lock();
-        let changed = state.changes_of(namespace) != seen;
+        let changed = state.changes_of(namespace) > seen;
         let woken = state.woken.remove(&key);
-        let place = match state.first_refused.get(&key) {
-            Some(place) => *place,
+        let (place, new) = match state.first_refused.get(&key) {
+            Some(place) => (*place, false),
             None => {
                 state.next_place += 1;
                 let place = state.next_place;
                 state.first_refused.insert(key.clone(), place);
-                place
+                (place, true)
             }
         };
         state.waiting.entry(namespace.to_string()).or_default().insert(place, key);
         self.tracked.store(state.first_refused.len(), Ordering::Relaxed);
-        match (changed, woken) {
+        let after = match (changed, woken) {
             (true, _) => AfterRefusal::Now,
             (false, true) => AfterRefusal::Soon,
             (false, false) => AfterRefusal::Wait,
-        }
-    }
-
-    /// Whether `key` is remembered (refused for quota and not through since).
-    pub fn is_waiting(&self, key: &WorkKey) -> bool {
-        self.tracked.load(Ordering::Relaxed) > 0 && self.lock().first_refused.contains_key(key)
+        };
+        (after, new)
     }
 
     /// `key` synced without a quota refusal (claims made, or the pod is gone), or its pod went or finished: no
@@ -175,6 +173,7 @@ impl QuotaWaits {
             return Vec::new();
         }
         state.last_change += 1;
+        self.last_change.store(state.last_change, Ordering::Relaxed);
         let in_namespace = state.quotas.iter().filter(|((ns, _), _)| ns == namespace).map(|(_, limits)| limits);
         let room = room_for_claims(in_namespace.clone(), &freed);
         let last_quota_gone = in_namespace.count() == 0;
@@ -225,8 +224,8 @@ pub fn after_failure(ctx: &Context, namespace: &str, key: &WorkKey, seen: u64, e
     else {
         return;
     };
-    let first = !ctx.quota.is_waiting(key);
-    match ctx.quota.wait(namespace, key.clone(), seen) {
+    let (after, first) = ctx.quota.wait(namespace, key.clone(), seen);
+    match after {
         AfterRefusal::Now => ctx.queue.add(key.clone()),
         AfterRefusal::Soon => ctx.queue.add_after(key.clone(), WOKEN_REFUSED_AGAIN),
         AfterRefusal::Wait => {}
@@ -336,10 +335,10 @@ mod tests {
     fn freed_room_wakes_that_many_keys_oldest_refusal_first_and_only_in_its_namespace() {
         let waits = watching();
         for name in ["p1", "p2", "p3"] {
-            assert_eq!(waits.wait("team-a", pod(name), waits.changes("team-a")), AfterRefusal::Wait);
+            assert_eq!(waits.wait("team-a", pod(name), waits.changes()), (AfterRefusal::Wait, true));
         }
         let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
-        assert_eq!(waits.wait("team-b", other.clone(), waits.changes("team-b")), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-b", other.clone(), waits.changes()).0, AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 4);
 
         // Usage up (another claim got in), a write of the same, or another resource's quota: nobody.
@@ -348,8 +347,8 @@ mod tests {
         // One GPU freed: the oldest refusal.
         assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 1)), vec![pod("p1")]);
         // Refused again (it needed two) right after its wake: looked at once more soon; it keeps its place.
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Soon);
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait, "once");
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()), (AfterRefusal::Soon, false), "not new");
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait, "once");
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 2)).is_empty());
         assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 0)), vec![pod("p1"), pod("p2")]);
         // p2 got its claim; p3 still waits, and team-b's key was never woken.
@@ -367,7 +366,7 @@ mod tests {
     fn another_full_quota_of_the_namespace_holds_the_wake_back() {
         let waits = watching();
         assert!(waits.quota_changed("team-a", "claims", Some(limits(&[(CLAIMS, Some(4), Some(4))]))).is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait);
         // A GPU freed, but the claim count is full: nobody.
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
         // The claim count freed: now p1.
@@ -380,33 +379,33 @@ mod tests {
     #[test]
     fn a_key_refused_after_a_change_it_did_not_see_is_looked_at_again_at_once() {
         let waits = watching();
-        let seen = waits.changes("team-a");
+        let seen = waits.changes();
         // The quota controller wrote the freed usage while the create was on its way back.
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), seen), AfterRefusal::Now);
+        assert_eq!(waits.wait("team-a", pod("p1"), seen).0, AfterRefusal::Now);
         // A refusal after the change was seen waits for the next one.
-        assert_eq!(waits.wait("team-a", pod("p2"), waits.changes("team-a")), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p2"), waits.changes()).0, AfterRefusal::Wait);
     }
 
     #[test]
     fn a_namespaces_entry_goes_with_its_last_quota_and_its_deletion_still_counts() {
         let waits = watching();
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
-        let seen = waits.changes("team-a");
+        let seen = waits.changes();
         assert_eq!(seen, 1);
         // The last quota deleted while a sync was under way: the entry goes, the change is still seen.
         assert!(waits.quota_changed("team-a", "gpus", None).is_empty());
         assert!(waits.lock().quotas.is_empty() && waits.lock().changes.is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), seen), AfterRefusal::Now);
+        assert_eq!(waits.wait("team-a", pod("p1"), seen).0, AfterRefusal::Now);
         // Other namespaces without an entry read the same number: a key refused there after it waits.
         let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
-        assert_eq!(waits.wait("team-b", other, waits.changes("team-b")), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-b", other, waits.changes()).0, AfterRefusal::Wait);
     }
 
     #[test]
     fn quotas_missing_from_a_new_list_were_deleted() {
         let waits = watching();
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes("team-a")), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait);
         assert_eq!(waits.relisted(&HashSet::new()), vec![pod("p1")]);
         assert!(waits.lock().quotas.is_empty());
     }
@@ -414,7 +413,7 @@ mod tests {
     #[test]
     fn nothing_is_remembered_while_the_quotas_cannot_be_listed() {
         let waits = QuotaWaits::default();
-        assert_eq!(waits.wait("team-a", pod("p1"), 0), AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), 0).0, AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 0);
     }
 }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, ResourceQuota};
+use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::json;
 
@@ -36,16 +36,7 @@ pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free
     let bed = Testbed::start(&ctx).await?;
     bed.h100_template(&ctx, "one-h100", 1).await?;
     let devices = format!("{}.deviceclass.resource.k8s.io/devices", bed.class);
-    let quota: ResourceQuota =
-        serde_json::from_value(json!({"metadata": {"name": "gpus"}, "spec": {"hard": {devices.as_str(): "2"}}}))?;
-    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    quotas.create(&PostParams::default(), &quota).await?;
-    // Until the quota controller has written the quota's status, the API server refuses every claim it covers.
-    wait::until("the quota controller to take up the quota", PREPARE_TIMEOUT, || async {
-        let status = quotas.get("gpus").await?.status.and_then(|s| s.hard);
-        Ok(status.is_some_and(|h| h.contains_key(&devices)).then_some(()))
-    })
-    .await?;
+    objects::create_quota(&ctx, "gpus", &devices, "2").await?;
 
     let mut pod = bed.pod(
         &ctx,
@@ -157,15 +148,7 @@ async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> any
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = failed().await?;
     let started = Instant::now();
-    let quota: ResourceQuota = serde_json::from_value(
-        json!({"metadata": {"name": "configmaps"}, "spec": {"hard": {"count/configmaps": "100"}}}),
-    )?;
-    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    quotas.create(&PostParams::default(), &quota).await?;
-    wait::until("the ConfigMap quota's status", PREPARE_TIMEOUT, || async {
-        Ok(quotas.get("configmaps").await?.status.and_then(|s| s.hard).map(drop))
-    })
-    .await?;
+    objects::create_quota(ctx, "configmaps", "count/configmaps", "100").await?;
     let maps: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
     for i in 0..OTHER_WRITES {
         let map: ConfigMap = serde_json::from_value(json!({"metadata": {"name": format!("settings-{i}")}}))?;

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{Namespace, Pod, ResourceQuota};
+use k8s_openapi::api::core::v1::{Namespace, Pod};
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
@@ -50,15 +50,7 @@ pub(super) async fn a_job_over_its_namespaces_gpu_quota_runs_as_its_pods_finish(
 /// The Job's run; returns the UIDs of the claims its pods had.
 async fn job_over_quota(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<String>> {
     let devices = "gpu.gpu-dra.dev.deviceclass.resource.k8s.io/devices";
-    let quota: ResourceQuota =
-        serde_json::from_value(json!({"metadata": {"name": "gpus"}, "spec": {"hard": {devices: "2"}}}))?;
-    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
-    quotas.create(&PostParams::default(), &quota).await?;
-    wait::until("the quota controller to take up the quota", WAIT, || async {
-        let hard = quotas.get("gpus").await?.status.and_then(|s| s.hard);
-        Ok(hard.is_some_and(|h| h.contains_key(devices)).then_some(()))
-    })
-    .await?;
+    objects::create_quota(ctx, "gpus", devices, "2").await?;
     let one_gpu = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
         "deviceClassName": "gpu.gpu-dra.dev"}}]}}});
     objects::create_template_in(&ctx.client, &ctx.namespace, "one-gpu", one_gpu).await?;

@@ -1,7 +1,7 @@
 //! Small builders for the objects controller tests create, from JSON so that any field (even one unknown to the
 //! compiled types) can be set.
 
-use k8s_openapi::api::core::v1::{Node, Pod};
+use k8s_openapi::api::core::v1::{Node, Pod, ResourceQuota};
 use k8s_openapi::api::resource::v1::{Device, DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -257,4 +257,23 @@ pub async fn driver_device_class(ctx: &TestContext) -> anyhow::Result<()> {
     }))?;
     Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
     Ok(())
+}
+
+/// Creates ResourceQuota `name` in the test's namespace limiting `resource` to `hard`, and waits until the quota
+/// controller has taken it up (its status lists the limit): until then the API server refuses every create the
+/// quota covers.
+pub async fn create_quota(ctx: &TestContext, name: &str, resource: &str, hard: &str) -> anyhow::Result<()> {
+    let quota: ResourceQuota =
+        serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"hard": {resource: hard}}}))?;
+    let quotas: Api<ResourceQuota> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    quotas.create(&PostParams::default(), &quota).await?;
+    super::wait::until(
+        &format!("the quota controller to take up quota {name}"),
+        std::time::Duration::from_secs(60),
+        || async {
+            let hard = quotas.get(name).await?.status.and_then(|s| s.hard);
+            Ok(hard.is_some_and(|h| h.contains_key(resource)).then_some(()))
+        },
+    )
+    .await
 }
