@@ -43,7 +43,10 @@ use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_r
 use nodes::{
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
 };
-use quota::a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free;
+use quota::{
+    a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free,
+    a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model,
+};
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeDirs, start_agent};
@@ -88,6 +91,7 @@ fn main() {
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
+            test!(a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model),
         ],
     )
 }

@@ -122,7 +122,7 @@ impl ControllerMetrics {
         registry.register(
             "gpu_dra_controller_waiting_for_quota",
             "Pods and PodGroups whose claims a ResourceQuota refused, waiting for a quota of their namespace to leave \
-             room (each counted until its sync succeeds or its pod or PodGroup goes)",
+             room (each counted until a sync is not refused for quota, or its pod or PodGroup goes)",
             metrics.waiting_for_quota.clone(),
         );
         let creates = metrics.creates.clone();

@@ -387,6 +387,10 @@ async fn worker(ctx: Arc<Context>) {
                     ctx.queue.add_after(key.clone(), quota::QUOTA_RETRY);
                     debug!(%key, error = %err, retry_in = ?quota::QUOTA_RETRY, "sync refused for quota");
                 } else {
+                    // Whatever held it back now, it is not a quota (its claims got in, or never got that far).
+                    if ctx.quota.forget(&key) {
+                        ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+                    }
                     let delay = ctx.queue.retry(key.clone());
                     warn!(%key, error = %err, retry_in = ?delay, "sync failed");
                 }

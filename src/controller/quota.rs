@@ -8,9 +8,11 @@
 //!
 //! Here the controller watches ResourceQuotas and keeps, per quota, the claim limits in its status (`hard` and
 //! `used` of those two kinds of resource). When a change leaves more room for some of them (`used` down: the quota
-//! controller counted a claim gone; `hard` up or gone; the quota deleted), as many refused keys of that namespace
-//! as every quota there leaves room for (for the freed resources and the claim count) are queued at once, oldest
-//! refusal first. Quota writes that leave no room for claims (another claim counted in, a pod's CPU, a ConfigMap
+//! controller counted a claim gone; `hard` up or gone; the quota deleted), the refused keys of that namespace whose
+//! needs fit in the room every quota there leaves are queued at once, oldest refusal first. A key's needs are what
+//! its refusal named (`requested: <class>.deviceclass.resource.k8s.io/devices=2`): a pod waiting for another
+//! class, or for more devices than came free, keeps its place and is passed over, so it neither takes a wake that
+//! cannot help it nor holds back the pod behind it that the room fits. Quota writes that leave no room for claims (another claim counted in, a pod's CPU, a ConfigMap
 //! count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not per write.
 //! A refused key is also retried on its own every [`QUOTA_RETRY`], in case a change is missed (its back-off
 //! count is reset: a later failure of another kind starts from 5 ms), and is forgotten once its sync succeeds or
@@ -19,8 +21,9 @@
 //!
 //! A change that lands between the API server's refusal and the key being remembered would be missed: changes that
 //! left room are numbered (one sequence for all namespaces, read before each sync with one atomic load), and a key
-//! refused after a change in its namespace numbered above what its sync read is queued again at once. Without permission to list ResourceQuotas (the chart grants it) nothing is remembered and
-//! refused keys keep to the 60 s retries.
+//! refused after a change in its namespace numbered above what its sync read is queued again at once. Without
+//! permission to list ResourceQuotas (the chart grants it) nothing is remembered and refused keys keep to the 60 s
+//! retries.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -35,7 +38,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tracing::{debug, info, warn};
 
 use super::Context;
-use super::decide::quota::{ClaimLimits, Refusal, claim_limits, freed_resources, refusal, room_for_claims};
+use super::decide::quota::{ClaimLimits, Needs, Refusal, claim_limits, freed_resources, needs, refusal, to_wake};
 use super::error::SyncError;
 use super::queue::WorkKey;
 
@@ -82,8 +85,9 @@ struct State {
     last_change: u64,
     changes: HashMap<String, u64>,
     forgotten_up_to: u64,
-    /// Keys waiting, per namespace, by the order of their first refusal.
-    waiting: HashMap<String, BTreeMap<u64, WorkKey>>,
+    /// Keys waiting, per namespace, by the order of their first refusal, with what their last refusal said they
+    /// need.
+    waiting: HashMap<String, BTreeMap<u64, (WorkKey, Option<Needs>)>>,
     /// Every remembered key's place in that order, kept while it is woken and not yet through.
     first_refused: HashMap<WorkKey, u64>,
     /// Keys woken by a change and not refused again since.
@@ -108,10 +112,10 @@ impl QuotaWaits {
         self.last_change.load(Ordering::Relaxed)
     }
 
-    /// Remembers `key`, refused for quota in `namespace` by a sync that began when the last change was `seen`;
-    /// says when to look again, and whether the key is newly remembered. Nothing is remembered while the quotas
-    /// cannot be listed.
-    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64) -> (AfterRefusal, bool) {
+    /// Remembers `key`, refused for quota in `namespace` by a sync that began when the last change was `seen`,
+    /// needing `needs` (what the refusals said, `None` when they did not); says when to look again, and whether
+    /// the key is newly remembered. Nothing is remembered while the quotas cannot be listed.
+    pub fn wait(&self, namespace: &str, key: WorkKey, seen: u64, needs: Option<Needs>) -> (AfterRefusal, bool) {
         if !self.watching.load(Ordering::Relaxed) {
             return (AfterRefusal::Wait, false);
         }
@@ -127,7 +131,7 @@ impl QuotaWaits {
                 (place, true)
             }
         };
-        state.waiting.entry(namespace.to_string()).or_default().insert(place, key);
+        state.waiting.entry(namespace.to_string()).or_default().insert(place, (key, needs));
         self.tracked.store(state.first_refused.len(), Ordering::Relaxed);
         let after = match (changed, woken) {
             (true, _) => AfterRefusal::Now,
@@ -158,7 +162,8 @@ impl QuotaWaits {
     }
 
     /// Quota `name` of `namespace` is now `limits` (`None`: deleted). Returns the keys to queue again: when the
-    /// change left room for claims, as many as every quota of the namespace leaves room for, oldest refusal first.
+    /// change left room for claims, those whose needs fit in the room every quota of the namespace leaves, oldest
+    /// refusal first ([`to_wake`]).
     pub fn quota_changed(&self, namespace: &str, name: &str, limits: Option<ClaimLimits>) -> Vec<WorkKey> {
         let mut state = self.lock();
         let state = &mut *state;
@@ -175,13 +180,12 @@ impl QuotaWaits {
         state.last_change += 1;
         self.last_change.store(state.last_change, Ordering::Relaxed);
         let in_namespace = state.quotas.iter().filter(|((ns, _), _)| ns == namespace).map(|(_, limits)| limits);
-        let room = room_for_claims(in_namespace.clone(), &freed);
-        let last_quota_gone = in_namespace.count() == 0;
+        let last_quota_gone = in_namespace.clone().count() == 0;
         let mut keys = Vec::new();
         if let Some(waiting) = state.waiting.get_mut(namespace) {
-            while keys.len() < room {
-                let Some((_, key)) = waiting.pop_first() else { break };
-                keys.push(key);
+            let candidates = waiting.iter().map(|(place, (_, needs))| (*place, needs.as_ref()));
+            for place in to_wake(in_namespace, &freed, candidates) {
+                keys.extend(waiting.remove(&place).map(|(key, _)| key));
             }
             if waiting.is_empty() {
                 state.waiting.remove(namespace);
@@ -219,12 +223,14 @@ impl QuotaWaits {
 /// After a failed sync of `key` in `namespace` (begun when the last change that left room there was `seen`):
 /// remembers it when a quota refused one of its claims.
 pub fn after_failure(ctx: &Context, namespace: &str, key: &WorkKey, seen: u64, errors: &[&SyncError]) {
-    let Some((_, message)) =
-        errors.iter().filter_map(|e| e.api_status()).find(|(c, m)| refusal(*c, m) == Refusal::Quota)
-    else {
-        return;
-    };
-    let (after, first) = ctx.quota.wait(namespace, key.clone(), seen);
+    let refusals: Vec<&str> = errors
+        .iter()
+        .filter_map(|e| e.api_status())
+        .filter(|(code, message)| refusal(*code, message) == Refusal::Quota)
+        .map(|(_, message)| message)
+        .collect();
+    let Some(message) = refusals.first() else { return };
+    let (after, first) = ctx.quota.wait(namespace, key.clone(), seen, needs(refusals.iter().copied()));
     match after {
         AfterRefusal::Now => ctx.queue.add(key.clone()),
         AfterRefusal::Soon => ctx.queue.add_after(key.clone(), WOKEN_REFUSED_AGAIN),
@@ -335,10 +341,10 @@ mod tests {
     fn freed_room_wakes_that_many_keys_oldest_refusal_first_and_only_in_its_namespace() {
         let waits = watching();
         for name in ["p1", "p2", "p3"] {
-            assert_eq!(waits.wait("team-a", pod(name), waits.changes()), (AfterRefusal::Wait, true));
+            assert_eq!(waits.wait("team-a", pod(name), waits.changes(), None), (AfterRefusal::Wait, true));
         }
         let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
-        assert_eq!(waits.wait("team-b", other.clone(), waits.changes()).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-b", other.clone(), waits.changes(), None).0, AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 4);
 
         // Usage up (another claim got in), a write of the same, or another resource's quota: nobody.
@@ -347,8 +353,8 @@ mod tests {
         // One GPU freed: the oldest refusal.
         assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 1)), vec![pod("p1")]);
         // Refused again (it needed two) right after its wake: looked at once more soon; it keeps its place.
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()), (AfterRefusal::Soon, false), "not new");
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait, "once");
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes(), None), (AfterRefusal::Soon, false), "not new");
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes(), None).0, AfterRefusal::Wait, "once");
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 2)).is_empty());
         assert_eq!(waits.quota_changed("team-a", "gpus", gpus(2, 0)), vec![pod("p1"), pod("p2")]);
         // p2 got its claim; p3 still waits, and team-b's key was never woken.
@@ -363,10 +369,26 @@ mod tests {
     }
 
     #[test]
+    fn a_key_needing_another_class_keeps_its_place_while_the_freed_class_goes_to_the_next() {
+        const A100: &str = "a100.deviceclass.resource.k8s.io/devices";
+        let waits = watching();
+        let both = |a100: i64, gpus: i64| Some(limits(&[(A100, Some(1), Some(a100)), (GPUS, Some(2), Some(gpus))]));
+        assert!(waits.quota_changed("team-a", "gpus", both(1, 2)).is_empty());
+        let needs = |resource: &str| Some([(resource.to_string(), 1)].into());
+        assert_eq!(waits.wait("team-a", pod("a2"), waits.changes(), needs(A100)).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("g3"), waits.changes(), needs(GPUS)).0, AfterRefusal::Wait);
+        // A GPU of the other class freed: the older A100 pod is passed over.
+        assert_eq!(waits.quota_changed("team-a", "gpus", both(1, 1)), vec![pod("g3")]);
+        // Then an A100: the A100 pod, which kept its place.
+        assert_eq!(waits.quota_changed("team-a", "gpus", both(0, 1)), vec![pod("a2")]);
+        assert_eq!(waits.waiting(), 2, "woken, not yet through");
+    }
+
+    #[test]
     fn another_full_quota_of_the_namespace_holds_the_wake_back() {
         let waits = watching();
         assert!(waits.quota_changed("team-a", "claims", Some(limits(&[(CLAIMS, Some(4), Some(4))]))).is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes(), None).0, AfterRefusal::Wait);
         // A GPU freed, but the claim count is full: nobody.
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
         // The claim count freed: now p1.
@@ -382,9 +404,9 @@ mod tests {
         let seen = waits.changes();
         // The quota controller wrote the freed usage while the create was on its way back.
         assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), seen).0, AfterRefusal::Now);
+        assert_eq!(waits.wait("team-a", pod("p1"), seen, None).0, AfterRefusal::Now);
         // A refusal after the change was seen waits for the next one.
-        assert_eq!(waits.wait("team-a", pod("p2"), waits.changes()).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p2"), waits.changes(), None).0, AfterRefusal::Wait);
     }
 
     #[test]
@@ -396,16 +418,16 @@ mod tests {
         // The last quota deleted while a sync was under way: the entry goes, the change is still seen.
         assert!(waits.quota_changed("team-a", "gpus", None).is_empty());
         assert!(waits.lock().quotas.is_empty() && waits.lock().changes.is_empty());
-        assert_eq!(waits.wait("team-a", pod("p1"), seen).0, AfterRefusal::Now);
+        assert_eq!(waits.wait("team-a", pod("p1"), seen, None).0, AfterRefusal::Now);
         // Other namespaces without an entry read the same number: a key refused there after it waits.
         let other = WorkKey::Pod(ObjectKey::new("team-b", "q1"));
-        assert_eq!(waits.wait("team-b", other, waits.changes()).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-b", other, waits.changes(), None).0, AfterRefusal::Wait);
     }
 
     #[test]
     fn quotas_missing_from_a_new_list_were_deleted() {
         let waits = watching();
-        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes()).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes(), None).0, AfterRefusal::Wait);
         assert_eq!(waits.relisted(&HashSet::new()), vec![pod("p1")]);
         assert!(waits.lock().quotas.is_empty());
     }
@@ -413,7 +435,7 @@ mod tests {
     #[test]
     fn nothing_is_remembered_while_the_quotas_cannot_be_listed() {
         let waits = QuotaWaits::default();
-        assert_eq!(waits.wait("team-a", pod("p1"), 0).0, AfterRefusal::Wait);
+        assert_eq!(waits.wait("team-a", pod("p1"), 0, None).0, AfterRefusal::Wait);
         assert_eq!(waits.waiting(), 0);
     }
 }

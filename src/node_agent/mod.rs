@@ -162,14 +162,16 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     // Since when the Node object has been missing (rounds failing for it).
     let mut node_missing_since: Option<std::time::Instant> = None;
     loop {
+        // Whether this round found the Node (`None`: it did not read it, or the read failed).
+        let mut node_exists = None;
         let round = async {
             if health_only && let Some((gpus, devices, ours)) = &known {
                 let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
                 return Ok::<_, RoundFailure>((devices.len(), outcome));
             }
-            let node_seen = sharing.refresh(&client, &node, &gpu.driver_name).await;
+            node_exists = sharing.refresh(&client, &node, &gpu.driver_name).await;
             // With the plugin serving, a round for a missing Node stops here: nothing can be published for it.
-            if !node_seen && plugin_task.is_some() {
+            if node_exists == Some(false) && plugin_task.is_some() {
                 let reason = format!("node {node} not found: waiting for the Node to be registered again");
                 return Err(RoundFailure { reason, node_missing: true });
             }
@@ -238,7 +240,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             Err(RoundFailure { reason, node_missing }) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
                 let was_missing = node_missing_since.is_some();
-                node_missing_since = node_missing.then(|| node_missing_since.unwrap_or_else(std::time::Instant::now));
+                node_missing_since =
+                    retry::missing_since(node_missing_since, node_missing, node_exists, std::time::Instant::now());
                 let (wait, next) = retry::after_failure(backoff, node_missing_since.map(|t| t.elapsed()));
                 if node_missing && was_missing {
                     debug!(error = %reason, retry_in = ?wait, "discover and publish failed again");
@@ -285,20 +288,20 @@ impl SharingChoice {
     }
 
     /// Reads the Node's labels, from the API server's cache (resourceVersion 0: one cheap read per node and
-    /// resync, never a quorum read from etcd); false when the Node does not exist. A Node that cannot be read keeps
-    /// the current mode: the round goes on, and the publisher reports what is wrong with the Node.
-    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) -> bool {
+    /// resync, never a quorum read from etcd); says whether the Node exists (`None`: the read failed). A Node that
+    /// cannot be read keeps the current mode: the round goes on, and the publisher reports what is wrong with it.
+    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) -> Option<bool> {
         let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
         let labels = match nodes.get_metadata_opt_with(node, &kube::api::GetParams::any()).await {
             Ok(Some(meta)) => meta.metadata.labels.unwrap_or_default(),
-            Ok(None) => return false,
+            Ok(None) => return Some(false),
             Err(err) => {
                 if !std::mem::replace(&mut self.read_failure_reported, true) {
                     let label = slices::node_sharing::label_key(driver);
                     warn!(error = %err, %label, "cannot read this Node's labels (the chart grants nodes get); GPU \
                           sharing stays as it is until it can");
                 }
-                return true;
+                return None;
             }
         };
         self.read_failure_reported = false;
@@ -317,7 +320,7 @@ impl SharingChoice {
             info!(%label, "GPU sharing of this node: {to} (was {from})");
             self.current = now;
         }
-        true
+        Some(true)
     }
 }
 

@@ -11,7 +11,7 @@
 //! (one GET served from the API server's watch cache): no discovery, no slice listing. In a cluster the pod garbage
 //! collector deletes the agent pod of a Node gone for good within about a minute.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// First pause after a failed round.
 pub const BACKOFF_START: Duration = Duration::from_secs(1);
@@ -51,9 +51,46 @@ pub fn after_failure(backoff: Duration, node_missing_for: Option<Duration>) -> (
     (wait, next)
 }
 
+/// Since when the Node has been missing, after a failed round (`since` before it): from now when the round found
+/// it missing (`node_missing`, or `node_exists` false) and it was not before; none once a round saw it. A round that
+/// failed without reading it (`node_exists` `None`: the API server down, a discovery error) leaves the clock
+/// running, so other failures in between do not restart [`NODE_MISSING_PATIENCE`].
+pub fn missing_since(
+    since: Option<Instant>,
+    node_missing: bool,
+    node_exists: Option<bool>,
+    now: Instant,
+) -> Option<Instant> {
+    match (node_missing, node_exists) {
+        (true, _) | (false, Some(false)) => Some(since.unwrap_or(now)),
+        (false, Some(true)) => None,
+        (false, None) => since,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_node_seen_stops_the_missing_clock() {
+        let start = Instant::now();
+        let later = start + Duration::from_secs(90);
+        // (since, node_missing, node_exists) → since
+        let table = [
+            ((None, true, None), Some(later)),
+            ((None, false, Some(false)), Some(later)),
+            ((Some(start), true, Some(false)), Some(start)),
+            ((Some(start), false, None), Some(start)),
+            ((Some(start), false, Some(true)), None),
+            ((None, false, None), None),
+            // Seen by the read, then refused as missing by the publish (deleted in between): missing.
+            ((Some(start), true, Some(true)), Some(start)),
+        ];
+        for ((since, missing, exists), expected) in table {
+            assert_eq!(missing_since(since, missing, exists, later), expected, "{since:?} {missing} {exists:?}");
+        }
+    }
 
     #[test]
     fn back_off_doubles_to_its_cap_and_a_missing_node_is_looked_at_every_few_seconds_then_every_minute() {

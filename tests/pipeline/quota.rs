@@ -7,9 +7,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::ConfigMap;
-use kube::api::{Api, ListParams, PostParams};
+use k8s_openapi::api::resource::v1::DeviceClass;
+use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::json;
 
+use super::support::node::DRIVER;
 use super::support::{TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, Testbed, claim_of};
 
@@ -165,4 +167,70 @@ async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> any
     );
     eprintln!("{OTHER_WRITES} writes to another quota: {refused} more refused creates in {:?}", started.elapsed());
     Ok(())
+}
+
+/// A team namespace with quotas on two GPU models (a DeviceClass each, one A100 and one H100 at a time, as a
+/// platform team hands out scarce models), pods of both waiting: the A100 pod refused first, the H100 pod after it.
+/// An H100 pod finishing frees an H100: the H100 pod gets its claim within seconds, and the A100 pod, waiting
+/// longer, is passed over (its refusal named the A100 class) and keeps waiting, until an A100 frees. When any
+/// freed device woke the oldest refusal first, the A100 pod took the wake, was refused, and the H100 pod waited
+/// for its own retry, a minute after its refusal.
+pub(super) async fn a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    for (model, product) in [("a100", "NVIDIA A100"), ("h100", "NVIDIA H100")] {
+        let class = format!("{}-{model}", ctx.namespace);
+        let selector =
+            format!("device.driver == '{DRIVER}' && device.attributes['{DRIVER}'].productName.startsWith('{product}')");
+        let device_class: DeviceClass = serde_json::from_value(json!({
+            "metadata": {"name": class}, "spec": {"selectors": [{"cel": {"expression": selector}}]}
+        }))?;
+        Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &device_class).await?;
+        let requests = json!([{"name": "gpu", "exactly": {"deviceClassName": class}}]);
+        objects::create_template(&ctx, &format!("one-{model}"), json!({"spec": {"devices": {"requests": requests}}}))
+            .await?;
+        objects::create_quota(&ctx, model, &format!("{class}.deviceclass.resource.k8s.io/devices"), "1").await?;
+    }
+    let pods = objects::pods(&ctx);
+    let create = async |name: &str, model: &str| -> anyhow::Result<()> {
+        let claims = json!([{"name": "gpu", "resourceClaimTemplateName": format!("one-{model}")}]);
+        pods.create(&PostParams::default(), &bed.pod(&ctx, name, claims, &[("app", &["gpu"])])?).await?;
+        Ok(())
+    };
+    let has_claim = async |name: &str| -> anyhow::Result<bool> {
+        Ok(objects::claim_statuses(&pods.get(name).await?).iter().any(|(_, c)| c.is_some()))
+    };
+    for (name, model) in [("a100-first", "a100"), ("h100-first", "h100")] {
+        create(name, model).await?;
+        wait::until(&format!("{name}'s claim"), PREPARE_TIMEOUT, || async { Ok(has_claim(name).await?.then_some(())) })
+            .await?;
+    }
+    create("a100-waiting", "a100").await?;
+    waiting_for_quota(&bed, 1.0).await?;
+    create("h100-waiting", "h100").await?;
+    waiting_for_quota(&bed, 2.0).await?;
+    // Until the waiting pods' own updates (the scheduler's conditions) have settled: each makes a sync.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    for (done, next, other) in
+        [("h100-first", "h100-waiting", Some("a100-waiting")), ("a100-first", "a100-waiting", None)]
+    {
+        let claim = claim_of(&ctx, done, "gpu").await?;
+        pods.delete(done, &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+        let freed = wait::until(&format!("{done}'s claim to be deleted"), Duration::from_secs(60), || async {
+            Ok(objects::claims(&ctx).get_opt(&claim).await?.is_none().then(Instant::now))
+        })
+        .await?;
+        let took = wait::until(&format!("{next} to get its claim"), Duration::from_secs(90), || async {
+            Ok(has_claim(next).await?.then(|| freed.elapsed()))
+        })
+        .await?;
+        ensure!(took <= CLAIMED_WITHIN, "{next} got its claim {took:?} after {done}'s was deleted");
+        if let Some(other) = other {
+            ensure!(!has_claim(other).await?, "{other} got a claim though only an H100 came free");
+        }
+        eprintln!("{done} gone → {next}'s claim in {took:?}");
+    }
+    waiting_for_quota(&bed, 0.0).await
 }

@@ -109,17 +109,76 @@ pub fn freed_resources(before: Option<&ClaimLimits>, after: Option<&ClaimLimits>
     }
 }
 
-/// How many claims can be created now for the `freed` resources, under every quota of the namespace (`quotas`):
-/// the least room over them and the claim count, `usize::MAX` when nothing limits them, 0 when one is full.
-pub fn room_for_claims<'a>(quotas: impl Iterator<Item = &'a ClaimLimits> + Clone, freed: &[String]) -> usize {
-    freed
-        .iter()
-        .map(String::as_str)
-        .chain([CLAIM_COUNT])
-        .flat_map(|resource| quotas.clone().filter_map(move |q| room(q, resource)))
-        .map(|r| usize::try_from(r.max(0)).unwrap_or(0))
-        .min()
-        .unwrap_or(usize::MAX)
+/// What a refused create asked of the quota that refused it, for the resources it exceeded: resource → amount.
+pub type Needs = BTreeMap<String, i64>;
+
+/// The needs an "exceeded quota" refusal names: the plugin writes `exceeded quota: <quota>, requested: <r>=<n>,...,
+/// used: ..., limited: ...`, the requested amounts of the resources the create would have taken over the limit
+/// (k8s.io/apiserver `admission/plugin/resourcequota`, `CheckRequest` and `prettyPrint`). `None` for the other
+/// quota refusals (usage not known yet, a resource no quota covers) and for a list that does not read as counts.
+pub fn requested(message: &str) -> Option<Needs> {
+    let (_, rest) = message.split_once("is forbidden: exceeded quota: ")?;
+    let (_, rest) = rest.split_once(", requested: ")?;
+    let (list, _) = rest.split_once(", used: ")?;
+    list.split(',')
+        .map(|part| {
+            let (resource, amount) = part.split_once('=')?;
+            Some((resource.to_string(), count(amount)?))
+        })
+        .collect()
+}
+
+/// What a sync's quota refusals (their messages) ask for together: the sum of each refusal's [`requested`]; `None`
+/// when one of them does not say.
+pub fn needs<'a>(messages: impl IntoIterator<Item = &'a str>) -> Option<Needs> {
+    let mut total = Needs::new();
+    for message in messages {
+        for (resource, amount) in requested(message)? {
+            *total.entry(resource).or_default() += amount;
+        }
+    }
+    Some(total)
+}
+
+/// The least room any of `quotas` leaves for `resource`; `None` when none limits it.
+fn least_room<'a>(quotas: impl Iterator<Item = &'a ClaimLimits>, resource: &str) -> Option<i64> {
+    quotas.filter_map(|q| room(q, resource)).min()
+}
+
+/// Which waiting keys (`waiting`: each with what its last refusal said it needs, oldest refusal first) a change
+/// that freed the `freed` resources wakes, given every quota of the namespace (`quotas`): each key whose needs fit
+/// in the room left, counting what the keys woken before it take. Every key takes at least one from the claim
+/// count. A key whose needs are unknown is taken to need one of each freed resource.
+///
+/// A key that does not fit is passed over, not waited for: a claim of another class, or a pod asking for more
+/// devices than are free, keeps its place while a later key that fits takes the room, as the API server would let
+/// it in on a retry; the passed-over key is woken by the change that leaves room for it (or its own retry).
+pub fn to_wake<'a, K>(
+    quotas: impl Iterator<Item = &'a ClaimLimits> + Clone,
+    freed: &[String],
+    waiting: impl IntoIterator<Item = (K, Option<&'a Needs>)>,
+) -> Vec<K> {
+    let mut taken: BTreeMap<String, i64> = BTreeMap::new();
+    let mut woken = Vec::new();
+    for (key, needs) in waiting {
+        let mut asks: Needs = match needs {
+            Some(needs) if !needs.is_empty() => needs.clone(),
+            _ => freed.iter().map(|r| (r.clone(), 1)).collect(),
+        };
+        let claims = asks.entry(CLAIM_COUNT.to_string()).or_default();
+        *claims = (*claims).max(1);
+        let fits = asks.iter().all(|(resource, amount)| {
+            least_room(quotas.clone(), resource)
+                .is_none_or(|room| room - taken.get(resource).copied().unwrap_or(0) >= *amount)
+        });
+        if fits {
+            for (resource, amount) in asks {
+                *taken.entry(resource).or_default() += amount;
+            }
+            woken.push(key);
+        }
+    }
+    woken
 }
 
 #[cfg(test)]
@@ -221,23 +280,102 @@ mod tests {
         }
     }
 
+    /// `to_wake` over keys 0..n whose needs are unknown: how many it wakes.
+    fn wakes_unknown<'a>(quotas: impl Iterator<Item = &'a ClaimLimits> + Clone, freed: &[String], n: usize) -> usize {
+        to_wake(quotas, freed, (0..n).map(|k| (k, None))).len()
+    }
+
     #[test]
-    fn room_for_claims_is_the_least_over_the_namespaces_quotas_and_the_claim_count() {
+    fn keys_of_unknown_needs_are_woken_by_the_least_room_over_the_namespaces_quotas_and_the_claim_count() {
         const H100: &str = "h100.deviceclass.resource.k8s.io/devices";
         let gpus = limits(&[(GPUS, Some(8), Some(5)), (H100, Some(4), Some(4))]);
         let claims = limits(&[(CLAIMS, Some(10), Some(8))]);
         let freed = vec![GPUS.to_string()];
         // GPUS has 3, the claim count 2: 2. The full H100 class does not hold back claims of the other class.
-        assert_eq!(room_for_claims([&gpus, &claims].into_iter(), &freed), 2);
-        assert_eq!(room_for_claims([&gpus].into_iter(), &freed), 3);
+        assert_eq!(wakes_unknown([&gpus, &claims].into_iter(), &freed, 9), 2);
+        assert_eq!(wakes_unknown([&gpus].into_iter(), &freed, 9), 3);
         // Another quota of the namespace still full for the freed resource: nothing.
         let full = limits(&[(GPUS, Some(2), Some(2))]);
-        assert_eq!(room_for_claims([&gpus, &full].into_iter(), &freed), 0);
-        // Nothing limits it any more (its quota deleted): every waiting key.
-        assert_eq!(room_for_claims([&claims].into_iter(), &[H100.to_string()]), 2);
-        assert_eq!(room_for_claims(std::iter::empty(), &freed), usize::MAX);
+        assert_eq!(wakes_unknown([&gpus, &full].into_iter(), &freed, 9), 0);
+        // Nothing limits it any more (its quota deleted): every waiting key the claim count lets through.
+        assert_eq!(wakes_unknown([&claims].into_iter(), &[H100.to_string()], 9), 2);
+        assert_eq!(wakes_unknown(std::iter::empty(), &freed, 9), 9);
         // A limit whose usage is not written yet refuses everything.
-        assert_eq!(room_for_claims([&limits(&[(CLAIMS, Some(3), None)])].into_iter(), &freed), 0);
+        assert_eq!(wakes_unknown([&limits(&[(CLAIMS, Some(3), None)])].into_iter(), &freed, 9), 0);
+    }
+
+    #[test]
+    fn keys_are_woken_by_what_their_refusal_said_they_need_passing_over_those_that_do_not_fit() {
+        const A100: &str = "a100.deviceclass.resource.k8s.io/devices";
+        const H100: &str = "h100.deviceclass.resource.k8s.io/devices";
+        let needs = |entries: &[(&str, i64)]| -> Needs { entries.iter().map(|(r, n)| (r.to_string(), *n)).collect() };
+        let (one_a100, one_h100, two_h100) = (needs(&[(A100, 1)]), needs(&[(H100, 1)]), needs(&[(H100, 2)]));
+        let both = needs(&[(A100, 1), (H100, 1)]);
+        let freed = vec![H100.to_string()];
+        // (case, quotas, waiting keys oldest first, woken)
+        type Case<'n> = (&'static str, Vec<ClaimLimits>, Vec<(&'static str, Option<&'n Needs>)>, Vec<&'static str>);
+        let table: Vec<Case> = vec![
+            (
+                "an H100 freed: the older A100 pod is passed over, the H100 pod woken",
+                vec![limits(&[(A100, Some(1), Some(1)), (H100, Some(1), Some(0))])],
+                vec![("a2", Some(&one_a100)), ("h2", Some(&one_h100))],
+                vec!["h2"],
+            ),
+            (
+                "one H100 free: a pod asking for two is passed over, one asking for one woken",
+                vec![limits(&[(H100, Some(4), Some(3))])],
+                vec![("big", Some(&two_h100)), ("small", Some(&one_h100)), ("small2", Some(&one_h100))],
+                vec!["small"],
+            ),
+            (
+                "two free: the pod asking for two takes both, oldest first",
+                vec![limits(&[(H100, Some(4), Some(2))])],
+                vec![("big", Some(&two_h100)), ("small", Some(&one_h100))],
+                vec!["big"],
+            ),
+            (
+                "a pod needing both classes waits for both",
+                vec![limits(&[(A100, Some(1), Some(1)), (H100, Some(1), Some(0))])],
+                vec![("both", Some(&both)), ("h2", Some(&one_h100))],
+                vec!["h2"],
+            ),
+            (
+                "the claim count full holds back every key",
+                vec![limits(&[(H100, Some(2), Some(0))]), limits(&[(CLAIMS, Some(3), Some(3))])],
+                vec![("h2", Some(&one_h100))],
+                vec![],
+            ),
+            (
+                "a class no quota limits any more fits",
+                vec![limits(&[(H100, Some(1), Some(0))])],
+                vec![("a2", Some(&one_a100)), ("h2", Some(&one_h100)), ("h3", Some(&one_h100))],
+                vec!["a2", "h2"],
+            ),
+            (
+                "unknown needs take one of the freed resource",
+                vec![limits(&[(H100, Some(2), Some(1))])],
+                vec![("unknown", None), ("h2", Some(&one_h100))],
+                vec!["unknown"],
+            ),
+        ];
+        for (case, quotas, waiting, expected) in table {
+            assert_eq!(to_wake(quotas.iter(), &freed, waiting), expected, "{case}");
+        }
+    }
+
+    #[test]
+    fn an_exceeded_quota_says_what_the_create_needed() {
+        let exceeded = r#"resourceclaims.resource.k8s.io "p-gpu-x7k2q" is forbidden: exceeded quota: gpus, requested: count/resourceclaims.resource.k8s.io=1,gpu.deviceclass.resource.k8s.io/devices=2, used: count/resourceclaims.resource.k8s.io=4,gpu.deviceclass.resource.k8s.io/devices=7, limited: count/resourceclaims.resource.k8s.io=4,gpu.deviceclass.resource.k8s.io/devices=8"#;
+        let expected: Needs = [(CLAIMS.to_string(), 1), (GPUS.to_string(), 2)].into();
+        assert_eq!(requested(exceeded), Some(expected.clone()));
+        let unknown = r#"resourceclaims.resource.k8s.io "c" is forbidden: status unknown for quota: gpus, resources: count/resourceclaims.resource.k8s.io"#;
+        assert_eq!(requested(unknown), None);
+        let garbled = r#"resourceclaims.resource.k8s.io "c" is forbidden: exceeded quota: gpus, requested: x, used: y"#;
+        assert_eq!(requested(garbled), None);
+        // Two claims of one pod refused: their needs add up; one refusal that does not say makes them unknown.
+        let doubled: Needs = [(CLAIMS.to_string(), 2), (GPUS.to_string(), 4)].into();
+        assert_eq!(needs([exceeded, exceeded]), Some(doubled));
+        assert_eq!(needs([exceeded, unknown]), None);
     }
 
     #[test]
