@@ -174,12 +174,17 @@ async fn many_gpus_split_and_a_change_bumps_the_generation(ctx: TestContext) -> 
     Ok(())
 }
 
+/// A node whose driver is not installed yet (the GPU Operator's driver container builds and loads it minutes after
+/// the node joins): the agent stays up and not ready, says why, publishes nothing, and keeps looking for the driver
+/// at least every 10 s however long it is missing (with the back-off of other failures, the sixth try would wait
+/// 32 s and later ones up to 5 minutes: GPUs unpublished that long after the driver is ready), saying so once.
 async fn without_a_driver_it_stays_up_not_ready_and_publishes_nothing(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let missing_root = std::env::temp_dir().join("gpu-dra-no-driver-here");
+    let root = missing_root.to_string_lossy();
     let mut agent =
-        agent(&ctx, &node, &["--gpu-backend", "nvml", "--driver-root", &missing_root.to_string_lossy()]).await?;
+        agent(&ctx, &node, &["--gpu-backend", "nvml", "--driver-root", &root, "--log-filter", "gpu_dra=debug"]).await?;
     let (code, body) = wait::until("/readyz to explain", Duration::from_secs(20), || async {
         Ok(agent.get("/readyz").await.ok().filter(|(_, body)| body.contains("NVML")))
     })
@@ -193,8 +198,33 @@ async fn without_a_driver_it_stays_up_not_ready_and_publishes_nothing(ctx: TestC
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(agent.try_wait()?.is_none(), "the agent exited:\n{}", agent.log_tail());
     ensure!(slices_of(&ctx, &node).await?.is_empty(), "published without GPUs");
-    ensure!(agent.log_text().contains("retry_in"), "no retry logged:\n{}", agent.log_tail());
+    // Six tries: about 25 s with the 10 s cap, 31 s without.
+    let waits = wait::until("six tries for the driver", Duration::from_secs(60), || async {
+        let waits = retry_waits(&agent.log_text());
+        Ok((waits.len() >= 6).then_some(waits))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(waits.iter().all(|w| *w <= Duration::from_secs(10)), "waits between tries for the driver: {waits:?}");
+    let log = agent.log_text();
+    for what in ["discover and publish failed", "NVML health events unavailable"] {
+        let warned = log.lines().filter(|l| l.contains(" WARN ") && l.contains(what)).count();
+        ensure!(warned == 1, "{what}: said {warned} times, not once:\n{}", agent.log_tail());
+    }
+    ensure!(slices_of(&ctx, &node).await?.is_empty(), "published without GPUs");
     Ok(())
+}
+
+/// The `retry_in` of each failed round the agent logged (`retry_in=4s`, `retry_in=500ms`).
+fn retry_waits(log: &str) -> Vec<Duration> {
+    log.lines()
+        .filter(|l| l.contains("discover and publish failed"))
+        .filter_map(|l| l.split("retry_in=").nth(1)?.split_whitespace().next())
+        .filter_map(|w| match w.strip_suffix("ms") {
+            Some(ms) => ms.parse::<f64>().ok().map(|ms| Duration::from_secs_f64(ms / 1000.0)),
+            None => w.strip_suffix('s')?.parse::<f64>().ok().map(Duration::from_secs_f64),
+        })
+        .collect()
 }
 
 async fn a_bad_simulated_spec_is_refused_with_the_reason(ctx: TestContext) -> anyhow::Result<()> {

@@ -9,7 +9,8 @@
 //! ```
 //!
 //! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing,
-//! does not register with the kubelet, and retries with back-off: never a crash loop.
+//! does not register with the kubelet, and looks for the driver again every 10 s at most ([`retry`]): never a
+//! crash loop.
 
 pub mod bounded_run;
 pub mod device;
@@ -161,6 +162,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut next_full = tokio::time::Instant::now();
     // Since when the Node object has been missing (rounds failing for it).
     let mut node_missing_since: Option<std::time::Instant> = None;
+    // Whether the last round failed for want of the driver.
+    let mut driver_was_missing = false;
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
@@ -173,7 +176,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // With the plugin serving, a round for a missing Node stops here: nothing can be published for it.
             if node_exists == Some(false) && plugin_task.is_some() {
                 let reason = format!("node {node} not found: waiting for the Node to be registered again");
-                return Err(RoundFailure { reason, node_missing: true });
+                return Err(RoundFailure { reason, node_missing: true, driver_missing: false });
             }
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
@@ -232,18 +235,23 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
                 backoff = BACKOFF_START;
                 node_missing_since = None;
+                driver_was_missing = false;
                 if full {
                     next_full = tokio::time::Instant::now() + args.resync_period;
                 }
                 next_full
             }
-            Err(RoundFailure { reason, node_missing }) => {
+            Err(RoundFailure { reason, node_missing, driver_missing }) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
                 let was_missing = node_missing_since.is_some();
                 node_missing_since =
                     retry::missing_since(node_missing_since, node_missing, node_exists, std::time::Instant::now());
-                let (wait, next) = retry::after_failure(backoff, node_missing_since.map(|t| t.elapsed()));
-                if node_missing && was_missing {
+                let missing_for = node_missing_since.map(|t| t.elapsed());
+                let (wait, next) = retry::after_failure(backoff, missing_for, driver_missing);
+                // A missing Node or driver is said once; looking again every few seconds is not news.
+                let again = (node_missing && was_missing) || (driver_missing && driver_was_missing);
+                driver_was_missing = driver_missing;
+                if again {
                     debug!(error = %reason, retry_in = ?wait, "discover and publish failed again");
                 } else {
                     warn!(error = %reason, retry_in = ?wait, "discover and publish failed");
@@ -344,11 +352,15 @@ async fn made_mig_devices(
 }
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.
-async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, String> {
+async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, RoundFailure> {
     tokio::task::spawn_blocking(move || discovery.discover())
         .await
         .map_err(|e| format!("discovery task failed: {e}"))?
-        .map_err(|e| e.to_string())
+        .map_err(|e| RoundFailure {
+            driver_missing: matches!(e, discovery::DiscoveryError::NvmlUnavailable { .. }),
+            node_missing: false,
+            reason: e.to_string(),
+        })
 }
 
 /// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its
@@ -367,6 +379,7 @@ async fn publish(
     monitor.update_health(devices);
     publisher.publish(&pool).await.map_err(|e| RoundFailure {
         node_missing: matches!(e, slices::publisher::PublishError::NodeNotFound { .. }),
+        driver_missing: false,
         reason: e.to_string(),
     })
 }

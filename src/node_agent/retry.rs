@@ -1,5 +1,12 @@
 //! When the agent tries again after a round (discover and publish) failed: exponential back-off from 1 s to 5
-//! minutes, so a broken driver or API server is not hammered, except while the agent's Node object is missing.
+//! minutes, so a broken driver or API server is not hammered, except while the agent's Node object or the NVIDIA
+//! driver is missing.
+//!
+//! The driver is often installed after the agent starts: the GPU Operator's driver container builds and loads the
+//! kernel modules minutes after the node joins, and reinstalls them on an upgrade. Backing off as for other failures
+//! would leave the GPUs unpublished for up to 5 minutes after the driver is ready, so while NVML cannot be loaded
+//! the agent looks again at least every [`DRIVER_MISSING_RETRY`] (a library load that fails costs a few file
+//! lookups), on a node without GPUs too.
 //!
 //! A Node deleted and registered again under its name (`kubectl delete node` and a kubelet restart, a machine
 //! replaced under the same name) takes the node's ResourceSlices with it: the garbage collector deletes them with
@@ -24,6 +31,9 @@ pub const NODE_MISSING_PATIENCE: Duration = Duration::from_secs(600);
 /// Longest pause once the Node has been missing longer.
 pub const NODE_LONG_MISSING_RETRY: Duration = Duration::from_secs(60);
 
+/// Longest pause while NVML cannot be loaded (the driver not installed yet, or being reinstalled).
+pub const DRIVER_MISSING_RETRY: Duration = Duration::from_secs(10);
+
 /// Why a round failed.
 #[derive(Debug)]
 pub struct RoundFailure {
@@ -31,23 +41,30 @@ pub struct RoundFailure {
     /// The Node object this agent publishes for does not exist (deleted, not yet registered, or a wrong
     /// `--node-name`).
     pub node_missing: bool,
+    /// NVML could not be loaded: no driver (yet) under `--driver-root`.
+    pub driver_missing: bool,
 }
 
 impl From<String> for RoundFailure {
     fn from(reason: String) -> Self {
-        Self { reason, node_missing: false }
+        Self { reason, node_missing: false, driver_missing: false }
     }
 }
 
-/// After a failed round with back-off `backoff`, the Node missing for `node_missing_for` (`None`: it is not):
-/// (how long to wait now, the back-off after the next failure).
-pub fn after_failure(backoff: Duration, node_missing_for: Option<Duration>) -> (Duration, Duration) {
+/// After a failed round with back-off `backoff`, the Node missing for `node_missing_for` (`None`: it is not), the
+/// driver missing or not: (how long to wait now, the back-off after the next failure).
+pub fn after_failure(
+    backoff: Duration,
+    node_missing_for: Option<Duration>,
+    driver_missing: bool,
+) -> (Duration, Duration) {
     let next = (backoff * 2).min(BACKOFF_MAX);
     let wait = match node_missing_for {
         Some(missing) if missing < NODE_MISSING_PATIENCE => backoff.min(NODE_MISSING_RETRY),
         Some(_) => backoff.min(NODE_LONG_MISSING_RETRY),
         None => backoff,
     };
+    let wait = if driver_missing { wait.min(DRIVER_MISSING_RETRY) } else { wait };
     (wait, next)
 }
 
@@ -95,21 +112,31 @@ mod tests {
     #[test]
     fn back_off_doubles_to_its_cap_and_a_missing_node_is_looked_at_every_few_seconds_then_every_minute() {
         let s = Duration::from_secs;
-        // (back-off, missing for) → (wait, next back-off)
+        // (back-off, Node missing for, driver missing) → (wait, next back-off)
         let table = [
-            ((s(1), None), (s(1), s(2))),
-            ((s(32), None), (s(32), s(64))),
-            ((s(256), None), (s(256), s(300))),
-            ((s(300), None), (s(300), s(300))),
-            ((s(1), Some(s(0))), (s(1), s(2))),
-            ((s(4), Some(s(3))), (s(4), s(8))),
-            ((s(64), Some(s(60))), (s(5), s(128))),
-            ((s(300), Some(s(599))), (s(5), s(300))),
-            ((s(300), Some(s(600))), (s(60), s(300))),
-            ((s(32), Some(s(3600))), (s(32), s(64))),
+            ((s(1), None, false), (s(1), s(2))),
+            ((s(32), None, false), (s(32), s(64))),
+            ((s(256), None, false), (s(256), s(300))),
+            ((s(300), None, false), (s(300), s(300))),
+            ((s(1), Some(s(0)), false), (s(1), s(2))),
+            ((s(4), Some(s(3)), false), (s(4), s(8))),
+            ((s(64), Some(s(60)), false), (s(5), s(128))),
+            ((s(300), Some(s(599)), false), (s(5), s(300))),
+            ((s(300), Some(s(600)), false), (s(60), s(300))),
+            ((s(32), Some(s(3600)), false), (s(32), s(64))),
+            // No driver (yet): every 10 s at most, however long; the back-off still grows for what comes after.
+            ((s(4), None, true), (s(4), s(8))),
+            ((s(16), None, true), (s(10), s(32))),
+            ((s(300), None, true), (s(10), s(300))),
+            ((s(300), Some(s(600)), true), (s(10), s(300))),
+            ((s(300), Some(s(60)), true), (s(5), s(300))),
         ];
-        for ((backoff, missing), expected) in table {
-            assert_eq!(after_failure(backoff, missing), expected, "back-off {backoff:?}, missing for {missing:?}");
+        for ((backoff, missing, driver), expected) in table {
+            assert_eq!(
+                after_failure(backoff, missing, driver),
+                expected,
+                "back-off {backoff:?}, Node missing for {missing:?}, driver missing {driver}"
+            );
         }
     }
 }

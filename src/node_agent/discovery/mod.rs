@@ -13,7 +13,7 @@ use super::mig::{PlacementError, Profile};
 pub enum DiscoveryError {
     #[error(
         "load NVML ({library}): {source}. Is the NVIDIA driver installed on this node and --driver-root right? \
-         The agent retries with back-off and publishes nothing until then"
+         The agent looks again every 10 s at most and publishes nothing until then"
     )]
     NvmlUnavailable {
         library: String,

@@ -11,7 +11,7 @@ use nvml_wrapper::enums::event::XidError;
 use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::{Device, EventSet, Nvml};
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::classify::Fault;
 use super::inject::{Action, Injection};
@@ -43,11 +43,24 @@ pub fn fault_of(event_type: EventTypes, xid: Option<XidError>) -> Option<Fault> 
 }
 
 /// Watches NVML until `stop`, starting again after failures (no driver yet, a GPU that made registration fail).
+/// A failure is logged as a warning once; the same failure again, every [`RETRY`] until the driver is there, at
+/// debug level (a node waiting for its driver would otherwise warn 360 times an hour).
 pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &Arc<AtomicBool>) {
+    let mut last_said: Option<String> = None;
     while !stop.load(Ordering::Relaxed) {
+        let started = std::time::Instant::now();
         match watch(library, reports, stop) {
             Ok(()) => return,
-            Err(error) => warn!(%error, retry_in = ?RETRY, "NVML health events unavailable"),
+            Err(error) => {
+                let text = error.to_string();
+                // A watch that ran a while before it failed worked: its failure is news again.
+                if last_said.as_deref() == Some(text.as_str()) && started.elapsed() < RETRY {
+                    debug!(%error, retry_in = ?RETRY, "NVML health events still unavailable");
+                } else {
+                    warn!(%error, retry_in = ?RETRY, "NVML health events unavailable");
+                    last_said = Some(text);
+                }
+            }
         }
         let deadline = std::time::Instant::now() + RETRY;
         while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
