@@ -44,6 +44,7 @@ use nodes::{
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
 };
 use quota::{
+    a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once,
     a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free,
     a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model,
 };
@@ -92,6 +93,7 @@ fn main() {
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
             test!(a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model),
+            test!(a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once),
         ],
     )
 }

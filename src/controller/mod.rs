@@ -354,6 +354,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
 async fn worker(ctx: Arc<Context>) {
     while let Some(key) = ctx.queue.next().await {
         let started = Instant::now();
+        let refusals = ctx.quota.refusals();
         // The one span every log line of a sync carries its object in (`sync{key=pod:ns/name}`); the syncs' own
         // spans are debug-level, so that at info a sync makes one span, not two with the same key.
         let span = info_span!("sync", key = %key);
@@ -387,8 +388,9 @@ async fn worker(ctx: Arc<Context>) {
                     ctx.queue.add_after(key.clone(), quota::QUOTA_RETRY);
                     debug!(%key, error = %err, retry_in = ?quota::QUOTA_RETRY, "sync refused for quota");
                 } else {
-                    // Whatever held it back now, it is not a quota (its claims got in, or never got that far).
-                    if ctx.quota.forget(&key) {
+                    // Whatever held it back now, it is not a quota (its claims got in, or never got that far),
+                    // unless a quota refused one of its claims before the failure returned.
+                    if ctx.quota.forget_unless_refused_since(&key, refusals) {
                         ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
                     }
                     let delay = ctx.queue.retry(key.clone());

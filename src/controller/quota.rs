@@ -38,7 +38,7 @@ use kube::runtime::{WatchStreamExt, watcher};
 use tracing::{debug, info, warn};
 
 use super::Context;
-use super::decide::quota::{ClaimLimits, Needs, Refusal, claim_limits, freed_resources, needs, refusal, to_wake};
+use super::decide::quota::{ClaimLimits, Needs, Refusal, asks, claim_limits, freed_resources, needs, refusal, to_wake};
 use super::error::SyncError;
 use super::queue::WorkKey;
 
@@ -74,6 +74,9 @@ pub struct QuotaWaits {
     /// The number of the last change that left room, in any namespace (`State::last_change`, readable without
     /// the lock: every pod sync reads it).
     last_change: AtomicU64,
+    /// Refusals remembered so far (a key's last one is stamped with this count): tells a worker whether its sync
+    /// was refused, whatever else failed after.
+    refusals: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -88,10 +91,11 @@ struct State {
     /// Keys waiting, per namespace, by the order of their first refusal, with what their last refusal said they
     /// need.
     waiting: HashMap<String, BTreeMap<u64, (WorkKey, Option<Needs>)>>,
-    /// Every remembered key's place in that order, kept while it is woken and not yet through.
-    first_refused: HashMap<WorkKey, u64>,
-    /// Keys woken by a change and not refused again since.
-    woken: HashSet<WorkKey>,
+    /// Every remembered key's place in that order, kept while it is woken and not yet through, and the stamp of its
+    /// last refusal.
+    first_refused: HashMap<WorkKey, (u64, u64)>,
+    /// Keys woken by a change and not refused again since, with their needs: the room they are about to take.
+    woken: HashMap<WorkKey, Option<Needs>>,
     next_place: u64,
 }
 
@@ -121,16 +125,16 @@ impl QuotaWaits {
         }
         let mut state = self.lock();
         let changed = state.changes_of(namespace) > seen;
-        let woken = state.woken.remove(&key);
+        let woken = state.woken.remove(&key).is_some();
+        let stamp = self.refusals.fetch_add(1, Ordering::Relaxed) + 1;
         let (place, new) = match state.first_refused.get(&key) {
-            Some(place) => (*place, false),
+            Some((place, _)) => (*place, false),
             None => {
                 state.next_place += 1;
-                let place = state.next_place;
-                state.first_refused.insert(key.clone(), place);
-                (place, true)
+                (state.next_place, true)
             }
         };
+        state.first_refused.insert(key.clone(), (place, stamp));
         state.waiting.entry(namespace.to_string()).or_default().insert(place, (key, needs));
         self.tracked.store(state.first_refused.len(), Ordering::Relaxed);
         let after = match (changed, woken) {
@@ -141,20 +145,34 @@ impl QuotaWaits {
         (after, new)
     }
 
+    /// The count of refusals remembered so far: read before a sync, handed to [`Self::forget_unless_refused_since`].
+    pub fn refusals(&self) -> u64 {
+        self.refusals.load(Ordering::Relaxed)
+    }
+
     /// `key` synced without a quota refusal (claims made, or the pod is gone), or its pod went or finished: no
     /// longer remembered. True when it was.
     pub fn forget(&self, key: &WorkKey) -> bool {
+        self.forget_unless_refused_since(key, u64::MAX)
+    }
+
+    /// [`Self::forget`], unless `key` was refused after the count of refusals was `since` (a sync whose claim a
+    /// quota refused and whose pod status write then failed is still waiting for quota, in its place).
+    pub fn forget_unless_refused_since(&self, key: &WorkKey, since: u64) -> bool {
         if self.tracked.load(Ordering::Relaxed) == 0 {
             return false;
         }
         let mut state = self.lock();
+        if state.first_refused.get(key).is_some_and(|(_, stamp)| *stamp > since) {
+            return false;
+        }
         state.woken.remove(key);
-        let Some(place) = state.first_refused.remove(key) else { return false };
-        let (WorkKey::Pod(k) | WorkKey::Claim(k) | WorkKey::PodGroup(k)) = key;
-        if let Some(waiting) = state.waiting.get_mut(&k.namespace) {
+        let Some((place, _)) = state.first_refused.remove(key) else { return false };
+        let namespace = namespace_of(key);
+        if let Some(waiting) = state.waiting.get_mut(namespace) {
             waiting.remove(&place);
             if waiting.is_empty() {
-                state.waiting.remove(&k.namespace);
+                state.waiting.remove(namespace);
             }
         }
         self.tracked.store(state.first_refused.len(), Ordering::Relaxed);
@@ -181,17 +199,25 @@ impl QuotaWaits {
         self.last_change.store(state.last_change, Ordering::Relaxed);
         let in_namespace = state.quotas.iter().filter(|((ns, _), _)| ns == namespace).map(|(_, limits)| limits);
         let last_quota_gone = in_namespace.clone().count() == 0;
+        let mut taken = Needs::new();
+        for (_, needs) in state.woken.iter().filter(|(key, _)| namespace_of(key) == namespace) {
+            for (resource, amount) in asks(needs.as_ref(), &freed) {
+                *taken.entry(resource).or_default() += amount;
+            }
+        }
         let mut keys = Vec::new();
         if let Some(waiting) = state.waiting.get_mut(namespace) {
             let candidates = waiting.iter().map(|(place, (_, needs))| (*place, needs.as_ref()));
-            for place in to_wake(in_namespace, &freed, candidates) {
-                keys.extend(waiting.remove(&place).map(|(key, _)| key));
+            for place in to_wake(in_namespace, &freed, taken, candidates) {
+                if let Some((key, needs)) = waiting.remove(&place) {
+                    state.woken.insert(key.clone(), needs);
+                    keys.push(key);
+                }
             }
             if waiting.is_empty() {
                 state.waiting.remove(namespace);
             }
         }
-        state.woken.extend(keys.iter().cloned());
         // A namespace's entry goes with its last quota (a namespace deleted) once nothing waits there; it then
         // reads the number of this change, so a sync begun before it still sees that it came.
         if last_quota_gone && !state.waiting.contains_key(namespace) {
@@ -306,6 +332,12 @@ pub async fn watch(client: Client, namespace: Option<String>, ctx: Arc<Context>)
         .await;
 }
 
+/// A key's namespace.
+fn namespace_of(key: &WorkKey) -> &str {
+    let (WorkKey::Pod(k) | WorkKey::Claim(k) | WorkKey::PodGroup(k)) = key;
+    &k.namespace
+}
+
 /// A quota's namespace and name.
 fn id(quota: &ResourceQuota) -> (String, String) {
     (quota.metadata.namespace.clone().unwrap_or_default(), quota.metadata.name.clone().unwrap_or_default())
@@ -382,6 +414,45 @@ mod tests {
         // Then an A100: the A100 pod, which kept its place.
         assert_eq!(waits.quota_changed("team-a", "gpus", both(0, 1)), vec![pod("a2")]);
         assert_eq!(waits.waiting(), 2, "woken, not yet through");
+    }
+
+    #[test]
+    fn a_key_woken_holds_its_room_until_it_is_through() {
+        let waits = watching();
+        // A second quota on the same GPUs (a team's and a project's), full too.
+        assert!(waits.quota_changed("team-a", "project", Some(limits(&[(GPUS, Some(5), Some(5))]))).is_empty());
+        let one = || Some([(GPUS.to_string(), 1)].into());
+        for name in ["p1", "p2"] {
+            assert_eq!(waits.wait("team-a", pod(name), waits.changes(), one()).0, AfterRefusal::Wait);
+        }
+        // A claim gone: the quota controller writes one quota, then the other. The first wakes nobody (the other is
+        // still full); the second wakes p1 for the one GPU.
+        assert!(waits.quota_changed("team-a", "gpus", gpus(2, 1)).is_empty());
+        assert_eq!(
+            waits.quota_changed("team-a", "project", Some(limits(&[(GPUS, Some(5), Some(4))]))),
+            vec![pod("p1")]
+        );
+        // The team's quota raised before p1's claim is counted: one more GPU there, but the project's one free GPU
+        // is p1's, so p2 is not woken to be refused.
+        assert!(waits.quota_changed("team-a", "gpus", gpus(3, 1)).is_empty());
+        // The project's limit raised as well: now p2.
+        assert_eq!(
+            waits.quota_changed("team-a", "project", Some(limits(&[(GPUS, Some(6), Some(4))]))),
+            vec![pod("p2")]
+        );
+    }
+
+    #[test]
+    fn a_refusal_in_the_sync_that_then_failed_otherwise_keeps_the_key_in_its_place() {
+        let waits = watching();
+        let before = waits.refusals();
+        assert_eq!(waits.wait("team-a", pod("p1"), waits.changes(), None), (AfterRefusal::Wait, true));
+        // The same sync's pod status write failed: the worker's forget leaves the key waiting.
+        assert!(!waits.forget_unless_refused_since(&pod("p1"), before));
+        assert_eq!(waits.waiting(), 1);
+        // A later sync that failed for something else, with no refusal: forgotten.
+        assert!(waits.forget_unless_refused_since(&pod("p1"), waits.refusals()));
+        assert_eq!(waits.waiting(), 0);
     }
 
     #[test]

@@ -53,7 +53,7 @@ use crate::telemetry::process::ProcessCollector;
 use crate::telemetry::server::{self, Liveness, Readiness, ServerError};
 use gpu::Gpu;
 use plugin::PluginSettings;
-use retry::{BACKOFF_START, RoundFailure};
+use retry::{BACKOFF_START, FailureKind, RoundFailure};
 use slices::publisher::{Outcome, Publisher};
 
 /// Changes to the node's slices that arrive together are handled once.
@@ -162,8 +162,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut next_full = tokio::time::Instant::now();
     // Since when the Node object has been missing (rounds failing for it).
     let mut node_missing_since: Option<std::time::Instant> = None;
-    // Whether the last round failed for want of the driver.
-    let mut driver_was_missing = false;
+    // What the last round failed for (`None`: it did not fail).
+    let mut last_failure: Option<FailureKind> = None;
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
@@ -235,22 +235,23 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
                 backoff = BACKOFF_START;
                 node_missing_since = None;
-                driver_was_missing = false;
+                last_failure = None;
                 if full {
                     next_full = tokio::time::Instant::now() + args.resync_period;
                 }
                 next_full
             }
-            Err(RoundFailure { reason, node_missing, driver_missing }) => {
+            Err(failure) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
-                let was_missing = node_missing_since.is_some();
+                let kind = failure.kind();
+                let RoundFailure { reason, node_missing, driver_missing } = failure;
                 node_missing_since =
                     retry::missing_since(node_missing_since, node_missing, node_exists, std::time::Instant::now());
                 let missing_for = node_missing_since.map(|t| t.elapsed());
                 let (wait, next) = retry::after_failure(backoff, missing_for, driver_missing);
                 // A missing Node or driver is said once; looking again every few seconds is not news.
-                let again = (node_missing && was_missing) || (driver_missing && driver_was_missing);
-                driver_was_missing = driver_missing;
+                let again = kind != FailureKind::Other && last_failure == Some(kind);
+                last_failure = Some(kind);
                 if again {
                     debug!(error = %reason, retry_in = ?wait, "discover and publish failed again");
                 } else {

@@ -51,21 +51,44 @@ impl From<String> for RoundFailure {
     }
 }
 
+/// What a round failed for, as far as the log goes: a missing Node or driver is said once, not at every look.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    NodeMissing,
+    DriverMissing,
+    Other,
+}
+
+impl RoundFailure {
+    pub fn kind(&self) -> FailureKind {
+        match (self.node_missing, self.driver_missing) {
+            (true, _) => FailureKind::NodeMissing,
+            (false, true) => FailureKind::DriverMissing,
+            (false, false) => FailureKind::Other,
+        }
+    }
+}
+
 /// After a failed round with back-off `backoff`, the Node missing for `node_missing_for` (`None`: it is not), the
-/// driver missing or not: (how long to wait now, the back-off after the next failure).
+/// driver missing or not: (how long to wait now, the back-off after the next failure). While something is missing,
+/// both are held to how often it is looked for, so the first failure of another kind once it is there waits
+/// seconds, not the minutes the back-off would have reached meanwhile.
 pub fn after_failure(
     backoff: Duration,
     node_missing_for: Option<Duration>,
     driver_missing: bool,
 ) -> (Duration, Duration) {
-    let next = (backoff * 2).min(BACKOFF_MAX);
-    let wait = match node_missing_for {
-        Some(missing) if missing < NODE_MISSING_PATIENCE => backoff.min(NODE_MISSING_RETRY),
-        Some(_) => backoff.min(NODE_LONG_MISSING_RETRY),
-        None => backoff,
+    let node_cap = match node_missing_for {
+        Some(missing) if missing < NODE_MISSING_PATIENCE => Some(NODE_MISSING_RETRY),
+        Some(_) => Some(NODE_LONG_MISSING_RETRY),
+        None => None,
     };
-    let wait = if driver_missing { wait.min(DRIVER_MISSING_RETRY) } else { wait };
-    (wait, next)
+    let driver_cap = driver_missing.then_some(DRIVER_MISSING_RETRY);
+    let next = (backoff * 2).min(BACKOFF_MAX);
+    match node_cap.into_iter().chain(driver_cap).min() {
+        Some(cap) => (backoff.min(cap), next.min(cap)),
+        None => (backoff, next),
+    }
 }
 
 /// Since when the Node has been missing, after a failed round (`since` before it): from now when the round found
@@ -118,18 +141,21 @@ mod tests {
             ((s(32), None, false), (s(32), s(64))),
             ((s(256), None, false), (s(256), s(300))),
             ((s(300), None, false), (s(300), s(300))),
+            // The Node missing: every 5 s at most for ten minutes, then every minute; the back-off held there too.
             ((s(1), Some(s(0)), false), (s(1), s(2))),
-            ((s(4), Some(s(3)), false), (s(4), s(8))),
-            ((s(64), Some(s(60)), false), (s(5), s(128))),
-            ((s(300), Some(s(599)), false), (s(5), s(300))),
-            ((s(300), Some(s(600)), false), (s(60), s(300))),
-            ((s(32), Some(s(3600)), false), (s(32), s(64))),
-            // No driver (yet): every 10 s at most, however long; the back-off still grows for what comes after.
+            ((s(4), Some(s(3)), false), (s(4), s(5))),
+            ((s(64), Some(s(60)), false), (s(5), s(5))),
+            ((s(5), Some(s(599)), false), (s(5), s(5))),
+            ((s(5), Some(s(600)), false), (s(5), s(10))),
+            ((s(32), Some(s(3600)), false), (s(32), s(60))),
+            ((s(60), Some(s(3600)), false), (s(60), s(60))),
+            // No driver (yet): every 10 s at most, however long.
             ((s(4), None, true), (s(4), s(8))),
-            ((s(16), None, true), (s(10), s(32))),
-            ((s(300), None, true), (s(10), s(300))),
-            ((s(300), Some(s(600)), true), (s(10), s(300))),
-            ((s(300), Some(s(60)), true), (s(5), s(300))),
+            ((s(8), None, true), (s(8), s(10))),
+            ((s(10), None, true), (s(10), s(10))),
+            ((s(300), None, true), (s(10), s(10))),
+            ((s(60), Some(s(600)), true), (s(10), s(10))),
+            ((s(10), Some(s(60)), true), (s(5), s(5))),
         ];
         for ((backoff, missing, driver), expected) in table {
             assert_eq!(

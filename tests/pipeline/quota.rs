@@ -234,3 +234,60 @@ pub(super) async fn a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_
     }
     waiting_for_quota(&bed, 0.0).await
 }
+
+/// A team's GPU quota from device plugin days (`requests.<extended resource>`) where a DeviceClass names that
+/// extended resource (`extendedResourceName`): from 1.36 (DRAExtendedResource on) the API server charges template
+/// claims of the class against it too, so it refuses the second pod's claim; when the first pod goes, the waiting
+/// pod gets its claim within seconds (the controller tracks `requests.<domain>/<name>` limits: before, such a change
+/// woke nobody and the pod waited for its one-minute retry). Before 1.36 the API server drops the class's
+/// `extendedResourceName` and such a quota does not count claims: both pods get theirs at once.
+pub(super) async fn a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let bed = Testbed::start(&ctx).await?;
+    let class = format!("{}-mapped", ctx.namespace);
+    // One name per test: a DeviceClass's extended resource is the cluster's.
+    let extended = format!("e2e.gpu-dra.dev/{}", ctx.namespace);
+    let selector = format!("device.driver == '{DRIVER}'");
+    let device_class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": class},
+        "spec": {"selectors": [{"cel": {"expression": selector}}], "extendedResourceName": extended}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &device_class).await?;
+    let requests = json!([{"name": "gpu", "exactly": {"deviceClassName": class}}]);
+    objects::create_template(&ctx, "one-gpu", json!({"spec": {"devices": {"requests": requests}}})).await?;
+    objects::create_quota(&ctx, "gpus", &format!("requests.{extended}"), "1").await?;
+
+    let pods = objects::pods(&ctx);
+    let claims = json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]);
+    let has_claim = async |name: &str| -> anyhow::Result<bool> {
+        Ok(objects::claim_statuses(&pods.get(name).await?).iter().any(|(_, c)| c.is_some()))
+    };
+    pods.create(&PostParams::default(), &bed.pod(&ctx, "first", claims.clone(), &[("app", &["gpu"])])?).await?;
+    wait::until("first's claim", PREPARE_TIMEOUT, || async { Ok(has_claim("first").await?.then_some(())) }).await?;
+    pods.create(&PostParams::default(), &bed.pod(&ctx, "second", claims, &[("app", &["gpu"])])?).await?;
+    if super::support::cluster::kubernetes_minor()? < 36 {
+        wait::until("second's claim (claims not charged before 1.36)", PREPARE_TIMEOUT, || async {
+            Ok(has_claim("second").await?.then_some(()))
+        })
+        .await?;
+        return waiting_for_quota(&bed, 0.0).await;
+    }
+    waiting_for_quota(&bed, 1.0).await?;
+    ensure!(!has_claim("second").await?, "second got a claim past a full quota on requests.{extended}");
+    // Until the waiting pod's own updates (the scheduler's conditions) have settled: each makes a sync.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let claim = claim_of(&ctx, "first", "gpu").await?;
+    pods.delete("first", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    let freed = wait::until("first's claim to be deleted", Duration::from_secs(60), || async {
+        Ok(objects::claims(&ctx).get_opt(&claim).await?.is_none().then(Instant::now))
+    })
+    .await?;
+    let took = wait::until("second to get its claim", Duration::from_secs(90), || async {
+        Ok(has_claim("second").await?.then(|| freed.elapsed()))
+    })
+    .await?;
+    ensure!(took <= CLAIMED_WITHIN, "second got its claim {took:?} after first's was deleted");
+    eprintln!("first gone → second's claim in {took:?} (quota on requests.{extended})");
+    waiting_for_quota(&bed, 0.0).await
+}

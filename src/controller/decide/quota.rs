@@ -41,9 +41,16 @@ pub fn refusal(code: u16, message: &str) -> Refusal {
 /// not a plain count.
 pub type ClaimLimits = BTreeMap<String, (Option<i64>, Option<i64>)>;
 
-/// Whether a quota resource limits claims.
+/// Whether a quota resource may limit claims. The API server charges a claim (`claimEvaluator.Usage`,
+/// k8s.io/kubernetes `pkg/quota/v1/evaluator/core/resource_claims.go`) with [`CLAIM_COUNT`], its devices per class
+/// (`<class>.deviceclass.resource.k8s.io/devices`) and, with extended resources (`DRAExtendedResource`, on by default
+/// since 1.36), the same count as `requests.deviceclass.resource.kubernetes.io/<class>` and, for a class that names
+/// an extended resource, `requests.<that name>` (`requests.nvidia.com/gpu`: a team's quota from device plugin days
+/// refuses claims too). Extended resource names always have a domain, so `requests.cpu` and the like are left out.
 fn limits_claims(resource: &str) -> bool {
-    resource == CLAIM_COUNT || resource.ends_with(".deviceclass.resource.k8s.io/devices")
+    resource == CLAIM_COUNT
+        || resource.ends_with(".deviceclass.resource.k8s.io/devices")
+        || resource.strip_prefix("requests.").is_some_and(|name| name.contains('/'))
 }
 
 /// The claim limits of `quota`'s status.
@@ -128,16 +135,33 @@ pub fn requested(message: &str) -> Option<Needs> {
         .collect()
 }
 
-/// What a sync's quota refusals (their messages) ask for together: the sum of each refusal's [`requested`]; `None`
-/// when one of them does not say.
+/// What a sync's quota refusals (their messages) ask for together: the sum of each refusal's [`requested`], and a
+/// claim of the claim count for each refused create (a message names only the resources it exceeded); `None` when
+/// one of them does not say.
 pub fn needs<'a>(messages: impl IntoIterator<Item = &'a str>) -> Option<Needs> {
     let mut total = Needs::new();
+    let mut creates = 0;
     for message in messages {
+        creates += 1;
         for (resource, amount) in requested(message)? {
             *total.entry(resource).or_default() += amount;
         }
     }
+    let claims = total.entry(CLAIM_COUNT.to_string()).or_default();
+    *claims = (*claims).max(creates);
     Some(total)
+}
+
+/// What a key is taken to ask of the quotas: its needs, or one of each `freed` resource when they are unknown; and
+/// at least one claim of the claim count.
+pub fn asks(needs: Option<&Needs>, freed: &[String]) -> Needs {
+    let mut asks: Needs = match needs {
+        Some(needs) if !needs.is_empty() => needs.clone(),
+        _ => freed.iter().map(|r| (r.clone(), 1)).collect(),
+    };
+    let claims = asks.entry(CLAIM_COUNT.to_string()).or_default();
+    *claims = (*claims).max(1);
+    asks
 }
 
 /// The least room any of `quotas` leaves for `resource`; `None` when none limits it.
@@ -146,27 +170,24 @@ fn least_room<'a>(quotas: impl Iterator<Item = &'a ClaimLimits>, resource: &str)
 }
 
 /// Which waiting keys (`waiting`: each with what its last refusal said it needs, oldest refusal first) a change
-/// that freed the `freed` resources wakes, given every quota of the namespace (`quotas`): each key whose needs fit
-/// in the room left, counting what the keys woken before it take. Every key takes at least one from the claim
-/// count. A key whose needs are unknown is taken to need one of each freed resource.
+/// that freed the `freed` resources wakes, given every quota of the namespace (`quotas`) and what keys woken before
+/// and not through yet take (`taken`): each key whose [`asks`] fit in the room left, counting what the keys woken
+/// before it take.
 ///
 /// A key that does not fit is passed over, not waited for: a claim of another class, or a pod asking for more
 /// devices than are free, keeps its place while a later key that fits takes the room, as the API server would let
-/// it in on a retry; the passed-over key is woken by the change that leaves room for it (or its own retry).
+/// it in on a retry; the passed-over key is woken by the change that leaves room for it (or its own retry). Quota is
+/// not a queue: a pod asking for many GPUs can wait long while smaller ones keep taking what comes free, as it would
+/// with kube-controller-manager's retries (a queueing system such as Kueue orders such workloads).
 pub fn to_wake<'a, K>(
     quotas: impl Iterator<Item = &'a ClaimLimits> + Clone,
     freed: &[String],
+    mut taken: Needs,
     waiting: impl IntoIterator<Item = (K, Option<&'a Needs>)>,
 ) -> Vec<K> {
-    let mut taken: BTreeMap<String, i64> = BTreeMap::new();
     let mut woken = Vec::new();
     for (key, needs) in waiting {
-        let mut asks: Needs = match needs {
-            Some(needs) if !needs.is_empty() => needs.clone(),
-            _ => freed.iter().map(|r| (r.clone(), 1)).collect(),
-        };
-        let claims = asks.entry(CLAIM_COUNT.to_string()).or_default();
-        *claims = (*claims).max(1);
+        let asks = asks(needs, freed);
         let fits = asks.iter().all(|(resource, amount)| {
             least_room(quotas.clone(), resource)
                 .is_none_or(|room| room - taken.get(resource).copied().unwrap_or(0) >= *amount)
@@ -282,7 +303,7 @@ mod tests {
 
     /// `to_wake` over keys 0..n whose needs are unknown: how many it wakes.
     fn wakes_unknown<'a>(quotas: impl Iterator<Item = &'a ClaimLimits> + Clone, freed: &[String], n: usize) -> usize {
-        to_wake(quotas, freed, (0..n).map(|k| (k, None))).len()
+        to_wake(quotas, freed, Needs::new(), (0..n).map(|k| (k, None))).len()
     }
 
     #[test]
@@ -359,8 +380,37 @@ mod tests {
             ),
         ];
         for (case, quotas, waiting, expected) in table {
-            assert_eq!(to_wake(quotas.iter(), &freed, waiting), expected, "{case}");
+            assert_eq!(to_wake(quotas.iter(), &freed, Needs::new(), waiting), expected, "{case}");
         }
+    }
+
+    #[test]
+    fn the_resources_a_claim_is_charged_with_are_tracked_and_no_others() {
+        for (resource, tracked) in [
+            (CLAIMS, true),
+            (GPUS, true),
+            ("requests.deviceclass.resource.kubernetes.io/gpu", true),
+            ("requests.nvidia.com/gpu", true),
+            ("requests.cpu", false),
+            ("requests.memory", false),
+            ("count/pods", false),
+            ("pods", false),
+        ] {
+            assert_eq!(limits_claims(resource), tracked, "{resource}");
+        }
+    }
+
+    #[test]
+    fn keys_woken_and_not_yet_through_hold_their_room() {
+        const H100: &str = "h100.deviceclass.resource.k8s.io/devices";
+        let one: Needs = [(H100.to_string(), 1)].into();
+        let quotas = [limits(&[(H100, Some(4), Some(2))])];
+        let freed = vec![H100.to_string()];
+        // Two free, one already woken for: one more.
+        let taken = asks(Some(&one), &freed);
+        let waiting = [("a", Some(&one)), ("b", Some(&one))];
+        assert_eq!(to_wake(quotas.iter(), &freed, taken, waiting), vec!["a"]);
+        assert_eq!(to_wake(quotas.iter(), &freed, Needs::new(), waiting), vec!["a", "b"]);
     }
 
     #[test]
@@ -376,6 +426,14 @@ mod tests {
         let doubled: Needs = [(CLAIMS.to_string(), 2), (GPUS.to_string(), 4)].into();
         assert_eq!(needs([exceeded, exceeded]), Some(doubled));
         assert_eq!(needs([exceeded, unknown]), None);
+        // A message names only what was exceeded; each refused create still takes a claim of the count.
+        let gpus_only = r#"resourceclaims.resource.k8s.io "c" is forbidden: exceeded quota: gpus, requested: gpu.deviceclass.resource.k8s.io/devices=1, used: gpu.deviceclass.resource.k8s.io/devices=2, limited: gpu.deviceclass.resource.k8s.io/devices=2"#;
+        let two_creates: Needs = [(CLAIMS.to_string(), 2), (GPUS.to_string(), 2)].into();
+        assert_eq!(needs([gpus_only, gpus_only]), Some(two_creates));
+        // A quota on the extended resource a class names (requests.nvidia.com/gpu), as teams had for the device plugin.
+        let extended = r#"resourceclaims.resource.k8s.io "c" is forbidden: exceeded quota: gpus, requested: requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4"#;
+        let one_gpu: Needs = [(CLAIMS.to_string(), 1), ("requests.nvidia.com/gpu".to_string(), 1)].into();
+        assert_eq!(needs([extended]), Some(one_gpu));
     }
 
     #[test]
