@@ -42,6 +42,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
 use nodes::{
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
+    an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus,
 };
 use quota::{
     a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once,
@@ -91,6 +92,7 @@ fn main() {
             test!(two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own),
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
+            test!(an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
             test!(a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model),
             test!(a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once),

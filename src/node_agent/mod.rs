@@ -125,6 +125,12 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let devices_gauge = Gauge::<i64>::default();
     let publishes = Family::<ResultLabels, Counter>::default();
     registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());
+    let unreadable_gauge = Gauge::<i64>::default();
+    registry.register(
+        "gpu_dra_node_agent_unreadable_gpus",
+        "GPUs NVML counts but cannot read (fallen off the bus), never read by this agent and so not published",
+        unreadable_gauge.clone(),
+    );
     registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
     let plugin_metrics = PluginMetrics::register(&mut registry);
     let (policy, effects) = args.health.policy();
@@ -164,9 +170,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut node_missing_since: Option<std::time::Instant> = None;
     // What the last round failed for (`None`: it did not fail).
     let mut last_failure: Option<FailureKind> = None;
+    // The GPUs NVML could not read, as last said in the log.
+    let mut unreadable_said: Vec<discovery::Unreadable> = Vec::new();
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
+        // The GPUs this round's discovery could not read and never read before (`None`: it discovered nothing).
+        let mut unreadable_now = None;
         let round = async {
             if health_only && let Some((gpus, devices, ours)) = &known {
                 let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
@@ -181,7 +191,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
-            let mut gpus = discover(discovery.clone()).await?;
+            let found = discover(discovery.clone()).await?;
+            let (mut gpus, unreadable) = found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
+            unreadable_now = Some(unreadable);
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -205,7 +217,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
-                    gpus = discover(discovery.clone()).await?;
+                    let found = discover(discovery.clone()).await?;
+                    let (found, unreadable) = found.filled_from(Some(&gpus));
+                    (gpus, unreadable_now) = (found, Some(unreadable));
                     discovered.send_replace(Arc::new(gpus.clone()));
                 }
             }
@@ -224,6 +238,22 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         }
         .await;
+        if let Some(unreadable) = unreadable_now
+            && unreadable != unreadable_said
+        {
+            unreadable_gauge.set(unreadable.len() as i64);
+            if unreadable.is_empty() {
+                info!("every GPU NVML counts can be read again");
+            } else {
+                let gpus: Vec<String> = unreadable.iter().map(|u| format!("GPU {}: {}", u.index, u.reason)).collect();
+                warn!(
+                    ?gpus,
+                    "GPUs NVML counts but cannot read are left out; the others are published and prepared \
+                      (a GPU fallen off the bus needs a reset or a reboot)"
+                );
+            }
+            unreadable_said = unreadable;
+        }
         let full = !health_only;
         let wake_at = match round {
             Ok((count, outcome)) => {
@@ -353,8 +383,8 @@ async fn made_mig_devices(
 }
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads.
-async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<Vec<Gpu>, RoundFailure> {
-    tokio::task::spawn_blocking(move || discovery.discover())
+async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<discovery::Discovered, RoundFailure> {
+    tokio::task::spawn_blocking(move || discovery.discover_all())
         .await
         .map_err(|e| format!("discovery task failed: {e}"))?
         .map_err(|e| RoundFailure {

@@ -116,3 +116,71 @@ async fn node_slices(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<Resour
         .await?;
     Ok(list.items)
 }
+
+/// A GPU falls off the bus (XID 79) on a node of four, and the agent restarts before the machine is repaired (a
+/// `helm upgrade`, a node-agent crash): NVML counts the lost GPU but cannot read it. The agent registers with the
+/// kubelet again, is ready, publishes the three GPUs it can read, says which one it left out
+/// (`gpu_dra_node_agent_unreadable_gpus`), unprepares the pod that held one of them, and prepares new pods on all
+/// three. Before, one unreadable GPU failed the whole discovery: the restarted agent never registered, so no pod on
+/// that node could be unprepared or prepared.
+pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let index = 1;
+    let node_name = bed.nodes[index].name.clone();
+    let pods = objects::pods(&ctx);
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "held", &node_name, "one-h100")?).await?;
+    bed.prepared(&ctx, "held").await?;
+    let held = allocated(&ctx, &claim_of(&ctx, "held", "gpus").await?).await?;
+    let held_device = held.iter().next().map(|(_, d)| d.clone()).context("held pod without a device")?;
+    let held_index: usize = held_device.trim_start_matches("gpu-").parse()?;
+    let lost_index = (held_index + 1) % 4;
+    let lost_device = format!("gpu-{lost_index}");
+    let spec: Vec<&str> = (0..4).map(|i| if i == lost_index { "1xH100-80GB/lost" } else { "1xH100-80GB" }).collect();
+
+    {
+        let node = &mut bed.nodes[index];
+        node.agent.kill()?;
+        node.agent = super::support::node::start_agent(
+            &ctx,
+            &node.name,
+            &node.dirs,
+            &["--gpu-backend", "simulated", "--simulated-gpus", &spec.join(",")],
+        )?;
+        node.agent.wait_ready().await.with_context(|| node.agent.log_tail())?;
+        wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
+            Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
+        })
+        .await?;
+        let unreadable = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
+        ensure!(unreadable == 1.0, "gpu_dra_node_agent_unreadable_gpus is {unreadable}");
+        ensure!(node.agent.log_text().contains("cannot read are left out"), "{}", node.agent.log_tail());
+    }
+    let published = wait::until("the three readable GPUs published", Duration::from_secs(30), || async {
+        let mut names: Vec<String> = node_slices(&ctx, &node_name)
+            .await?
+            .iter()
+            .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+            .map(|d| d.name)
+            .collect();
+        names.sort();
+        Ok((names.len() == 3).then_some(names))
+    })
+    .await?;
+    ensure!(!published.contains(&lost_device), "the lost {lost_device} is published: {published:?}");
+
+    bed.delete_pod(&ctx, "held", &node_name).await?;
+    let mut devices = Vec::new();
+    for i in 0..3 {
+        let name = format!("after-{i}");
+        pods.create(&PostParams::default(), &bed.pod_on(&ctx, &name, &node_name, "one-h100")?).await?;
+        bed.prepared(&ctx, &name).await?;
+        devices.extend(allocated(&ctx, &claim_of(&ctx, &name, "gpus").await?).await?.into_iter().map(|(_, d)| d));
+    }
+    devices.sort();
+    ensure!(devices == published, "the new pods got {devices:?}, the node publishes {published:?}");
+    eprintln!("{lost_device} lost across a restart: {published:?} published and prepared");
+    Ok(())
+}

@@ -82,11 +82,50 @@ pub enum MigControlError {
     },
 }
 
+/// What a discovery found: the GPUs it could read, and those it could not while NVML answered for the others.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Discovered {
+    pub gpus: Vec<Gpu>,
+    pub unreadable: Vec<Unreadable>,
+}
+
+/// A GPU NVML counts but cannot read: fallen off the bus (XID 79: "GPU is lost"), or failing every query. One such
+/// GPU must not take the node's others with it: they are published and prepared as usual.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unreadable {
+    pub index: u32,
+    pub reason: String,
+}
+
+impl Discovered {
+    /// The GPUs unreadable now taken from `known` (the last discovery's GPUs) where it had them by index: a GPU
+    /// that fell off the bus while the agent ran stays published, with the taint its fault brought, rather than
+    /// vanish from the slices. Returns the GPUs, sorted by index, and what is unreadable and was never known.
+    pub fn filled_from(self, known: Option<&[Gpu]>) -> (Vec<Gpu>, Vec<Unreadable>) {
+        let Self { mut gpus, unreadable } = self;
+        let mut unknown = Vec::new();
+        for missing in unreadable {
+            match known.and_then(|k| k.iter().find(|g| g.index == missing.index)) {
+                Some(gpu) => gpus.push(gpu.clone()),
+                None => unknown.push(missing),
+            }
+        }
+        gpus.sort_by_key(|g| g.index);
+        (gpus, unknown)
+    }
+}
+
 /// A source of GPUs, which can also make and destroy MIG devices on GPUs in MIG mode (what `gpu-check` verifies on
 /// a GPU machine, and what dynamic MIG prepares claims with).
 pub trait Discovery: Send + Sync + std::fmt::Debug {
-    /// The GPUs of this node now.
-    fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError>;
+    /// The GPUs of this node now, and those NVML counts but cannot read. Fails when NVML cannot be loaded or does
+    /// not answer for the node (driver version, device count).
+    fn discover_all(&self) -> Result<Discovered, DiscoveryError>;
+
+    /// The GPUs of this node that can be read now.
+    fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
+        self.discover_all().map(|found| found.gpus)
+    }
 
     /// Makes a MIG device on GPU `index`: a GPU instance of `profile` (from [`super::mig::profiles`] of the GPU's
     /// model) at memory slice `start`, and one compute instance spanning it, checked first with
@@ -108,4 +147,58 @@ fn placeable(gpus: &[Gpu], index: u32, profile: &Profile, start: u32) -> Result<
     super::mig::check_placement(gpu, profile, start)
         .map_err(|source| MigControlError::Placement { uuid: gpu.uuid.clone(), source })?;
     Ok(position)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu(index: u32, uuid: &str) -> Gpu {
+        let found = simulated::Simulated::new("node", "1xH100-80GB").map(|s| s.discover_all());
+        let mut gpu = found.expect("spec").expect("discover").gpus.remove(0);
+        (gpu.index, gpu.uuid) = (index, uuid.into());
+        gpu
+    }
+
+    fn lost(index: u32) -> Unreadable {
+        Unreadable { index, reason: format!("query device {index} through NVML: GPU is lost") }
+    }
+
+    #[test]
+    fn an_unreadable_gpu_keeps_its_last_reading_and_one_never_read_is_left_out() {
+        let known = [gpu(0, "a"), gpu(1, "b"), gpu(2, "c")];
+        // (case, found now, known before) → (GPUs by UUID, unreadable indexes)
+        type Case = (&'static str, Discovered, Option<&'static [u32]>, Vec<&'static str>, Vec<u32>);
+        let table: Vec<Case> = vec![
+            ("all read", Discovered { gpus: known.to_vec(), unreadable: vec![] }, None, vec!["a", "b", "c"], vec![]),
+            (
+                "GPU 1 lost while the agent ran: its last reading, in order",
+                Discovered { gpus: vec![gpu(0, "a"), gpu(2, "c")], unreadable: vec![lost(1)] },
+                Some(&[0, 1, 2]),
+                vec!["a", "b", "c"],
+                vec![],
+            ),
+            (
+                "GPU 1 lost before the agent started: left out",
+                Discovered { gpus: vec![gpu(0, "a"), gpu(2, "c")], unreadable: vec![lost(1)] },
+                None,
+                vec!["a", "c"],
+                vec![1],
+            ),
+            (
+                "a GPU never read before (not among the known): left out",
+                Discovered { gpus: vec![gpu(0, "a")], unreadable: vec![lost(3)] },
+                Some(&[0, 1, 2]),
+                vec!["a"],
+                vec![3],
+            ),
+        ];
+        for (case, found, known_indexes, uuids, unreadable) in table {
+            let known: Option<Vec<Gpu>> =
+                known_indexes.map(|ix| known.iter().filter(|g| ix.contains(&g.index)).cloned().collect());
+            let (gpus, left) = found.filled_from(known.as_deref());
+            assert_eq!(gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>(), uuids, "{case}");
+            assert_eq!(left.iter().map(|u| u.index).collect::<Vec<_>>(), unreadable, "{case}");
+        }
+    }
 }

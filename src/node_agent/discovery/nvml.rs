@@ -7,7 +7,7 @@ use std::path::Path;
 use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
-use super::{Discovery, DiscoveryError, MigControlError, placeable};
+use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
 use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id};
 use crate::node_agent::mig::Profile;
 
@@ -51,44 +51,21 @@ impl NvmlDiscovery {
 }
 
 impl Discovery for NvmlDiscovery {
-    fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
+    fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
         let nvml = self.init()?;
         let driver_version = query("the driver version", nvml.sys_driver_version())?;
         let cuda_driver_version =
             cuda_version_from_int(query("the CUDA driver version", nvml.sys_cuda_driver_version())?);
         let count = query("the device count", nvml.device_count())?;
-        let mut gpus = Vec::with_capacity(count as usize);
+        let mut found = Discovered { gpus: Vec::with_capacity(count as usize), unreadable: Vec::new() };
         for index in 0..count {
-            let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
-            let cc = query("the compute capability", device.cuda_compute_capability())?;
-            // Not every GPU supports MIG; "not supported" means MIG is off.
-            let mig_enabled = match device.mig_mode() {
-                Ok(mode) => mode.current == 1,
-                Err(NvmlError::NotSupported) => false,
-                Err(source) => return Err(DiscoveryError::Nvml { what: "the MIG mode".into(), source }),
-            };
-            let minor = query("the minor number", device.minor_number())?;
-            let mut gpu = Gpu {
-                index,
-                minor,
-                uuid: query("the UUID", device.uuid())?,
-                product_name: query("the product name", device.name())?,
-                brand: format!("{:?}", query("the brand", device.brand())?),
-                architecture: query("the architecture", device.architecture())?.to_string(),
-                cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
-                driver_version: driver_version.clone(),
-                cuda_driver_version: cuda_driver_version.clone(),
-                pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
-                memory_bytes: query("the memory size", device.memory_info())?.total,
-                mig_enabled,
-                mig_devices: Vec::new(),
-            };
-            if mig_enabled {
-                gpu.mig_devices = super::nvml_mig::mig_devices(&nvml, &device, &gpu)?;
+            match read_gpu(&nvml, index, &driver_version, &cuda_driver_version) {
+                Ok(gpu) => found.gpus.push(gpu),
+                // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query.
+                Err(err) => found.unreadable.push(Unreadable { index, reason: err.to_string() }),
             }
-            gpus.push(gpu);
         }
-        Ok(gpus)
+        Ok(found)
     }
 
     fn create_mig_device(&self, index: u32, profile: &Profile, start: u32) -> Result<MigDevice, MigControlError> {
@@ -130,6 +107,38 @@ impl Discovery for NvmlDiscovery {
             }
         })
     }
+}
+
+/// GPU `index` as NVML reports it: any query that fails fails the GPU (not the node).
+fn read_gpu(nvml: &Nvml, index: u32, driver_version: &str, cuda_driver_version: &str) -> Result<Gpu, DiscoveryError> {
+    let device = query(&format!("device {index}"), nvml.device_by_index(index))?;
+    let cc = query("the compute capability", device.cuda_compute_capability())?;
+    // Not every GPU supports MIG; "not supported" means MIG is off.
+    let mig_enabled = match device.mig_mode() {
+        Ok(mode) => mode.current == 1,
+        Err(NvmlError::NotSupported) => false,
+        Err(source) => return Err(DiscoveryError::Nvml { what: "the MIG mode".into(), source }),
+    };
+    let minor = query("the minor number", device.minor_number())?;
+    let mut gpu = Gpu {
+        index,
+        minor,
+        uuid: query("the UUID", device.uuid())?,
+        product_name: query("the product name", device.name())?,
+        brand: format!("{:?}", query("the brand", device.brand())?),
+        architecture: query("the architecture", device.architecture())?.to_string(),
+        cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
+        driver_version: driver_version.to_string(),
+        cuda_driver_version: cuda_driver_version.to_string(),
+        pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
+        memory_bytes: query("the memory size", device.memory_info())?.total,
+        mig_enabled,
+        mig_devices: Vec::new(),
+    };
+    if mig_enabled {
+        gpu.mig_devices = super::nvml_mig::mig_devices(nvml, &device, &gpu)?;
+    }
+    Ok(gpu)
 }
 
 /// One GPU instance profile as NVML reports it for a GPU, with its possible placements (start, size).

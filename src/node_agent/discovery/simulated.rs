@@ -4,11 +4,12 @@
 //! Spec: a comma-separated list of `<count>x<model>`, e.g. `4xH100-80GB` or `2xA100-40GB,2xH100-80GB`; or
 //! `@<path>` naming a file that holds such a spec. `<count>x<model>/mig=<profile>+<profile>…` puts those GPUs in
 //! MIG mode with those MIG devices (e.g. `1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb`), laid out as
-//! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet.
+//! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet. `<count>x<model>/lost` are
+//! GPUs fallen off the bus: counted, but unreadable, as NVML answers for such a GPU ("GPU is lost").
 
 use std::sync::{Mutex, PoisonError};
 
-use super::{Discovery, DiscoveryError, MigControlError, placeable};
+use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
 use crate::node_agent::gpu::{Gpu, MigDevice, stable_hash};
 use crate::node_agent::mig::{self, LayoutError, Profile};
 
@@ -107,6 +108,8 @@ pub enum SpecError {
 pub struct Simulated {
     node: String,
     gpus: Mutex<Vec<Gpu>>,
+    /// The indexes of GPUs fallen off the bus (`/lost`).
+    lost: Vec<u32>,
     /// What makes each made MIG device's UUID its own, as NVML's are: the process's start and a count.
     made: (u64, std::sync::atomic::AtomicU64),
     /// Where the MIG layouts are kept across restarts, and the spec and boot they belong to.
@@ -137,10 +140,15 @@ impl Simulated {
             None => spec.to_string(),
         };
         let mut gpus = Vec::new();
+        let mut lost_indexes = Vec::new();
         for entry in spec.split([',', '\n']).map(str::trim).filter(|e| !e.is_empty()) {
-            let (gpus_part, mig_part) = match entry.split_once("/mig=") {
+            let (entry_gpus, lost) = match entry.strip_suffix("/lost") {
+                Some(gpus_part) => (gpus_part, true),
+                None => (entry, false),
+            };
+            let (gpus_part, mig_part) = match entry_gpus.split_once("/mig=") {
                 Some((gpus_part, profiles)) => (gpus_part, Some(profiles)),
-                None => (entry, None),
+                None => (entry_gpus, None),
             };
             let (count, model_key) =
                 gpus_part.split_once(['x', 'X']).ok_or_else(|| SpecError::Malformed { entry: entry.into() })?;
@@ -166,6 +174,9 @@ impl Simulated {
                         .map_err(|source| SpecError::Mig { entry: entry.into(), source })?;
                     gpu.mig_enabled = true;
                 }
+                if lost {
+                    lost_indexes.push(index);
+                }
                 gpus.push(gpu);
             }
         }
@@ -174,7 +185,7 @@ impl Simulated {
         }
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let made = (started as u64, std::sync::atomic::AtomicU64::new(0));
-        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), made, kept: None })
+        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), lost: lost_indexes, made, kept: None })
     }
 
     /// As [`new`](Self::new), with the MIG devices made and destroyed kept in `<state_dir>/`[`SIMULATED_MIG_FILE`]
@@ -216,8 +227,18 @@ impl Simulated {
 }
 
 impl Discovery for Simulated {
-    fn discover(&self) -> Result<Vec<Gpu>, DiscoveryError> {
-        Ok(self.gpus().clone())
+    fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
+        let (lost, gpus): (Vec<Gpu>, Vec<Gpu>) =
+            self.gpus().iter().cloned().partition(|g| self.lost.contains(&g.index));
+        let unreadable = lost
+            .iter()
+            .map(|gpu| {
+                let source = ::nvml_wrapper::error::NvmlError::GpuLost;
+                let reason = DiscoveryError::Nvml { what: format!("device {}", gpu.index), source }.to_string();
+                Unreadable { index: gpu.index, reason }
+            })
+            .collect();
+        Ok(Discovered { gpus, unreadable })
     }
 
     /// As NVML: refused where [`mig::check_placement`] refuses; the GPU instance gets the lowest ID not in use.
@@ -462,6 +483,20 @@ mod tests {
         assert_eq!(gpus[3].product_name, "NVIDIA H100 80GB HBM3");
         assert_eq!(gpus[3].memory_bytes, 80 << 30);
         assert_eq!(gpus.iter().map(Gpu::device_name).collect::<Vec<_>>(), ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]);
+    }
+
+    #[test]
+    fn a_lost_gpu_is_counted_but_unreadable_and_the_others_keep_their_identity() {
+        let whole = Simulated::new("node-a", "4xH100-80GB").expect("spec").discover().expect("discover");
+        let found = Simulated::new("node-a", "2xH100-80GB,1xH100-80GB/lost,1xH100-80GB")
+            .expect("spec")
+            .discover_all()
+            .expect("discover");
+        assert_eq!(found.gpus.iter().map(|g| g.index).collect::<Vec<_>>(), [0, 1, 3]);
+        assert_eq!(found.gpus, [whole[0].clone(), whole[1].clone(), whole[3].clone()], "same UUIDs, same everything");
+        assert_eq!(found.unreadable.len(), 1);
+        assert_eq!(found.unreadable[0].index, 2);
+        assert!(found.unreadable[0].reason.contains("device 2"), "{}", found.unreadable[0].reason);
     }
 
     #[test]
