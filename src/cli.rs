@@ -227,6 +227,10 @@ pub struct GpuArgs {
     /// Kubernetes 1.36+ (DRAPartitionableDevices); see the README's "Dynamic MIG".
     #[arg(long, env = "GPU_DRA_MIG_LAYOUT", value_enum, default_value_t = crate::node_agent::device::MigLayout::Static)]
     pub mig_layout: crate::node_agent::device::MigLayout,
+    /// Where sysfs is mounted: each GPU's PCIe root complex (the `resource.kubernetes.io/pcieRoot` attribute) is read
+    /// from `<sysfs-root>/bus/pci/devices/<bus id>`, for simulated GPUs too.
+    #[arg(long, env = "GPU_DRA_SYSFS_ROOT", default_value = "/sys")]
+    pub sysfs_root: PathBuf,
 }
 
 impl GpuArgs {
@@ -244,7 +248,7 @@ impl GpuArgs {
     /// given).
     pub fn nvml_library(&self) -> std::ffi::OsString {
         let root = self.driver_root_to_read().unwrap_or(Path::new("/"));
-        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root).library().to_owned()
+        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root, &self.sysfs_root).library().to_owned()
     }
 }
 

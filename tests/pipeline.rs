@@ -31,6 +31,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use choices::{
     a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config,
+    gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root,
     two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own,
 };
 use compute::inference_pods_share_one_gpu_by_compute;
@@ -90,6 +91,7 @@ fn main() {
             test!(a_high_priority_gpu_pod_waits_instead_of_preempting_and_gets_the_gpu_freed_for_it),
             test!(a_pod_preferring_an_h100_gets_an_a100_once_they_are_taken_with_that_choices_config),
             test!(two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own),
+            test!(gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root),
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
             test!(an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus),
@@ -112,11 +114,18 @@ impl Node {
     /// Registers node number `index` of the test (labelled for its pods), with `gpus`, and starts its agent and
     /// kubelet side.
     fn start(ctx: &TestContext, index: usize, gpus: &str) -> anyhow::Result<Self> {
+        Self::start_with(ctx, index, gpus, &[])
+    }
+
+    /// [`Self::start`] with more agent flags.
+    fn start_with(ctx: &TestContext, index: usize, gpus: &str, extra: &[&str]) -> anyhow::Result<Self> {
         let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
         let name = format!("e2e-{suffix}-{index}");
         ctx.cluster.add_node_labeled(&name, &[&format!("gpu-dra.dev/e2e={}", ctx.namespace)])?;
         let dirs = NodeDirs::new()?;
-        let agent = start_agent(ctx, &name, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+        let mut args = vec!["--gpu-backend", "simulated", "--simulated-gpus", gpus];
+        args.extend_from_slice(extra);
+        let agent = start_agent(ctx, &name, &dirs, &args)?;
         let kubelet = KubeletHarness::start(ctx, &name, &dirs)?;
         Ok(Self { name, dirs, agent, kubelet })
     }
@@ -159,7 +168,12 @@ impl Testbed {
 
     /// A node with `gpus` joins, as a new machine would: its Node object, agent and kubelet side; returns its name.
     async fn add_node(&mut self, ctx: &TestContext, gpus: &str) -> anyhow::Result<String> {
-        let node = Node::start(ctx, self.nodes.len(), gpus)?;
+        self.add_node_with(ctx, gpus, &[]).await
+    }
+
+    /// [`Self::add_node`] with more agent flags.
+    async fn add_node_with(&mut self, ctx: &TestContext, gpus: &str, extra: &[&str]) -> anyhow::Result<String> {
+        let node = Node::start_with(ctx, self.nodes.len(), gpus, extra)?;
         node.wait_ready().await?;
         let name = node.name.clone();
         self.nodes.push(node);

@@ -19,6 +19,9 @@ pub struct Gpu {
     pub cuda_driver_version: String,
     /// `0000:3b:00.0` (lower case, domain included).
     pub pci_bus_id: String,
+    /// The PCIe root complex the GPU sits under (`pci0000:3a`), as sysfs shows it ([`pcie_root`]); `None` when
+    /// sysfs does not show the device.
+    pub pcie_root: Option<String>,
     pub memory_bytes: u64,
     /// MIG mode is on: the GPU is published as its MIG devices, never whole (CUDA cannot use a GPU in MIG mode
     /// whole).
@@ -75,6 +78,7 @@ pub(crate) fn test_gpu(minor: u32, bus: &str) -> Gpu {
         driver_version: "550.54.15".into(),
         cuda_driver_version: "12.4".into(),
         pci_bus_id: bus.into(),
+        pcie_root: None,
         memory_bytes: 80 << 30,
         mig_enabled: false,
         mig_devices: Vec::new(),
@@ -107,12 +111,43 @@ pub fn cuda_version_from_int(v: i32) -> String {
     format!("{}.{}", v / 1000, (v % 1000) / 10)
 }
 
-/// The PCIe root of a bus id, as the standard `resource.kubernetes.io/pcieRoot` attribute: `pci<domain>:<bus>`
-/// of the root complex. Without sysfs to walk, the device's own domain and bus are the best local answer.
-pub fn pcie_root(bus_id: &str) -> Option<String> {
-    let mut parts = bus_id.split(':');
-    let (domain, bus) = (parts.next()?, parts.next()?);
-    Some(format!("pci{}:{}", domain.to_ascii_lowercase(), bus.to_ascii_lowercase()))
+/// The PCIe root complex of the PCI device `bus_id` (`0000:3b:00.0`), for the standard
+/// `resource.kubernetes.io/pcieRoot` attribute, read as Kubernetes' own helper reads it (k8s.io/dynamic-resource-
+/// allocation `deviceattribute.GetPCIeRootAttributeByPCIBusID`), so that it equals what other drivers publish for
+/// a NIC under the same root (a `matchAttribute` constraint pairs them): `<sysfs>/bus/pci/devices/<bus_id>` links to
+/// `../../../devices/pci0000:3a/0000:3a:02.0/0000:3b:00.0`, whose first element under `devices` is the root.
+/// `None` when the link is missing or not of that shape (then the attribute is left out: a wrong root would pair
+/// devices that are not together).
+pub fn pcie_root(sysfs: &std::path::Path, bus_id: &str) -> Option<String> {
+    let target = std::fs::read_link(sysfs.join("bus/pci/devices").join(bus_id)).ok()?;
+    pcie_root_of_link(&target, bus_id)
+}
+
+/// [`pcie_root`] from the link's target: relative to `bus/pci/devices`, it must lead into `devices/pci…` of the
+/// same sysfs and end at the device itself (the upstream helper's checks).
+fn pcie_root_of_link(target: &std::path::Path, bus_id: &str) -> Option<String> {
+    use std::path::Component;
+    if target.is_absolute() || target.file_name()?.to_str()? != bus_id {
+        return None;
+    }
+    // Lexically, as Go's filepath.Clean(filepath.Join("bus/pci/devices", target)).
+    let mut path: Vec<&std::ffi::OsStr> = vec!["bus".as_ref(), "pci".as_ref(), "devices".as_ref()];
+    for part in target.components() {
+        match part {
+            Component::ParentDir => {
+                path.pop()?;
+            }
+            Component::Normal(name) => path.push(name),
+            _ => {}
+        }
+    }
+    match path.as_slice() {
+        [devices, root, ..] if *devices == "devices" => {
+            let root = root.to_str()?;
+            (root.starts_with("pci") && root != bus_id).then(|| root.to_string())
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -137,7 +172,27 @@ mod tests {
         }
         assert_eq!(cuda_version_from_int(12040), "12.4");
         assert_eq!(cuda_version_from_int(11080), "11.8");
-        assert_eq!(pcie_root("0000:3B:00.0").as_deref(), Some("pci0000:3b"));
+        // (link target, bus id) → root
+        let table = [
+            ("../../../devices/pci0000:3a/0000:3a:02.0/0000:3b:00.0", "0000:3b:00.0", Some("pci0000:3a")),
+            ("../../../devices/pci0000:00/0000:00:00.0", "0000:00:00.0", Some("pci0000:00")),
+            // Behind a switch: still the root complex, not the switch's ports.
+            (
+                "../../../devices/pci0000:16/0000:16:02.0/0000:17:00.0/0000:18:00.0/0000:19:00.0",
+                "0000:19:00.0",
+                Some("pci0000:16"),
+            ),
+            // Absolute, or not leading to the same sysfs's devices: nothing (as upstream).
+            ("/sys/devices/pci0000:5d/0000:5d:00.0/0000:5e:00.0", "0000:5e:00.0", None),
+            ("../../devices/pci0000:5d/0000:5e:00.0", "0000:5e:00.0", None),
+            // Not a PCI root, or another device's link: nothing.
+            ("../../../devices/platform/0000:3b:00.0", "0000:3b:00.0", None),
+            ("../../../devices/pci0000:3a/0000:3a:02.0/0000:3c:00.0", "0000:3b:00.0", None),
+            ("0000:3b:00.0", "0000:3b:00.0", None),
+        ];
+        for (target, bus, expected) in table {
+            assert_eq!(pcie_root_of_link(std::path::Path::new(target), bus).as_deref(), expected, "{target}");
+        }
     }
 }
 

@@ -149,7 +149,7 @@ fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
             continue;
         }
         let root = args.gpu.driver_root_to_read().unwrap_or(Path::new("/"));
-        let found = discovery::nvml::NvmlDiscovery::new(root).gpu_instance_profiles(gpu.index)?;
+        let found = discovery::nvml::NvmlDiscovery::new(root, &args.gpu.sysfs_root).gpu_instance_profiles(gpu.index)?;
         println!("  {} {} (MIG mode on; from NVML):", gpu.device_name(), gpu.product_name);
         for profile in &found {
             let documented = table.iter().find(|p| p.nvml_id == profile.nvml_id);

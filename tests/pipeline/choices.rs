@@ -8,7 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::Pod;
-use kube::api::PostParams;
+use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
+use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
 use super::support::node::DRIVER;
@@ -197,4 +198,103 @@ async fn matched_pair(ctx: &TestContext, bed: &Testbed, pod: &str) -> anyhow::Re
     let monitor = containers.get("monitor").map(Vec::len);
     ensure!(monitor == Some(2), "{pod}: the monitor got {containers:?}, expected both GPUs");
     Ok((model, pair))
+}
+
+/// What this test's node's sysfs shows: its four GPUs (the simulated bus ids) behind PCIe switches, two under each
+/// of two root complexes, as on an eight-GPU server's half: (bus id, link under `bus/pci/devices`, root).
+const TOPOLOGY: [(&str, &str, &str); 4] = [
+    ("0000:18:00.0", "../../../devices/pci0000:16/0000:16:01.0/0000:17:00.0/0000:18:00.0", "pci0000:16"),
+    ("0000:20:00.0", "../../../devices/pci0000:16/0000:16:01.0/0000:17:04.0/0000:20:00.0", "pci0000:16"),
+    ("0000:28:00.0", "../../../devices/pci0000:26/0000:26:01.0/0000:27:00.0/0000:28:00.0", "pci0000:26"),
+    ("0000:30:00.0", "../../../devices/pci0000:26/0000:26:01.0/0000:27:04.0/0000:30:00.0", "pci0000:26"),
+];
+const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+
+/// Devices asked to share a PCIe root complex (`matchAttribute: resource.kubernetes.io/pcieRoot`), as a training job
+/// asks for GPUs that talk peer to peer, or a GPU with the RDMA NIC beside it (GPUDirect): the agent reads each
+/// GPU's root from sysfs as Kubernetes' own helper does (the root complex above any switch, so it equals what a NIC
+/// driver publishes for its NIC), and the scheduler pairs accordingly. On a node whose sysfs puts GPUs 0-1 under
+/// `pci0000:16` and 2-3 under `pci0000:26`: each GPU publishes its root; a pod asking for two GPUs of one root gets
+/// 0-1 or 2-3 and is prepared; a pod asking for a GPU and a NIC of one root (another driver's slice with a NIC under
+/// each root, as dranet publishes them) gets a GPU under its NIC's root. Before, the agent published the GPU's own
+/// bus as its root (`pci0000:18`): no two devices matched, and both pods stayed unschedulable.
+pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    let sysfs = tempfile::Builder::new().prefix("gd-sysfs-").tempdir_in("/tmp")?;
+    let devices_dir = sysfs.path().join("bus/pci/devices");
+    std::fs::create_dir_all(&devices_dir)?;
+    for (bus, link, _) in TOPOLOGY {
+        std::os::unix::fs::symlink(link, devices_dir.join(bus))?;
+    }
+    let sysfs_root = sysfs.path().to_string_lossy().into_owned();
+    let node = bed.add_node_with(&ctx, "4xH100-80GB", &["--sysfs-root", &sysfs_root]).await?;
+    wait::until("the node's four GPUs published", PREPARE_TIMEOUT, || async {
+        Ok((objects::published_devices(&ctx.client, &node).await?.len() == 4).then_some(()))
+    })
+    .await?;
+    for (i, (_, _, root)) in TOPOLOGY.iter().enumerate() {
+        let published = attribute(&ctx, &node, &format!("gpu-{i}"), PCIE_ROOT).await?;
+        ensure!(published == *root, "gpu-{i} publishes root {published}, its sysfs says {root}");
+    }
+    let same_root = json!([{"matchAttribute": PCIE_ROOT}]);
+
+    // Two GPUs that talk peer to peer.
+    let requests = json!([{"name": "gpus", "exactly": {"deviceClassName": bed.class, "count": 2}}]);
+    let spec = json!({"spec": {"devices": {"requests": requests, "constraints": same_root}}});
+    objects::create_template(&ctx, "two-on-one-root", spec).await?;
+    objects::pods(&ctx).create(&PostParams::default(), &bed.pod_on(&ctx, "peers", &node, "two-on-one-root")?).await?;
+    bed.prepared(&ctx, "peers").await?;
+    let pair: BTreeSet<String> = allocation_results(&ctx, &ctx.namespace, &claim_of(&ctx, "peers", "gpus").await?)
+        .await?
+        .into_iter()
+        .map(|r| r.device)
+        .collect();
+    ensure!(
+        pair == BTreeSet::from(["gpu-0".into(), "gpu-1".into()])
+            || pair == BTreeSet::from(["gpu-2".into(), "gpu-3".into()]),
+        "two GPUs asked to share a root got {pair:?}"
+    );
+
+    // A GPU with the NIC under its root: another driver's NICs, one under each root complex.
+    let nic_driver = "nic.e2e.gpu-dra.dev";
+    let nics: Vec<Value> = [("nic-0", "pci0000:16"), ("nic-1", "pci0000:26")]
+        .iter()
+        .map(|(name, root)| json!({"name": name, "attributes": {PCIE_ROOT: {"string": root}}}))
+        .collect();
+    let slice: ResourceSlice = serde_json::from_value(json!({
+        "metadata": {"name": format!("{node}-nics")},
+        "spec": {"driver": nic_driver, "nodeName": node,
+                 "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}, "devices": nics}
+    }))?;
+    Api::<ResourceSlice>::all(ctx.client.clone()).create(&PostParams::default(), &slice).await?;
+    let nic_class = format!("{}-nic", ctx.namespace);
+    let class: DeviceClass = serde_json::from_value(json!({
+        "metadata": {"name": nic_class},
+        "spec": {"selectors": [{"cel": {"expression": format!("device.driver == '{nic_driver}'")}}]}
+    }))?;
+    Api::<DeviceClass>::all(ctx.client.clone()).create(&PostParams::default(), &class).await?;
+    let requests = json!([
+        {"name": "gpu", "exactly": {"deviceClassName": bed.class}},
+        {"name": "nic", "exactly": {"deviceClassName": nic_class}},
+    ]);
+    let spec = json!({"spec": {"devices": {"requests": requests, "constraints": same_root}}});
+    objects::create_template(&ctx, "gpu-and-nic", spec).await?;
+    objects::pods(&ctx).create(&PostParams::default(), &bed.pod_on(&ctx, "gpudirect", &node, "gpu-and-nic")?).await?;
+    // Only the allocation is ours to check: no NIC driver prepares the NIC on this node.
+    let results = wait::until("the GPU and NIC pair allocated", PREPARE_TIMEOUT, || async {
+        let Ok(claim) = claim_of(&ctx, "gpudirect", "gpus").await else { return Ok(None) };
+        let results = allocation_results(&ctx, &ctx.namespace, &claim).await?;
+        Ok((results.len() == 2).then_some(results))
+    })
+    .await?;
+    let device_of = |request: &str| results.iter().find(|r| r.request == request).map(|r| r.device.clone());
+    let (gpu, nic) = (device_of("gpu").context("no GPU")?, device_of("nic").context("no NIC")?);
+    let gpu_root = attribute(&ctx, &node, &gpu, PCIE_ROOT).await?;
+    let nic_root = if nic == "nic-0" { "pci0000:16" } else { "pci0000:26" };
+    ensure!(gpu_root == nic_root, "{gpu} (under {gpu_root}) paired with {nic} (under {nic_root})");
+    ensure!(!pair.contains(&gpu), "{gpu} is the peers' already");
+    eprintln!("peers got {pair:?}; {gpu} paired with {nic} under {gpu_root}");
+    Ok(())
 }

@@ -43,15 +43,19 @@ pub fn backend(
     Ok(match gpu.gpu_backend {
         crate::cli::GpuBackend::Simulated => {
             let spec = gpu.simulated_gpus.as_deref().ok_or(DiscoveryError::SimulatedSpecMissing)?;
-            std::sync::Arc::new(match kept {
-                Some((state_dir, boot_id)) => {
-                    simulated::Simulated::keeping_mig_devices(node, spec, state_dir, boot_id)?
+            std::sync::Arc::new(
+                match kept {
+                    Some((state_dir, boot_id)) => {
+                        simulated::Simulated::keeping_mig_devices(node, spec, state_dir, boot_id)?
+                    }
+                    None => simulated::Simulated::new(node, spec)?,
                 }
-                None => simulated::Simulated::new(node, spec)?,
-            })
+                .with_sysfs(&gpu.sysfs_root),
+            )
         }
         crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(
             gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/")),
+            &gpu.sysfs_root,
         )),
     })
 }

@@ -8,7 +8,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id};
+use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id, pcie_root};
 use crate::node_agent::mig::Profile;
 
 /// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
@@ -16,19 +16,21 @@ use crate::node_agent::mig::Profile;
 #[derive(Debug, Clone)]
 pub struct NvmlDiscovery {
     library: OsString,
+    /// Where each GPU's PCIe root is read ([`crate::node_agent::gpu::pcie_root`]).
+    sysfs: std::path::PathBuf,
 }
 
 impl NvmlDiscovery {
     /// Looks for `libnvidia-ml.so.1` under `driver_root` first (GPU Operator and similar put the driver there),
     /// then lets the dynamic loader search.
-    pub fn new(driver_root: &Path) -> Self {
+    pub fn new(driver_root: &Path, sysfs: &Path) -> Self {
         let candidates = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib", "lib64"];
         let library = candidates
             .iter()
             .map(|dir| driver_root.join(dir).join("libnvidia-ml.so.1"))
             .find(|path| path.exists())
             .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string());
-        Self { library }
+        Self { library, sysfs: sysfs.to_path_buf() }
     }
 
     /// The NVML library this discovery loads (the health monitor loads the same).
@@ -60,7 +62,10 @@ impl Discovery for NvmlDiscovery {
         let mut found = Discovered { gpus: Vec::with_capacity(count as usize), unreadable: Vec::new() };
         for index in 0..count {
             match read_gpu(&nvml, index, &driver_version, &cuda_driver_version) {
-                Ok(gpu) => found.gpus.push(gpu),
+                Ok(mut gpu) => {
+                    gpu.pcie_root = pcie_root(&self.sysfs, &gpu.pci_bus_id);
+                    found.gpus.push(gpu);
+                }
                 // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query.
                 Err(err) => found.unreadable.push(Unreadable { index, reason: err.to_string() }),
             }
@@ -131,6 +136,7 @@ fn read_gpu(nvml: &Nvml, index: u32, driver_version: &str, cuda_driver_version: 
         driver_version: driver_version.to_string(),
         cuda_driver_version: cuda_driver_version.to_string(),
         pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
+        pcie_root: None,
         memory_bytes: query("the memory size", device.memory_info())?.total,
         mig_enabled,
         mig_devices: Vec::new(),

@@ -10,7 +10,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, stable_hash};
+use crate::node_agent::gpu::{Gpu, MigDevice, pcie_root, stable_hash};
 use crate::node_agent::mig::{self, LayoutError, Profile};
 
 /// What the simulated driver reports.
@@ -110,6 +110,8 @@ pub struct Simulated {
     gpus: Mutex<Vec<Gpu>>,
     /// The indexes of GPUs fallen off the bus (`/lost`).
     lost: Vec<u32>,
+    /// Where each GPU's PCIe root is read, as for real GPUs (`None`: not read, no root).
+    sysfs: Option<std::path::PathBuf>,
     /// What makes each made MIG device's UUID its own, as NVML's are: the process's start and a count.
     made: (u64, std::sync::atomic::AtomicU64),
     /// Where the MIG layouts are kept across restarts, and the spec and boot they belong to.
@@ -185,7 +187,7 @@ impl Simulated {
         }
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let made = (started as u64, std::sync::atomic::AtomicU64::new(0));
-        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), lost: lost_indexes, made, kept: None })
+        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), lost: lost_indexes, sysfs: None, made, kept: None })
     }
 
     /// As [`new`](Self::new), with the MIG devices made and destroyed kept in `<state_dir>/`[`SIMULATED_MIG_FILE`]
@@ -221,6 +223,13 @@ impl Simulated {
         Ok(simulated)
     }
 
+    /// Reads each GPU's PCIe root under `sysfs` as NVML discovery does, from the simulated PCI bus ids
+    /// (`0000:18:00.0`, `0000:20:00.0`, …): a test gives a tree of links there to place them under root complexes.
+    pub fn with_sysfs(mut self, sysfs: &std::path::Path) -> Self {
+        self.sysfs = Some(sysfs.to_path_buf());
+        self
+    }
+
     fn gpus(&self) -> std::sync::MutexGuard<'_, Vec<Gpu>> {
         self.gpus.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -228,8 +237,13 @@ impl Simulated {
 
 impl Discovery for Simulated {
     fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
-        let (lost, gpus): (Vec<Gpu>, Vec<Gpu>) =
+        let (lost, mut gpus): (Vec<Gpu>, Vec<Gpu>) =
             self.gpus().iter().cloned().partition(|g| self.lost.contains(&g.index));
+        if let Some(sysfs) = &self.sysfs {
+            for gpu in &mut gpus {
+                gpu.pcie_root = pcie_root(sysfs, &gpu.pci_bus_id);
+            }
+        }
         let unreadable = lost
             .iter()
             .map(|gpu| {
@@ -335,6 +349,7 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
         driver_version: DRIVER_VERSION.into(),
         cuda_driver_version: CUDA_DRIVER_VERSION.into(),
         pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + index * 8 % 0xe0),
+        pcie_root: None,
         memory_bytes: model.memory_gib << 30,
         mig_enabled: false,
         mig_devices: Vec::new(),

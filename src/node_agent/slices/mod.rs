@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 use tracing::warn;
 
 use super::device::Device;
-use super::gpu::{Gpu, MigDevice, normalize_version, pcie_root};
+use super::gpu::{Gpu, MigDevice, normalize_version};
 
 /// The API's limit on devices per slice (without taints or counters).
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
@@ -143,8 +143,8 @@ fn common_attributes(gpu: &Gpu) -> Map<String, Value> {
     string("brand", &gpu.brand);
     string("architecture", &gpu.architecture);
     string("resource.kubernetes.io/pciBusID", &gpu.pci_bus_id);
-    if let Some(root) = pcie_root(&gpu.pci_bus_id) {
-        string("resource.kubernetes.io/pcieRoot", &root);
+    if let Some(root) = &gpu.pcie_root {
+        string("resource.kubernetes.io/pcieRoot", root);
     }
     for (name, raw) in [
         ("cudaComputeCapability", &gpu.cuda_compute_capability),
@@ -300,6 +300,7 @@ mod tests {
     fn device_carries_nvidia_compatible_attributes() {
         let mut gpu = gpus("1xH100-80GB").remove(0);
         gpu.driver_version = "535.104.05".into();
+        gpu.pcie_root = Some("pci0000:16".into());
         let d = device(&Device::whole(&gpu), Sharing::Whole);
         assert_eq!(d["name"], "gpu-0");
         assert_eq!(d["attributes"]["type"], json!({"string": "gpu"}));
@@ -307,8 +308,12 @@ mod tests {
         assert_eq!(d["attributes"]["driverVersion"], json!({"version": "535.104.5"}));
         assert_eq!(d["attributes"]["cudaComputeCapability"], json!({"version": "9.0.0"}));
         assert_eq!(d["attributes"]["resource.kubernetes.io/pciBusID"], json!({"string": "0000:18:00.0"}));
-        assert_eq!(d["attributes"]["resource.kubernetes.io/pcieRoot"], json!({"string": "pci0000:18"}));
+        assert_eq!(d["attributes"]["resource.kubernetes.io/pcieRoot"], json!({"string": "pci0000:16"}));
         assert_eq!(d["capacity"]["memory"], json!({"value": "81920Mi"}));
+        // A root sysfs does not show is left out, not guessed.
+        gpu.pcie_root = None;
+        let d = device(&Device::whole(&gpu), Sharing::Whole);
+        assert!(d["attributes"].get("resource.kubernetes.io/pcieRoot").is_none(), "{d}");
         assert!(d["attributes"].as_object().is_some_and(|a| a.len() <= 32), "API limit: 32 attributes+capacities");
     }
 
