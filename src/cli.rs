@@ -227,15 +227,21 @@ pub struct GpuArgs {
     /// Kubernetes 1.36+ (DRAPartitionableDevices); see the README's "Dynamic MIG".
     #[arg(long, env = "GPU_DRA_MIG_LAYOUT", value_enum, default_value_t = crate::node_agent::device::MigLayout::Static)]
     pub mig_layout: crate::node_agent::device::MigLayout,
-    /// Where sysfs is mounted: each GPU's PCIe root complex (the `resource.kubernetes.io/pcieRoot` attribute) is read
-    /// from `<sysfs-root>/bus/pci/devices/<bus id>`, for simulated GPUs too.
-    #[arg(long, env = "GPU_DRA_SYSFS_ROOT", default_value = "/sys")]
-    pub sysfs_root: PathBuf,
+    /// Where sysfs is mounted (default `/sys`): each GPU's PCIe root complex (the `resource.kubernetes.io/pcieRoot`
+    /// attribute) is read from `<sysfs-root>/bus/pci/devices/<bus id>`. Simulated GPUs read it only when given (a
+    /// test's tree placing them), never the host's devices.
+    #[arg(long, env = "GPU_DRA_SYSFS_ROOT")]
+    pub sysfs_root: Option<PathBuf>,
 }
 
 impl GpuArgs {
     /// The driver root this backend reads: `--driver-root`, else `/` for NVML; simulated GPUs have none unless
     /// given one.
+    /// The sysfs NVML discovery reads: `--sysfs-root`, else `/sys`.
+    pub fn sysfs(&self) -> &Path {
+        self.sysfs_root.as_deref().unwrap_or(Path::new("/sys"))
+    }
+
     pub fn driver_root_to_read(&self) -> Option<&Path> {
         match (&self.driver_root, self.gpu_backend) {
             (Some(root), _) => Some(root),
@@ -248,7 +254,7 @@ impl GpuArgs {
     /// given).
     pub fn nvml_library(&self) -> std::ffi::OsString {
         let root = self.driver_root_to_read().unwrap_or(Path::new("/"));
-        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root, &self.sysfs_root).library().to_owned()
+        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root, self.sysfs()).library().to_owned()
     }
 }
 

@@ -119,6 +119,9 @@ pub fn cuda_version_from_int(v: i32) -> String {
 /// `None` when the link is missing or not of that shape (then the attribute is left out: a wrong root would pair
 /// devices that are not together).
 pub fn pcie_root(sysfs: &std::path::Path, bus_id: &str) -> Option<String> {
+    if !is_standard_bdf(bus_id) {
+        return None;
+    }
     let target = std::fs::read_link(sysfs.join("bus/pci/devices").join(bus_id)).ok()?;
     pcie_root_of_link(&target, bus_id)
 }
@@ -202,13 +205,31 @@ pub fn stable_hash(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3))
 }
 
-/// NVML's `00000000:3B:00.0` → the standard `0000:3b:00.0` (four-digit domain, lower case).
+/// NVML's `00000000:3B:00.0` → the standard `0000:3b:00.0` (lower case, the domain's leading zeros beyond four
+/// digits dropped). A domain above `ffff` (Intel VMD's `10000`) keeps all its digits, as sysfs names it: cutting it
+/// to four would name another device.
 pub fn normalize_pci_bus_id(raw: &str) -> String {
     let lower = raw.trim().to_ascii_lowercase();
     match lower.split_once(':') {
-        Some((domain, rest)) if domain.len() > 4 => format!("{}:{rest}", &domain[domain.len() - 4..]),
+        Some((domain, rest)) if domain.len() > 4 => {
+            let digits = domain.trim_start_matches('0');
+            format!("{digits:0>4}:{rest}")
+        }
         _ => lower,
     }
+}
+
+/// Whether `bus_id` is a PCI address as the standard attributes take it: `dddd:bb:dd.f`, lower-case hex (the
+/// upstream helper's `verifyPCIBDFFormat`).
+fn is_standard_bdf(bus_id: &str) -> bool {
+    let bytes = bus_id.as_bytes();
+    let hex = |b: &u8| b.is_ascii_digit() || (b'a'..=b'f').contains(b);
+    bytes.len() == 12
+        && bytes.iter().enumerate().all(|(i, b)| match i {
+            4 | 7 => *b == b':',
+            10 => *b == b'.',
+            _ => hex(b),
+        })
 }
 
 #[cfg(test)]
@@ -217,5 +238,16 @@ mod pci_tests {
     fn pci_bus_ids() {
         assert_eq!(super::normalize_pci_bus_id("00000000:3B:00.0"), "0000:3b:00.0");
         assert_eq!(super::normalize_pci_bus_id("0000:3b:00.0"), "0000:3b:00.0");
+        // Intel VMD's domains: all their digits, never another device's address.
+        assert_eq!(super::normalize_pci_bus_id("00010000:01:00.0"), "10000:01:00.0");
+        for (bus, standard) in [
+            ("0000:3b:00.0", true),
+            ("10000:01:00.0", false),
+            ("0000:3B:00.0", false),
+            ("0000:3b:00", false),
+            ("0000:3b:00.0 ", false),
+        ] {
+            assert_eq!(super::is_standard_bdf(bus), standard, "{bus}");
+        }
     }
 }

@@ -24,6 +24,13 @@ pub enum GpuCheckError {
     #[error("no GPU found: nothing to publish or prepare")]
     NoGpus,
     #[error(
+        "{} GPU(s) NVML reports lost ({}): the agent leaves them out and publishes the others; reset the GPU or \
+         reboot the machine",
+        lost.len(),
+        lost.join("; ")
+    )]
+    Lost { lost: Vec<String> },
+    #[error(
         "every GPU is in MIG mode without a MIG device: nothing to prepare (create some with nvidia-smi mig -cgi … -C)"
     )]
     NoDevices,
@@ -57,9 +64,14 @@ const SAMPLE_MIG_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000002";
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let gpu = &args.gpu;
     let backend = discovery::backend(gpu, &args.node_name, None)?;
-    let gpus = backend.discover()?;
-    if gpus.is_empty() {
+    let found = backend.discover_all()?;
+    let gpus = found.gpus;
+    if gpus.is_empty() && found.unreadable.is_empty() {
         return Err(GpuCheckError::NoGpus);
+    }
+    if !found.unreadable.is_empty() {
+        let lost = found.unreadable.iter().map(|u| format!("GPU {}: {}", u.index, u.reason)).collect();
+        return Err(GpuCheckError::Lost { lost });
     }
     print!("{}", gpu_table(&gpus));
 
@@ -149,7 +161,7 @@ fn mig_profiles(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
             continue;
         }
         let root = args.gpu.driver_root_to_read().unwrap_or(Path::new("/"));
-        let found = discovery::nvml::NvmlDiscovery::new(root, &args.gpu.sysfs_root).gpu_instance_profiles(gpu.index)?;
+        let found = discovery::nvml::NvmlDiscovery::new(root, args.gpu.sysfs()).gpu_instance_profiles(gpu.index)?;
         println!("  {} {} (MIG mode on; from NVML):", gpu.device_name(), gpu.product_name);
         for profile in &found {
             let documented = table.iter().find(|p| p.nvml_id == profile.nvml_id);

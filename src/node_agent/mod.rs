@@ -128,7 +128,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let unreadable_gauge = Gauge::<i64>::default();
     registry.register(
         "gpu_dra_node_agent_unreadable_gpus",
-        "GPUs NVML counts but cannot read (fallen off the bus), never read by this agent and so not published",
+        "GPUs NVML reports lost (fallen off the bus): published with their last reading and tainted when read before, \
+         else left out",
         unreadable_gauge.clone(),
     );
     registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
@@ -153,7 +154,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
     let (discovered, discovered_rx) = watch::channel(Arc::new(Vec::new()));
-    health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
+    let health_reports = health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
     let mut plugin_task = None;
     let mut plugin_state: Option<Arc<crate::kubelet_plugin::state::DriverState>> = None;
     let mut backoff = BACKOFF_START;
@@ -170,8 +171,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut node_missing_since: Option<std::time::Instant> = None;
     // What the last round failed for (`None`: it did not fail).
     let mut last_failure: Option<FailureKind> = None;
-    // The GPUs NVML could not read, as last said in the log.
-    let mut unreadable_said: Vec<discovery::Unreadable> = Vec::new();
+    // The GPUs NVML reports lost, as last said in the log: (kept with their last reading, left out).
+    let mut unreadable_said: (Vec<String>, Vec<discovery::Unreadable>) = (Vec::new(), Vec::new());
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
@@ -192,8 +193,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
             let found = discover(discovery.clone()).await?;
-            let (mut gpus, unreadable) = found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
-            unreadable_now = Some(unreadable);
+            let filled = found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
+            let mut gpus = filled.gpus.clone();
+            unreadable_now = Some(filled);
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -217,9 +219,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
-                    let found = discover(discovery.clone()).await?;
-                    let (found, unreadable) = found.filled_from(Some(&gpus));
-                    (gpus, unreadable_now) = (found, Some(unreadable));
+                    let filled = discover(discovery.clone()).await?.filled_from(Some(&gpus));
+                    gpus = filled.gpus.clone();
+                    unreadable_now = Some(filled);
                     discovered.send_replace(Arc::new(gpus.clone()));
                 }
             }
@@ -238,21 +240,29 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         }
         .await;
-        if let Some(unreadable) = unreadable_now
-            && unreadable != unreadable_said
-        {
-            unreadable_gauge.set(unreadable.len() as i64);
-            if unreadable.is_empty() {
-                info!("every GPU NVML counts can be read again");
-            } else {
-                let gpus: Vec<String> = unreadable.iter().map(|u| format!("GPU {}: {}", u.index, u.reason)).collect();
-                warn!(
-                    ?gpus,
-                    "GPUs NVML counts but cannot read are left out; the others are published and prepared \
-                      (a GPU fallen off the bus needs a reset or a reboot)"
-                );
+        if let Some(discovery::Filled { filled, unknown, .. }) = unreadable_now {
+            // Lost now: the monitor taints it (and keeps it tainted while it stays lost).
+            for uuid in &filled {
+                let fault = health::inject::Injection {
+                    gpu: uuid.clone(),
+                    action: health::inject::Action::Fault(health::classify::Fault::GpuLost),
+                };
+                let _ = health_reports.send(fault);
             }
-            unreadable_said = unreadable;
+            let now = (filled, unknown);
+            if now != unreadable_said {
+                unreadable_gauge.set((now.0.len() + now.1.len()) as i64);
+                if now.0.is_empty() && now.1.is_empty() {
+                    info!("every GPU NVML counts can be read again");
+                } else {
+                    let left_out: Vec<String> =
+                        now.1.iter().map(|u| format!("GPU {}: {}", u.index, u.reason)).collect();
+                    warn!(kept_as_last_read = ?now.0, ?left_out, "GPUs NVML reports lost: those read before stay \
+                          published with their last reading and tainted, those never read are left out; the others \
+                          are published and prepared (a GPU fallen off the bus needs a reset or a reboot)");
+                }
+                unreadable_said = now;
+            }
         }
         let full = !health_only;
         let wake_at = match round {

@@ -156,7 +156,7 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
         .await?;
         let unreadable = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
         ensure!(unreadable == 1.0, "gpu_dra_node_agent_unreadable_gpus is {unreadable}");
-        ensure!(node.agent.log_text().contains("cannot read are left out"), "{}", node.agent.log_tail());
+        ensure!(node.agent.log_text().contains("GPUs NVML reports lost"), "{}", node.agent.log_tail());
     }
     let published = wait::until("the three readable GPUs published", Duration::from_secs(30), || async {
         let mut names: Vec<String> = node_slices(&ctx, &node_name)

@@ -43,19 +43,20 @@ pub fn backend(
     Ok(match gpu.gpu_backend {
         crate::cli::GpuBackend::Simulated => {
             let spec = gpu.simulated_gpus.as_deref().ok_or(DiscoveryError::SimulatedSpecMissing)?;
-            std::sync::Arc::new(
-                match kept {
-                    Some((state_dir, boot_id)) => {
-                        simulated::Simulated::keeping_mig_devices(node, spec, state_dir, boot_id)?
-                    }
-                    None => simulated::Simulated::new(node, spec)?,
+            let simulated = match kept {
+                Some((state_dir, boot_id)) => {
+                    simulated::Simulated::keeping_mig_devices(node, spec, state_dir, boot_id)?
                 }
-                .with_sysfs(&gpu.sysfs_root),
-            )
+                None => simulated::Simulated::new(node, spec)?,
+            };
+            std::sync::Arc::new(match &gpu.sysfs_root {
+                Some(sysfs) => simulated.with_sysfs(sysfs),
+                None => simulated,
+            })
         }
         crate::cli::GpuBackend::Nvml => std::sync::Arc::new(nvml::NvmlDiscovery::new(
             gpu.driver_root_to_read().unwrap_or(std::path::Path::new("/")),
-            &gpu.sysfs_root,
+            gpu.sysfs(),
         )),
     })
 }
@@ -93,8 +94,8 @@ pub struct Discovered {
     pub unreadable: Vec<Unreadable>,
 }
 
-/// A GPU NVML counts but cannot read: fallen off the bus (XID 79: "GPU is lost"), or failing every query. One such
-/// GPU must not take the node's others with it: they are published and prepared as usual.
+/// A GPU NVML counts but answers "GPU is lost" for (fallen off the bus, XID 79). One such GPU must not take the
+/// node's others with it: they are published and prepared as usual.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Unreadable {
     pub index: u32,
@@ -102,21 +103,42 @@ pub struct Unreadable {
 }
 
 impl Discovered {
-    /// The GPUs unreadable now taken from `known` (the last discovery's GPUs) where it had them by index: a GPU
-    /// that fell off the bus while the agent ran stays published, with the taint its fault brought, rather than
-    /// vanish from the slices. Returns the GPUs, sorted by index, and what is unreadable and was never known.
-    pub fn filled_from(self, known: Option<&[Gpu]>) -> (Vec<Gpu>, Vec<Unreadable>) {
+    /// The GPUs unreadable now taken from `known` (the last discovery's GPUs) by index: a GPU that fell off the bus
+    /// while the agent ran stays published, with the taint its fault brings, rather than vanish from the slices.
+    /// Only while every GPU read now is where `known` had it (NVML's indexes carry no promise: a driver reload that
+    /// no longer counts a GPU shifts them), and the known GPU is not among those read under another index; else
+    /// it counts as never read. Returns the GPUs, sorted by index, the UUIDs of those taken from `known`, and what
+    /// is unreadable and not taken.
+    pub fn filled_from(self, known: Option<&[Gpu]>) -> Filled {
         let Self { mut gpus, unreadable } = self;
+        let known = known.unwrap_or_default();
+        let in_place = gpus.iter().all(|g| known.iter().find(|k| k.index == g.index).is_none_or(|k| k.uuid == g.uuid));
+        let mut filled = Vec::new();
         let mut unknown = Vec::new();
         for missing in unreadable {
-            match known.and_then(|k| k.iter().find(|g| g.index == missing.index)) {
-                Some(gpu) => gpus.push(gpu.clone()),
+            let last = known.iter().find(|k| k.index == missing.index);
+            match last.filter(|k| in_place && gpus.iter().all(|g| g.uuid != k.uuid && g.minor != k.minor)) {
+                Some(gpu) => {
+                    filled.push(gpu.uuid.clone());
+                    gpus.push(gpu.clone());
+                }
                 None => unknown.push(missing),
             }
         }
         gpus.sort_by_key(|g| g.index);
-        (gpus, unknown)
+        Filled { gpus, filled, unknown }
     }
+}
+
+/// What [`Discovered::filled_from`] makes of a discovery.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Filled {
+    /// The GPUs to publish, sorted by index.
+    pub gpus: Vec<Gpu>,
+    /// The UUIDs of those unreadable now and published with their last reading.
+    pub filled: Vec<String>,
+    /// The unreadable GPUs left out.
+    pub unknown: Vec<Unreadable>,
 }
 
 /// A source of GPUs, which can also make and destroy MIG devices on GPUs in MIG mode (what `gpu-check` verifies on
@@ -160,7 +182,7 @@ mod tests {
     fn gpu(index: u32, uuid: &str) -> Gpu {
         let found = simulated::Simulated::new("node", "1xH100-80GB").map(|s| s.discover_all());
         let mut gpu = found.expect("spec").expect("discover").gpus.remove(0);
-        (gpu.index, gpu.uuid) = (index, uuid.into());
+        (gpu.index, gpu.minor, gpu.uuid) = (index, index, uuid.into());
         gpu
     }
 
@@ -171,38 +193,52 @@ mod tests {
     #[test]
     fn an_unreadable_gpu_keeps_its_last_reading_and_one_never_read_is_left_out() {
         let known = [gpu(0, "a"), gpu(1, "b"), gpu(2, "c")];
-        // (case, found now, known before) → (GPUs by UUID, unreadable indexes)
-        type Case = (&'static str, Discovered, Option<&'static [u32]>, Vec<&'static str>, Vec<u32>);
+        // (case, found now, known before by index) → (GPUs by UUID, filled, unreadable left out)
+        type Case = (&'static str, Discovered, Option<&'static [u32]>, [&'static [&'static str]; 2], Vec<u32>);
         let table: Vec<Case> = vec![
-            ("all read", Discovered { gpus: known.to_vec(), unreadable: vec![] }, None, vec!["a", "b", "c"], vec![]),
+            (
+                "all read",
+                Discovered { gpus: known.to_vec(), unreadable: vec![] },
+                None,
+                [&["a", "b", "c"], &[]],
+                vec![],
+            ),
             (
                 "GPU 1 lost while the agent ran: its last reading, in order",
                 Discovered { gpus: vec![gpu(0, "a"), gpu(2, "c")], unreadable: vec![lost(1)] },
                 Some(&[0, 1, 2]),
-                vec!["a", "b", "c"],
+                [&["a", "b", "c"], &["b"]],
                 vec![],
             ),
             (
                 "GPU 1 lost before the agent started: left out",
                 Discovered { gpus: vec![gpu(0, "a"), gpu(2, "c")], unreadable: vec![lost(1)] },
                 None,
-                vec!["a", "c"],
+                [&["a", "c"], &[]],
                 vec![1],
             ),
             (
                 "a GPU never read before (not among the known): left out",
                 Discovered { gpus: vec![gpu(0, "a")], unreadable: vec![lost(3)] },
                 Some(&[0, 1, 2]),
-                vec!["a"],
+                [&["a"], &[]],
                 vec![3],
             ),
+            (
+                "indexes shifted (a driver reload no longer counts one): nothing taken from the old ones",
+                Discovered { gpus: vec![gpu(0, "a"), gpu(1, "c")], unreadable: vec![lost(2)] },
+                Some(&[0, 1, 2]),
+                [&["a", "c"], &[]],
+                vec![2],
+            ),
         ];
-        for (case, found, known_indexes, uuids, unreadable) in table {
+        for (case, found, known_indexes, [uuids, filled_uuids], unreadable) in table {
             let known: Option<Vec<Gpu>> =
                 known_indexes.map(|ix| known.iter().filter(|g| ix.contains(&g.index)).cloned().collect());
-            let (gpus, left) = found.filled_from(known.as_deref());
+            let Filled { gpus, filled, unknown } = found.filled_from(known.as_deref());
             assert_eq!(gpus.iter().map(|g| g.uuid.as_str()).collect::<Vec<_>>(), uuids, "{case}");
-            assert_eq!(left.iter().map(|u| u.index).collect::<Vec<_>>(), unreadable, "{case}");
+            assert_eq!(filled, filled_uuids, "{case}");
+            assert_eq!(unknown.iter().map(|u| u.index).collect::<Vec<_>>(), unreadable, "{case}");
         }
     }
 }

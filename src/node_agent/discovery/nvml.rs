@@ -66,8 +66,12 @@ impl Discovery for NvmlDiscovery {
                     gpu.pcie_root = pcie_root(&self.sysfs, &gpu.pci_bus_id);
                     found.gpus.push(gpu);
                 }
-                // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query.
-                Err(err) => found.unreadable.push(Unreadable { index, reason: err.to_string() }),
+                // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query: it alone is out.
+                // Any other failure fails the discovery, as before: a GPU read wrong is worse than a round retried.
+                Err(err @ DiscoveryError::Nvml { source: NvmlError::GpuLost, .. }) => {
+                    found.unreadable.push(Unreadable { index, reason: err.to_string() });
+                }
+                Err(err) => return Err(err),
             }
         }
         Ok(found)

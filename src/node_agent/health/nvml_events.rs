@@ -127,8 +127,18 @@ fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
     let mut set = nvml.create_event_set()?;
     let (mut devices, mut lost) = (Vec::new(), Vec::new());
     for index in 0..nvml.device_count()? {
-        let device = nvml.device_by_index(index)?;
-        let uuid = device.uuid()?;
+        // A GPU lost before it can be named is discovery's to report (from its last reading, or left out): the
+        // others are still watched.
+        let device = match nvml.device_by_index(index) {
+            Ok(device) => device,
+            Err(NvmlError::GpuLost) => continue,
+            Err(e) => return Err(e),
+        };
+        let uuid = match device.uuid() {
+            Ok(uuid) => uuid,
+            Err(NvmlError::GpuLost) => continue,
+            Err(e) => return Err(e),
+        };
         let events = match device.supported_event_types() {
             Ok(supported) => supported & wanted_events(),
             Err(NvmlError::NotSupported) => EventTypes::empty(),

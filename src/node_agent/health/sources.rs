@@ -19,14 +19,16 @@ use crate::node_agent::gpu::Gpu;
 const INJECT_POLL: Duration = Duration::from_millis(100);
 
 /// Starts the health monitor and what feeds it: NVML's events, or the fault injection file for simulated GPUs.
+/// Returns a sender of more reports (discovery's: a GPU that answers "GPU is lost").
 pub fn start(
     args: &NodeAgentArgs,
     monitor: Arc<Monitor>,
     client: kube::Client,
     gpus: watch::Receiver<Arc<Vec<Gpu>>>,
     stop: CancellationToken,
-) {
+) -> mpsc::UnboundedSender<Injection> {
     let (reports, received) = mpsc::unbounded_channel();
+    let more = reports.clone();
     tokio::spawn(monitor.run(client, received, gpus, stop.clone()));
     match args.gpu.gpu_backend {
         GpuBackend::Simulated => {
@@ -48,6 +50,7 @@ pub fn start(
             }
         }
     }
+    more
 }
 
 /// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only).
