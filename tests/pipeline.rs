@@ -42,6 +42,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, DeviceRequestAllocationResult,
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
 use nodes::{
+    a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset,
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
     an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus,
 };
@@ -95,6 +96,7 @@ fn main() {
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
             test!(an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus),
+            test!(a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
             test!(a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model),
             test!(a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once),

@@ -154,7 +154,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
 
     let (inventory, inventory_rx) = watch::channel(Arc::new(Inventory::new()));
     let (discovered, discovered_rx) = watch::channel(Arc::new(Vec::new()));
-    let health_reports = health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, stop.clone());
+    let health_reports =
+        health::sources::start(&args, monitor.clone(), client.clone(), discovered_rx, discovery.clone(), stop.clone());
     let mut plugin_task = None;
     let mut plugin_state: Option<Arc<crate::kubelet_plugin::state::DriverState>> = None;
     let mut backoff = BACKOFF_START;

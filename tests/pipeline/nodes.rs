@@ -11,6 +11,7 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 
+use super::support::node::DRIVER;
 use super::support::{TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
@@ -182,5 +183,59 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
     devices.sort();
     ensure!(devices == published, "the new pods got {devices:?}, the node publishes {published:?}");
     eprintln!("{lost_device} lost across a restart: {published:?} published and prepared");
+    Ok(())
+}
+
+/// A GPU falls off the bus while the agent runs (NVML now answers "GPU is lost" for it, and reports the fault): it
+/// stays published with its last reading, tainted `gpu-lost`, and stays tainted past the healthy window, because
+/// each discovery that finds it lost reports the fault again (on real hardware NVML reports no more events for a
+/// GPU that is gone, and the taint would lapse while the GPU is still lost). A reset brings it back, untainted. The
+/// agent here rediscovers every 2 s, with a healthy window of 3 s.
+pub(super) async fn a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    let extra = ["--resync-period", "2s", "--health-healthy-window", "3s"];
+    let node_name = bed.add_node_with(&ctx, "4xH100-80GB", &extra).await?;
+    let node = bed.node(&node_name)?;
+    let lost_taint = format!("{DRIVER}/gpu-lost");
+    let tainted = async |device: &str| -> anyhow::Result<Option<bool>> {
+        let devices = objects::published_devices(&ctx.client, &node_name).await?;
+        let Some(found) = devices.iter().find(|d| d.name == device) else { return Ok(None) };
+        Ok(Some(found.taints.iter().flatten().any(|t| t.key == lost_taint)))
+    };
+    wait::until("the node's four GPUs published", PREPARE_TIMEOUT, || async {
+        Ok((objects::published_devices(&ctx.client, &node_name).await?.len() == 4).then_some(()))
+    })
+    .await?;
+
+    inject(node, "gpu-2 lost")?;
+    wait::until("gpu-2 tainted and counted lost", Duration::from_secs(20), || async {
+        let lost = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
+        Ok((tainted("gpu-2").await? == Some(true) && lost == 1.0).then_some(()))
+    })
+    .await?;
+    // Three healthy windows: the taint would have lapsed twice over without the reports of each discovery.
+    let until = Instant::now() + Duration::from_secs(9);
+    while Instant::now() < until {
+        ensure!(tainted("gpu-2").await? == Some(true), "gpu-2, still lost, is no longer tainted (or published)");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    ensure!(node.agent.log_text().contains("GPUs NVML reports lost"), "{}", node.agent.log_tail());
+
+    inject(node, "gpu-2 clear")?;
+    wait::until("gpu-2 readable and untainted after its reset", Duration::from_secs(20), || async {
+        let lost = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
+        Ok((tainted("gpu-2").await? == Some(false) && lost == 0.0).then_some(()))
+    })
+    .await?;
+    Ok(())
+}
+
+/// Injects `line` into `node`'s agent as an operator would: the file appears whole (written aside, renamed in).
+fn inject(node: &super::Node, line: &str) -> anyhow::Result<()> {
+    let state = node.dirs.state();
+    std::fs::write(state.join("inject-faults.writing"), format!("{line}\n"))?;
+    std::fs::rename(state.join("inject-faults.writing"), state.join("inject-faults"))?;
     Ok(())
 }

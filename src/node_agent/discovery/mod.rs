@@ -153,6 +153,10 @@ pub trait Discovery: Send + Sync + std::fmt::Debug {
         self.discover_all().map(|found| found.gpus)
     }
 
+    /// Simulated GPUs only: GPU `gpu` (device name or UUID) falls off the bus (`lost`) or comes back (a reset), as
+    /// an injected fault says, so that discovery answers for it as NVML would. Real GPUs ignore it.
+    fn set_lost(&self, _gpu: &str, _lost: bool) {}
+
     /// Makes a MIG device on GPU `index`: a GPU instance of `profile` (from [`super::mig::profiles`] of the GPU's
     /// model) at memory slice `start`, and one compute instance spanning it, checked first with
     /// [`super::mig::check_placement`]. Answers the device as discovery now reports it.

@@ -108,8 +108,8 @@ pub enum SpecError {
 pub struct Simulated {
     node: String,
     gpus: Mutex<Vec<Gpu>>,
-    /// The indexes of GPUs fallen off the bus (`/lost`).
-    lost: Vec<u32>,
+    /// The indexes of GPUs fallen off the bus (`/lost`, or a fault injected: [`Discovery::set_lost`]).
+    lost: Mutex<std::collections::BTreeSet<u32>>,
     /// Where each GPU's PCIe root is read, as for real GPUs (`None`: not read, no root).
     sysfs: Option<std::path::PathBuf>,
     /// What makes each made MIG device's UUID its own, as NVML's are: the process's start and a count.
@@ -187,7 +187,14 @@ impl Simulated {
         }
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
         let made = (started as u64, std::sync::atomic::AtomicU64::new(0));
-        Ok(Self { node: node.to_string(), gpus: Mutex::new(gpus), lost: lost_indexes, sysfs: None, made, kept: None })
+        Ok(Self {
+            node: node.to_string(),
+            gpus: Mutex::new(gpus),
+            lost: Mutex::new(lost_indexes.into_iter().collect()),
+            sysfs: None,
+            made,
+            kept: None,
+        })
     }
 
     /// As [`new`](Self::new), with the MIG devices made and destroyed kept in `<state_dir>/`[`SIMULATED_MIG_FILE`]
@@ -237,8 +244,9 @@ impl Simulated {
 
 impl Discovery for Simulated {
     fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
+        let lost_now = self.lost.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let (lost, mut gpus): (Vec<Gpu>, Vec<Gpu>) =
-            self.gpus().iter().cloned().partition(|g| self.lost.contains(&g.index));
+            self.gpus().iter().cloned().partition(|g| lost_now.contains(&g.index));
         if let Some(sysfs) = &self.sysfs {
             for gpu in &mut gpus {
                 gpu.pcie_root = pcie_root(sysfs, &gpu.pci_bus_id);
@@ -253,6 +261,16 @@ impl Discovery for Simulated {
             })
             .collect();
         Ok(Discovered { gpus, unreadable })
+    }
+
+    fn set_lost(&self, gpu: &str, lost: bool) {
+        let Some(index) = crate::node_agent::device::gpu_named(&self.gpus(), gpu).map(|g| g.index) else { return };
+        let mut set = self.lost.lock().unwrap_or_else(PoisonError::into_inner);
+        if lost {
+            set.insert(index);
+        } else {
+            set.remove(&index);
+        }
     }
 
     /// As NVML: refused where [`mig::check_placement`] refuses; the GPU instance gets the lowest ID not in use.

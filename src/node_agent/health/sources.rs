@@ -10,9 +10,11 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::inject::{self, Injection};
+use super::classify::Fault;
+use super::inject::{self, Action, Injection};
 use super::{Monitor, nvml_events};
 use crate::cli::{GpuBackend, NodeAgentArgs};
+use crate::node_agent::discovery::Discovery;
 use crate::node_agent::gpu::Gpu;
 
 /// How often the simulated backend looks for `<state-dir>/inject-faults`.
@@ -25,6 +27,7 @@ pub fn start(
     monitor: Arc<Monitor>,
     client: kube::Client,
     gpus: watch::Receiver<Arc<Vec<Gpu>>>,
+    discovery: Arc<dyn Discovery>,
     stop: CancellationToken,
 ) -> mpsc::UnboundedSender<Injection> {
     let (reports, received) = mpsc::unbounded_channel();
@@ -32,7 +35,7 @@ pub fn start(
     tokio::spawn(monitor.run(client, received, gpus, stop.clone()));
     match args.gpu.gpu_backend {
         GpuBackend::Simulated => {
-            tokio::spawn(watch_injections(args.state_dir.clone(), reports, stop));
+            tokio::spawn(watch_injections(args.state_dir.clone(), reports, discovery, stop));
         }
         GpuBackend::Nvml => {
             let library = args.gpu.nvml_library();
@@ -53,8 +56,14 @@ pub fn start(
     more
 }
 
-/// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only).
-pub async fn watch_injections(state_dir: PathBuf, reports: mpsc::UnboundedSender<Injection>, stop: CancellationToken) {
+/// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only). A GPU injected lost (`lost`,
+/// `xid 79`) is also lost to `discovery` until it is cleared, as NVML would no longer read it.
+pub async fn watch_injections(
+    state_dir: PathBuf,
+    reports: mpsc::UnboundedSender<Injection>,
+    discovery: Arc<dyn Discovery>,
+    stop: CancellationToken,
+) {
     info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
     loop {
         tokio::select! {
@@ -78,6 +87,13 @@ pub async fn watch_injections(state_dir: PathBuf, reports: mpsc::UnboundedSender
         for line in inject::parse(&content) {
             match line {
                 Ok(injection) => {
+                    match injection.action {
+                        Action::Fault(Fault::GpuLost | Fault::Xid(Some(79))) => {
+                            discovery.set_lost(&injection.gpu, true)
+                        }
+                        Action::Reset => discovery.set_lost(&injection.gpu, false),
+                        Action::Fault(_) => {}
+                    }
                     if reports.send(injection).is_err() {
                         return;
                     }
