@@ -7,16 +7,17 @@
 //! comes free, its GPUs idle meanwhile: the quota a team's finished Job pods give back goes unused.
 //!
 //! Here the controller watches ResourceQuotas and keeps, per quota, the claim limits in its status (`hard` and
-//! `used` of those two kinds of resource). When a change leaves more room for some of them (`used` down: the quota
-//! controller counted a claim gone; `hard` up or gone; the quota deleted), the refused keys of that namespace whose
-//! needs fit in the room every quota there leaves are queued at once, oldest refusal first. A key's needs are what
-//! its refusal named (`requested: <class>.deviceclass.resource.k8s.io/devices=2`): a pod waiting for another
-//! class, or for more devices than came free, keeps its place and is passed over, so it neither takes a wake that
-//! cannot help it nor holds back the pod behind it that the room fits. Quota writes that leave no room for claims (another claim counted in, a pod's CPU, a ConfigMap
-//! count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not per write.
-//! A refused key is also retried on its own every [`QUOTA_RETRY`], in case a change is missed (its back-off
-//! count is reset: a later failure of another kind starts from 5 ms), and is forgotten once its sync succeeds or
-//! its pod is deleted or done. A key woken and refused again (the API server's quota admission can lag the watch
+//! `used` of the resources a claim is charged with: [`super::decide::quota::claim_limits`]). When a change leaves
+//! more room for some of them (`used` down: the quota controller counted a claim gone; `hard` up or gone; the quota
+//! deleted), the refused keys of that namespace whose needs fit in the room every quota there leaves are queued at
+//! once, oldest refusal first. A key's needs are what its refusal named (`requested:
+//! <class>.deviceclass.resource.k8s.io/devices=2`): a pod waiting for another class, or for more devices than came
+//! free, keeps its place and is passed over, so it neither takes a wake that cannot help it nor holds back the pod
+//! behind it that the room fits. Quota writes that leave no room for claims (another claim counted in, a pod's CPU,
+//! a ConfigMap count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not
+//! per write. A refused key is also retried on its own every [`QUOTA_RETRY`], in case a change is missed (its
+//! back-off count is reset: a later failure of another kind starts from 5 ms), and is forgotten once a sync is not
+//! refused for quota or its pod is deleted or done. A key woken and refused again (the API server's quota admission can lag the watch
 //! by a moment) is looked at once more after [`WOKEN_REFUSED_AGAIN`].
 //!
 //! A change that lands between the API server's refusal and the key being remembered would be missed: changes that

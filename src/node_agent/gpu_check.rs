@@ -65,13 +65,13 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let gpu = &args.gpu;
     let backend = discovery::backend(gpu, &args.node_name, None)?;
     let found = backend.discover_all()?;
-    let gpus = found.gpus;
-    if gpus.is_empty() && found.unreadable.is_empty() {
-        return Err(GpuCheckError::NoGpus);
-    }
     if !found.unreadable.is_empty() {
         let lost = found.unreadable.iter().map(|u| format!("GPU {}: {}", u.index, u.reason)).collect();
         return Err(GpuCheckError::Lost { lost });
+    }
+    let gpus = found.gpus;
+    if gpus.is_empty() {
+        return Err(GpuCheckError::NoGpus);
     }
     print!("{}", gpu_table(&gpus));
 

@@ -177,7 +177,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
-        // The GPUs this round's discovery could not read and never read before (`None`: it discovered nothing).
+        // The GPUs this round's discovery found lost: (kept with their last reading, left out); `None`: it
+        // discovered nothing.
         let mut unreadable_now = None;
         let round = async {
             if health_only && let Some((gpus, devices, ours)) = &known {
@@ -188,15 +189,15 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // With the plugin serving, a round for a missing Node stops here: nothing can be published for it.
             if node_exists == Some(false) && plugin_task.is_some() {
                 let reason = format!("node {node} not found: waiting for the Node to be registered again");
-                return Err(RoundFailure { reason, node_missing: true, driver_missing: false });
+                return Err(RoundFailure { reason, kind: FailureKind::NodeMissing });
             }
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
             let found = discover(discovery.clone()).await?;
-            let filled = found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
-            let mut gpus = filled.gpus.clone();
-            unreadable_now = Some(filled);
+            let discovery::Filled { mut gpus, filled, unknown } =
+                found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
+            unreadable_now = Some((filled, unknown));
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -220,9 +221,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 plugin_task = Some(task);
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
-                    let filled = discover(discovery.clone()).await?.filled_from(Some(&gpus));
-                    gpus = filled.gpus.clone();
-                    unreadable_now = Some(filled);
+                    let discovery::Filled { gpus: found, filled, unknown } =
+                        discover(discovery.clone()).await?.filled_from(Some(&gpus));
+                    gpus = found;
+                    unreadable_now = Some((filled, unknown));
                     discovered.send_replace(Arc::new(gpus.clone()));
                 }
             }
@@ -241,16 +243,15 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         }
         .await;
-        if let Some(discovery::Filled { filled, unknown, .. }) = unreadable_now {
+        if let Some(now) = unreadable_now {
             // Lost now: the monitor taints it (and keeps it tainted while it stays lost).
-            for uuid in &filled {
+            for uuid in &now.0 {
                 let fault = health::inject::Injection {
                     gpu: uuid.clone(),
                     action: health::inject::Action::Fault(health::classify::Fault::GpuLost),
                 };
                 let _ = health_reports.send(fault);
             }
-            let now = (filled, unknown);
             if now != unreadable_said {
                 unreadable_gauge.set((now.0.len() + now.1.len()) as i64);
                 if now.0.is_empty() && now.1.is_empty() {
@@ -282,14 +283,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
                 next_full
             }
-            Err(failure) => {
+            Err(RoundFailure { reason, kind }) => {
                 publishes.get_or_create(&ResultLabels { result: "failure" }).inc();
-                let kind = failure.kind();
-                let RoundFailure { reason, node_missing, driver_missing } = failure;
+                let node_missing = kind == FailureKind::NodeMissing;
                 node_missing_since =
                     retry::missing_since(node_missing_since, node_missing, node_exists, std::time::Instant::now());
                 let missing_for = node_missing_since.map(|t| t.elapsed());
-                let (wait, next) = retry::after_failure(backoff, missing_for, driver_missing);
+                let (wait, next) = retry::after_failure(backoff, missing_for, kind == FailureKind::DriverMissing);
                 // A missing Node or driver is said once; looking again every few seconds is not news.
                 let again = kind != FailureKind::Other && last_failure == Some(kind);
                 last_failure = Some(kind);
@@ -399,8 +399,10 @@ async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<discovery:
         .await
         .map_err(|e| format!("discovery task failed: {e}"))?
         .map_err(|e| RoundFailure {
-            driver_missing: matches!(e, discovery::DiscoveryError::NvmlUnavailable { .. }),
-            node_missing: false,
+            kind: match e {
+                discovery::DiscoveryError::NvmlUnavailable { .. } => FailureKind::DriverMissing,
+                _ => FailureKind::Other,
+            },
             reason: e.to_string(),
         })
 }
@@ -420,8 +422,10 @@ async fn publish(
     let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);
     publisher.publish(&pool).await.map_err(|e| RoundFailure {
-        node_missing: matches!(e, slices::publisher::PublishError::NodeNotFound { .. }),
-        driver_missing: false,
+        kind: match e {
+            slices::publisher::PublishError::NodeNotFound { .. } => FailureKind::NodeMissing,
+            _ => FailureKind::Other,
+        },
         reason: e.to_string(),
     })
 }

@@ -38,35 +38,24 @@ pub const DRIVER_MISSING_RETRY: Duration = Duration::from_secs(10);
 #[derive(Debug)]
 pub struct RoundFailure {
     pub reason: String,
-    /// The Node object this agent publishes for does not exist (deleted, not yet registered, or a wrong
-    /// `--node-name`).
-    pub node_missing: bool,
-    /// NVML could not be loaded: no driver (yet) under `--driver-root`.
-    pub driver_missing: bool,
+    pub kind: FailureKind,
 }
 
 impl From<String> for RoundFailure {
     fn from(reason: String) -> Self {
-        Self { reason, node_missing: false, driver_missing: false }
+        Self { reason, kind: FailureKind::Other }
     }
 }
 
-/// What a round failed for, as far as the log goes: a missing Node or driver is said once, not at every look.
+/// What a round failed for: something missing is looked for every few seconds and said once, not at every look.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FailureKind {
+    /// The Node object this agent publishes for does not exist (deleted, not yet registered, or a wrong
+    /// `--node-name`).
     NodeMissing,
+    /// NVML could not be loaded: no driver (yet) under `--driver-root`.
     DriverMissing,
     Other,
-}
-
-impl RoundFailure {
-    pub fn kind(&self) -> FailureKind {
-        match (self.node_missing, self.driver_missing) {
-            (true, _) => FailureKind::NodeMissing,
-            (false, true) => FailureKind::DriverMissing,
-            (false, false) => FailureKind::Other,
-        }
-    }
 }
 
 /// After a failed round with back-off `backoff`, the Node missing for `node_missing_for` (`None`: it is not), the
