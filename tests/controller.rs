@@ -6,6 +6,8 @@ mod support;
 
 #[path = "controller/garbled.rs"]
 mod garbled;
+#[path = "controller/watch_gaps.rs"]
+mod watch_gaps;
 #[path = "controller/workloads.rs"]
 mod workloads;
 
@@ -22,6 +24,7 @@ use serde_json::json;
 use support::objects::{self, CLASS, claim_statuses, create_pod, create_template, events_about, list_claims, one_gpu};
 use support::process::Component;
 use support::{TestContext, wait};
+use watch_gaps::what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist;
 use workloads::{
     a_burst_of_pods_gets_every_creation_event_within_the_rate_limit,
     extended_resource_claim_of_finished_pod_is_released, finished_pod_claim_is_deleted_once_and_never_recreated,
@@ -45,6 +48,7 @@ fn main() {
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
             test!(missing_recorded_claim_is_recreated),
             test!(a_claim_created_but_answered_garbled_is_recorded_once),
+            test!(what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist),
             test!(recorded_claim_and_template_deleted_come_back_with_the_template),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),
@@ -500,10 +504,14 @@ fn allocated(claim: &k8s_openapi::api::resource::v1::ResourceClaim) -> bool {
 }
 
 /// A Succeeded pod: its generated claim is deleted (with an Event); its reservation of a user's claim is
-/// dropped, the claim deallocated and released, but kept.
+/// dropped, the claim deallocated and released, but kept. A Failed pod (a Job's attempt that exhausted its
+/// retries, a pod evicted for node pressure: the pod object stays) loses its generated claim the same way.
 async fn finished_pod_claims_are_deleted_and_user_claims_released(ctx: TestContext) -> anyhow::Result<()> {
     let _controller = Component::controller(&ctx, &[]).await?;
     create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(&ctx, "failed-attempt", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let failed = claim_statuses(&wait_recorded(&ctx, "failed-attempt", 1).await?)[0].1.clone().context("no claim")?;
+    objects::set_phase(&ctx, "failed-attempt", "Failed").await?;
     objects::create_claim(&ctx, "shared").await?;
     let pod = create_pod(
         &ctx,
@@ -527,6 +535,10 @@ async fn finished_pod_claims_are_deleted_and_user_claims_released(ctx: TestConte
     })
     .await?;
     ensure!(shared.metadata.deletion_timestamp.is_none(), "the user's claim must be kept");
+    wait::until("the failed pod's claim to be deleted", SETTLE, || async {
+        Ok(claims.get_opt(&failed).await?.is_none().then_some(()))
+    })
+    .await?;
     let events = events_about(&ctx, &generated).await?;
     ensure!(
         events.iter().any(|(t, r, n)| t == "Normal" && r == "ResourceClaimDeleted" && n.contains("finished")),

@@ -43,6 +43,7 @@ fn main() {
             test!(a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside),
             test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
+            test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
@@ -577,6 +578,54 @@ async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> a
     }
     prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
     eprintln!("/healthz answered in at most {slowest:?} while a prepare hung on the disk");
+    Ok(())
+}
+
+/// The kubelet gives up on a prepare after 45 s; the agent may still be waiting for the claim's API read (a slow or
+/// restarting API server). The pod is deleted meanwhile and the kubelet unprepares the claim, which the agent does
+/// not hold yet, so that succeeds and the kubelet forgets the claim. The late prepare must then be refused, not
+/// done: done, it would leave the claim prepared for nobody and its GPU refused to every later claim. The claim's
+/// read is held in a proxy in front of the real API server.
+async fn a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let proxy = support::api_proxy::ApiProxy::start(ctx.cluster.client().await?).await?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB"];
+    let agent = start_agent_with(proxy.kubeconfig(), &format!("{}-agent", ctx.namespace), &node, &dirs, &gpus)?;
+    agent.wait_ready().await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-0"], json!([])).await?;
+    let ns = ctx.namespace.clone();
+    let mut kubelet = Kubelet::register(&dirs).await?;
+
+    proxy.hold(http::Method::GET, &format!("/namespaces/{ns}/resourceclaims/a"));
+    let mut client = kubelet.v1.clone();
+    let request = v1::NodePrepareResourcesRequest {
+        claims: vec![v1::Claim { namespace: ns.clone(), name: "a".into(), uid: a.clone() }],
+    };
+    let late = tokio::spawn(async move { client.node_prepare_resources(request).await });
+    wait::until("the prepare's read of claim a to be held", Duration::from_secs(20), || async {
+        Ok((proxy.held() > 0).then_some(()))
+    })
+    .await?;
+    let unprepared = kubelet.unprepare(&[(&ns, "a", &a)]).await?;
+    ensure!(unprepared.get(&a).is_some_and(String::is_empty), "unprepare of a: {unprepared:?}");
+
+    proxy.release();
+    let answer = late.await??.into_inner();
+    let error = answer.claims.get(&a).map(|r| r.error.clone()).unwrap_or_default();
+    ensure!(error.contains("unprepared after this prepare was asked"), "the late prepare of a answered {answer:?}");
+    ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&a), "a is in the checkpoint after its unprepare");
+    ensure!(!dirs.cdi_spec(&a).exists(), "a's spec is on disk after its unprepare");
+
+    // Its GPU is free for the next claim, and asked again (after the unprepare) a is prepared as usual.
+    let prepared = kubelet.prepare(&[(&ns, "b", &b)]).await?;
+    ensure!(prepared.get(&b).is_some_and(|r| r.error.is_empty()), "b on the freed GPU: {prepared:?}");
+    ensure!(kubelet.unprepare(&[(&ns, "b", &b)]).await?.get(&b).is_some_and(String::is_empty));
+    let again = kubelet.prepare(&[(&ns, "a", &a)]).await?;
+    ensure!(again.get(&a).is_some_and(|r| r.error.is_empty()), "a asked again: {again:?}");
+    eprintln!("the late prepare was refused: {error}");
     Ok(())
 }
 

@@ -29,6 +29,7 @@ fn main() {
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
             test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
+            test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
         ],
     )
 }
@@ -445,5 +446,43 @@ async fn a_restarted_agent_republishes_only_a_pool_the_server_stored_short(ctx: 
     ensure!(now == Some(expected), "generation {now:?} after the resyncs, {expected} expected:\n{}", agent.log_tail());
     let republished = agent.log_text().contains("publishing them again once");
     ensure!(republished == dropped, "republished once: {republished}, fields dropped: {dropped}");
+    Ok(())
+}
+
+/// An agent pod deleted with `--force --grace-period=0` (or replaced under `updateStrategy: OnDelete`) still runs
+/// while the DaemonSet's replacement starts on the node. The replacement must wait for it: one agent per node, or
+/// they overwrite each other's checkpoint and health state. And the old one's exit must not take the replacement's
+/// sockets with it, or the kubelet unregisters the live agent and wipes its slices.
+async fn a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"];
+    let mut old = agent(&ctx, &node, &gpus).await?;
+    old.process.wait_ready().await?;
+    wait_devices(&ctx, &node, 2).await?;
+
+    let replacement = start_agent(&ctx, &node, &old.dirs, &gpus)?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let ready = replacement.get("/readyz").await.is_ok_and(|(code, _)| code == 200);
+    ensure!(!ready, "the replacement went on beside the running agent:\n{}", replacement.log_tail());
+    ensure!(
+        replacement.log_text().contains("another node agent runs on this node"),
+        "the waiting replacement does not say why:\n{}",
+        replacement.log_tail()
+    );
+
+    // The old agent exits (its container stopped at last): the replacement takes over and serves the sockets.
+    let status = old.process.terminate()?;
+    ensure!(status.success(), "the old agent exited with {status}:\n{}", old.process.log_tail());
+    replacement.wait_ready().await?;
+    let kubelet = Kubelet::register(&old.dirs).await.with_context(|| {
+        format!(
+            "the kubelet cannot reach the replacement:\n{}\nold agent:\n{}",
+            replacement.log_tail(),
+            old.process.log_tail()
+        )
+    })?;
+    ensure!(kubelet.info.name == DRIVER, "{:?}", kubelet.info);
+    wait_devices(&ctx, &node, 2).await?;
     Ok(())
 }

@@ -85,6 +85,8 @@ pub struct DriverFiles {
     /// `None`: no driver files at all.
     tracked: Option<Arc<Tracked>>,
     simulated: bool,
+    /// Where the host's `/dev` is seen (`None`: at `/dev`, as the chart mounts it).
+    dev_root: Option<PathBuf>,
 }
 
 /// One driver root and the files last found under it.
@@ -114,12 +116,23 @@ impl DriverFiles {
     /// host, where they do not exist. A container given such a spec starts but cannot run CUDA. Real GPUs need
     /// [`Self::discover`].
     pub fn simulated() -> Self {
-        Self { tracked: None, simulated: true }
+        Self { tracked: None, simulated: true, dev_root: None }
     }
 
     /// Whether specs describe simulated device nodes ([`Self::simulated`], [`Self::with_simulated_devices`]).
     pub fn is_simulated(&self) -> bool {
         self.simulated
+    }
+
+    /// Whether the host has the device node `path` (`/dev/…`), looked up where the agent sees the host's `/dev`.
+    pub fn has_device_node(&self, path: &str) -> bool {
+        self.dev_root.as_deref().unwrap_or(Path::new("/")).join(path.trim_start_matches('/')).exists()
+    }
+
+    /// Device nodes are looked up under `root` instead of `/` ([`Self::has_device_node`]): for tests.
+    pub fn with_dev_root(mut self, root: &Path) -> Self {
+        self.dev_root = Some(root.to_path_buf());
+        self
     }
 
     /// The same driver files for simulated GPUs: their device nodes are described in full, as [`Self::simulated`]'s,
@@ -137,7 +150,7 @@ impl DriverFiles {
     pub fn discover(driver_root: &Path) -> Result<Self, CdiError> {
         let found = Found::discover(driver_root)?;
         let tracked = Tracked { root: driver_root.to_path_buf(), host_root: None, current: Mutex::new(found) };
-        Ok(Self { tracked: Some(Arc::new(tracked)), simulated: false })
+        Ok(Self { tracked: Some(Arc::new(tracked)), simulated: false, dev_root: None })
     }
 
     /// The same files with host paths as the container runtime sees them, when this process sees the driver root
@@ -151,7 +164,7 @@ impl DriverFiles {
             host_root: Some(host_root.to_path_buf()),
             current: Mutex::new(current),
         };
-        Self { tracked: Some(Arc::new(tracked)), simulated: self.simulated }
+        Self { tracked: Some(Arc::new(tracked)), simulated: self.simulated, dev_root: self.dev_root.clone() }
     }
 
     /// The mounts, sorted by container path, as they are now. Every call checks that the files last found are

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use container_device_interface::specs::config::Spec;
 use container_device_interface::{spec::new_spec, version::minimum_required_version};
 use serde_json::{Value, json};
+use tracing::warn;
 
 use super::{CdiError, CdiKind, DriverFiles, check_claim_uid, check_name, device_name, files::spec_file_name};
 use crate::node_agent::device::Device;
@@ -29,6 +30,12 @@ pub struct ClaimEdits {
 /// numbers simulated specs give them (see [`device_node`]).
 const SHARED_DEVICE_NODES: [(&str, u32, u32); 3] =
     [("/dev/nvidiactl", NVIDIA_MAJOR, 255), ("/dev/nvidia-uvm", UVM_MAJOR, 0), ("/dev/nvidia-uvm-tools", UVM_MAJOR, 1)];
+
+/// Shared nodes a container starts without. CUDA needs `/dev/nvidia-uvm`; `nvidia-smi` and monitoring agents do not,
+/// and a freshly booted node has neither until something loads the `nvidia-uvm` module (`nvidia-modprobe -u -c=0`).
+/// A spec naming a node the host lacks fails the container's creation ("failed to stat CDI host device"), so a real
+/// GPU's spec leaves a missing one out, as NVIDIA's container toolkit does, and the agent warns.
+const OPTIONAL_DEVICE_NODES: [&str; 2] = ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
 
 /// The character-device major of `/dev/nvidia<minor>` and `/dev/nvidiactl`, fixed by the NVIDIA driver.
 const NVIDIA_MAJOR: u32 = 195;
@@ -115,7 +122,7 @@ pub fn build_claim_spec_with(
     env.extend(edits.env.iter().cloned());
     let mut spec_edits = json!({
         "env": env,
-        "deviceNodes": SHARED_DEVICE_NODES.map(|(path, major, minor)| device_node(path, major, minor, driver_files)),
+        "deviceNodes": shared_device_nodes(claim_uid, driver_files),
     });
     let driver_mounts = driver_files.mounts()?;
     let mut mounts = driver_mounts
@@ -160,6 +167,29 @@ fn device_env_name(device: &str) -> String {
     format!("GPU_DRA_DEVICE_{}", device.to_ascii_uppercase().replace('-', "_"))
 }
 
+/// The shared device nodes of a claim's spec: all of them for simulated GPUs, those the host has of the optional
+/// ones for real GPUs ([`OPTIONAL_DEVICE_NODES`]).
+fn shared_device_nodes(claim_uid: &str, driver_files: &DriverFiles) -> Vec<Value> {
+    SHARED_DEVICE_NODES
+        .iter()
+        .filter(|(path, ..)| {
+            let keep = driver_files.is_simulated()
+                || !OPTIONAL_DEVICE_NODES.contains(path)
+                || driver_files.has_device_node(path);
+            if !keep {
+                warn!(
+                    claim_uid,
+                    node = path,
+                    "the host has no {path}: left out of the claim's CDI spec; CUDA fails in its containers until the \
+                     nvidia-uvm module is loaded (nvidia-modprobe -u -c=0 on the node)"
+                );
+            }
+            keep
+        })
+        .map(|(path, major, minor)| device_node(path, *major, *minor, driver_files))
+        .collect()
+}
+
 /// A device node. For real GPUs only its path: the runtime reads type and numbers from the host's node, which is
 /// always right (minors can change across reboots). Simulated GPUs have no host node, so type and numbers are given.
 fn device_node(path: &str, major: u32, minor: u32, driver_files: &DriverFiles) -> Value {
@@ -201,7 +231,7 @@ mod tests {
     }
 
     #[test]
-    fn one_device_per_gpu_and_shared_edits() -> Result<(), CdiError> {
+    fn one_device_per_gpu_and_shared_edits() -> Result<(), Box<dyn std::error::Error>> {
         let kind = CdiKind::from_driver_name("gpu.gpu-dra.dev")?;
         // Minor order and bus order differ: devices follow minors, the UUID list follows bus ids.
         let gpus = [gpu(1, "0000:3b:00.0"), gpu(0, "0000:86:00.0")];
@@ -230,12 +260,19 @@ mod tests {
             json!({ "path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255 })
         );
         assert!(edits.get("mounts").is_none());
-        // Real GPUs: the path only, the runtime reads the rest from the host's device node.
-        let real = build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default())?;
+        // Real GPUs: the path only, the runtime reads the rest from the host's device node; of the optional nodes
+        // only those the host has (here no nvidia-uvm-tools: a container naming it would not be created).
+        let dev = tempfile::tempdir()?;
+        std::fs::create_dir_all(dev.path().join("dev"))?;
+        std::fs::write(dev.path().join("dev/nvidia-uvm"), "")?;
+        let real = build_claim_spec(&kind, "abc-1", &gpus, &DriverFiles::default().with_dev_root(dev.path()))?;
         validate_claim_spec(&kind, "abc-1", &real)?;
         let real = to_json(&real);
         assert_eq!(real["devices"][1]["containerEdits"]["deviceNodes"], json!([{ "path": "/dev/nvidia1" }]));
-        assert_eq!(real["containerEdits"]["deviceNodes"][1], json!({ "path": "/dev/nvidia-uvm" }));
+        assert_eq!(
+            real["containerEdits"]["deviceNodes"],
+            json!([{ "path": "/dev/nvidiactl" }, { "path": "/dev/nvidia-uvm" }])
+        );
         assert_eq!(
             device_id(&kind, "abc-1", "gpu-0"),
             format!("{}={}", spec["kind"].as_str().unwrap_or(""), "abc-1-gpu-0")

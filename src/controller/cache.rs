@@ -407,14 +407,25 @@ fn on_pod_event(ctx: &Context, change: &Change<Pod>) {
             enqueue_unrecorded_claims(ctx, pod);
             enqueue_pod(ctx, pod, false);
         }
-        watcher::Event::Delete(pod) => {
-            if let Some(uid) = pod.metadata.uid.as_deref() {
-                ctx.caches.pod_gone(uid);
-            }
-            enqueue_pod(ctx, pod, true);
-        }
+        watcher::Event::Delete(pod) => pod_deleted(ctx, pod),
         watcher::Event::Init | watcher::Event::InitDone => {}
     }
+    // Deleted while the watch was down: handled as if the watch had shown the deletion.
+    for pod in &change.gone {
+        pod_deleted(ctx, pod);
+    }
+}
+
+/// A pod is gone: its claims are released, its records dropped. Only a pod with claims is remembered as deleted
+/// (as upstream's `enqueuePod`): the set is bounded, and a namespace of claimless pods must not crowd out the pods
+/// whose reservations it answers for.
+fn pod_deleted(ctx: &Context, pod: &Pod) {
+    if decide::has_claims(pod)
+        && let Some(uid) = pod.metadata.uid.as_deref()
+    {
+        ctx.caches.pod_gone(uid);
+    }
+    enqueue_pod(ctx, pod, true);
 }
 
 /// Enqueues the claims generated for `pod` that its status does not record: leftovers of a race with another
@@ -463,19 +474,27 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
 
 fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
     ctx.caches.claims_by_owner.apply(change);
-    let claim = match &change.event {
+    match &change.event {
         watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
             ctx.caches.observed_claim(claim);
             ctx.queue.add(WorkKey::Claim(object_key(&**claim)));
-            claim
+            enqueue_users(ctx, claim);
         }
         watcher::Event::Delete(claim) => {
             ctx.caches.observed_claim(claim);
-            claim
+            enqueue_users(ctx, claim);
         }
-        watcher::Event::Init | watcher::Event::InitDone => return,
-    };
-    // Pods using the claim may need work now: a missing claim to re-create, an allocation to reserve.
+        watcher::Event::Init | watcher::Event::InitDone => {}
+    }
+    // Deleted while the watch was down: its pods may need it created again.
+    for claim in &change.gone {
+        ctx.caches.observed_claim(claim);
+        enqueue_users(ctx, claim);
+    }
+}
+
+/// Pods using the claim may need work now: a missing claim to re-create, an allocation to reserve.
+fn enqueue_users(ctx: &Context, claim: &ResourceClaim) {
     let namespace = claim.namespace().unwrap_or_default();
     // The pods that use it: those naming it, and the pod it was generated for.
     let mut pods = ctx.caches.pods_naming_claim(&namespace, &claim.name_any());

@@ -76,6 +76,10 @@ macro_rules! cached_resource {
                     self.metadata.name.as_deref().unwrap_or_default(),
                 )
             }
+
+            fn uid(&self) -> Option<&str> {
+                self.metadata.uid.as_deref()
+            }
         }
 
         impl $crate::controller::api_object::HasMeta for $ty {

@@ -49,6 +49,12 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
 
 fn on_event(ctx: &Context, change: &Change<PodGroup>) {
     handle(ctx, &change.event);
+    if ctx.caches.groups_served() {
+        // Deleted while the watch was down: handled as if the watch had shown the deletion.
+        for group in &change.gone {
+            group_deleted(ctx, group);
+        }
+    }
 }
 
 fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
@@ -68,26 +74,28 @@ fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
             }
             enqueue_members(ctx, group);
         }
-        watcher::Event::Delete(group) => {
-            // Its reservations go now (upstream: the deleted PodGroup's claims are queued); its claims follow by
-            // the garbage collector, through their owner reference.
-            let namespace = group.namespace().unwrap_or_default();
-            if ctx.quota.forget(&WorkKey::PodGroup(object_key(&**group))) {
-                ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
-            }
-            if let Some(uid) = group.metadata.uid.as_deref() {
-                ctx.caches.group_gone(uid);
-                for key in ctx.caches.claims_by_owner.get(uid) {
-                    ctx.queue.add(WorkKey::Claim(key));
-                }
-            }
-            for name in recorded_claims(group) {
-                ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));
-            }
-            enqueue_members(ctx, group);
-        }
+        watcher::Event::Delete(group) => group_deleted(ctx, group),
         watcher::Event::Init | watcher::Event::InitDone => {}
     }
+}
+
+/// Its reservations go now (upstream: the deleted PodGroup's claims are queued); its claims follow by the garbage
+/// collector, through their owner reference.
+fn group_deleted(ctx: &Context, group: &PodGroup) {
+    let namespace = group.namespace().unwrap_or_default();
+    if ctx.quota.forget(&WorkKey::PodGroup(object_key(group))) {
+        ctx.metrics.set_waiting_for_quota(ctx.quota.waiting());
+    }
+    if let Some(uid) = group.metadata.uid.as_deref() {
+        ctx.caches.group_gone(uid);
+        for key in ctx.caches.claims_by_owner.get(uid) {
+            ctx.queue.add(WorkKey::Claim(key));
+        }
+    }
+    for name in recorded_claims(group) {
+        ctx.queue.add(WorkKey::Claim(ObjectKey::new(namespace.clone(), name)));
+    }
+    enqueue_members(ctx, group);
 }
 
 fn recorded_claims(group: &PodGroup) -> Vec<String> {

@@ -136,8 +136,10 @@ impl<K: Keyed> CacheWriter<K> {
     /// Applies one watch event, as kube's reflector does: an object shown replaces the one of its name, a relist
     /// (`Init` … `InitApply`… `InitDone`) replaces everything at once when complete, so objects deleted while the
     /// watch was down disappear and readers never see a half-listed store. The object is moved into the store, not
-    /// copied: the returned [`Change`] shares it.
+    /// copied: the returned [`Change`] shares it. Unlike kube's reflector, a completed relist also says which objects
+    /// it removed ([`Change::gone`]), as client-go's informers deliver them as deletions.
     pub fn apply_watcher_event(&mut self, event: watcher::Event<K>) -> Change<K> {
+        let mut gone = Vec::new();
         let (event, previous) = match event {
             watcher::Event::Apply(obj) => {
                 let obj = Arc::new(obj);
@@ -171,12 +173,16 @@ impl<K: Keyed> CacheWriter<K> {
                 let listed = self.relisting.take().unwrap_or_default();
                 // The old store is dropped after the lock is released.
                 let old = std::mem::replace(&mut *self.write(), listed);
+                // Only after the first list: a restarted watch's list, not the informer's start.
+                if *self.ready.borrow() {
+                    gone = removed_by_relist(&old, &self.objects.read().unwrap_or_else(PoisonError::into_inner));
+                }
                 drop(old);
                 self.ready.send_replace(true);
                 (watcher::Event::InitDone, None)
             }
         };
-        Change { event, previous }
+        Change { event, previous, gone }
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
@@ -188,10 +194,32 @@ impl<K: Keyed> CacheWriter<K> {
 /// copied). `previous` is the object the store held under that name before an `Apply` or `Delete` (or, for an
 /// `InitApply`, the one the same relist showed earlier), so an index can drop exactly the keys it filed that object
 /// under.
+///
+/// `gone` lists, for an `InitDone` after a restarted watch, the objects the relist no longer shows: deleted while the
+/// watch was down (an API server restarting or rolling, a watch expired with 410 Gone), or deleted and created
+/// again under the same name (a StatefulSet's replaced pod: another UID). client-go hands them to the deletion
+/// handlers (`DeletedFinalStateUnknown`); without them a controller never learns that a pod whose claim it
+/// reserved is gone.
 #[derive(Debug)]
 pub struct Change<K> {
     pub event: watcher::Event<Arc<K>>,
     pub previous: Option<Arc<K>>,
+    pub gone: Vec<Arc<K>>,
+}
+
+/// The objects of `old` that `new` does not hold: not under their name, or under it with another UID.
+fn removed_by_relist<K: Keyed>(old: &Objects<K>, new: &Objects<K>) -> Vec<Arc<K>> {
+    let mut gone = Vec::new();
+    for (namespace, names) in old {
+        let listed = new.get(namespace);
+        for named in names {
+            let now = listed.and_then(|names| names.get(named.name()));
+            if now.is_none_or(|now| now.0.uid() != named.0.uid()) {
+                gone.push(named.0.clone());
+            }
+        }
+    }
+    gone
 }
 
 /// Feeds every event a watch yields into `writer` before passing it on (`stream.map(feed(writer))`), as kube's
@@ -227,15 +255,21 @@ fn cached<W: IntoCached>(event: watcher::Event<W>) -> watcher::Event<W::Cached> 
     }
 }
 
-/// What the store and the indexes file an object under: its namespace (`""` for cluster-scoped objects) and name.
+/// What the store and the indexes file an object under: its namespace (`""` for cluster-scoped objects) and name;
+/// and its UID, which tells an object from another of the same name.
 pub trait Keyed {
     fn key(&self) -> (&str, &str);
+    fn uid(&self) -> Option<&str>;
 }
 
 impl<K: Resource> Keyed for K {
     fn key(&self) -> (&str, &str) {
         let meta = self.meta();
         (meta.namespace.as_deref().unwrap_or_default(), meta.name.as_deref().unwrap_or_default())
+    }
+
+    fn uid(&self) -> Option<&str> {
+        self.meta().uid.as_deref()
     }
 }
 
@@ -314,6 +348,41 @@ mod tests {
         names.sort();
         assert_eq!(names, ["kept", "new"]);
         assert_eq!(version(&cache, "a", "kept"), Some("5".into()));
+    }
+
+    fn with_uid(mut object: ConfigMap, uid: &str) -> ConfigMap {
+        object.metadata.uid = Some(uid.into());
+        object
+    }
+
+    fn names(objects: &[Arc<ConfigMap>]) -> Vec<String> {
+        let mut names: Vec<_> = objects.iter().filter_map(|o| o.metadata.name.clone()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_relist_after_the_first_says_what_it_removed() {
+        let mut writer = CacheWriter::new();
+        writer.apply_watcher_event(watcher::Event::Init);
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "1"), "u1")));
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "deleted", "1"), "u2")));
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("b", "replaced", "1"), "u3")));
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("c", "alone", "1"), "u4")));
+        let first = writer.apply_watcher_event(watcher::Event::InitDone);
+        assert!(first.gone.is_empty(), "the informer's first list removes nothing");
+
+        writer.apply_watcher_event(watcher::Event::Init);
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "5"), "u1")));
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("b", "replaced", "6"), "u9")));
+        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("d", "new", "7"), "u5")));
+        let relist = writer.apply_watcher_event(watcher::Event::InitDone);
+        assert_eq!(names(&relist.gone), ["alone", "deleted", "replaced"]);
+        let replaced = relist.gone.iter().find(|o| o.metadata.name.as_deref() == Some("replaced"));
+        assert_eq!(replaced.and_then(|o| o.metadata.uid.as_deref()), Some("u3"), "the old object, with its UID");
+
+        let applied = writer.apply_watcher_event(watcher::Event::Apply(with_uid(object("a", "kept", "8"), "u1")));
+        assert!(applied.gone.is_empty(), "only a relist removes objects this way");
     }
 
     #[tokio::test]

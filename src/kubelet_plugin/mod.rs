@@ -15,6 +15,7 @@
 
 pub mod allocation;
 mod authority;
+pub mod call_order;
 pub mod checkpoint;
 pub mod config;
 pub mod group_commit;
@@ -56,6 +57,7 @@ pub fn serve(
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, SocketError> {
     let dra_listener = socket::bind(&paths.dra)?;
+    let dra_bound = socket::identity(&paths.dra);
     let service = DraService { state: state.clone() };
     let dra = Server::builder()
         .add_service(DraV1Server::new(service.clone()))
@@ -71,10 +73,11 @@ pub fn serve(
         Ok(listener) => listener,
         Err(e) => {
             dra.abort();
-            remove_socket(&paths.dra);
+            remove_socket(&paths.dra, dra_bound);
             return Err(e);
         }
     };
+    let registration_bound = socket::identity(&paths.registration);
     let registration =
         RegistrationService { driver, dra_socket: paths.dra.clone(), registered: state.metrics().registered.clone() };
     let registration = Server::builder()
@@ -90,13 +93,23 @@ pub fn serve(
                 Err(e) => warn!(error = %e, "the {name} server task failed"),
             }
         }
-        remove_socket(&paths.registration);
-        remove_socket(&paths.dra);
+        remove_socket(&paths.registration, registration_bound);
+        remove_socket(&paths.dra, dra_bound);
         info!("plugin sockets removed");
     }))
 }
 
-fn remove_socket(path: &std::path::Path) {
+/// Removes the socket this agent bound at `path`; one another agent bound there since (same path, another file) is
+/// left alone: removed, the kubelet would unregister that agent.
+fn remove_socket(path: &std::path::Path, bound: Option<socket::Identity>) {
+    let now = socket::identity(path);
+    if now.is_none() {
+        return;
+    }
+    if bound.is_none() || now != bound {
+        warn!(socket = %path.display(), "the socket is no longer the one this agent bound: leaving it");
+        return;
+    }
     if let Err(e) = crate::fsutil::remove_if_exists(path) {
         warn!(socket = %path.display(), error = %e, "removing the socket failed");
     }

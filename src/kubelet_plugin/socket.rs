@@ -86,6 +86,15 @@ pub fn bind(path: &Path) -> Result<UnixListener, SocketError> {
     UnixListener::bind(path).map_err(|source| SocketError::Bind { path: path.to_owned(), source })
 }
 
+/// Which file a path names (device and inode): a socket bound again at the same path is another file.
+pub type Identity = (u64, u64);
+
+/// The identity of the file at `path`, if there is one.
+pub fn identity(path: &Path) -> Option<Identity> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|meta| (meta.dev(), meta.ino()))
+}
+
 /// A gRPC channel to the unix socket at `path` (what the kubelet does; also the health check and the tests).
 pub async fn dial(path: &Path) -> Result<Channel, tonic::transport::Error> {
     let path = path.to_owned();

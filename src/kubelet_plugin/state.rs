@@ -25,6 +25,7 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::allocation::{self, ClaimRef, Inventory, PlannedDevice};
+use super::call_order::{CallOrder, Ticket};
 use super::checkpoint::{
     Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
 };
@@ -118,8 +119,10 @@ pub struct DriverState {
     mps: MpsDaemons,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
-    prepares: Queue<(ClaimRef, Plan), Vec<PreparedDevice>>,
+    prepares: Queue<Asked, Vec<PreparedDevice>>,
     unprepares: Queue<ClaimRef, ()>,
+    /// Which unprepare overtook which prepare ([`super::call_order`]).
+    order: CallOrder,
     metrics: PluginMetrics,
 }
 
@@ -169,6 +172,7 @@ impl DriverState {
             checkpoint: Mutex::new(loaded.checkpoint),
             prepares: Queue::new(metrics.waiting(Operation::Prepare)),
             unprepares: Queue::new(metrics.waiting(Operation::Unprepare)),
+            order: CallOrder::default(),
             metrics,
         });
         let mut recovery = Recovery::default();
@@ -225,6 +229,8 @@ impl DriverState {
     /// Prepares each claim; one claim's refusal never affects another's answer (a failed checkpoint save fails every
     /// claim of its batch: see [`group_commit`](super::group_commit)).
     pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+        // Taken first: an unprepare of one of these claims done from here on overtakes this call (see `call_order`).
+        let tickets: Vec<Ticket> = claims.iter().map(|_| self.order.arrive()).collect();
         let inventory = self.inventory.borrow().clone();
         // Under the lock, so on a blocking thread: an async thread waiting for a long prepare would stall every
         // other call and the health checks with it.
@@ -234,21 +240,22 @@ impl DriverState {
             tokio::task::spawn_blocking(move || uids.iter().map(|uid| this.already_prepared(uid)).collect())
                 .await
                 .unwrap_or_else(|_| vec![None; claims.len()]);
-        let reads = futures::future::join_all(claims.into_iter().zip(done).map(|(claim, done)| {
-            let inventory = inventory.clone();
-            async move {
-                if let Some(devices) = done {
-                    return (claim, Plan::Done(devices));
+        let reads =
+            futures::future::join_all(claims.into_iter().zip(done).zip(tickets).map(|((claim, done), ticket)| {
+                let inventory = inventory.clone();
+                async move {
+                    if let Some(devices) = done {
+                        return Asked { claim, plan: Plan::Done(devices), ticket };
+                    }
+                    let plan = match self.read_claim(&claim).await {
+                        Ok(object) => allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory),
+                        Err(error) => Err(error),
+                    };
+                    Asked { claim, plan: Plan::Todo(plan), ticket }
                 }
-                let plan = match self.read_claim(&claim).await {
-                    Ok(object) => allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory),
-                    Err(error) => Err(error),
-                };
-                (claim, Plan::Todo(plan))
-            }
-        }))
-        .await;
-        let uids: Vec<String> = reads.iter().map(|(c, _)| c.uid.clone()).collect();
+            }))
+            .await;
+        let uids: Vec<String> = reads.iter().map(|a| a.claim.uid.clone()).collect();
         let answer = self.prepares.join(reads);
         let this = self.clone();
         // This call's work may be done by another call's task, or this task may do others': see group_commit.
@@ -334,16 +341,21 @@ impl DriverState {
 
     /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
     /// then one save records them completed.
-    fn prepare_planned(
-        &self,
-        checkpoint: &mut Checkpoint,
-        reads: Vec<(ClaimRef, Plan)>,
-    ) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+    fn prepare_planned(&self, checkpoint: &mut Checkpoint, reads: Vec<Asked>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         let mut results = Vec::with_capacity(reads.len());
         let mut todo: Vec<Todo> = Vec::new();
         let mut newly_listed = Vec::new();
         let mut newly_exclusive = Vec::new();
-        for (claim, plan) in reads {
+        for Asked { claim, plan, ticket } in reads {
+            if ticket.overtaken(&claim.uid) {
+                // Its unprepare is done: preparing it now would leave it prepared for nobody (see `call_order`).
+                let reason = format!(
+                    "claim {claim} was unprepared after this prepare was asked; not prepared (ask again to prepare it)"
+                );
+                warn!(claim = %claim, uid = %claim.uid, "refusing a prepare its claim's unprepare overtook");
+                results.push((claim.uid, Err(reason)));
+                continue;
+            }
             let planned = match plan {
                 Plan::Done(devices) => {
                     // Still prepared under the lock? An unprepare may have run since the look before the API read.
@@ -524,6 +536,8 @@ impl DriverState {
         let mut results = Vec::with_capacity(claims.len());
         let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
         for claim in claims {
+            // Whatever comes of it: a prepare asked before it must not be done after it (see `call_order`).
+            self.order.unprepared(&claim.uid);
             if !checkpoint.claims.contains_key(&claim.uid) {
                 results.push((claim.uid, Ok(())));
                 continue;
@@ -806,13 +820,22 @@ impl DriverState {
     }
 }
 
-impl super::group_commit::ForClaim for (ClaimRef, Plan) {
+/// A claim a prepare call asked for, planned, waiting for the state lock with the call's place in the order.
+#[derive(Debug)]
+struct Asked {
+    claim: ClaimRef,
+    plan: Plan,
+    /// Travels with the work, not the call: a call the kubelet gave up on (dropped) leaves its work queued.
+    ticket: Ticket,
+}
+
+impl super::group_commit::ForClaim for Asked {
     fn uid(&self) -> &str {
-        &self.0.uid
+        &self.claim.uid
     }
 
     fn usable(&self) -> bool {
-        !matches!(self.1, Plan::Todo(Err(_)))
+        !matches!(self.plan, Plan::Todo(Err(_)))
     }
 }
 

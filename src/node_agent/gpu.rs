@@ -22,6 +22,9 @@ pub struct Gpu {
     /// The PCIe root complex the GPU sits under (`pci0000:3a`), as sysfs shows it ([`pcie_root`]); `None` when
     /// sysfs does not show the device.
     pub pcie_root: Option<String>,
+    /// The NUMA node the GPU is attached to, as sysfs shows it ([`numa_node`]); `None` when sysfs does not show one
+    /// (no NUMA affinity, or no sysfs).
+    pub numa_node: Option<i64>,
     pub memory_bytes: u64,
     /// MIG mode is on: the GPU is published as its MIG devices, never whole (CUDA cannot use a GPU in MIG mode
     /// whole).
@@ -79,6 +82,7 @@ pub(crate) fn test_gpu(minor: u32, bus: &str) -> Gpu {
         cuda_driver_version: "12.4".into(),
         pci_bus_id: bus.into(),
         pcie_root: None,
+        numa_node: None,
         memory_bytes: 80 << 30,
         mig_enabled: false,
         mig_devices: Vec::new(),
@@ -126,6 +130,27 @@ pub fn pcie_root(sysfs: &std::path::Path, bus_id: &str) -> Option<String> {
     pcie_root_of_link(&target, bus_id)
 }
 
+/// The NUMA node of the PCI device `bus_id`, for the standard `resource.kubernetes.io/numaNode` attribute, read as
+/// Kubernetes' own helper reads it (k8s.io/dynamic-resource-allocation `deviceattribute.
+/// GetNUMANodeAttributeByPCIBusID`, scalar form): `<sysfs>/bus/pci/devices/<bus_id>/numa_node`. A `matchAttribute`
+/// on it puts a GPU beside the CPUs and memory (another driver's devices) of its own node. `None` for a device
+/// with no NUMA affinity (the kernel's `-1`: published, it would match every other such device), a node number
+/// the kernel cannot have (1,024 or more), or anything unreadable.
+pub fn numa_node(sysfs: &std::path::Path, bus_id: &str) -> Option<i64> {
+    if !is_standard_bdf(bus_id) {
+        return None;
+    }
+    let text = std::fs::read_to_string(sysfs.join("bus/pci/devices").join(bus_id).join("numa_node")).ok()?;
+    numa_node_of(&text)
+}
+
+/// [`numa_node`] from the file's text.
+fn numa_node_of(text: &str) -> Option<i64> {
+    const MAX_NUMA_NODES: i64 = 1024;
+    let node: i64 = text.trim().parse().ok()?;
+    (0..MAX_NUMA_NODES).contains(&node).then_some(node)
+}
+
 /// [`pcie_root`] from the link's target: relative to `bus/pci/devices`, it must lead into `devices/pci…` of the
 /// same sysfs and end at the device itself (the upstream helper's checks).
 fn pcie_root_of_link(target: &std::path::Path, bus_id: &str) -> Option<String> {
@@ -156,6 +181,21 @@ fn pcie_root_of_link(target: &std::path::Path, bus_id: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numa_nodes_as_sysfs_writes_them() {
+        for (text, expected) in [
+            ("0\n", Some(0)),
+            ("3", Some(3)),
+            ("1023\n", Some(1023)),
+            ("-1\n", None),
+            ("1024", None),
+            ("", None),
+            ("node0", None),
+        ] {
+            assert_eq!(numa_node_of(text), expected, "{text:?}");
+        }
+    }
 
     #[test]
     fn versions() {

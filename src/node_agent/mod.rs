@@ -20,6 +20,7 @@ pub mod gpu;
 pub mod gpu_check;
 pub mod gpu_settings;
 pub mod health;
+pub mod instance_lock;
 pub mod mig;
 pub mod mps_control;
 pub mod mps_stand_in;
@@ -76,6 +77,8 @@ pub enum NodeAgentError {
     Sockets(#[from] SocketError),
     #[error("install the signal handler: {0}")]
     Signal(#[source] std::io::Error),
+    #[error(transparent)]
+    Lock(#[from] instance_lock::LockError),
     #[error("find this program, to run it as the simulated MPS control daemon: {0}")]
     MpsProgram(#[source] std::io::Error),
 }
@@ -92,6 +95,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if !is_dns_subdomain(&gpu.driver_name) {
         return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
+    let stop = CancellationToken::new();
+    crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
+    // Before any state is read or socket bound: another agent on this node must be gone first.
+    let Some(_lock) = instance_lock::acquire(&args.state_dir, &stop).await? else {
+        info!("stopped while waiting for the other node agent");
+        return Ok(());
+    };
     let boot_id = crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file);
     let discovery = discovery::backend(gpu, &node, Some((&args.state_dir, &boot_id)))?;
     let settings = PluginSettings {
@@ -116,8 +126,6 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     // starting many pods at once must not wait behind the agent's own budget (the kubelet paces those calls).
     let unlimited = crate::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: 0 };
     let plugin_client = crate::kube_client::client_from_config(config, &unlimited).map_err(NodeAgentError::Client)?;
-    let stop = CancellationToken::new();
-    crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
 
     let mut registry = Registry::default();
     registry.register_collector(Box::new(ProcessCollector));

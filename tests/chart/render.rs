@@ -200,8 +200,12 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         "device-plugin nodes not excluded from every term: {terms:?}"
     );
     if !all_on {
+        // GPU nodes by NFD's label or by the GPU Operator's: either term, each without the device plugin.
+        let keys: Vec<&Value> = terms.iter().map(|t| &t["matchExpressions"][0]["key"]).collect();
         ensure!(
-            pod["nodeSelector"] == json!({"feature.node.kubernetes.io/pci-10de.present": "true"})
+            keys == [&json!("feature.node.kubernetes.io/pci-10de.present"), &json!("nvidia.com/gpu.present")]
+                && terms.iter().all(|t| t["matchExpressions"][0]["values"] == json!(["true"]))
+                && pod.get("nodeSelector").is_none_or(|s| s == &json!({}))
                 && container["securityContext"]["privileged"] == true,
             "node agent defaults: {pod}"
         );

@@ -209,6 +209,9 @@ const TOPOLOGY: [(&str, &str, &str); 4] = [
     ("0000:30:00.0", "../../../devices/pci0000:26/0000:26:01.0/0000:27:04.0/0000:30:00.0", "pci0000:26"),
 ];
 const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
+/// The NUMA node each GPU of [`TOPOLOGY`] is attached to in the test's sysfs (`None`: the kernel's -1).
+const NUMA: [Option<i64>; 4] = [Some(0), Some(0), Some(1), None];
+const NUMA_NODE: &str = "resource.kubernetes.io/numaNode";
 
 /// Devices asked to share a PCIe root complex (`matchAttribute: resource.kubernetes.io/pcieRoot`), as a training job
 /// asks for GPUs that talk peer to peer, or a GPU with the RDMA NIC beside it (GPUDirect): the agent reads each
@@ -217,7 +220,9 @@ const PCIE_ROOT: &str = "resource.kubernetes.io/pcieRoot";
 /// `pci0000:16` and 2-3 under `pci0000:26`: each GPU publishes its root; a pod asking for two GPUs of one root gets
 /// 0-1 or 2-3 and is prepared; a pod asking for a GPU and a NIC of one root (another driver's slice with a NIC under
 /// each root, as dranet publishes them) gets a GPU under its NIC's root. Before, the agent published the GPU's own
-/// bus as its root (`pci0000:18`): no two devices matched, and both pods stayed unschedulable.
+/// bus as its root (`pci0000:18`): no two devices matched, and both pods stayed unschedulable. Each GPU also
+/// publishes the NUMA node sysfs gives it (`resource.kubernetes.io/numaNode`, none for a GPU without affinity), and
+/// the GPU and NIC pair is asked to share that too (as a GPU is paired with CPUs of its own node).
 pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -225,8 +230,13 @@ pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_
     let sysfs = tempfile::Builder::new().prefix("gd-sysfs-").tempdir_in("/tmp")?;
     let devices_dir = sysfs.path().join("bus/pci/devices");
     std::fs::create_dir_all(&devices_dir)?;
-    for (bus, link, _) in TOPOLOGY {
+    for (i, (bus, link, _)) in TOPOLOGY.iter().enumerate() {
         std::os::unix::fs::symlink(link, devices_dir.join(bus))?;
+        // NUMA nodes as the kernel writes them: 0 under the first root, 1 under the second, and none (-1) for the
+        // last GPU (a machine whose firmware gives it no affinity).
+        let device = devices_dir.join(link);
+        std::fs::create_dir_all(&device)?;
+        std::fs::write(device.join("numa_node"), NUMA[i].map_or("-1\n".to_string(), |n| format!("{n}\n")))?;
     }
     let sysfs_root = sysfs.path().to_string_lossy().into_owned();
     let node = bed.add_node_with(&ctx, "4xH100-80GB", &["--sysfs-root", &sysfs_root]).await?;
@@ -234,9 +244,13 @@ pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_
         Ok((objects::published_devices(&ctx.client, &node).await?.len() == 4).then_some(()))
     })
     .await?;
+    let devices = objects::published_devices(&ctx.client, &node).await?;
     for (i, (_, _, root)) in TOPOLOGY.iter().enumerate() {
         let published = attribute(&ctx, &node, &format!("gpu-{i}"), PCIE_ROOT).await?;
         ensure!(published == *root, "gpu-{i} publishes root {published}, its sysfs says {root}");
+        let device = devices.iter().find(|d| d.name == format!("gpu-{i}")).context("device not published")?;
+        let numa = device.attributes.as_ref().and_then(|a| a.get(NUMA_NODE)).and_then(|a| a.int);
+        ensure!(numa == NUMA[i], "gpu-{i} publishes NUMA node {numa:?}, its sysfs says {:?}", NUMA[i]);
     }
     let same_root = json!([{"matchAttribute": PCIE_ROOT}]);
 
@@ -261,7 +275,10 @@ pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_
     let nic_driver = "nic.e2e.gpu-dra.dev";
     let nics: Vec<Value> = [("nic-0", "pci0000:16"), ("nic-1", "pci0000:26")]
         .iter()
-        .map(|(name, root)| json!({"name": name, "attributes": {PCIE_ROOT: {"string": root}}}))
+        .map(|(name, root)| {
+            let numa = if *root == "pci0000:16" { 0 } else { 1 };
+            json!({"name": name, "attributes": {PCIE_ROOT: {"string": root}, NUMA_NODE: {"int": numa}}})
+        })
         .collect();
     let slice: ResourceSlice = serde_json::from_value(json!({
         "metadata": {"name": format!("{node}-nics")},
@@ -279,7 +296,9 @@ pub(super) async fn gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_
         {"name": "gpu", "exactly": {"deviceClassName": bed.class}},
         {"name": "nic", "exactly": {"deviceClassName": nic_class}},
     ]);
-    let spec = json!({"spec": {"devices": {"requests": requests, "constraints": same_root}}});
+    // Beside each other on the bus and on one NUMA node (as a GPU and the CPUs feeding it are asked for).
+    let together = json!([{"matchAttribute": PCIE_ROOT}, {"matchAttribute": NUMA_NODE}]);
+    let spec = json!({"spec": {"devices": {"requests": requests, "constraints": together}}});
     objects::create_template(&ctx, "gpu-and-nic", spec).await?;
     objects::pods(&ctx).create(&PostParams::default(), &bed.pod_on(&ctx, "gpudirect", &node, "gpu-and-nic")?).await?;
     // Only the allocation is ours to check: no NIC driver prepares the NIC on this node.

@@ -1,7 +1,9 @@
-//! A reverse proxy in front of the test cluster's real API server that garbles chosen answers: how a component
-//! behaves when the server did what was asked but the answer cannot be decoded (a proxy or load balancer in the path
-//! mangling a body, a server answering with another version's shape). Everything else passes through unchanged,
-//! watches streamed. The component under test talks plain HTTP to the proxy (a kubeconfig of its own); the proxy
+//! A reverse proxy in front of the test cluster's real API server that garbles or holds chosen requests: how a
+//! component behaves when the server did what was asked but the answer cannot be decoded (a proxy or load balancer in
+//! the path mangling a body, a server answering with another version's shape), and when one request takes as long
+//! as the test wants (a slow or restarting API server), with everything else going on; and watches it ends and
+//! answers as a restarted API server does (410 Gone: the client must list again). Everything else passes through
+//! unchanged, watches streamed. The component under test talks plain HTTP to the proxy (a kubeconfig of its own); the proxy
 //! talks to the API server with the test's admin client.
 
 use std::net::SocketAddr;
@@ -13,6 +15,7 @@ use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::response::{IntoResponse, Response};
 use http::{Method, StatusCode, header};
+use serde_json::json;
 
 /// The body a garbled answer carries: JSON, but not the object that was asked for.
 pub const GARBLED: &str = r#"{"kind": 7, "metadata": "garbled by the test's proxy"}"#;
@@ -26,10 +29,31 @@ struct Garble {
     garbled: usize,
 }
 
+/// Requests to hold: of `method`, whose path ends with `path_suffix`, until `gate` is closed.
+#[derive(Debug, Default)]
+struct Hold {
+    method: Option<Method>,
+    path_suffix: String,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+    held: usize,
+}
+
+/// Watches to end and expire: on paths ending with `path_suffix`, held until `gate` is closed, then told 410 Gone.
+#[derive(Debug, Default)]
+struct Expire {
+    path_suffix: Option<String>,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+    held: usize,
+}
+
 #[derive(Clone)]
 struct Shared {
     client: kube::Client,
     garble: Arc<Mutex<Garble>>,
+    hold: Arc<Mutex<Hold>>,
+    expire: Arc<Mutex<Expire>>,
+    /// Each cut: the path suffix of the watches it ends.
+    cut: Arc<tokio::sync::watch::Sender<String>>,
 }
 
 /// The running proxy; stops when dropped.
@@ -37,6 +61,9 @@ struct Shared {
 pub struct ApiProxy {
     kubeconfig: PathBuf,
     garble: Arc<Mutex<Garble>>,
+    hold: Arc<Mutex<Hold>>,
+    expire: Arc<Mutex<Expire>>,
+    cut: Arc<tokio::sync::watch::Sender<String>>,
     task: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
@@ -47,7 +74,11 @@ impl ApiProxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let address: SocketAddr = listener.local_addr()?;
         let garble = Arc::new(Mutex::new(Garble::default()));
-        let shared = Shared { client, garble: garble.clone() };
+        let hold = Arc::new(Mutex::new(Hold::default()));
+        let expire = Arc::new(Mutex::new(Expire::default()));
+        let cut = Arc::new(tokio::sync::watch::Sender::new(String::new()));
+        let shared =
+            Shared { client, garble: garble.clone(), hold: hold.clone(), expire: expire.clone(), cut: cut.clone() };
         let app = axum::Router::new().fallback(forward).with_state(shared);
         let task = tokio::spawn(async move {
             if let Err(err) = axum::serve(listener, app).await {
@@ -57,7 +88,7 @@ impl ApiProxy {
         let dir = tempfile::tempdir()?;
         let kubeconfig = dir.path().join("kubeconfig");
         std::fs::write(&kubeconfig, kubeconfig_text(address)).context("write the proxy's kubeconfig")?;
-        Ok(Self { kubeconfig, garble, task, _dir: dir })
+        Ok(Self { kubeconfig, garble, hold, expire, cut, task, _dir: dir })
     }
 
     /// A kubeconfig naming the proxy (plain HTTP, no credentials: the proxy authenticates upstream).
@@ -76,10 +107,66 @@ impl ApiProxy {
     pub fn garbled(&self) -> usize {
         self.garble.lock().unwrap_or_else(PoisonError::into_inner).garbled
     }
+
+    /// Holds every request of `method` whose path ends with `path_suffix` from now on, before it reaches the server,
+    /// until [`Self::release`] (or the proxy's end).
+    pub fn hold(&self, method: Method, path_suffix: &str) {
+        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
+        *hold = Hold {
+            method: Some(method),
+            path_suffix: path_suffix.to_string(),
+            gate: Some(Arc::new(tokio::sync::Semaphore::new(0))),
+            held: 0,
+        };
+    }
+
+    /// How many requests were held since the last [`Self::hold`] (released ones included).
+    pub fn held(&self) -> usize {
+        self.hold.lock().unwrap_or_else(PoisonError::into_inner).held
+    }
+
+    /// Lets the held requests (and any later ones) through.
+    pub fn release(&self) {
+        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(gate) = hold.gate.take() {
+            gate.close();
+        }
+        hold.method = None;
+    }
+
+    /// Ends the open watches on paths ending with `path_suffix` and holds the watches that follow on such paths, as
+    /// while an API server restarts; [`Self::expire_held_watches`] then answers them as the restarted server does.
+    pub fn cut_watches(&self, path_suffix: &str) {
+        let mut expire = self.expire.lock().unwrap_or_else(PoisonError::into_inner);
+        *expire = Expire {
+            path_suffix: Some(path_suffix.to_string()),
+            gate: Some(Arc::new(tokio::sync::Semaphore::new(0))),
+            held: 0,
+        };
+        self.cut.send_replace(path_suffix.to_string());
+    }
+
+    /// How many watches were held since the last [`Self::cut_watches`].
+    pub fn held_watches(&self) -> usize {
+        self.expire.lock().unwrap_or_else(PoisonError::into_inner).held
+    }
+
+    /// Answers the held watches that their resource version is too old (a watch event of type ERROR, code 410, as
+    /// the API server sends once the version left its watch cache, e.g. after a restart): the client lists again.
+    /// Later watches pass through.
+    pub fn expire_held_watches(&self) {
+        let mut expire = self.expire.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(gate) = expire.gate.take() {
+            gate.close();
+        }
+        expire.path_suffix = None;
+    }
 }
 
 impl Drop for ApiProxy {
     fn drop(&mut self) {
+        self.release();
+        self.expire_held_watches();
         self.task.abort();
     }
 }
@@ -110,8 +197,70 @@ async fn forward(State(shared): State<Shared>, request: Request) -> Response {
     }
 }
 
+/// The gate this request must wait at, if it is one to hold (counting it if so).
+fn take_hold(hold: &Mutex<Hold>, method: &Method, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
+    let mut hold = hold.lock().unwrap_or_else(PoisonError::into_inner);
+    if hold.method.as_ref() != Some(method) || !path.ends_with(&hold.path_suffix) {
+        return None;
+    }
+    hold.held += 1;
+    hold.gate.clone()
+}
+
+/// Whether the request is a watch (`?watch=true`, as kube and client-go ask).
+fn is_watch(uri: &http::Uri) -> bool {
+    uri.query().is_some_and(|query| query.split('&').any(|pair| pair == "watch=true" || pair == "watch=1"))
+}
+
+/// The gate a watch on `path` must wait at before it is expired, if watches there are cut (counting it if so).
+fn take_expire(expire: &Mutex<Expire>, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
+    let mut expire = expire.lock().unwrap_or_else(PoisonError::into_inner);
+    let suffix = expire.path_suffix.as_deref()?;
+    if !path.ends_with(suffix) {
+        return None;
+    }
+    expire.held += 1;
+    expire.gate.clone()
+}
+
+/// What the API server streams to a watch from a resource version it no longer has.
+fn expired_watch() -> Response {
+    let event = json!({"type": "ERROR", "object": {
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": "too old resource version (expired by the test's proxy)", "reason": "Expired", "code": 410
+    }});
+    let mut response = Response::new(Body::from(format!("{event}\n")));
+    response.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    response
+}
+
+/// A watch's body that ends when [`ApiProxy::cut_watches`] names its path.
+fn cuttable(body: Body, path: String, cut: &tokio::sync::watch::Sender<String>) -> Body {
+    let mut cuts = cut.subscribe();
+    cuts.mark_unchanged();
+    let cut_here = async move {
+        while cuts.changed().await.is_ok() {
+            if path.ends_with(cuts.borrow_and_update().as_str()) {
+                return;
+            }
+        }
+        std::future::pending::<()>().await;
+    };
+    Body::from_stream(futures::StreamExt::take_until(body.into_data_stream(), Box::pin(cut_here)))
+}
+
 async fn forward_request(shared: &Shared, request: Request) -> anyhow::Result<Response> {
     let (parts, body) = request.into_parts();
+    if let Some(gate) = take_hold(&shared.hold, &parts.method, parts.uri.path()) {
+        // Closed on release: the wait ends with an error, which is the signal to go on.
+        let _ = gate.acquire().await;
+    }
+    let watch = is_watch(&parts.uri);
+    let request_path = parts.uri.path().to_string();
+    if watch && let Some(gate) = take_expire(&shared.expire, parts.uri.path()) {
+        let _ = gate.acquire().await;
+        return Ok(expired_watch());
+    }
     let garble = take_garble(&shared.garble, &parts.method, parts.uri.path());
     let body = axum::body::to_bytes(body, usize::MAX).await?;
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -121,6 +270,10 @@ async fn forward_request(shared: &Shared, request: Request) -> anyhow::Result<Re
     }
     let answer = shared.client.send(upstream.body(kube::client::Body::from(body.to_vec()))?).await?;
     let (mut parts, body) = answer.into_parts();
+    if watch {
+        let body = cuttable(Body::new(body), request_path, &shared.cut);
+        return Ok(Response::from_parts(parts, body));
+    }
     if !garble {
         return Ok(Response::from_parts(parts, Body::new(body)));
     }

@@ -8,7 +8,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id, pcie_root};
+use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id, numa_node, pcie_root};
 use crate::node_agent::mig::Profile;
 
 /// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
@@ -64,6 +64,7 @@ impl Discovery for NvmlDiscovery {
             match read_gpu(&nvml, index, &driver_version, &cuda_driver_version) {
                 Ok(mut gpu) => {
                     gpu.pcie_root = pcie_root(&self.sysfs, &gpu.pci_bus_id);
+                    gpu.numa_node = numa_node(&self.sysfs, &gpu.pci_bus_id);
                     found.gpus.push(gpu);
                 }
                 // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query: it alone is out.
@@ -141,6 +142,7 @@ fn read_gpu(nvml: &Nvml, index: u32, driver_version: &str, cuda_driver_version: 
         cuda_driver_version: cuda_driver_version.to_string(),
         pci_bus_id: normalize_pci_bus_id(&query("the PCI bus id", device.pci_info())?.bus_id),
         pcie_root: None,
+        numa_node: None,
         memory_bytes: query("the memory size", device.memory_info())?.total,
         mig_enabled,
         mig_devices: Vec::new(),

@@ -10,7 +10,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, pcie_root, stable_hash};
+use crate::node_agent::gpu::{Gpu, MigDevice, numa_node, pcie_root, stable_hash};
 use crate::node_agent::mig::{self, LayoutError, Profile};
 
 /// What the simulated driver reports.
@@ -250,6 +250,7 @@ impl Discovery for Simulated {
         if let Some(sysfs) = &self.sysfs {
             for gpu in &mut gpus {
                 gpu.pcie_root = pcie_root(sysfs, &gpu.pci_bus_id);
+                gpu.numa_node = numa_node(sysfs, &gpu.pci_bus_id);
             }
         }
         let unreadable = lost
@@ -368,6 +369,7 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
         cuda_driver_version: CUDA_DRIVER_VERSION.into(),
         pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + index * 8 % 0xe0),
         pcie_root: None,
+        numa_node: None,
         memory_bytes: model.memory_gib << 30,
         mig_enabled: false,
         mig_devices: Vec::new(),

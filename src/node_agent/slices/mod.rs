@@ -146,6 +146,9 @@ fn common_attributes(gpu: &Gpu) -> Map<String, Value> {
     if let Some(root) = &gpu.pcie_root {
         string("resource.kubernetes.io/pcieRoot", root);
     }
+    if let Some(node) = gpu.numa_node {
+        attributes.insert("resource.kubernetes.io/numaNode".into(), json!({"int": node}));
+    }
     for (name, raw) in [
         ("cudaComputeCapability", &gpu.cuda_compute_capability),
         ("driverVersion", &gpu.driver_version),
@@ -301,6 +304,7 @@ mod tests {
         let mut gpu = gpus("1xH100-80GB").remove(0);
         gpu.driver_version = "535.104.05".into();
         gpu.pcie_root = Some("pci0000:16".into());
+        gpu.numa_node = Some(1);
         let d = device(&Device::whole(&gpu), Sharing::Whole);
         assert_eq!(d["name"], "gpu-0");
         assert_eq!(d["attributes"]["type"], json!({"string": "gpu"}));
@@ -309,11 +313,14 @@ mod tests {
         assert_eq!(d["attributes"]["cudaComputeCapability"], json!({"version": "9.0.0"}));
         assert_eq!(d["attributes"]["resource.kubernetes.io/pciBusID"], json!({"string": "0000:18:00.0"}));
         assert_eq!(d["attributes"]["resource.kubernetes.io/pcieRoot"], json!({"string": "pci0000:16"}));
+        assert_eq!(d["attributes"]["resource.kubernetes.io/numaNode"], json!({"int": 1}));
         assert_eq!(d["capacity"]["memory"], json!({"value": "81920Mi"}));
-        // A root sysfs does not show is left out, not guessed.
+        // A root or NUMA node sysfs does not show is left out, not guessed.
         gpu.pcie_root = None;
+        gpu.numa_node = None;
         let d = device(&Device::whole(&gpu), Sharing::Whole);
         assert!(d["attributes"].get("resource.kubernetes.io/pcieRoot").is_none(), "{d}");
+        assert!(d["attributes"].get("resource.kubernetes.io/numaNode").is_none(), "{d}");
         assert!(d["attributes"].as_object().is_some_and(|a| a.len() <= 32), "API limit: 32 attributes+capacities");
     }
 

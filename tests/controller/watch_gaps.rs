@@ -1,0 +1,88 @@
+//! The controller across a watch gap: while an API server restarts (a control-plane upgrade, a rolling restart of
+//! its replicas) the controller's watches are down, and the restarted server answers their resumption with 410 Gone
+//! (the resource version left its watch cache), so the controller lists again. What was deleted in between shows
+//! only as missing from that list. The real API server runs behind the test's proxy ([`ApiProxy`]), which ends the
+//! watches, holds their resumption while the test deletes, then expires them.
+
+use anyhow::Context as _;
+use kube::api::DeleteParams;
+use serde_json::json;
+
+use super::support::api_proxy::ApiProxy;
+use super::support::objects::{self, claim_statuses, create_pod, create_template, one_gpu};
+use super::support::process::Component;
+use super::support::{TestContext, wait};
+use super::{SETTLE, create_bound_pod, reserved, wait_recorded};
+
+/// Two replicas share a claim (`resourceClaimName`, as a Deployment's pods do); one is deleted while the pod watch is
+/// down. Its reservation must still be dropped once the controller has listed the pods again, or the claim stays
+/// reserved for a pod that no longer exists. Then a pod's generated claim is deleted while the claim watch is down:
+/// the pod must get a new one.
+pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let proxy = ApiProxy::start(ctx.client.clone()).await?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+    let ns = ctx.namespace.clone();
+    let claims = objects::claims(&ctx);
+    let pods = objects::pods(&ctx);
+
+    objects::create_claim(&ctx, "shared").await?;
+    objects::allocate(&ctx, "shared", json!([]), true).await?;
+    for replica in ["replica-a", "replica-b"] {
+        create_bound_pod(&ctx, replica, json!([{"name": "gpu", "resourceClaimName": "shared"}])).await?;
+    }
+    wait::until("the shared claim to be reserved for both replicas", SETTLE, || async {
+        let mut names = reserved(&claims.get("shared").await?);
+        names.sort();
+        Ok((names == ["replica-a", "replica-b"]).then_some(()))
+    })
+    .await?;
+
+    proxy.cut_watches(&format!("/namespaces/{ns}/pods"));
+    wait::until("the controller to watch the pods again (held)", SETTLE, || async {
+        Ok((proxy.held_watches() > 0).then_some(()))
+    })
+    .await?;
+    pods.delete("replica-a", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    wait::until("replica-a to be gone", SETTLE, || async {
+        Ok(pods.get_opt("replica-a").await?.is_none().then_some(()))
+    })
+    .await?;
+    proxy.expire_held_watches();
+    wait::until("replica-a's reservation to be dropped after the relist", SETTLE, || async {
+        Ok((reserved(&claims.get("shared").await?) == ["replica-b"]).then_some(()))
+    })
+    .await
+    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    create_pod(&ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let recorded = wait_recorded(&ctx, "trainer", 1).await?;
+    let first = claim_statuses(&recorded)[0].1.clone().context("status entry without a claim name")?;
+    proxy.cut_watches(&format!("/namespaces/{ns}/resourceclaims"));
+    wait::until("the controller to watch the claims again (held)", SETTLE, || async {
+        Ok((proxy.held_watches() > 0).then_some(()))
+    })
+    .await?;
+    claims.delete(&first, &DeleteParams::default()).await?;
+    wait::until("the trainer's claim to be gone", SETTLE, || async {
+        Ok(claims.get_opt(&first).await?.is_none().then_some(()))
+    })
+    .await?;
+    proxy.expire_held_watches();
+    let second = wait::until("the trainer to get a new claim after the relist", SETTLE, || async {
+        let pod = pods.get("trainer").await?;
+        let name = claim_statuses(&pod).first().and_then(|s| s.1.clone()).filter(|n| *n != first);
+        Ok(match name {
+            Some(name) => claims.get_opt(&name).await?.map(|_| name),
+            None => None,
+        })
+    })
+    .await
+    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    eprintln!("after the relists: replica-a's reservation dropped; claim {first} replaced by {second}");
+    Ok(())
+}
