@@ -383,8 +383,10 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     let recorded: BTreeSet<String> = state.claims.keys().map(|uid| format!("{DRIVER}-gpu_{uid}.json")).collect();
     let on_disk: BTreeSet<String> = dirs.cdi_specs()?.into_iter().collect();
     ensure!(recorded == on_disk, "checkpoint {recorded:?} vs specs {on_disk:?}");
-    let state_files: Vec<_> = std::fs::read_dir(dirs.state())?.flatten().map(|e| e.file_name()).collect();
-    ensure!(state_files == ["checkpoint.json"], "state dir after restart: {state_files:?}");
+    // No temporary file left; the killed agent's lock file is the new agent's now (the kernel dropped the lock).
+    let mut state_files: Vec<_> = std::fs::read_dir(dirs.state())?.flatten().map(|e| e.file_name()).collect();
+    state_files.sort();
+    ensure!(state_files == ["agent.lock", "checkpoint.json"], "state dir after restart: {state_files:?}");
 
     let mut kubelet = Kubelet::register(&dirs).await?;
     let refs: Vec<(&str, &str, &str)> = claims.iter().map(|(n, u)| (ns.as_str(), n.as_str(), u.as_str())).collect();

@@ -401,19 +401,26 @@ fn on_pod_event(ctx: &Context, change: &Change<Pod>) {
     ctx.caches.pods_by_group.apply(change);
     ctx.caches.pods_by_template.apply(change);
     match &change.event {
-        watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
-            ctx.foreign.inspect_pod(ctx, pod);
-            ctx.caches.observed_pod(pod);
-            enqueue_unrecorded_claims(ctx, pod);
-            enqueue_pod(ctx, pod, false);
-        }
+        watcher::Event::Apply(pod) => pod_shown(ctx, pod),
+        watcher::Event::InitApply(pod) if !change.deferred => pod_shown(ctx, pod),
         watcher::Event::Delete(pod) => pod_deleted(ctx, pod),
-        watcher::Event::Init | watcher::Event::InitDone => {}
+        watcher::Event::InitApply(_) | watcher::Event::Init | watcher::Event::InitDone => {}
     }
-    // Deleted while the watch was down: handled as if the watch had shown the deletion.
+    // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
     for pod in &change.gone {
         pod_deleted(ctx, pod);
     }
+    for pod in &change.listed {
+        pod_shown(ctx, pod);
+    }
+}
+
+/// A pod as the store now shows it: its claims may need work.
+fn pod_shown(ctx: &Context, pod: &Pod) {
+    ctx.foreign.inspect_pod(ctx, pod);
+    ctx.caches.observed_pod(pod);
+    enqueue_unrecorded_claims(ctx, pod);
+    enqueue_pod(ctx, pod, false);
 }
 
 /// A pod is gone: its claims are released, its records dropped. Only a pod with claims is remembered as deleted
@@ -475,22 +482,30 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
 fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
     ctx.caches.claims_by_owner.apply(change);
     match &change.event {
-        watcher::Event::Apply(claim) | watcher::Event::InitApply(claim) => {
-            ctx.caches.observed_claim(claim);
-            ctx.queue.add(WorkKey::Claim(object_key(&**claim)));
-            enqueue_users(ctx, claim);
-        }
-        watcher::Event::Delete(claim) => {
-            ctx.caches.observed_claim(claim);
-            enqueue_users(ctx, claim);
-        }
-        watcher::Event::Init | watcher::Event::InitDone => {}
+        watcher::Event::Apply(claim) => claim_shown(ctx, claim),
+        watcher::Event::InitApply(claim) if !change.deferred => claim_shown(ctx, claim),
+        watcher::Event::Delete(claim) => claim_deleted(ctx, claim),
+        watcher::Event::InitApply(_) | watcher::Event::Init | watcher::Event::InitDone => {}
     }
-    // Deleted while the watch was down: its pods may need it created again.
+    // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
     for claim in &change.gone {
-        ctx.caches.observed_claim(claim);
-        enqueue_users(ctx, claim);
+        claim_deleted(ctx, claim);
     }
+    for claim in &change.listed {
+        claim_shown(ctx, claim);
+    }
+}
+
+fn claim_shown(ctx: &Context, claim: &ResourceClaim) {
+    ctx.caches.observed_claim(claim);
+    ctx.queue.add(WorkKey::Claim(object_key(claim)));
+    enqueue_users(ctx, claim);
+}
+
+/// Its pods may need it created again.
+fn claim_deleted(ctx: &Context, claim: &ResourceClaim) {
+    ctx.caches.observed_claim(claim);
+    enqueue_users(ctx, claim);
 }
 
 /// Pods using the claim may need work now: a missing claim to re-create, an allocation to reserve.
@@ -514,13 +529,23 @@ fn enqueue_users(ctx: &Context, claim: &ResourceClaim) {
 }
 
 fn on_template_event(ctx: &Context, change: &Change<DynamicObject>) {
-    if let watcher::Event::Apply(template) | watcher::Event::InitApply(template) = &change.event {
-        let namespace = template.namespace().unwrap_or_default();
-        super::podgroup::enqueue_groups_using(ctx, &namespace, &template.name_any());
-        for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {
-            if let Some(pod) = ctx.caches.pod(&key) {
-                enqueue_pod(ctx, &pod, false);
-            }
+    match &change.event {
+        watcher::Event::Apply(template) => template_shown(ctx, template),
+        watcher::Event::InitApply(template) if !change.deferred => template_shown(ctx, template),
+        _ => {}
+    }
+    for template in &change.listed {
+        template_shown(ctx, template);
+    }
+}
+
+/// Pods and PodGroups waiting for the template may go on now.
+fn template_shown(ctx: &Context, template: &DynamicObject) {
+    let namespace = template.namespace().unwrap_or_default();
+    super::podgroup::enqueue_groups_using(ctx, &namespace, &template.name_any());
+    for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {
+        if let Some(pod) = ctx.caches.pod(&key) {
+            enqueue_pod(ctx, &pod, false);
         }
     }
 }

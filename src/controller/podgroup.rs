@@ -48,11 +48,16 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
 }
 
 fn on_event(ctx: &Context, change: &Change<PodGroup>) {
-    handle(ctx, &change.event);
+    if !change.deferred {
+        handle(ctx, &change.event);
+    }
     if ctx.caches.groups_served() {
-        // Deleted while the watch was down: handled as if the watch had shown the deletion.
+        // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
         for group in &change.gone {
             group_deleted(ctx, group);
+        }
+        for group in &change.listed {
+            group_shown(ctx, group);
         }
     }
 }
@@ -64,19 +69,22 @@ fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
         return;
     }
     match event {
-        watcher::Event::Apply(group) | watcher::Event::InitApply(group) => {
-            let (needed, reason) = decide_group::pod_group_needs_work(group, |name| {
-                ctx.caches.claim(&group.namespace().unwrap_or_default(), name).is_some()
-            });
-            if needed {
-                debug!(podgroup = %object_key(&**group), reason, "PodGroup needs work");
-                ctx.queue.add(WorkKey::PodGroup(object_key(&**group)));
-            }
-            enqueue_members(ctx, group);
-        }
+        watcher::Event::Apply(group) | watcher::Event::InitApply(group) => group_shown(ctx, group),
         watcher::Event::Delete(group) => group_deleted(ctx, group),
         watcher::Event::Init | watcher::Event::InitDone => {}
     }
+}
+
+/// A PodGroup as the store now shows it: it may need its claims, its members may need them recorded.
+fn group_shown(ctx: &Context, group: &PodGroup) {
+    let (needed, reason) = decide_group::pod_group_needs_work(group, |name| {
+        ctx.caches.claim(&group.namespace().unwrap_or_default(), name).is_some()
+    });
+    if needed {
+        debug!(podgroup = %object_key(group), reason, "PodGroup needs work");
+        ctx.queue.add(WorkKey::PodGroup(object_key(group)));
+    }
+    enqueue_members(ctx, group);
 }
 
 /// Its reservations go now (upstream: the deleted PodGroup's claims are queued); its claims follow by the garbage

@@ -137,9 +137,13 @@ impl<K: Keyed> CacheWriter<K> {
     /// (`Init` … `InitApply`… `InitDone`) replaces everything at once when complete, so objects deleted while the
     /// watch was down disappear and readers never see a half-listed store. The object is moved into the store, not
     /// copied: the returned [`Change`] shares it. Unlike kube's reflector, a completed relist also says which objects
-    /// it removed ([`Change::gone`]), as client-go's informers deliver them as deletions.
+    /// it removed and which it holds ([`Change::gone`], [`Change::listed`]), for handlers to act on once the store
+    /// shows them.
     pub fn apply_watcher_event(&mut self, event: watcher::Event<K>) -> Change<K> {
         let mut gone = Vec::new();
+        let mut listed = Vec::new();
+        // A relist after the first (the store serves the old state until it completes).
+        let relist = *self.ready.borrow();
         let (event, previous) = match event {
             watcher::Event::Apply(obj) => {
                 let obj = Arc::new(obj);
@@ -170,19 +174,22 @@ impl<K: Keyed> CacheWriter<K> {
                 (watcher::Event::InitApply(obj), previous)
             }
             watcher::Event::InitDone => {
-                let listed = self.relisting.take().unwrap_or_default();
+                let complete = self.relisting.take().unwrap_or_default();
                 // The old store is dropped after the lock is released.
-                let old = std::mem::replace(&mut *self.write(), listed);
+                let old = std::mem::replace(&mut *self.write(), complete);
                 // Only after the first list: a restarted watch's list, not the informer's start.
-                if *self.ready.borrow() {
-                    gone = removed_by_relist(&old, &self.objects.read().unwrap_or_else(PoisonError::into_inner));
+                if relist {
+                    let now = self.objects.read().unwrap_or_else(PoisonError::into_inner);
+                    gone = removed_by_relist(&old, &now);
+                    listed = now.values().flat_map(HashSet::iter).map(|named| named.0.clone()).collect();
                 }
                 drop(old);
                 self.ready.send_replace(true);
                 (watcher::Event::InitDone, None)
             }
         };
-        Change { event, previous, gone }
+        let deferred = relist && matches!(event, watcher::Event::InitApply(_));
+        Change { event, previous, gone, listed, deferred }
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
@@ -195,16 +202,23 @@ impl<K: Keyed> CacheWriter<K> {
 /// `InitApply`, the one the same relist showed earlier), so an index can drop exactly the keys it filed that object
 /// under.
 ///
-/// `gone` lists, for an `InitDone` after a restarted watch, the objects the relist no longer shows: deleted while the
-/// watch was down (an API server restarting or rolling, a watch expired with 410 Gone), or deleted and created
-/// again under the same name (a StatefulSet's replaced pod: another UID). client-go hands them to the deletion
-/// handlers (`DeletedFinalStateUnknown`); without them a controller never learns that a pod whose claim it
-/// reserved is gone.
+/// A relist after a restarted watch (an API server restarting or rolling, a watch expired with 410 Gone) is told
+/// apart, because the store shows it only when it completes:
+/// - its `InitApply`s are `deferred`: a handler that queued work for them would have it done against the old state
+///   (a pod created while the watch was down: "gone"; one replaced under its name: the old one);
+/// - its `InitDone` carries `gone`, the objects it no longer shows (deleted while the watch was down, or deleted and
+///   created again under the same name with another UID, as a StatefulSet replaces a pod), and `listed`, every
+///   object it shows: handlers treat the first as deletions (client-go's `DeletedFinalStateUnknown`; without them a
+///   controller never learns that a pod whose claim it reserved is gone) and then the second as shown.
+///
+/// The informer's first list is neither: nothing acts on it before it completes.
 #[derive(Debug)]
 pub struct Change<K> {
     pub event: watcher::Event<Arc<K>>,
     pub previous: Option<Arc<K>>,
     pub gone: Vec<Arc<K>>,
+    pub listed: Vec<Arc<K>>,
+    pub deferred: bool,
 }
 
 /// The objects of `old` that `new` does not hold: not under their name, or under it with another UID.
@@ -365,19 +379,22 @@ mod tests {
     fn a_relist_after_the_first_says_what_it_removed() {
         let mut writer = CacheWriter::new();
         writer.apply_watcher_event(watcher::Event::Init);
-        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "1"), "u1")));
+        let shown = writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "1"), "u1")));
+        assert!(!shown.deferred, "nothing acts on the first list before it completes");
         writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "deleted", "1"), "u2")));
         writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("b", "replaced", "1"), "u3")));
         writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("c", "alone", "1"), "u4")));
         let first = writer.apply_watcher_event(watcher::Event::InitDone);
-        assert!(first.gone.is_empty(), "the informer's first list removes nothing");
+        assert!(first.gone.is_empty() && first.listed.is_empty(), "the informer's first list is not a relist");
 
         writer.apply_watcher_event(watcher::Event::Init);
-        writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "5"), "u1")));
+        let during = writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("a", "kept", "5"), "u1")));
+        assert!(during.deferred, "shown by a relist the store does not show yet");
         writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("b", "replaced", "6"), "u9")));
         writer.apply_watcher_event(watcher::Event::InitApply(with_uid(object("d", "new", "7"), "u5")));
         let relist = writer.apply_watcher_event(watcher::Event::InitDone);
         assert_eq!(names(&relist.gone), ["alone", "deleted", "replaced"]);
+        assert_eq!(names(&relist.listed), ["kept", "new", "replaced"], "what the store shows now, to act on");
         let replaced = relist.gone.iter().find(|o| o.metadata.name.as_deref() == Some("replaced"));
         assert_eq!(replaced.and_then(|o| o.metadata.uid.as_deref()), Some("u3"), "the old object, with its UID");
 

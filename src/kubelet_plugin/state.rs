@@ -834,8 +834,10 @@ impl super::group_commit::ForClaim for Asked {
         &self.claim.uid
     }
 
+    /// A prepare its claim's unprepare overtook is not: of two calls for the claim in one batch, the one asked after
+    /// the unprepare is kept (`take` runs under the state lock, where unprepares are recorded).
     fn usable(&self) -> bool {
-        !matches!(self.plan, Plan::Todo(Err(_)))
+        !matches!(self.plan, Plan::Todo(Err(_))) && !self.ticket.overtaken(&self.claim.uid)
     }
 }
 

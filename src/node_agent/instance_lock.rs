@@ -66,9 +66,12 @@ pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Optio
             () = tokio::time::sleep(RETRY) => {}
         }
     }
-    // Who holds it, for the next agent's message.
+    // Who holds it, for the next agent's message: in a container the pid is its own namespace's, the host name its
+    // pod's name.
     let pid = std::process::id();
-    let written = file.set_len(0).and_then(|()| file.rewind()).and_then(|()| writeln!(file, "{pid}"));
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let written =
+        file.set_len(0).and_then(|()| file.rewind()).and_then(|()| writeln!(file, "pid {pid} on {}", host.trim()));
     if let Err(error) = written {
         warn!(lock = %path.display(), %error, "could not record this agent's pid in its lock file");
     }
@@ -82,7 +85,7 @@ pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Optio
 fn holder_of(file: &mut File) -> String {
     let mut text = String::new();
     match file.rewind().and_then(|()| file.read_to_string(&mut text)) {
-        Ok(_) if !text.trim().is_empty() => format!("pid {}", text.trim()),
+        Ok(_) if !text.trim().is_empty() => text.trim().to_string(),
         _ => "unknown".into(),
     }
 }
@@ -97,7 +100,7 @@ mod tests {
         let stop = CancellationToken::new();
         let first = acquire(dir.path(), &stop).await?.ok_or("first lock")?;
         let recorded = std::fs::read_to_string(dir.path().join(LOCK_FILE))?;
-        assert_eq!(recorded.trim(), std::process::id().to_string());
+        assert!(recorded.starts_with(&format!("pid {} on ", std::process::id())), "{recorded}");
         let path = dir.path().to_path_buf();
         let waiting = {
             let stop = stop.clone();

@@ -190,6 +190,14 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
     let container = &pod["containers"][0];
     ensure!(daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate", "{}", daemonset["spec"]);
     check_probes(container, 8081)?;
+    ensure!(
+        container["startupProbe"]["httpGet"]["path"] == "/healthz"
+            && container["startupProbe"]["periodSeconds"].as_u64().unwrap_or(0)
+                * container["startupProbe"]["failureThreshold"].as_u64().unwrap_or(0)
+                >= 300,
+        "the agent's startup probe must give a replaced agent minutes to exit: {}",
+        container["startupProbe"]
+    );
     let excluded = json!({"key": "nvidia.com/gpu.deploy.device-plugin", "operator": "NotIn", "values": ["true"]});
     let terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         .as_array()

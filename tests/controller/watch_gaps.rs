@@ -16,8 +16,8 @@ use super::{SETTLE, create_bound_pod, reserved, wait_recorded};
 
 /// Two replicas share a claim (`resourceClaimName`, as a Deployment's pods do); one is deleted while the pod watch is
 /// down. Its reservation must still be dropped once the controller has listed the pods again, or the claim stays
-/// reserved for a pod that no longer exists. Then a pod's generated claim is deleted while the claim watch is down:
-/// the pod must get a new one.
+/// reserved for a pod that no longer exists; a pod created meanwhile must get its claim. Then a pod's generated claim
+/// is deleted while the claim watch is down: the pod must get a new one.
 pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -29,6 +29,7 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
     let claims = objects::claims(&ctx);
     let pods = objects::pods(&ctx);
 
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
     objects::create_claim(&ctx, "shared").await?;
     objects::allocate(&ctx, "shared", json!([]), true).await?;
     for replica in ["replica-a", "replica-b"] {
@@ -51,14 +52,15 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
         Ok(pods.get_opt("replica-a").await?.is_none().then_some(()))
     })
     .await?;
+    create_pod(&ctx, "newcomer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     proxy.expire_held_watches();
     wait::until("replica-a's reservation to be dropped after the relist", SETTLE, || async {
         Ok((reserved(&claims.get("shared").await?) == ["replica-b"]).then_some(()))
     })
     .await
     .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    wait_recorded(&ctx, "newcomer", 1).await.with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
 
-    create_template(&ctx, "one-gpu", one_gpu()).await?;
     create_pod(&ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let recorded = wait_recorded(&ctx, "trainer", 1).await?;
     let first = claim_statuses(&recorded)[0].1.clone().context("status entry without a claim name")?;
