@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
-use super::store::{Cache, CacheWriter, Change, WriterDropped, feed};
+use super::store::{Act, Cache, CacheWriter, Change, WriterDropped, feed};
 use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -400,18 +400,11 @@ fn on_pod_event(ctx: &Context, change: &Change<Pod>) {
     ctx.caches.pods_by_named_claim.apply(change);
     ctx.caches.pods_by_group.apply(change);
     ctx.caches.pods_by_template.apply(change);
-    match &change.event {
-        watcher::Event::Apply(pod) => pod_shown(ctx, pod),
-        watcher::Event::InitApply(pod) if !change.deferred => pod_shown(ctx, pod),
-        watcher::Event::Delete(pod) => pod_deleted(ctx, pod),
-        watcher::Event::InitApply(_) | watcher::Event::Init | watcher::Event::InitDone => {}
-    }
-    // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
-    for pod in &change.gone {
-        pod_deleted(ctx, pod);
-    }
-    for pod in &change.listed {
-        pod_shown(ctx, pod);
+    for act in change.acts() {
+        match act {
+            Act::Shown(pod) => pod_shown(ctx, pod),
+            Act::Deleted(pod) => pod_deleted(ctx, pod),
+        }
     }
 }
 
@@ -481,18 +474,11 @@ pub fn enqueue_pod(ctx: &Context, pod: &Pod, deleted: bool) {
 
 fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
     ctx.caches.claims_by_owner.apply(change);
-    match &change.event {
-        watcher::Event::Apply(claim) => claim_shown(ctx, claim),
-        watcher::Event::InitApply(claim) if !change.deferred => claim_shown(ctx, claim),
-        watcher::Event::Delete(claim) => claim_deleted(ctx, claim),
-        watcher::Event::InitApply(_) | watcher::Event::Init | watcher::Event::InitDone => {}
-    }
-    // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
-    for claim in &change.gone {
-        claim_deleted(ctx, claim);
-    }
-    for claim in &change.listed {
-        claim_shown(ctx, claim);
+    for act in change.acts() {
+        match act {
+            Act::Shown(claim) => claim_shown(ctx, claim),
+            Act::Deleted(claim) => claim_deleted(ctx, claim),
+        }
     }
 }
 
@@ -529,13 +515,10 @@ fn enqueue_users(ctx: &Context, claim: &ResourceClaim) {
 }
 
 fn on_template_event(ctx: &Context, change: &Change<DynamicObject>) {
-    match &change.event {
-        watcher::Event::Apply(template) => template_shown(ctx, template),
-        watcher::Event::InitApply(template) if !change.deferred => template_shown(ctx, template),
-        _ => {}
-    }
-    for template in &change.listed {
-        template_shown(ctx, template);
+    for act in change.acts() {
+        if let Act::Shown(template) = act {
+            template_shown(ctx, template);
+        }
     }
 }
 

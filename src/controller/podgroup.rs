@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use super::store::{CacheWriter, Change, feed};
+use super::store::{Act, CacheWriter, Change, feed};
 use futures::StreamExt;
 use kube::api::{Api, Patch, PatchParams};
 use kube::runtime::{WatchStreamExt, watcher};
@@ -48,30 +48,16 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
 }
 
 fn on_event(ctx: &Context, change: &Change<PodGroup>) {
-    if !change.deferred {
-        handle(ctx, &change.event);
-    }
-    if ctx.caches.groups_served() {
-        // A relist complete (see `Change`): what it no longer shows is gone, then what it shows is handled.
-        for group in &change.gone {
-            group_deleted(ctx, group);
-        }
-        for group in &change.listed {
-            group_shown(ctx, group);
-        }
-    }
-}
-
-fn handle(ctx: &Context, event: &watcher::Event<Arc<PodGroup>>) {
     if !ctx.caches.groups_served() {
         // PodGroups served since start: nothing is handled until the informer has listed them all, then
         // everything is queued at once (`group_api::run_informer`).
         return;
     }
-    match event {
-        watcher::Event::Apply(group) | watcher::Event::InitApply(group) => group_shown(ctx, group),
-        watcher::Event::Delete(group) => group_deleted(ctx, group),
-        watcher::Event::Init | watcher::Event::InitDone => {}
+    for act in change.acts() {
+        match act {
+            Act::Shown(group) => group_shown(ctx, group),
+            Act::Deleted(group) => group_deleted(ctx, group),
+        }
     }
 }
 
@@ -123,8 +109,10 @@ fn enqueue_members(ctx: &Context, group: &PodGroup) {
 
 /// Enqueues the PodGroup `key` when it is cached and needs work (a claim event for one of its claims).
 pub fn enqueue_group(ctx: &Context, key: &ObjectKey) {
-    if let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name) {
-        handle(ctx, &watcher::Event::Apply(group));
+    if ctx.caches.groups_served()
+        && let Some(group) = ctx.caches.pod_group(&key.namespace, &key.name)
+    {
+        group_shown(ctx, &group);
     }
 }
 

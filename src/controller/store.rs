@@ -208,17 +208,41 @@ impl<K: Keyed> CacheWriter<K> {
 ///   (a pod created while the watch was down: "gone"; one replaced under its name: the old one);
 /// - its `InitDone` carries `gone`, the objects it no longer shows (deleted while the watch was down, or deleted and
 ///   created again under the same name with another UID, as a StatefulSet replaces a pod), and `listed`, every
-///   object it shows: handlers treat the first as deletions (client-go's `DeletedFinalStateUnknown`; without them a
-///   controller never learns that a pod whose claim it reserved is gone) and then the second as shown.
+///   object it shows: the first are deletions (client-go's `DeletedFinalStateUnknown`; without them a controller
+///   never learns that a pod whose claim it reserved is gone), then the second are shown.
 ///
-/// The informer's first list is neither: nothing acts on it before it completes.
+/// The informer's first list is neither: nothing acts on it before it completes. Handlers read all of this through
+/// [`Change::acts`], which applies these rules in one place.
 #[derive(Debug)]
 pub struct Change<K> {
     pub event: watcher::Event<Arc<K>>,
     pub previous: Option<Arc<K>>,
-    pub gone: Vec<Arc<K>>,
-    pub listed: Vec<Arc<K>>,
-    pub deferred: bool,
+    gone: Vec<Arc<K>>,
+    listed: Vec<Arc<K>>,
+    deferred: bool,
+}
+
+/// One thing a [`Change`] asks its handlers to act on.
+#[derive(Debug)]
+pub enum Act<'a, K> {
+    /// The object as the store now shows it.
+    Shown(&'a Arc<K>),
+    /// An object that is gone.
+    Deleted(&'a Arc<K>),
+}
+
+impl<K> Change<K> {
+    /// What to act on, in order: the object an `Apply` shows or a `Delete` removes, an `InitApply` of the first list;
+    /// at a relist's end, what it no longer shows, then everything it shows (its `InitApply`s act through these).
+    pub fn acts(&self) -> impl Iterator<Item = Act<'_, K>> {
+        let event = match &self.event {
+            watcher::Event::Apply(obj) => Some(Act::Shown(obj)),
+            watcher::Event::InitApply(obj) if !self.deferred => Some(Act::Shown(obj)),
+            watcher::Event::Delete(obj) => Some(Act::Deleted(obj)),
+            watcher::Event::InitApply(_) | watcher::Event::Init | watcher::Event::InitDone => None,
+        };
+        event.into_iter().chain(self.gone.iter().map(Act::Deleted)).chain(self.listed.iter().map(Act::Shown))
+    }
 }
 
 /// The objects of `old` that `new` does not hold: not under their name, or under it with another UID.

@@ -18,7 +18,7 @@
 //! Pure bookkeeping, no I/O. What is recorded lives only while a ticket that could be overtaken is out: at most one
 //! number per claim unprepared while prepares were in flight.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 /// The order of prepares and unprepares, shared by the gRPC calls and the commits that do their work.
@@ -31,8 +31,8 @@ pub struct CallOrder {
 struct Inner {
     /// The last ticket handed out.
     last: u64,
-    /// Tickets out (each usually once; a count, to be safe).
-    out: BTreeMap<u64, usize>,
+    /// The tickets out.
+    out: BTreeSet<u64>,
     /// For each claim unprepared while tickets were out: the last ticket handed out when it was.
     unprepared: HashMap<String, u64>,
 }
@@ -51,7 +51,7 @@ impl CallOrder {
         let mut inner = self.lock();
         inner.last += 1;
         let number = inner.last;
-        *inner.out.entry(number).or_default() += 1;
+        inner.out.insert(number);
         Ticket { number, order: self.clone() }
     }
 
@@ -88,14 +88,9 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         let mut inner = self.order.lock();
-        if let Some(count) = inner.out.get_mut(&self.number) {
-            *count -= 1;
-            if *count == 0 {
-                inner.out.remove(&self.number);
-            }
-        }
+        inner.out.remove(&self.number);
         // An unprepare recorded before the oldest ticket still out can overtake nobody any more.
-        match inner.out.keys().next().copied() {
+        match inner.out.first().copied() {
             None => inner.unprepared.clear(),
             Some(oldest) => inner.unprepared.retain(|_, at| *at >= oldest),
         }

@@ -61,6 +61,12 @@ pub struct MigDevice {
 }
 
 impl Gpu {
+    /// Reads where the GPU sits from `sysfs`: its PCIe root ([`pcie_root`]) and NUMA node ([`numa_node`]).
+    pub fn locate_in(&mut self, sysfs: &std::path::Path) {
+        self.pcie_root = pcie_root(sysfs, &self.pci_bus_id);
+        self.numa_node = numa_node(sysfs, &self.pci_bus_id);
+    }
+
     /// The ResourceSlice device name.
     pub fn device_name(&self) -> String {
         format!("gpu-{}", self.minor)
@@ -123,11 +129,13 @@ pub fn cuda_version_from_int(v: i32) -> String {
 /// `None` when the link is missing or not of that shape (then the attribute is left out: a wrong root would pair
 /// devices that are not together).
 pub fn pcie_root(sysfs: &std::path::Path, bus_id: &str) -> Option<String> {
-    if !is_standard_bdf(bus_id) {
-        return None;
-    }
-    let target = std::fs::read_link(sysfs.join("bus/pci/devices").join(bus_id)).ok()?;
+    let target = std::fs::read_link(pci_device(sysfs, bus_id)?).ok()?;
     pcie_root_of_link(&target, bus_id)
+}
+
+/// `<sysfs>/bus/pci/devices/<bus_id>`, for a standard bus id only (the upstream helpers' check).
+fn pci_device(sysfs: &std::path::Path, bus_id: &str) -> Option<std::path::PathBuf> {
+    is_standard_bdf(bus_id).then(|| sysfs.join("bus/pci/devices").join(bus_id))
 }
 
 /// The NUMA node of the PCI device `bus_id`, for the standard `resource.kubernetes.io/numaNode` attribute, read as
@@ -137,10 +145,7 @@ pub fn pcie_root(sysfs: &std::path::Path, bus_id: &str) -> Option<String> {
 /// with no NUMA affinity (the kernel's `-1`: published, it would match every other such device), a node number
 /// the kernel cannot have (1,024 or more), or anything unreadable.
 pub fn numa_node(sysfs: &std::path::Path, bus_id: &str) -> Option<i64> {
-    if !is_standard_bdf(bus_id) {
-        return None;
-    }
-    let text = std::fs::read_to_string(sysfs.join("bus/pci/devices").join(bus_id).join("numa_node")).ok()?;
+    let text = std::fs::read_to_string(pci_device(sysfs, bus_id)?.join("numa_node")).ok()?;
     numa_node_of(&text)
 }
 

@@ -29,29 +29,70 @@ struct Garble {
     garbled: usize,
 }
 
-/// Requests to hold: of `method`, whose path ends with `path_suffix`, until `gate` is closed.
+/// Requests held until the gate opens: those of `method` (any method where `None`) whose path ends with
+/// `path_suffix`, while it is shut. Requests to hold ([`ApiProxy::hold`]) pass one; watches to expire
+/// ([`ApiProxy::cut_watches`]) another.
 #[derive(Debug, Default)]
-struct Hold {
-    method: Option<Method>,
-    path_suffix: String,
-    gate: Option<Arc<tokio::sync::Semaphore>>,
+struct Gate {
+    /// `None`: open.
+    shut: Option<Shut>,
+    /// Requests held since it was last shut.
     held: usize,
 }
 
-/// Watches to end and expire: on paths ending with `path_suffix`, held until `gate` is closed, then told 410 Gone.
-#[derive(Debug, Default)]
-struct Expire {
-    path_suffix: Option<String>,
-    gate: Option<Arc<tokio::sync::Semaphore>>,
-    held: usize,
+#[derive(Debug)]
+struct Shut {
+    method: Option<Method>,
+    path_suffix: String,
+    /// Never given permits: closed when the gate opens, which ends every wait.
+    waiting: Arc<tokio::sync::Semaphore>,
+}
+
+impl Gate {
+    fn shut(&mut self, method: Option<Method>, path_suffix: &str) {
+        let waiting = Arc::new(tokio::sync::Semaphore::new(0));
+        *self = Gate { shut: Some(Shut { method, path_suffix: path_suffix.to_string(), waiting }), held: 0 };
+    }
+
+    /// Lets the held requests, and all later ones, through.
+    fn open(&mut self) {
+        if let Some(shut) = self.shut.take() {
+            shut.waiting.close();
+        }
+    }
+
+    /// What a request of `method` on `path` must wait for, if the gate holds it (counted).
+    fn holds(&mut self, method: &Method, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
+        let shut = self.shut.as_ref()?;
+        if shut.method.as_ref().is_some_and(|m| m != method) || !path.ends_with(&shut.path_suffix) {
+            return None;
+        }
+        let waiting = shut.waiting.clone();
+        self.held += 1;
+        Some(waiting)
+    }
+}
+
+/// Waits at `gate` if it holds the request (the wait ends when the gate opens).
+async fn pass(gate: &Mutex<Gate>, method: &Method, path: &str) -> bool {
+    let waiting = gate.lock().unwrap_or_else(PoisonError::into_inner).holds(method, path);
+    match waiting {
+        Some(waiting) => {
+            // Closed when the gate opens: the wait ends with an error, which is the signal to go on.
+            let _ = waiting.acquire().await;
+            true
+        }
+        None => false,
+    }
 }
 
 #[derive(Clone)]
 struct Shared {
     client: kube::Client,
     garble: Arc<Mutex<Garble>>,
-    hold: Arc<Mutex<Hold>>,
-    expire: Arc<Mutex<Expire>>,
+    hold: Arc<Mutex<Gate>>,
+    /// Watches ended and held, to be expired when this opens.
+    expire: Arc<Mutex<Gate>>,
     /// Each cut: the path suffix of the watches it ends.
     cut: Arc<tokio::sync::watch::Sender<String>>,
 }
@@ -61,8 +102,8 @@ struct Shared {
 pub struct ApiProxy {
     kubeconfig: PathBuf,
     garble: Arc<Mutex<Garble>>,
-    hold: Arc<Mutex<Hold>>,
-    expire: Arc<Mutex<Expire>>,
+    hold: Arc<Mutex<Gate>>,
+    expire: Arc<Mutex<Gate>>,
     cut: Arc<tokio::sync::watch::Sender<String>>,
     task: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
@@ -74,8 +115,8 @@ impl ApiProxy {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let address: SocketAddr = listener.local_addr()?;
         let garble = Arc::new(Mutex::new(Garble::default()));
-        let hold = Arc::new(Mutex::new(Hold::default()));
-        let expire = Arc::new(Mutex::new(Expire::default()));
+        let hold = Arc::new(Mutex::new(Gate::default()));
+        let expire = Arc::new(Mutex::new(Gate::default()));
         let cut = Arc::new(tokio::sync::watch::Sender::new(String::new()));
         let shared =
             Shared { client, garble: garble.clone(), hold: hold.clone(), expire: expire.clone(), cut: cut.clone() };
@@ -111,13 +152,7 @@ impl ApiProxy {
     /// Holds every request of `method` whose path ends with `path_suffix` from now on, before it reaches the server,
     /// until [`Self::release`] (or the proxy's end).
     pub fn hold(&self, method: Method, path_suffix: &str) {
-        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
-        *hold = Hold {
-            method: Some(method),
-            path_suffix: path_suffix.to_string(),
-            gate: Some(Arc::new(tokio::sync::Semaphore::new(0))),
-            held: 0,
-        };
+        self.hold.lock().unwrap_or_else(PoisonError::into_inner).shut(Some(method), path_suffix);
     }
 
     /// How many requests were held since the last [`Self::hold`] (released ones included).
@@ -127,22 +162,13 @@ impl ApiProxy {
 
     /// Lets the held requests (and any later ones) through.
     pub fn release(&self) {
-        let mut hold = self.hold.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(gate) = hold.gate.take() {
-            gate.close();
-        }
-        hold.method = None;
+        self.hold.lock().unwrap_or_else(PoisonError::into_inner).open();
     }
 
     /// Ends the open watches on paths ending with `path_suffix` and holds the watches that follow on such paths, as
     /// while an API server restarts; [`Self::expire_held_watches`] then answers them as the restarted server does.
     pub fn cut_watches(&self, path_suffix: &str) {
-        let mut expire = self.expire.lock().unwrap_or_else(PoisonError::into_inner);
-        *expire = Expire {
-            path_suffix: Some(path_suffix.to_string()),
-            gate: Some(Arc::new(tokio::sync::Semaphore::new(0))),
-            held: 0,
-        };
+        self.expire.lock().unwrap_or_else(PoisonError::into_inner).shut(None, path_suffix);
         self.cut.send_replace(path_suffix.to_string());
     }
 
@@ -155,11 +181,7 @@ impl ApiProxy {
     /// the API server sends once the version left its watch cache, e.g. after a restart): the client lists again.
     /// Later watches pass through.
     pub fn expire_held_watches(&self) {
-        let mut expire = self.expire.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(gate) = expire.gate.take() {
-            gate.close();
-        }
-        expire.path_suffix = None;
+        self.expire.lock().unwrap_or_else(PoisonError::into_inner).open();
     }
 }
 
@@ -197,30 +219,9 @@ async fn forward(State(shared): State<Shared>, request: Request) -> Response {
     }
 }
 
-/// The gate this request must wait at, if it is one to hold (counting it if so).
-fn take_hold(hold: &Mutex<Hold>, method: &Method, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
-    let mut hold = hold.lock().unwrap_or_else(PoisonError::into_inner);
-    if hold.method.as_ref() != Some(method) || !path.ends_with(&hold.path_suffix) {
-        return None;
-    }
-    hold.held += 1;
-    hold.gate.clone()
-}
-
 /// Whether the request is a watch (`?watch=true`, as kube and client-go ask).
 fn is_watch(uri: &http::Uri) -> bool {
     uri.query().is_some_and(|query| query.split('&').any(|pair| pair == "watch=true" || pair == "watch=1"))
-}
-
-/// The gate a watch on `path` must wait at before it is expired, if watches there are cut (counting it if so).
-fn take_expire(expire: &Mutex<Expire>, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
-    let mut expire = expire.lock().unwrap_or_else(PoisonError::into_inner);
-    let suffix = expire.path_suffix.as_deref()?;
-    if !path.ends_with(suffix) {
-        return None;
-    }
-    expire.held += 1;
-    expire.gate.clone()
 }
 
 /// What the API server streams to a watch from a resource version it no longer has.
@@ -251,14 +252,10 @@ fn cuttable(body: Body, path: String, cut: &tokio::sync::watch::Sender<String>) 
 
 async fn forward_request(shared: &Shared, request: Request) -> anyhow::Result<Response> {
     let (parts, body) = request.into_parts();
-    if let Some(gate) = take_hold(&shared.hold, &parts.method, parts.uri.path()) {
-        // Closed on release: the wait ends with an error, which is the signal to go on.
-        let _ = gate.acquire().await;
-    }
+    pass(&shared.hold, &parts.method, parts.uri.path()).await;
     let watch = is_watch(&parts.uri);
     let request_path = parts.uri.path().to_string();
-    if watch && let Some(gate) = take_expire(&shared.expire, parts.uri.path()) {
-        let _ = gate.acquire().await;
+    if watch && pass(&shared.expire, &parts.method, parts.uri.path()).await {
         return Ok(expired_watch());
     }
     let garble = take_garble(&shared.garble, &parts.method, parts.uri.path());

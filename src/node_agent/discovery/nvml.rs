@@ -8,7 +8,7 @@ use nvml_wrapper::Nvml;
 use nvml_wrapper::error::NvmlError;
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id, numa_node, pcie_root};
+use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id};
 use crate::node_agent::mig::Profile;
 
 /// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
@@ -16,7 +16,7 @@ use crate::node_agent::mig::Profile;
 #[derive(Debug, Clone)]
 pub struct NvmlDiscovery {
     library: OsString,
-    /// Where each GPU's PCIe root is read ([`crate::node_agent::gpu::pcie_root`]).
+    /// Where each GPU's PCIe root and NUMA node are read ([`Gpu::locate_in`]).
     sysfs: std::path::PathBuf,
 }
 
@@ -63,8 +63,7 @@ impl Discovery for NvmlDiscovery {
         for index in 0..count {
             match read_gpu(&nvml, index, &driver_version, &cuda_driver_version) {
                 Ok(mut gpu) => {
-                    gpu.pcie_root = pcie_root(&self.sysfs, &gpu.pci_bus_id);
-                    gpu.numa_node = numa_node(&self.sysfs, &gpu.pci_bus_id);
+                    gpu.locate_in(&self.sysfs);
                     found.gpus.push(gpu);
                 }
                 // A GPU fallen off the bus answers "GPU is lost" to its handle or its first query: it alone is out.

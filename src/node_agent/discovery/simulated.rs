@@ -10,7 +10,7 @@
 use std::sync::{Mutex, PoisonError};
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
-use crate::node_agent::gpu::{Gpu, MigDevice, numa_node, pcie_root, stable_hash};
+use crate::node_agent::gpu::{Gpu, MigDevice, stable_hash};
 use crate::node_agent::mig::{self, LayoutError, Profile};
 
 /// What the simulated driver reports.
@@ -110,7 +110,7 @@ pub struct Simulated {
     gpus: Mutex<Vec<Gpu>>,
     /// The indexes of GPUs fallen off the bus (`/lost`, or a fault injected: [`Discovery::set_lost`]).
     lost: Mutex<std::collections::BTreeSet<u32>>,
-    /// Where each GPU's PCIe root is read, as for real GPUs (`None`: not read, no root).
+    /// Where each GPU's PCIe root and NUMA node are read, as for real GPUs (`None`: not read, neither).
     sysfs: Option<std::path::PathBuf>,
     /// What makes each made MIG device's UUID its own, as NVML's are: the process's start and a count.
     made: (u64, std::sync::atomic::AtomicU64),
@@ -230,7 +230,7 @@ impl Simulated {
         Ok(simulated)
     }
 
-    /// Reads each GPU's PCIe root under `sysfs` as NVML discovery does, from the simulated PCI bus ids
+    /// Reads each GPU's PCIe root and NUMA node under `sysfs` as NVML discovery does, from the simulated PCI bus ids
     /// (`0000:18:00.0`, `0000:20:00.0`, …): a test gives a tree of links there to place them under root complexes.
     pub fn with_sysfs(mut self, sysfs: &std::path::Path) -> Self {
         self.sysfs = Some(sysfs.to_path_buf());
@@ -249,8 +249,7 @@ impl Discovery for Simulated {
             self.gpus().iter().cloned().partition(|g| lost_now.contains(&g.index));
         if let Some(sysfs) = &self.sysfs {
             for gpu in &mut gpus {
-                gpu.pcie_root = pcie_root(sysfs, &gpu.pci_bus_id);
-                gpu.numa_node = numa_node(sysfs, &gpu.pci_bus_id);
+                gpu.locate_in(sysfs);
             }
         }
         let unreadable = lost
