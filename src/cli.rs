@@ -153,6 +153,20 @@ pub struct NodeAgentArgs {
     /// (`<dir>/<claim UID>/{pipe,log,shm}`); containers mount them from here, so it is a host path, best on a tmpfs.
     #[arg(long, env = "GPU_DRA_MPS_DIR", default_value = "/run/gpu-dra/mps")]
     pub mps_dir: PathBuf,
+    /// Give each container that uses a claim a file describing its request's GPUs (KEP-5304 device metadata:
+    /// `/var/run/kubernetes.io/dra-device-attributes/…/<driver>-metadata.json`, their ResourceSlice attributes),
+    /// kept under `<state-dir>/device-metadata`, which must be the same path on the host.
+    #[arg(long, env = "GPU_DRA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
+    pub device_metadata: bool,
+    /// What to do with a claim prepared here that the API no longer allocates what was prepared (deleted,
+    /// deallocated, allocated other devices) while the Node is Ready, found by two checks an interval apart: the
+    /// kubelet lost its record of it and will never unprepare it. `unprepare` frees its GPUs; `warn` only says so
+    /// (log, Warning Event on the Node, `gpu_dra_kubelet_plugin_stale_claims`).
+    #[arg(long, env = "GPU_DRA_STALE_CLAIMS", value_enum, default_value_t = crate::node_agent::stale_claims::StaleClaimAction::Unprepare)]
+    pub stale_claims: crate::node_agent::stale_claims::StaleClaimAction,
+    /// How often prepared claims are checked against the API for `--stale-claims`.
+    #[arg(long, env = "GPU_DRA_STALE_CLAIM_CHECK_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub stale_claim_check_interval: Duration,
     /// The file holding this boot's ID: checkpoint entries of an earlier boot are dropped (their device state is
     /// gone). Only tests point it elsewhere.
     #[arg(long, env = "GPU_DRA_BOOT_ID_FILE", default_value = "/proc/sys/kernel/random/boot_id")]

@@ -7,6 +7,8 @@
 
 #[path = "kubelet_plugin/mps.rs"]
 mod mps;
+#[path = "kubelet_plugin/stale_claims.rs"]
+mod stale_claims;
 mod support;
 #[path = "kubelet_plugin/time_slices.rs"]
 mod time_slices;
@@ -25,6 +27,10 @@ use mps::{
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
 };
 use serde_json::{Value, json};
+use stale_claims::{
+    a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more,
+    with_warn_a_forgotten_claim_is_reported_and_kept,
+};
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
 use support::{TestContext, objects, wait};
@@ -54,6 +60,8 @@ fn main() {
             test!(mps_settings_naming_no_device_are_refused),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
             test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
+            test!(a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more),
+            test!(with_warn_a_forgotten_claim_is_reported_and_kept),
         ],
     )
 }
@@ -128,6 +136,73 @@ fn check_cdi_spec(path: &std::path::Path) -> anyhow::Result<Vec<String>> {
     Ok(devices.into_keys().collect())
 }
 
+/// Checks a prepared claim's device metadata (KEP-5304) as a container would get it: the claim's spec mounts the
+/// file of `request` read-only at upstream's path, and upstream's reader (the harness's `read-device-metadata`, from
+/// 1.37 on; older versions lack it) decodes and validates it, naming the claim (`uid`, name, pod claim name) and
+/// its `devices` of this node with their ResourceSlice attributes.
+async fn check_device_metadata(
+    ctx: &TestContext,
+    dirs: &NodeDirs,
+    spec: &std::path::Path,
+    (uid, name, pod_claim): (&str, &str, Option<&str>),
+    request: &str,
+    devices: &[String],
+) -> anyhow::Result<()> {
+    let spec: serde_json::Value = serde_json::from_slice(&std::fs::read(spec)?)?;
+    let device = spec["devices"].as_array().into_iter().flatten().find(|d| d["name"] == format!("{uid}_{request}"));
+    let mounts = device.map(|d| d["containerEdits"]["mounts"].clone()).context("no metadata device in the spec")?;
+    let host = dirs.state().join("device-metadata").join(uid).join(request).join("metadata.json");
+    let container = match pod_claim {
+        Some(pod_claim) => format!("resourceclaimtemplates/{pod_claim}"),
+        None => format!("resourceclaims/{name}"),
+    };
+    let container =
+        format!("/var/run/kubernetes.io/dra-device-attributes/{container}/{request}/{DRIVER}-metadata.json");
+    let want = serde_json::json!([{
+        "hostPath": host.to_str(), "containerPath": container, "options": ["ro", "nosuid", "nodev", "bind"],
+    }]);
+    ensure!(mounts == want, "metadata mount {mounts} , expected {want}");
+    let text = std::fs::read_to_string(&host)?;
+    let first: serde_json::Value = serde_json::from_str(text.lines().next().unwrap_or_default())?;
+    let second: serde_json::Value = serde_json::from_str(text.lines().nth(1).unwrap_or_default())?;
+    ensure!(
+        first["apiVersion"] == "metadata.resource.k8s.io/v1beta1"
+            && second["apiVersion"] == "metadata.resource.k8s.io/v1alpha1"
+            && first["requests"] == second["requests"],
+        "metadata file {text}"
+    );
+    let object = if support::cluster::kubernetes_minor()? >= 37 {
+        let output = std::process::Command::new(support::harness::binary()?)
+            .args(["read-device-metadata"])
+            .arg(&host)
+            .output()?;
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        ensure!(output.status.success(), "upstream's reader refused the file: {stderr}");
+        let read: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        ensure!(read["apiVersion"] == "metadata.resource.k8s.io/v1beta1", "read {read}");
+        read["object"].clone()
+    } else {
+        first
+    };
+    let meta = &object["metadata"];
+    ensure!(
+        meta["uid"] == uid && meta["name"] == name && meta["namespace"] == ctx.namespace && meta["generation"] == 1,
+        "metadata {meta}"
+    );
+    ensure!(object["podClaimName"].as_str() == pod_claim, "podClaimName {}", object["podClaimName"]);
+    let listed = &object["requests"][0]["devices"];
+    let mut names: Vec<String> =
+        listed.as_array().into_iter().flatten().filter_map(|d| d["name"].as_str().map(str::to_string)).collect();
+    names.sort();
+    ensure!(object["requests"][0]["name"] == request && names == devices, "requests {}", object["requests"]);
+    for device in listed.as_array().into_iter().flatten() {
+        ensure!(device["driver"] == DRIVER, "{device}");
+        ensure!(device["attributes"]["uuid"]["string"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{device}");
+        ensure!(device["attributes"]["resource.kubernetes.io/pciBusID"]["string"].is_string(), "{device}");
+    }
+    Ok(())
+}
+
 fn checkpoint(dirs: &NodeDirs, boot: &str) -> anyhow::Result<Checkpoint> {
     let loaded = CheckpointStore::new(&dirs.state()).load(boot)?;
     ensure!(matches!(loaded.outcome, LoadOutcome::Loaded | LoadOutcome::Fresh), "checkpoint: {:?}", loaded.outcome);
@@ -179,20 +254,26 @@ async fn registers_and_prepares_what_the_scheduler_allocated(ctx: TestContext) -
     let mut devices: Vec<_> = prepared.devices.iter().map(|d| d.device_name.clone()).collect();
     devices.sort();
     ensure!(devices == allocated, "prepared {devices:?}, allocated {allocated:?}");
-    for device in &prepared.devices {
+    // Each device its own CDI id; the request's first device also the id that mounts its device metadata file.
+    let metadata_id = format!("{DRIVER}/gpu={uid}_gpus");
+    for (i, device) in prepared.devices.iter().enumerate() {
         let minor = device.device_name.trim_start_matches("gpu-");
+        let mut ids = vec![format!("{DRIVER}/gpu={uid}-gpu-{minor}")];
+        if i == 0 {
+            ids.push(metadata_id.clone());
+        }
         ensure!(
-            device.request_names == ["gpus"]
-                && device.pool_name == node
-                && device.cdi_device_ids == [format!("{DRIVER}/gpu={uid}-gpu-{minor}")],
+            device.request_names == ["gpus"] && device.pool_name == node && device.cdi_device_ids == ids,
             "{device:?}"
         );
     }
     let spec = dirs.cdi_spec(&uid);
     let mut names = check_cdi_spec(&spec)?;
     names.sort();
-    let expected: Vec<String> = allocated.iter().map(|d| format!("{uid}-{d}")).collect();
+    let mut expected: Vec<String> = allocated.iter().map(|d| format!("{uid}-{d}")).collect();
+    expected.push(format!("{uid}_gpus"));
     ensure!(names == expected, "CDI devices {names:?}, expected {expected:?}");
+    check_device_metadata(&ctx, &dirs, &spec, (&uid, "pair", None), "gpus", &allocated).await?;
     let text = std::fs::read_to_string(&spec)?;
     for minor in 0..4 {
         let node_path = format!("\"/dev/nvidia{minor}\"");
@@ -212,13 +293,16 @@ async fn registers_and_prepares_what_the_scheduler_allocated(ctx: TestContext) -
     };
     let beta = kubelet.v1beta1.node_prepare_resources(beta).await?.into_inner();
     let beta_ids: Vec<_> = beta.claims.get(&uid).into_iter().flat_map(|c| c.devices.iter()).collect();
-    ensure!(beta_ids.len() == 2 && beta_ids.iter().all(|d| d.cdi_device_ids.len() == 1), "v1beta1: {beta:?}");
+    let beta_count: Vec<usize> = beta_ids.iter().map(|d| d.cdi_device_ids.len()).collect();
+    ensure!(beta_count == [2, 1], "v1beta1: {beta:?}");
     ensure!(agent.metric("gpu_dra_kubelet_plugin_prepared_devices", &[]).await? == 2.0, "prepared devices gauge");
     ensure!(agent.get("/healthz").await?.0 == 200, "healthz");
 
     let unprepared = kubelet.unprepare(&[(&ctx.namespace, "pair", &uid)]).await?;
     ensure!(unprepared.get(&uid).is_some_and(String::is_empty), "unprepare: {unprepared:?}");
     ensure!(!spec.exists(), "the spec outlived unprepare");
+    let metadata_dir = dirs.state().join("device-metadata").join(&uid);
+    ensure!(!metadata_dir.exists(), "the device metadata outlived unprepare");
     let again = kubelet.unprepare(&[(&ctx.namespace, "pair", &uid), (&ctx.namespace, "never", "no-such-uid")]).await?;
     ensure!(again.values().all(String::is_empty), "repeated/unknown unprepare: {again:?}");
     ensure!(agent.metric("gpu_dra_kubelet_plugin_prepared_devices", &[]).await? == 0.0, "gauge after unprepare");
@@ -386,7 +470,18 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     // No temporary file left; the killed agent's lock file is the new agent's now (the kernel dropped the lock).
     let mut state_files: Vec<_> = std::fs::read_dir(dirs.state())?.flatten().map(|e| e.file_name()).collect();
     state_files.sort();
-    ensure!(state_files == ["agent.lock", "checkpoint.json"], "state dir after restart: {state_files:?}");
+    ensure!(
+        state_files == ["agent.lock", "checkpoint.json", "device-metadata"],
+        "state dir after restart: {state_files:?}"
+    );
+    // Device metadata files only of the claims the checkpoint lists: those of the interrupted prepares went too.
+    let mut with_metadata: Vec<String> = std::fs::read_dir(dirs.state().join("device-metadata"))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    with_metadata.sort();
+    let listed: Vec<String> = state.claims.keys().cloned().collect();
+    ensure!(with_metadata == listed, "device metadata of {with_metadata:?}, checkpoint lists {listed:?}");
 
     let mut kubelet = Kubelet::register(&dirs).await?;
     let refs: Vec<(&str, &str, &str)> = claims.iter().map(|(n, u)| (ns.as_str(), n.as_str(), u.as_str())).collect();

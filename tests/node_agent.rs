@@ -4,8 +4,9 @@
 
 mod support;
 
+use std::collections::BTreeSet;
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
@@ -30,6 +31,7 @@ fn main() {
             test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
             test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
+            test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
         ],
     )
 }
@@ -484,5 +486,45 @@ async fn a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets(ctx: Te
     })?;
     ensure!(kubelet.info.name == DRIVER, "{:?}", kubelet.info);
     wait_devices(&ctx, &node, 2).await?;
+    Ok(())
+}
+
+/// An API server that fails a slice create (a brown-out during a control-plane upgrade, a webhook refusing one
+/// slice) on a node whose pool needs two slices. The failed round's slices are removed, so the scheduler never sees
+/// a newer generation with a slice missing (it would take it for the pool and allocate none of the node's GPUs), and
+/// the next round waits for the back-off (1 s, then 2 s): before, the watch seeing the failed round's own slice
+/// started the next round 0.2 s later, each try leaving another partial generation. The answers to the first two
+/// creates are garbled by a proxy in front of the real API server (the server still makes those slices).
+async fn a_failed_publish_leaves_no_partial_pool_and_backs_off(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let proxy = support::api_proxy::ApiProxy::start(ctx.cluster.client().await?).await?;
+    proxy.garble_next(http::Method::POST, "/resourceslices", 2);
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "200xL4-24GB"];
+    let log_name = format!("{}-agent", ctx.namespace);
+    let _agent = support::node::start_agent_with(proxy.kubeconfig(), &log_name, &node, &dirs, &gpus)?;
+
+    let waited = Duration::from_secs(30);
+    wait::until("the first create to fail", waited, || async { Ok((proxy.garbled() > 0).then_some(())) }).await?;
+    let failed_at = Instant::now();
+    // The slice the failed create made goes before the next round: no partial generation stays behind.
+    wait::until("the failed round's slice to be removed", Duration::from_secs(10), || async {
+        Ok(slices_of(&ctx, &node).await?.is_empty().then_some(()))
+    })
+    .await?;
+    ensure!(proxy.garbled() == 1, "the next round came before the failed round's slice was removed");
+    wait::until("the second create to fail", waited, || async { Ok((proxy.garbled() > 1).then_some(())) }).await?;
+    let again_after = failed_at.elapsed();
+    ensure!(again_after >= Duration::from_millis(900), "the second round came {again_after:?} after the failure");
+    let slices = wait_devices(&ctx, &node, 200).await?;
+    let complete_after = failed_at.elapsed();
+    ensure!(complete_after >= Duration::from_millis(2700), "published {complete_after:?} after the first failure");
+    let generations: BTreeSet<i64> = slices.iter().map(|s| s.spec.pool.generation).collect();
+    ensure!(
+        slices.len() == 2 && generations.len() == 1 && slices.iter().all(|s| s.spec.pool.resource_slice_count == 2),
+        "pool {:?}",
+        slices.iter().map(|s| (s.name_any(), s.spec.pool.clone())).collect::<Vec<_>>()
+    );
     Ok(())
 }

@@ -53,7 +53,7 @@ use quota::{
 };
 use serde_json::{Value, json};
 use support::harness::KubeletHarness;
-use support::node::{DRIVER, NodeDirs, start_agent};
+use support::node::{DRIVER, NodeDirs, gpu_cdi_ids, start_agent};
 use support::process::Component;
 use support::{TestContext, objects, wait};
 use workloads::{
@@ -254,7 +254,8 @@ impl Testbed {
         .await?;
         let event = self.node(&node)?.kubelet.wait_for("prepared", &key, PREPARE_TIMEOUT).await?;
         let containers: BTreeMap<String, Vec<String>> = serde_json::from_value(event["containers"].clone())?;
-        Ok((node, containers))
+        let gpus = containers.into_iter().map(|(c, ids)| Ok((c, gpu_cdi_ids(&ids)?)));
+        Ok((node, gpus.collect::<anyhow::Result<_>>()?))
     }
 
     /// Deletes `pod` at once and waits for its node's kubelet to unprepare it.
@@ -749,10 +750,10 @@ async fn share_one_gpu(
     ensure!(!mine[0].1.is_empty() && mine[0].1 != theirs[0].1, "share IDs: {mine:?} {theirs:?}");
     ensure!(mine[0].2 == "40Gi" && theirs[0].2 == "40Gi", "memory consumed: {mine:?} {theirs:?}");
     // Each claim its own CDI device, both for the GPU of minor 0.
-    let ids = |event: &Value| -> Vec<String> {
-        serde_json::from_value(event["containers"]["app"].clone()).unwrap_or_default()
+    let ids = |event: &Value| -> anyhow::Result<Vec<String>> {
+        gpu_cdi_ids(&serde_json::from_value::<Vec<String>>(event["containers"]["app"].clone()).unwrap_or_default())
     };
-    let (trainer, notebook) = (ids(&trainer), ids(&notebook));
+    let (trainer, notebook) = (ids(&trainer)?, ids(&notebook)?);
     ensure!(trainer.len() == 1 && notebook.len() == 1 && trainer != notebook, "CDI ids {trainer:?} {notebook:?}");
     ensure!(trainer.iter().chain(&notebook).all(|id| id.ends_with("-gpu-0")), "CDI ids {trainer:?} {notebook:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs: {:?}", dirs.cdi_specs()?);

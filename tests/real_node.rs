@@ -166,7 +166,47 @@ fn install_with(ctx: &TestContext, node: &RealNode, more: &[&str]) -> anyhow::Re
 
 /// The command every workload container runs: lists its NVIDIA device nodes and the UUIDs it was given, then waits.
 const SHOW_GPUS: &str = "ls -l /dev/ | grep ' nvidia[0-9]*$'; echo GPU_DRA_GPU_UUIDS=$GPU_DRA_GPU_UUIDS; \
-                         echo listed; exec sleep 3600";
+                         for f in $(find /var/run/kubernetes.io/dra-device-attributes -type f 2>/dev/null); do \
+                         echo DEVICE_METADATA $f $(head -n 1 $f); done; echo listed; exec sleep 3600";
+
+/// The device metadata files (KEP-5304) a container running [`SHOW_GPUS`] found: each path with the first object of
+/// its stream (the newest version written).
+fn device_metadata_seen(pod: &str, log: &str) -> anyhow::Result<Vec<(String, Value)>> {
+    let mut seen = Vec::new();
+    for line in log.lines() {
+        let Some(rest) = line.strip_prefix("DEVICE_METADATA ") else { continue };
+        let (path, object) = rest.split_once(' ').with_context(|| format!("{pod}: odd metadata line {line}"))?;
+        let object = serde_json::from_str(object).with_context(|| format!("{pod}: metadata of {path}: {object}"))?;
+        seen.push((path.to_string(), object));
+    }
+    Ok(seen)
+}
+
+/// Checks that `pod` found one device metadata file, at `path`, of `claim`, listing the GPUs it `saw`.
+async fn check_device_metadata(
+    ctx: &TestContext,
+    pod: &str,
+    path: &str,
+    claim: &str,
+    saw: &Seen,
+) -> anyhow::Result<()> {
+    let found = device_metadata_seen(pod, &listing(ctx, &ctx.namespace, pod).await?)?;
+    let [(found_path, object)] = found.as_slice() else { bail!("{pod}: device metadata files {found:?}") };
+    let uuids: BTreeSet<String> = object["requests"][0]["devices"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d["attributes"]["uuid"]["string"].as_str().map(String::from))
+        .collect();
+    ensure!(
+        found_path.starts_with(path)
+            && object["apiVersion"] == "metadata.resource.k8s.io/v1beta1"
+            && object["metadata"]["name"] == claim
+            && uuids == saw.uuids,
+        "{pod}: device metadata {found_path} {object}, expected {path}… of claim {claim} listing {saw:?}"
+    );
+    Ok(())
+}
 
 async fn create_template(ctx: &TestContext) -> anyhow::Result<()> {
     objects::create_template(
@@ -397,6 +437,10 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     let want = allocated(ctx, n, &first_claim).await?;
     ensure!(first == want, "pod first sees {first:?}; its claim {first_claim} was allocated {want:?}");
     ensure!(first.minors.len() == 1, "one GPU requested, the container sees {first:?}");
+    // Its device metadata, where upstream's reader looks for a template's claim.
+    let path =
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/gpu/gpu.gpu-dra.dev-metadata.json";
+    check_device_metadata(ctx, "first", path, &first_claim, &first).await?;
 
     // A second pod gets a different GPU.
     workload(ctx, "second", n, false).await?;
@@ -426,6 +470,9 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     let extended = seen_by(ctx, "extended").await?;
     ensure!(extended.minors.len() == 1, "nvidia.com/gpu: 1 should give one GPU, the container sees {extended:?}");
     ensure!(extended == allocated(ctx, n, &extended_claim).await?, "pod extended sees {extended:?}, not its claim's");
+    // The scheduler's claim is no template's: its metadata is under the claim's name.
+    let path = format!("/var/run/kubernetes.io/dra-device-attributes/resourceclaims/{extended_claim}/");
+    check_device_metadata(ctx, "extended", &path, &extended_claim, &extended).await?;
 
     // GPU health through the real kubelet: a double-bit ECC error on pod second's GPU (fault injection of the
     // simulated backend) taints it and the kubelet writes Unhealthy into the container's status from the agent's

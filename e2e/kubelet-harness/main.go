@@ -63,6 +63,13 @@ const defaultWorkers = 4
 const runForAnnotation = "e2e.gpu-dra.dev/run-for"
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == "read-device-metadata" {
+		if err := readDeviceMetadata(os.Args[2:]); err != nil {
+			fmt.Fprintf(os.Stderr, "gpu-dra-kubelet-harness: %v\n", err)
+			os.Exit(1)
+		}
+		return
+	}
 	if len(os.Args) > 1 && os.Args[1] == "grpc-call" {
 		if err := grpcCall(os.Args[2:]); err != nil {
 			fmt.Fprintf(os.Stderr, "gpu-dra-kubelet-harness: %v\n", err)

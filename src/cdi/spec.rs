@@ -17,13 +17,24 @@ const MOUNT_OPTIONS: [&str; 4] = ["ro", "nosuid", "nodev", "bind"];
 /// A claim's own directories (an MPS daemon's pipes and shared memory) are written by its containers.
 const CLAIM_MOUNT_OPTIONS: [&str; 4] = ["rw", "nosuid", "nodev", "bind"];
 
-/// Spec-wide edits a claim's configuration adds for every container of the claim (an MPS daemon's pipe directory,
-/// shared memory and limits, [`crate::kubelet_plugin::mps`]): `NAME=value` environment and writable bind mounts
-/// (host path, container path).
+/// Edits a claim's configuration adds: spec-wide, for every container of the claim (an MPS daemon's pipe directory,
+/// shared memory and limits, [`crate::kubelet_plugin::mps`]), `NAME=value` environment and writable bind mounts
+/// (host path, container path); and CDI devices of their own that each mount one file read-only, for the
+/// containers handed that device only (a request's device metadata, [`crate::kubelet_plugin::device_metadata`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ClaimEdits {
     pub env: Vec<String>,
     pub mounts: Vec<(PathBuf, PathBuf)>,
+    pub file_devices: Vec<FileDevice>,
+}
+
+/// A CDI device that only mounts one host file read-only into the container.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FileDevice {
+    /// The device's name in the claim's spec (not a GPU's `<claimUID>-<device>`).
+    pub name: String,
+    pub host_path: PathBuf,
+    pub container_path: PathBuf,
 }
 
 /// Device nodes every CUDA process needs besides its GPUs' own: the control device and unified memory, with the
@@ -110,6 +121,11 @@ pub fn build_claim_spec_with(
         }
         let env = format!("{}={}", device_env_name(device), claim_device.uuid());
         devices.push(json!({ "name": name, "containerEdits": { "deviceNodes": nodes, "env": [env] } }));
+    }
+    for file in &edits.file_devices {
+        check_name("device name", &file.name, super::DEVICE)?;
+        let mount = mount(claim_uid, &file.host_path, &file.container_path, &MOUNT_OPTIONS)?;
+        devices.push(json!({ "name": file.name, "containerEdits": { "mounts": [mount] } }));
     }
     let mut by_bus: Vec<&Device> = claim_devices.iter().collect();
     by_bus.sort_by(|a, b| (&a.gpu.pci_bus_id, a.uuid()).cmp(&(&b.gpu.pci_bus_id, b.uuid())));

@@ -82,6 +82,20 @@ pub struct ClaimEntry {
     /// The MPS control daemon the claim asked for (`GpuConfig` strategy MPS): start-up starts it again from this.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mps: Option<super::mps::MpsDaemon>,
+    /// Set when device metadata files were written for the claim ([`super::device_metadata`]): its spec mounts them,
+    /// so a spec written again mounts them too. Absent in files written before it was recorded, or with
+    /// `--device-metadata=false`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<MetadataRecord>,
+}
+
+/// What a claim's device metadata mounts are made from besides its entry: the name its pod gave it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MetadataRecord {
+    /// The claim's `resource.kubernetes.io/pod-claim-name` annotation: made from a template by that pod claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_claim_name: Option<String>,
 }
 
 fn is_false(value: &bool) -> bool {
@@ -451,6 +465,7 @@ mod tests {
             devices,
             recovered: false,
             mps: None,
+            metadata: None,
         }
     }
 

@@ -42,6 +42,8 @@ pub struct PluginMetrics {
     pub mps_daemon_restarts: Counter,
     waiting: Family<OperationLabels, Gauge>,
     pub registered: Gauge,
+    pub stale_claims: Gauge,
+    pub stale_claims_unprepared: Counter,
 }
 
 impl PluginMetrics {
@@ -62,6 +64,8 @@ impl PluginMetrics {
             mps_daemon_restarts: Counter::default(),
             waiting: Family::default(),
             registered: Gauge::default(),
+            stale_claims: Gauge::default(),
+            stale_claims_unprepared: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpu_dra_kubelet_plugin");
         sub.register("claims", "Claims prepared or unprepared, by operation and result", metrics.claims.clone());
@@ -105,6 +109,17 @@ impl PluginMetrics {
             metrics.waiting.clone(),
         );
         sub.register("registered", "1 while the kubelet reports the plugin registered", metrics.registered.clone());
+        sub.register(
+            "stale_claims",
+            "Claims prepared here that the last check found no longer allocated what was prepared (the kubelet lost \
+             its record of them; see --stale-claims)",
+            metrics.stale_claims.clone(),
+        );
+        sub.register(
+            "stale_claims_unprepared",
+            "Stale claims the agent unprepared itself (--stale-claims=unprepare)",
+            metrics.stale_claims_unprepared.clone(),
+        );
         metrics
     }
 

@@ -18,6 +18,7 @@ mod authority;
 pub mod call_order;
 pub mod checkpoint;
 pub mod config;
+pub mod device_metadata;
 pub mod group_commit;
 pub mod health;
 pub mod metrics;
@@ -27,6 +28,7 @@ pub mod proto;
 pub mod registration;
 pub mod service;
 pub mod socket;
+pub mod stale;
 pub mod state;
 pub mod time_slice;
 

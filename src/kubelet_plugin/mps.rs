@@ -403,6 +403,7 @@ mod tests {
             recovered: false,
             mps: (!daemon.is_empty())
                 .then(|| MpsDaemon { uuids: daemon.iter().map(|u| u.to_string()).collect(), ..MpsDaemon::default() }),
+            metadata: None,
         };
         let mut checkpoint = Checkpoint::new("boot");
         checkpoint.exclusive_process = ["gpu-0", "gpu-1", "gpu-2", "gpu-3", "gpu-9"].map(String::from).into();

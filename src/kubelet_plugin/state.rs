@@ -27,7 +27,7 @@ use tracing::{info, warn};
 use super::allocation::{self, ClaimRef, Inventory, PlannedDevice};
 use super::call_order::{CallOrder, Ticket};
 use super::checkpoint::{
-    Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState, PreparedDevice,
+    Checkpoint, CheckpointError, CheckpointStore, ClaimEntry, LoadOutcome, MetadataRecord, PrepareState, PreparedDevice,
 };
 use super::config::TimeSliceInterval;
 use super::group_commit::Queue;
@@ -42,6 +42,7 @@ use crate::node_agent::discovery::Discovery;
 use crate::node_agent::gpu_settings::GpuSettings;
 use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
 
+mod metadata;
 mod sharing;
 
 /// A claim's outcome: its devices, or why it was refused.
@@ -102,6 +103,8 @@ pub struct StateConfig {
     pub gpu_settings: Arc<dyn GpuSettings>,
     /// Makes and destroys the MIG devices of dynamic MIG partitions ([`super::partitions`]).
     pub mig_control: Arc<dyn Discovery>,
+    /// Whether prepared claims' containers get device metadata files ([`super::device_metadata`]).
+    pub device_metadata: bool,
 }
 
 /// The plugin's state; shared by the gRPC service and start-up recovery.
@@ -112,6 +115,9 @@ pub struct DriverState {
     inventory: watch::Receiver<Arc<Inventory>>,
     cdi_kind: CdiKind,
     cdi_dir: PathBuf,
+    /// Where device metadata files are kept ([`super::device_metadata`]), when `device_metadata`.
+    state_dir: PathBuf,
+    device_metadata: bool,
     driver_files: DriverFiles,
     gpu_settings: Arc<dyn GpuSettings>,
     mig_control: Arc<dyn Discovery>,
@@ -156,6 +162,7 @@ impl DriverState {
         let cdi_kind = CdiKind::from_driver_name(&config.driver)
             .map_err(|source| StateError::CdiKind { driver: config.driver.clone(), source })?;
         let store = CheckpointStore::new(&config.state_dir);
+        let state_dir = config.state_dir.clone();
         let loaded = store.load(&config.boot_id)?;
         let state = Arc::new(Self {
             driver: config.driver,
@@ -164,6 +171,8 @@ impl DriverState {
             inventory,
             cdi_kind,
             cdi_dir: config.cdi_dir,
+            state_dir,
+            device_metadata: config.device_metadata,
             driver_files: config.driver_files,
             gpu_settings: config.gpu_settings,
             mig_control: config.mig_control,
@@ -182,6 +191,7 @@ impl DriverState {
                 recovery.previous_boot = dropped.len();
                 for (uid, _) in dropped {
                     state.remove_spec_logged(&uid);
+                    state.remove_metadata_logged(&uid);
                 }
             }
             LoadOutcome::Corrupt { reason } => {
@@ -208,6 +218,16 @@ impl DriverState {
         &self.metrics
     }
 
+    /// The driver whose claims this state prepares.
+    pub fn driver(&self) -> &str {
+        &self.driver
+    }
+
+    /// This node's pool.
+    pub fn pool(&self) -> &str {
+        &self.pool
+    }
+
     /// The claims prepared (or being prepared) on `device` of this node, as (UID, namespace, name): whom a fault
     /// of that GPU affects. Recovered entries have no name and are left out. Takes the file lock: call it off the
     /// async threads.
@@ -217,6 +237,21 @@ impl DriverState {
             .into_iter()
             .filter(|(_, entry)| !entry.recovered)
             .map(|(uid, entry)| (uid.to_owned(), entry.namespace.clone(), entry.name.clone()))
+            .collect()
+    }
+
+    /// The claims prepared here with the names of their devices, to be checked against the API for ones the kubelet
+    /// forgot ([`super::stale`]). Recovered entries have no name and are left out. Takes the file lock: call it off
+    /// the async threads.
+    pub fn prepared_claims(&self) -> Vec<(ClaimRef, BTreeSet<String>)> {
+        let checkpoint = self.lock();
+        let prepared =
+            checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted && !e.recovered);
+        prepared
+            .map(|(uid, e)| {
+                let claim = ClaimRef { namespace: e.namespace.clone(), name: e.name.clone(), uid: uid.clone() };
+                (claim, e.devices.iter().map(|d| d.device.clone()).collect())
+            })
             .collect()
     }
 
@@ -245,13 +280,19 @@ impl DriverState {
                 let inventory = inventory.clone();
                 async move {
                     if let Some(devices) = done {
-                        return Asked { claim, plan: Plan::Done(devices), ticket };
+                        return Asked { claim, plan: Plan::Done(devices), ticket, pod_claim_name: None };
                     }
-                    let plan = match self.read_claim(&claim).await {
-                        Ok(object) => allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory),
-                        Err(error) => Err(error),
+                    let (plan, pod_claim_name) = match self.read_claim(&claim).await {
+                        Ok(object) => {
+                            let annotations = object.metadata.annotations.as_ref();
+                            let pod_claim_name = annotations
+                                .and_then(|a| a.get(super::device_metadata::POD_CLAIM_NAME_ANNOTATION))
+                                .cloned();
+                            (allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory), pod_claim_name)
+                        }
+                        Err(error) => (Err(error), None),
                     };
-                    Asked { claim, plan: Plan::Todo(plan), ticket }
+                    Asked { claim, plan: Plan::Todo(plan), ticket, pod_claim_name }
                 }
             }))
             .await;
@@ -346,7 +387,7 @@ impl DriverState {
         let mut todo: Vec<Todo> = Vec::new();
         let mut newly_listed = Vec::new();
         let mut newly_exclusive = Vec::new();
-        for Asked { claim, plan, ticket } in reads {
+        for Asked { claim, plan, ticket, pod_claim_name } in reads {
             if ticket.overtaken(&claim.uid) {
                 // Its unprepare is done: preparing it now would leave it prepared for nobody (see `call_order`).
                 let reason = format!(
@@ -418,6 +459,7 @@ impl DriverState {
                 devices,
                 recovered: false,
                 mps: mps.clone(),
+                metadata: self.device_metadata.then_some(MetadataRecord { pod_claim_name }),
             };
             // MIG devices made for this claim before stay recorded from the first save on: a crash before the last
             // one must not turn them into nobody's.
@@ -447,6 +489,7 @@ impl DriverState {
                 .collect();
             todo.push(Todo {
                 devices: unique_devices(&planned),
+                allocated: planned.iter().map(|p| (p.request.clone(), p.pool.clone(), p.device.name())).collect(),
                 claim,
                 previous,
                 asks,
@@ -499,8 +542,13 @@ impl DriverState {
             let write = self
                 .ensure_default_compute_modes(checkpoint, &claim)
                 .and_then(|()| self.set_time_slices(checkpoint, &claim.claim, &claim.devices, &claim.asks))
+                .and_then(|()| self.write_metadata(checkpoint, &claim))
                 .and_then(|()| self.start_mps(&mut claim))
-                .and_then(|edits| self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string()));
+                .and_then(|mut edits| {
+                    let entry = checkpoint.claims.get(&claim.claim.uid);
+                    edits.file_devices = entry.map(|e| self.metadata_mounts(&claim.claim.uid, e)).unwrap_or_default();
+                    self.write_spec(&claim.claim.uid, &claim.devices, &edits).map_err(|e| e.to_string())
+                });
             match write {
                 Ok(_) => {
                     if let Some(entry) = checkpoint.claims.get_mut(&claim.claim.uid) {
@@ -548,6 +596,7 @@ impl DriverState {
             // lost the record, e.g. a recovered one, still has its daemon and directories stopped and removed).
             let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
                 .map_err(|e| e.to_string())
+                .and_then(|()| self.remove_metadata(&claim.uid))
                 .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)))
                 .and_then(|()| self.mps.stop(&claim.uid).map_err(|e| e.to_string()));
             match destroyed {
@@ -595,7 +644,7 @@ impl DriverState {
 
     /// The answer for each planned device: CDI id, base request name, pool and device.
     fn prepared_devices(&self, claim: &ClaimRef, planned: &[PlannedDevice]) -> Vec<PreparedDevice> {
-        planned
+        let mut devices: Vec<PreparedDevice> = planned
             .iter()
             .map(|p| PreparedDevice {
                 request_names: vec![p.base_request().to_string()],
@@ -607,7 +656,11 @@ impl DriverState {
                 time_slice: time_slice::asked(p),
                 made_mig: None,
             })
-            .collect()
+            .collect();
+        if self.device_metadata {
+            self.add_metadata_ids(&claim.uid, &mut devices);
+        }
+        devices
     }
 
     /// After a corrupt checkpoint: every spec of this driver on disk becomes a recovered entry, and the rebuilt
@@ -629,6 +682,8 @@ impl DriverState {
                 mps: cdi::claim_spec_env(&self.cdi_dir, &self.cdi_kind, uid)
                     .map(|env| mps::from_client_env(&env))
                     .unwrap_or_default(),
+                // Its spec may mount metadata files: they stay (the directory of a listed UID is never an orphan).
+                metadata: None,
             };
             // Its GPUs may have been time-sliced for it: listed, they are set back once it is unprepared. A MIG
             // device never is (its parent's time slice is not changed for it).
@@ -651,6 +706,7 @@ impl DriverState {
         let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
         for uid in &half_done {
             self.remove_spec_logged(uid);
+            self.remove_metadata_logged(uid);
             if let Some(entry) = checkpoint.claims.get(uid)
                 && let Err(e) = self.destroy_made(entry)
             {
@@ -682,7 +738,8 @@ impl DriverState {
                 continue;
             }
             let devices = unique_devices_of(devices);
-            let edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
+            let mut edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
+            edits.file_devices = self.metadata_mounts(uid, entry);
             match self.write_spec(uid, &devices, &edits) {
                 Ok(_) => {
                     info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
@@ -720,6 +777,7 @@ impl DriverState {
             }
             Err(e) => warn!(error = %e, "listing CDI specs failed; stale specs stay until the next start"),
         }
+        orphans += self.remove_orphaned_metadata(&checkpoint);
         self.save(&checkpoint)?;
         self.update_gauges(&checkpoint);
         Ok((half_done.len(), rewritten, orphans))
@@ -761,6 +819,7 @@ impl DriverState {
         // A recovered claim's spec is in use: the failed (atomic) write left it as it was.
         if previous.is_none() {
             self.remove_spec_logged(&claim.uid);
+            self.remove_metadata_logged(&claim.uid);
         }
         let mut destroyed = BTreeSet::new();
         for uuid in &made {
@@ -827,6 +886,8 @@ struct Asked {
     plan: Plan,
     /// Travels with the work, not the call: a call the kubelet gave up on (dropped) leaves its work queued.
     ticket: Ticket,
+    /// The claim's `resource.kubernetes.io/pod-claim-name`, for its device metadata.
+    pod_claim_name: Option<String>,
 }
 
 impl super::group_commit::ForClaim for Asked {
@@ -845,6 +906,8 @@ impl super::group_commit::ForClaim for Asked {
 struct Todo {
     claim: ClaimRef,
     devices: Vec<Device>,
+    /// Each device of each request as allocated: (request, subrequest included; pool; device name).
+    allocated: Vec<(String, String, String)>,
     /// The entry it replaces (a recovered one), put back if this prepare fails.
     previous: Option<ClaimEntry>,
     /// The time slice it asks of each GPU, by device name.

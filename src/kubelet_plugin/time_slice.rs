@@ -182,6 +182,7 @@ mod tests {
                 devices: Vec::new(),
                 recovered: *recovered,
                 mps: None,
+                metadata: None,
             });
             entry.devices.push(PreparedDevice {
                 request_names: vec!["gpu".into()],

@@ -28,6 +28,7 @@ mod mps_sys;
 mod plugin;
 pub mod retry;
 pub mod slices;
+pub mod stale_claims;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -117,6 +118,11 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         host_driver_root: args.host_driver_root.clone(),
         gpu_settings: gpu_settings::backend(gpu, &args.state_dir, &boot_id),
         mig_control: discovery.clone(),
+        device_metadata: args.device_metadata,
+        stale_claims: stale_claims::StaleClaimSettings {
+            action: args.stale_claims,
+            interval: args.stale_claim_check_interval,
+        },
         boot_id,
     };
     let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
@@ -312,10 +318,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         };
         health_only = false;
+        // After a failure the back-off holds: the failed round's own slice writes (seen by the watch) would
+        // otherwise start the next one at once, several a second against an API server that is failing.
+        let failed = last_failure.is_some();
         tokio::select! {
             () = stop.cancelled() => break,
             () = monitor.changed.notified() => health_only = true,
-            () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
+            () = changed.notified(), if !failed => tokio::time::sleep(DEBOUNCE).await,
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }

@@ -45,6 +45,10 @@ pub(super) struct PluginSettings {
     pub(super) gpu_settings: Arc<dyn GpuSettings>,
     /// Makes and destroys the MIG devices of dynamic MIG: the agent's discovery backend.
     pub(super) mig_control: Arc<dyn crate::node_agent::discovery::Discovery>,
+    /// Whether containers get device metadata files (`--device-metadata`).
+    pub(super) device_metadata: bool,
+    /// What to do with prepared claims the kubelet forgot, and how often to look (`--stale-claims`).
+    pub(super) stale_claims: super::stale_claims::StaleClaimSettings,
 }
 
 /// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
@@ -72,11 +76,19 @@ pub(super) async fn start(
         boot_id: settings.boot_id.clone(),
         gpu_settings: settings.gpu_settings.clone(),
         mig_control: settings.mig_control.clone(),
+        device_metadata: settings.device_metadata,
     };
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
-    report(&recovery, &settings.node, client).await;
+    report(&recovery, &settings.node, client.clone()).await;
     let health = HealthService::new(settings.node.clone(), health);
+    tokio::spawn(super::stale_claims::run(
+        state.clone(),
+        client.clone(),
+        settings.node.clone(),
+        settings.stale_claims,
+        stop.clone(),
+    ));
     let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop)
         .map_err(|e| e.to_string())?;
     let sockets = settings.sockets.clone();
@@ -115,6 +127,11 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
         recovery.rebuilt
     );
     warn!(moved_to = %moved_to.display(), %reason, rebuilt = recovery.rebuilt, "checkpoint was corrupt");
+    node_warning(client, node, "CheckpointCorrupt", "RecoverCheckpoint", note).await;
+}
+
+/// Publishes a Warning Event on the Node (by name alone when it cannot be read); a failure is logged.
+pub(super) async fn node_warning(client: kube::Client, node: &str, reason: &str, action: &str, note: String) {
     let reference = match Api::<Node>::all(client.clone()).get(node).await {
         Ok(node) => node.object_ref(&()),
         Err(e) => {
@@ -124,13 +141,13 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
     };
     let event = Event {
         type_: EventType::Warning,
-        reason: "CheckpointCorrupt".into(),
+        reason: reason.into(),
         note: Some(note),
-        action: "RecoverCheckpoint".into(),
+        action: action.into(),
         secondary: None,
     };
     let recorder = Recorder::new(client, Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
     if let Err(e) = recorder.publish(&event, &reference).await {
-        warn!(error = %e, "publishing the CheckpointCorrupt event failed");
+        warn!(error = %e, reason, "publishing a Node event failed");
     }
 }

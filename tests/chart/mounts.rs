@@ -75,13 +75,16 @@ async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -
     let prepared =
         kubelet.wait_for("prepared", &format!("{ns}/trainer"), SETTLE).await.with_context(|| agent.log_tail())?;
     let ids = prepared["containers"]["app"].as_array().map_or(0, Vec::len);
-    ensure!(ids == 2, "CDI devices of the prepared pod: {prepared}");
+    // Two GPUs, and the mount of the request's device metadata file.
+    ensure!(ids == 3, "CDI devices of the prepared pod: {prepared}");
 
-    // Everything the agent made lies inside a mount: the sockets, the CDI spec, the checkpoint.
+    // Everything the agent made lies inside a mount: the sockets, the CDI spec, the checkpoint, the device metadata.
     let made = files_under(host.path())?;
     let registration = on_host(&format!("/var/lib/kubelet/plugins_registry/{DRIVER}/{DRIVER}-reg.sock"));
     ensure!(made.contains(&registration), "no registration socket at {}: {made:?}", registration.display());
     ensure!(made.iter().any(|f| f.starts_with(on_host("/var/run/cdi"))), "no CDI spec: {made:?}");
+    let metadata = on_host("/var/lib/gpu-dra/device-metadata");
+    ensure!(made.iter().any(|f| f.starts_with(&metadata)), "no device metadata file: {made:?}");
     let outside: Vec<_> = made.iter().filter(|f| !mounted.iter().any(|m| f.starts_with(m))).collect();
     ensure!(outside.is_empty(), "the agent wrote outside its mounts: {outside:?}");
     ensure!(!agent.log_text().contains("forbidden"), "the agent was refused something:\n{}", agent.log_tail());

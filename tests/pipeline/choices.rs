@@ -12,7 +12,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::api::{Api, PostParams};
 use serde_json::{Value, json};
 
-use super::support::node::DRIVER;
+use super::support::node::{DRIVER, metadata_requests};
 use super::support::{TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, Testbed, allocation_results, attribute, claim_of, inject};
 
@@ -197,6 +197,19 @@ async fn matched_pair(ctx: &TestContext, bed: &Testbed, pod: &str) -> anyhow::Re
     ensure!(pair.len() == 2, "{pod}: both ranks got {pair:?}");
     let monitor = containers.get("monitor").map(Vec::len);
     ensure!(monitor == Some(2), "{pod}: the monitor got {containers:?}, expected both GPUs");
+    // Each rank the device metadata of its own request only; the monitor, which names none, both.
+    let event =
+        bed.node(&node)?.kubelet.wait_for("prepared", &format!("{}/{pod}", ctx.namespace), PREPARE_TIMEOUT).await?;
+    let requests = |container: &str| -> Vec<String> {
+        let ids: Vec<String> = serde_json::from_value(event["containers"][container].clone()).unwrap_or_default();
+        metadata_requests(&ids).into_iter().map(|(_, request)| request).collect()
+    };
+    for container in ["rank-0", "rank-1"] {
+        ensure!(requests(container) == [container], "{pod}: {container} got the metadata of {:?}", requests(container));
+    }
+    let mut both = requests("monitor");
+    both.sort();
+    ensure!(both == ["rank-0", "rank-1"], "{pod}: the monitor got the metadata of {both:?}");
     Ok((model, pair))
 }
 

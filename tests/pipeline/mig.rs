@@ -12,7 +12,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::{Value, json};
 
 use super::support::harness::KubeletHarness;
-use super::support::node::{DRIVER, NodeDirs, start_agent};
+use super::support::node::{DRIVER, NodeDirs, gpu_cdi_ids, start_agent};
 use super::support::process::Component;
 use super::support::{self, TestContext, objects, wait};
 use super::{PREPARE_TIMEOUT, inject, pod_using};
@@ -152,6 +152,7 @@ async fn quickstart(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
         let mut uuids = BTreeSet::new();
         let mut gpu_nodes = BTreeSet::new();
         for (container, ids) in &by_container {
+            let ids = &gpu_cdi_ids(ids)?;
             ensure!(ids.len() == 1, "{pod}/{container}: CDI ids {ids:?}");
             let (nodes, env) = inject(&bed.dirs, ids)?;
             let caps = nodes.iter().filter(|n| n.starts_with("/dev/nvidia-caps/")).count();
@@ -225,7 +226,7 @@ async fn hand_out(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
     }))?;
     objects::pods(ctx).create(&PostParams::default(), &pod).await?;
     let prepared = kubelet.wait_for("prepared", &format!("{ns}/mixed"), PREPARE_TIMEOUT).await?;
-    let ids: Vec<String> = serde_json::from_value(prepared["containers"]["app"].clone())?;
+    let ids: Vec<String> = gpu_cdi_ids(&serde_json::from_value::<Vec<String>>(prepared["containers"]["app"].clone())?)?;
     ensure!(ids.len() == 3, "CDI ids {ids:?}");
     let claim = objects::claim_statuses(&objects::pods(ctx).get("mixed").await?)
         .into_iter()

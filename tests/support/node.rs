@@ -18,6 +18,29 @@ use super::{TestContext, wait};
 
 pub const DRIVER: &str = "gpu.gpu-dra.dev";
 
+/// The requests whose device metadata a container was handed, from its CDI ids (`<driver>/gpu=<claim UID>_<request>`),
+/// as (claim UID, request).
+pub fn metadata_requests(ids: &[String]) -> Vec<(String, String)> {
+    ids.iter()
+        .filter_map(|id| id.split_once('=').map(|(_, device)| device))
+        .filter_map(|device| device.split_at_checked(36))
+        .filter_map(|(uid, rest)| rest.strip_prefix('_').map(|request| (uid.to_string(), request.to_string())))
+        .collect()
+}
+
+/// A container's CDI ids without those of device metadata mounts: its GPUs'. Checks that it got the metadata of a
+/// request of each claim whose GPUs it got, and none of a claim it got no GPU of.
+pub fn gpu_cdi_ids(ids: &[String]) -> anyhow::Result<Vec<String>> {
+    let metadata = metadata_requests(ids);
+    let gpus: Vec<String> =
+        ids.iter().filter(|id| !metadata.iter().any(|(u, r)| id.ends_with(&format!("{u}_{r}")))).cloned().collect();
+    let claim_of = |id: &String| id.split_once('=').and_then(|(_, d)| d.get(..36)).unwrap_or_default().to_string();
+    let with_gpus: std::collections::BTreeSet<String> = gpus.iter().map(claim_of).collect();
+    let with_metadata: std::collections::BTreeSet<String> = metadata.iter().map(|(u, _)| u.clone()).collect();
+    ensure!(with_gpus == with_metadata, "CDI ids {ids:?}: GPUs of claims {with_gpus:?}, metadata of {with_metadata:?}");
+    Ok(gpus)
+}
+
 /// The per-node directories, under a short temporary path (unix socket paths must stay under 108 bytes).
 #[derive(Debug)]
 pub struct NodeDirs {

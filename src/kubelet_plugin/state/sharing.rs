@@ -108,7 +108,7 @@ impl DriverState {
 
     pub(super) fn mps_edits(&self, uid: &str, daemon: &MpsDaemon) -> cdi::ClaimEdits {
         let (env, mounts) = daemon.client_edits(&self.mps.dirs(uid));
-        cdi::ClaimEdits { env, mounts }
+        cdi::ClaimEdits { env, mounts, file_devices: Vec::new() }
     }
 
     /// Sets each device of `devices` that is in [`Checkpoint::exclusive_process`] and no claim's MPS daemon serves

@@ -52,6 +52,19 @@ pub fn device(device: &Device, sharing: Sharing) -> Value {
     }
 }
 
+/// `device`'s attributes as its ResourceSlice entry has them and, for a dynamic MIG partition made for a claim, its
+/// MIG device's `uuid` too: what a claim's device metadata lists (see `kubelet_plugin::device_metadata`).
+pub fn attributes(device: &Device) -> Map<String, Value> {
+    let mut attributes = match self::device(device, Sharing::Whole).get_mut("attributes").map(Value::take) {
+        Some(Value::Object(attributes)) => attributes,
+        _ => Map::new(),
+    };
+    if let (Some(_), Some(mig)) = (&device.partition, &device.mig) {
+        attributes.entry("uuid").or_insert_with(|| json!({"string": mig.uuid}));
+    }
+    attributes
+}
+
 fn gpu_device(gpu: &Gpu, sharing: Sharing) -> Value {
     let attributes = gpu_attributes(gpu);
     let memory = memory_quantity(gpu.memory_bytes);

@@ -156,11 +156,13 @@ impl Publisher {
                 }
             }))
             .map_err(PublishError::Encode)?;
-            let stored = self
-                .api()
-                .create(&PostParams::default(), &slice)
-                .await
-                .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
+            let stored = match self.api().create(&PostParams::default(), &slice).await {
+                Ok(stored) => stored,
+                Err(source) => {
+                    self.remove_generation(generation).await;
+                    return Err(PublishError::CreateSlice { node: self.node.clone(), source });
+                }
+            };
             for field in dropped_fields(content.devices(), &stored) {
                 if field == DroppedField::ConsumesCounters {
                     self.counters_dropped.store(true, Ordering::Relaxed);
@@ -195,6 +197,33 @@ impl Publisher {
         let devices: usize = slices.iter().map(|s| s.devices().len()).sum();
         info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
         Ok(Outcome::Published { generation, slices: slices.len() })
+    }
+
+    /// After a create of `generation` failed: removes the slices of it that were made (also one whose answer was
+    /// lost), so that the pool stays the complete one before. Left in place, the scheduler would take the newer,
+    /// incomplete generation for the pool and allocate none of the node's GPUs until a later round completed one.
+    /// Best effort: what is left, the next round finds and deletes with the old generation.
+    async fn remove_generation(&self, generation: i64) {
+        let listed = self.api().list(&ListParams::default().fields(&self.field_selector())).await;
+        let slices = match listed {
+            Ok(list) => list.items,
+            Err(error) => {
+                warn!(node = %self.node, generation, %error, "listing the slices of a failed publish failed");
+                return;
+            }
+        };
+        for slice in slices.iter().filter(|s| s.spec.pool.name == self.node && s.spec.pool.generation == generation) {
+            let params = DeleteParams {
+                preconditions: Some(Preconditions { uid: slice.uid(), resource_version: None }),
+                ..Default::default()
+            };
+            match self.api().delete(&slice.name_any(), &params).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
+                Err(error) => warn!(node = %self.node, slice = %slice.name_any(), %error,
+                                    "removing a slice of a failed publish failed"),
+            }
+        }
     }
 
     async fn node_uid(&self) -> Result<String, PublishError> {

@@ -1,0 +1,129 @@
+//! The periodic check for prepared claims the kubelet forgot ([`crate::kubelet_plugin::stale`] decides): every
+//! interval, while the Node is `Ready`, each claim prepared here is read from the API; one found stale by two checks
+//! an interval apart is unprepared through the same path as the kubelet's call (or, with `warn`, only reported),
+//! with a Warning Event on the Node naming it and its GPUs.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::Api;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::kubelet_plugin::stale::{Suspects, why_stale};
+use crate::kubelet_plugin::state::DriverState;
+
+/// What to do with a stale claim (`--stale-claims`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum StaleClaimAction {
+    /// Unprepare it: its CDI spec, MPS daemon and MIG devices go, its GPUs can be prepared for other claims.
+    Unprepare,
+    /// Keep it prepared and say so (log, Warning Event, metric).
+    Warn,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct StaleClaimSettings {
+    pub action: StaleClaimAction,
+    pub interval: Duration,
+}
+
+/// Checks every `settings.interval` until `stop`.
+pub async fn run(
+    state: Arc<DriverState>,
+    client: kube::Client,
+    node: String,
+    settings: StaleClaimSettings,
+    stop: CancellationToken,
+) {
+    let StaleClaimSettings { action, interval } = settings;
+    let mut suspects = Suspects::default();
+    let mut reported = BTreeSet::new();
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(interval) => {}
+        }
+        if !node_ready(&client, &node).await {
+            suspects.node_not_ready();
+            continue;
+        }
+        let this = state.clone();
+        let Ok(prepared) = tokio::task::spawn_blocking(move || this.prepared_claims()).await else { continue };
+        let mut checked = Vec::with_capacity(prepared.len());
+        for (claim, devices) in &prepared {
+            match Api::<ResourceClaim>::namespaced(client.clone(), &claim.namespace).get_opt(&claim.name).await {
+                Ok(read) => {
+                    let why = why_stale(&claim.uid, devices, read.as_ref(), state.driver(), state.pool());
+                    checked.push((claim.uid.clone(), why));
+                }
+                Err(error) => debug!(claim = %claim, %error, "reading a prepared claim failed; checked next time"),
+            }
+        }
+        let stale = suspects.record(std::time::Instant::now(), interval, &checked);
+        state.metrics().stale_claims.set(stale.len() as i64);
+        reported.retain(|uid| stale.iter().any(|(u, _)| u == uid));
+        for (uid, why) in stale {
+            let Some((claim, devices)) = prepared.iter().find(|(c, _)| c.uid == uid) else { continue };
+            let devices: Vec<&str> = devices.iter().map(String::as_str).collect();
+            let devices = devices.join(", ");
+            match action {
+                StaleClaimAction::Warn => {
+                    if reported.insert(uid.clone()) {
+                        warn!(claim = %claim, %uid, why, %devices, "a claim prepared here is stale; kept prepared");
+                        let note = format!(
+                            "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}: the \
+                             kubelet lost its record of it and will not unprepare it. Kept prepared \
+                             (--stale-claims=warn); its GPUs are refused to other claims."
+                        );
+                        super::plugin::node_warning(client.clone(), &node, "StaleClaimPrepared", "CheckClaims", note)
+                            .await;
+                    }
+                }
+                StaleClaimAction::Unprepare => {
+                    let result = state.unprepare(vec![claim.clone()]).await;
+                    match result.into_iter().next().map(|(_, r)| r) {
+                        Some(Ok(())) => {
+                            suspects.forget(&uid);
+                            state.metrics().stale_claims_unprepared.inc();
+                            info!(claim = %claim, %uid, why, %devices, "unprepared a stale claim");
+                            let note = format!(
+                                "Claim {claim} (UID {uid}) was prepared on this node for {devices}, but {why}: the \
+                                 kubelet lost its record of it and would never unprepare it. Unprepared; its GPUs can \
+                                 be prepared for other claims."
+                            );
+                            super::plugin::node_warning(
+                                client.clone(),
+                                &node,
+                                "StaleClaimUnprepared",
+                                "UnprepareClaim",
+                                note,
+                            )
+                            .await;
+                        }
+                        Some(Err(error)) => warn!(claim = %claim, %uid, %error, "unpreparing a stale claim failed"),
+                        None => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Whether the Node's `Ready` condition is `True`: its kubelet runs (and stops the containers of pods the API no
+/// longer has). Unreadable counts as not ready.
+async fn node_ready(client: &kube::Client, node: &str) -> bool {
+    match Api::<Node>::all(client.clone()).get(node).await {
+        Ok(node) => {
+            let conditions = node.status.and_then(|s| s.conditions).unwrap_or_default();
+            conditions.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+        }
+        Err(error) => {
+            debug!(%error, "reading the Node failed; prepared claims are checked next time");
+            false
+        }
+    }
+}

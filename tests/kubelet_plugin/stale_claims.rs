@@ -1,0 +1,110 @@
+//! A kubelet that lost its record of what it prepared (its `dra_manager_state` deleted, the node re-provisioned with
+//! the agent's state directory kept) never unprepares those claims: here the test plays that kubelet by preparing
+//! claims and never unpreparing them. The agent checks its prepared claims against the API (every second here) and
+//! unprepares one the API no longer allocates what was prepared, once two checks an interval apart found it so
+//! while the Node was Ready; before, its GPU was refused to every later claim until the node rebooted.
+
+use std::time::Duration;
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use serde_json::json;
+
+use super::support::node::{Kubelet, NodeDirs, start_agent};
+use super::support::process::Component;
+use super::support::{TestContext, objects, wait};
+use super::{allocated_claim, checkpoint, node_name, prepares_fully};
+
+const CHECK_EVERY: &str = "1s";
+
+async fn agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, action: &str) -> anyhow::Result<Component> {
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"];
+    let checks = ["--stale-claim-check-interval", CHECK_EVERY, "--stale-claims", action];
+    let agent = start_agent(ctx, node, dirs, &[&args[..], &checks[..]].concat())?;
+    agent.wait_ready().await?;
+    Ok(agent)
+}
+
+async fn set_ready(ctx: &TestContext, node: &str, ready: bool) -> anyhow::Result<()> {
+    let status = if ready { "True" } else { "False" };
+    let patch = json!({"status": {"conditions": [{"type": "Ready", "status": status, "reason": "Test"}]}});
+    Api::<Node>::all(ctx.client.clone()).patch_status(node, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+    Ok(())
+}
+
+/// A Warning event on `node` with `reason`, once it is there.
+async fn node_event(ctx: &TestContext, node: &str, reason: &str) -> anyhow::Result<String> {
+    let events: Api<Event> = Api::namespaced(ctx.client.clone(), "default");
+    wait::until(&format!("a {reason} event on the Node"), Duration::from_secs(20), || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list.items.into_iter().find_map(|e| {
+            let on_node = e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node);
+            (on_node && e.reason.as_deref() == Some(reason) && e.type_.as_deref() == Some("Warning")).then_some(e.note?)
+        }))
+    })
+    .await
+}
+
+pub(super) async fn a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = agent(&ctx, &node, &dirs, "unprepare").await?;
+    let ns = ctx.namespace.as_str();
+    let kept = allocated_claim(&ctx, "kept", &node, &["gpu-0"], json!([])).await?;
+    let forgotten = allocated_claim(&ctx, "forgotten", &node, &["gpu-1"], json!([])).await?;
+    prepares_fully(&dirs, ns, "kept", &kept, "gpu-0").await?;
+    prepares_fully(&dirs, ns, "forgotten", &forgotten, "gpu-1").await?;
+
+    // Its pod force-deleted and the claim with it while the Node is not Ready: nothing is done (the kubelet may be
+    // down, with the pod's containers still running).
+    set_ready(&ctx, &node, false).await?;
+    objects::claims(&ctx).delete("forgotten", &DeleteParams::default()).await?;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    ensure!(dirs.cdi_spec(&forgotten).exists(), "unprepared while the Node was not Ready");
+
+    set_ready(&ctx, &node, true).await?;
+    wait::until("the forgotten claim to be unprepared", Duration::from_secs(30), || async {
+        Ok((!dirs.cdi_spec(&forgotten).exists()).then_some(()))
+    })
+    .await?;
+    let note = node_event(&ctx, &node, "StaleClaimUnprepared").await?;
+    ensure!(note.contains(&format!("{ns}/forgotten")) && note.contains("gpu-1") && note.contains("deleted"), "{note}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims_unprepared_total", &[]).await? == 1.0, "metric");
+    let state = checkpoint(&dirs, "boot-1")?;
+    ensure!(!state.claims.contains_key(&forgotten) && state.claims.contains_key(&kept), "{:?}", state.claims);
+    ensure!(!dirs.state().join("device-metadata").join(&forgotten).exists(), "its device metadata stayed");
+
+    // Its GPU serves the next claim; the claim still allocated stays prepared through many checks.
+    let next = allocated_claim(&ctx, "next", &node, &["gpu-1"], json!([])).await?;
+    prepares_fully(&dirs, ns, "next", &next, "gpu-1").await?;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    ensure!(dirs.cdi_spec(&kept).exists() && dirs.cdi_spec(&next).exists(), "a claim in use was unprepared");
+    let unprepared = Kubelet::register(&dirs).await?.unprepare(&[(ns, "next", &next), (ns, "kept", &kept)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    Ok(())
+}
+
+pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = agent(&ctx, &node, &dirs, "warn").await?;
+    let ns = ctx.namespace.as_str();
+    let forgotten = allocated_claim(&ctx, "forgotten", &node, &["gpu-0"], json!([])).await?;
+    prepares_fully(&dirs, ns, "forgotten", &forgotten, "gpu-0").await?;
+    // Deallocated (its pods done) without the kubelet unpreparing it.
+    let status = json!({"status": {"allocation": null, "reservedFor": null}});
+    objects::claims(&ctx).patch_status("forgotten", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let note = node_event(&ctx, &node, "StaleClaimPrepared").await?;
+    ensure!(note.contains("no longer allocated") && note.contains("gpu-0"), "{note}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims", &[]).await? == 1.0, "gauge");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(dirs.cdi_spec(&forgotten).exists(), "unprepared with --stale-claims=warn");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims_unprepared_total", &[]).await? == 0.0, "counter");
+    Ok(())
+}
