@@ -159,10 +159,10 @@ pub struct NodeAgentArgs {
     #[arg(long, env = "GPU_DRA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub device_metadata: bool,
     /// What to do with a claim prepared here that the API no longer allocates what was prepared (deleted,
-    /// deallocated, allocated other devices) while the Node is Ready, found by two checks an interval apart: the
-    /// kubelet lost its record of it and will never unprepare it. `unprepare` frees its GPUs; `warn` only says so
-    /// (log, Warning Event on the Node, `gpu_dra_kubelet_plugin_stale_claims`).
-    #[arg(long, env = "GPU_DRA_STALE_CLAIMS", value_enum, default_value_t = crate::node_agent::stale_claims::StaleClaimAction::Unprepare)]
+    /// deallocated, allocated other devices), found so by two checks an interval apart while the Node is Ready: the
+    /// kubelet lost its record of it, or a container it cannot stop still holds it. `warn` says so (log, Warning
+    /// Event on the Node, `gpu_dra_kubelet_plugin_stale_claims`); `unprepare` also frees its GPUs.
+    #[arg(long, env = "GPU_DRA_STALE_CLAIMS", value_enum, default_value_t = crate::node_agent::stale_claims::StaleClaimAction::Warn)]
     pub stale_claims: crate::node_agent::stale_claims::StaleClaimAction,
     /// How often prepared claims are checked against the API for `--stale-claims`.
     #[arg(long, env = "GPU_DRA_STALE_CLAIM_CHECK_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]

@@ -10,9 +10,12 @@
 //! reserved for no pod, and the claim controllers release a pod's reservation only once the pod is done or gone.
 //! A pod force-deleted from the API while its containers still run is gone too: only the kubelet can still stop
 //! them, so a claim counts as stale only through checks that each found the Node `Ready` (its kubelet up, which
-//! stops containers of pods the API no longer has within seconds of starting), [`CHECKS`] in a row, the first at
-//! least one check interval before the last: a transient state (the kubelet unpreparing just after the controller
-//! deallocated) is never acted on.
+//! stops containers of pods the API no longer has within seconds of starting), [`CHECKS`] in a row for the same
+//! reason, the first at least one check interval before the last: a transient state (the kubelet unpreparing just
+//! after the controller deallocated) is never acted on. What no check can tell is a container the kubelet cannot
+//! stop (a process stuck in the driver after a GPU fault, its pod force-deleted): the kubelet has not forgotten
+//! that claim and unprepares it once the container is gone, and its GPU must not be handed out before. So acting
+//! is the operator's choice (`--stale-claims=unprepare`); by default such claims are only reported.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
@@ -64,7 +67,11 @@ impl Suspects {
         let mut next = BTreeMap::new();
         for (uid, why) in checked {
             let Some(why) = why else { continue };
-            let (first, count, _) = self.seen.get(uid).copied().unwrap_or((now, 0, why));
+            // Found stale for another reason (deallocated, then allocated other devices): it starts again.
+            let (first, count) = match self.seen.get(uid) {
+                Some((first, count, before)) if before == why => (*first, *count),
+                _ => (now, 0),
+            };
             next.insert(uid.clone(), (first, count + 1, *why));
         }
         self.seen = next;
@@ -153,6 +160,11 @@ mod tests {
         assert!(back.record(start + interval * 2, interval, &[gone("a")]).is_empty());
         back.node_not_ready();
         assert!(back.is_empty());
+        // Another reason starts it again.
+        let mut other = Suspects::default();
+        other.record(start, interval, &[("a".to_string(), Some("the claim is no longer allocated"))]);
+        assert!(other.record(start + interval, interval, &[gone("a")]).is_empty());
+        assert_eq!(other.record(start + interval * 2, interval, &[gone("a")]).len(), 1);
         assert!(back.record(start + interval * 3, interval, &[gone("a")]).is_empty());
     }
 }

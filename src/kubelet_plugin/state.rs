@@ -267,35 +267,24 @@ impl DriverState {
         // Taken first: an unprepare of one of these claims done from here on overtakes this call (see `call_order`).
         let tickets: Vec<Ticket> = claims.iter().map(|_| self.order.arrive()).collect();
         let inventory = self.inventory.borrow().clone();
-        // Under the lock, so on a blocking thread: an async thread waiting for a long prepare would stall every
-        // other call and the health checks with it.
-        let this = self.clone();
-        let uids: Vec<String> = claims.iter().map(|c| c.uid.clone()).collect();
-        let done: Vec<Option<Vec<PreparedDevice>>> =
-            tokio::task::spawn_blocking(move || uids.iter().map(|uid| this.already_prepared(uid)).collect())
-                .await
-                .unwrap_or_else(|_| vec![None; claims.len()]);
-        let reads =
-            futures::future::join_all(claims.into_iter().zip(done).zip(tickets).map(|((claim, done), ticket)| {
-                let inventory = inventory.clone();
-                async move {
-                    if let Some(devices) = done {
-                        return Asked { claim, plan: Plan::Done(devices), ticket, pod_claim_name: None };
+        // Every claim is read, a repeated prepare too: its allocation is what says whether what is prepared is
+        // still what the claim has (a claim deallocated and allocated again without the kubelet unpreparing it).
+        let reads = futures::future::join_all(claims.into_iter().zip(tickets).map(|(claim, ticket)| {
+            let inventory = inventory.clone();
+            async move {
+                let (plan, pod_claim_name) = match self.read_claim(&claim).await {
+                    Ok(object) => {
+                        let annotations = object.metadata.annotations.as_ref();
+                        let pod_claim_name =
+                            annotations.and_then(|a| a.get(super::device_metadata::POD_CLAIM_NAME_ANNOTATION)).cloned();
+                        (allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory), pod_claim_name)
                     }
-                    let (plan, pod_claim_name) = match self.read_claim(&claim).await {
-                        Ok(object) => {
-                            let annotations = object.metadata.annotations.as_ref();
-                            let pod_claim_name = annotations
-                                .and_then(|a| a.get(super::device_metadata::POD_CLAIM_NAME_ANNOTATION))
-                                .cloned();
-                            (allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory), pod_claim_name)
-                        }
-                        Err(error) => (Err(error), None),
-                    };
-                    Asked { claim, plan: Plan::Todo(plan), ticket, pod_claim_name }
-                }
-            }))
-            .await;
+                    Err(error) => (Err(error), None),
+                };
+                Asked { claim, plan, ticket, pod_claim_name }
+            }
+        }))
+        .await;
         let uids: Vec<String> = reads.iter().map(|a| a.claim.uid.clone()).collect();
         let answer = self.prepares.join(reads);
         let this = self.clone();
@@ -332,19 +321,6 @@ impl DriverState {
             self.metrics.claim(Operation::Unprepare, result.is_ok());
         }
         results
-    }
-
-    /// The devices of a completed prepare whose spec is still on disk: a repeated call is answered without an API
-    /// read. Only when the lock is free: behind a busy one the read costs less than the wait, and it lets the call
-    /// join the next batch (the batch answers a completed claim from the checkpoint all the same).
-    fn already_prepared(&self, uid: &str) -> Option<Vec<PreparedDevice>> {
-        let checkpoint = match self.checkpoint.try_lock() {
-            Ok(checkpoint) => checkpoint,
-            Err(std::sync::TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
-            Err(std::sync::TryLockError::WouldBlock) => return None,
-        };
-        let entry = checkpoint.completed(uid)?;
-        cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid).then(|| entry.devices.clone())
     }
 
     async fn read_claim(&self, claim: &ClaimRef) -> Result<ResourceClaim, String> {
@@ -398,31 +374,38 @@ impl DriverState {
                 continue;
             }
             let planned = match plan {
-                Plan::Done(devices) => {
-                    // Still prepared under the lock? An unprepare may have run since the look before the API read.
-                    let result = match checkpoint.completed(&claim.uid) {
-                        Some(_) => Ok(devices),
-                        None => Err(format!("claim {claim} was unprepared while being prepared; retry")),
-                    };
-                    results.push((claim.uid, result));
-                    continue;
-                }
-                Plan::Todo(Err(reason)) => {
+                Err(reason) => {
                     warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
                     results.push((claim.uid, Err(reason)));
                     continue;
                 }
-                Plan::Todo(Ok(planned)) if planned.is_empty() => {
+                Ok(planned) if planned.is_empty() => {
                     // Nothing of this driver in the claim: nothing to prepare, nothing to remember.
                     results.push((claim.uid, Ok(Vec::new())));
                     continue;
                 }
-                Plan::Todo(Ok(planned)) => planned,
+                Ok(planned) => planned,
             };
             if let Some(entry) = checkpoint.completed(&claim.uid)
                 && cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, &claim.uid)
             {
-                results.push((claim.uid.clone(), Ok(entry.devices.clone())));
+                // Prepared before: answered from the checkpoint while the allocation is the one prepared. Another
+                // one means the claim was deallocated and allocated again without the kubelet unpreparing it (its
+                // record of the claim lost): handing out the old devices would give the pod GPUs not its own.
+                let had: BTreeSet<&str> = entry.devices.iter().map(|d| d.device.as_str()).collect();
+                let wanted: Vec<String> = planned.iter().map(|p| p.device.name()).collect();
+                let result = if had == wanted.iter().map(String::as_str).collect() {
+                    Ok(entry.devices.clone())
+                } else {
+                    let reason = format!(
+                        "claim {claim} is prepared on this node for {had:?} but now allocated {wanted:?}: its earlier \
+                         prepare was never unprepared (the kubelet lost its record of it); the stale-claim check \
+                         unprepares it (--stale-claims=unprepare), after which it can be prepared"
+                    );
+                    warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
+                    Err(reason)
+                };
+                results.push((claim.uid.clone(), result));
                 continue;
             }
             let devices = self.prepared_devices(&claim, &planned);
@@ -898,7 +881,7 @@ impl super::group_commit::ForClaim for Asked {
     /// A prepare its claim's unprepare overtook is not: of two calls for the claim in one batch, the one asked after
     /// the unprepare is kept (`take` runs under the state lock, where unprepares are recorded).
     fn usable(&self) -> bool {
-        !matches!(self.plan, Plan::Todo(Err(_))) && !self.ticket.overtaken(&self.claim.uid)
+        self.plan.is_ok() && !self.ticket.overtaken(&self.claim.uid)
     }
 }
 
@@ -924,13 +907,8 @@ struct Todo {
     made: Vec<String>,
 }
 
-/// A claim's plan after the API read.
-#[derive(Debug)]
-enum Plan {
-    /// Prepared before and still on disk: answer from the checkpoint.
-    Done(Vec<PreparedDevice>),
-    Todo(Result<Vec<PlannedDevice>, String>),
-}
+/// The devices to prepare for a claim read from the API, or why it is refused.
+type Plan = Result<Vec<PlannedDevice>, String>;
 
 /// Why a device of `claim` cannot be prepared: it is held for another claim (an admin-access claim may look at a
 /// device in use, so it never conflicts).

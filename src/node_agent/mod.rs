@@ -60,6 +60,8 @@ use slices::publisher::{Outcome, Publisher};
 
 /// Changes to the node's slices that arrive together are handled once.
 const DEBOUNCE: Duration = Duration::from_millis(200);
+/// After a failed round, how long changes the watch reports are taken for the round's own (at most the back-off).
+const FAILURE_HOLD: Duration = Duration::from_secs(2);
 
 /// Errors that stop the agent at start-up (bad configuration); everything later is retried.
 #[derive(Debug, thiserror::Error)]
@@ -318,13 +320,21 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         };
         health_only = false;
-        // After a failure the back-off holds: the failed round's own slice writes (seen by the watch) would
-        // otherwise start the next one at once, several a second against an API server that is failing.
-        let failed = last_failure.is_some();
+        if last_failure.is_some() {
+            // The failed round's own slice writes reach the watch within this hold and are not news: taken as a
+            // change, they would start the next round at once, several a second against an API server that is
+            // failing. Someone else's change after it (a kubelet restart deleting the slices) still wakes the loop.
+            let hold = wake_at.saturating_duration_since(tokio::time::Instant::now()).min(FAILURE_HOLD);
+            tokio::select! {
+                () = stop.cancelled() => break,
+                () = tokio::time::sleep(hold) => {}
+            }
+            let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
+        }
         tokio::select! {
             () = stop.cancelled() => break,
             () = monitor.changed.notified() => health_only = true,
-            () = changed.notified(), if !failed => tokio::time::sleep(DEBOUNCE).await,
+            () = changed.notified() => tokio::time::sleep(DEBOUNCE).await,
             () = tokio::time::sleep_until(wake_at) => {}
         }
     }

@@ -1,7 +1,8 @@
 //! The periodic check for prepared claims the kubelet forgot ([`crate::kubelet_plugin::stale`] decides): every
 //! interval, while the Node is `Ready`, each claim prepared here is read from the API; one found stale by two checks
-//! an interval apart is unprepared through the same path as the kubelet's call (or, with `warn`, only reported),
-//! with a Warning Event on the Node naming it and its GPUs.
+//! an interval apart is reported (`warn`, the default) or, with `unprepare`, looked at once more (still prepared as
+//! it was, still stale in the API) and unprepared through the same path as the kubelet's call; either way with a
+//! Warning Event on the Node naming it and its GPUs.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -13,16 +14,17 @@ use kube::api::Api;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::kubelet_plugin::allocation::ClaimRef;
 use crate::kubelet_plugin::stale::{Suspects, why_stale};
 use crate::kubelet_plugin::state::DriverState;
 
 /// What to do with a stale claim (`--stale-claims`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum StaleClaimAction {
-    /// Unprepare it: its CDI spec, MPS daemon and MIG devices go, its GPUs can be prepared for other claims.
-    Unprepare,
     /// Keep it prepared and say so (log, Warning Event, metric).
     Warn,
+    /// Unprepare it: its CDI spec, MPS daemon and MIG devices go, its GPUs can be prepared for other claims.
+    Unprepare,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -75,15 +77,21 @@ pub async fn run(
                     if reported.insert(uid.clone()) {
                         warn!(claim = %claim, %uid, why, %devices, "a claim prepared here is stale; kept prepared");
                         let note = format!(
-                            "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}: the \
-                             kubelet lost its record of it and will not unprepare it. Kept prepared \
-                             (--stale-claims=warn); its GPUs are refused to other claims."
+                            "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}. Either a \
+                             container the kubelet cannot stop still holds it (it unprepares the claim once that \
+                             container is gone) or the kubelet lost its record of it and never will. Kept prepared, \
+                             its GPUs refused to other claims; with --stale-claims=unprepare the agent frees them."
                         );
                         super::plugin::node_warning(client.clone(), &node, "StaleClaimPrepared", "CheckClaims", note)
                             .await;
                     }
                 }
                 StaleClaimAction::Unprepare => {
+                    // Looked at again just before: still prepared as it was, still stale in the API.
+                    if !still_stale(&state, &client, claim, devices_of(&prepared, &uid)).await {
+                        suspects.forget(&uid);
+                        continue;
+                    }
                     let result = state.unprepare(vec![claim.clone()]).await;
                     match result.into_iter().next().map(|(_, r)| r) {
                         Some(Ok(())) => {
@@ -110,6 +118,29 @@ pub async fn run(
                 }
             }
         }
+    }
+}
+
+fn devices_of<'a>(prepared: &'a [(ClaimRef, BTreeSet<String>)], uid: &str) -> Option<&'a BTreeSet<String>> {
+    prepared.iter().find(|(c, _)| c.uid == uid).map(|(_, d)| d)
+}
+
+/// Whether `claim` is still prepared here with the same `devices` and the API still shows it stale.
+async fn still_stale(
+    state: &Arc<DriverState>,
+    client: &kube::Client,
+    claim: &ClaimRef,
+    devices: Option<&BTreeSet<String>>,
+) -> bool {
+    let this = state.clone();
+    let Ok(now) = tokio::task::spawn_blocking(move || this.prepared_claims()).await else { return false };
+    if devices.is_none() || devices_of(&now, &claim.uid) != devices {
+        return false;
+    }
+    let Some(devices) = devices else { return false };
+    match Api::<ResourceClaim>::namespaced(client.clone(), &claim.namespace).get_opt(&claim.name).await {
+        Ok(read) => why_stale(&claim.uid, devices, read.as_ref(), state.driver(), state.pool()).is_some(),
+        Err(_) => false,
     }
 }
 

@@ -6,13 +6,13 @@
 
 use std::time::Duration;
 
-use anyhow::ensure;
+use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::json;
 
-use super::support::node::{Kubelet, NodeDirs, start_agent};
+use super::support::node::{DRIVER, Kubelet, NodeDirs, start_agent};
 use super::support::process::Component;
 use super::support::{TestContext, objects, wait};
 use super::{allocated_claim, checkpoint, node_name, prepares_fully};
@@ -106,5 +106,17 @@ pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestCo
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(dirs.cdi_spec(&forgotten).exists(), "unprepared with --stale-claims=warn");
     ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims_unprepared_total", &[]).await? == 0.0, "counter");
+
+    // Allocated again, another GPU, while still forgotten: its prepare is refused, not answered with the old GPU.
+    let result = json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": "gpu-1"});
+    let status = json!({"status": {"allocation": {"devices": {"results": [result]}},
+        "reservedFor": [{"resource": "pods", "name": "again", "uid": format!("{forgotten}-again")}]}});
+    objects::claims(&ctx).patch_status("forgotten", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "forgotten", &forgotten)]).await?;
+    let answer = answers.get(&forgotten).context("no answer")?;
+    ensure!(
+        answer.devices.is_empty() && answer.error.contains("now allocated") && answer.error.contains("gpu-0"),
+        "{answer:?}"
+    );
     Ok(())
 }
