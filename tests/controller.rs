@@ -43,6 +43,7 @@ fn main() {
             test!(creates_claim_from_template_and_records_it),
             test!(unknown_template_fields_survive),
             test!(template_created_after_pod_is_used_at_once),
+            test!(a_pod_named_with_253_characters_gets_its_warning),
             test!(three_template_claims_and_a_named_one_take_one_status_write),
             test!(long_names_are_truncated_in_proportion),
             test!(orphan_is_adopted_and_unowned_lookalike_is_not),
@@ -158,6 +159,20 @@ async fn unknown_template_fields_survive(ctx: TestContext) -> anyhow::Result<()>
         claim.data["spec"],
         template.data["spec"]["spec"]
     );
+    Ok(())
+}
+
+/// Event names are `<object>.<hex>`: for an object's name of more than 236 characters that is no valid name, and
+/// the API server refused the Event (only a log line said why the pod got no claim).
+async fn a_pod_named_with_253_characters_gets_its_warning(ctx: TestContext) -> anyhow::Result<()> {
+    let _controller = Component::controller(&ctx, &[]).await?;
+    let name = format!("long-{}", "a".repeat(248));
+    create_pod(&ctx, &name, json!([{"name": "gpu", "resourceClaimTemplateName": "missing"}])).await?;
+    wait::until("the FailedResourceClaimCreation warning", SETTLE, || async {
+        let events = events_about(&ctx, &name).await?;
+        Ok(events.into_iter().find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
+    })
+    .await?;
     Ok(())
 }
 

@@ -70,6 +70,13 @@ async fn one_leader_writes_and_a_killed_leader_hands_over(ctx: TestContext) -> a
     let follower_syncs = follower.metric("gpu_dra_controller_sync_duration_seconds_count", &[]).await?;
     let follower_creates = follower.metric("dynamic_resource_allocation_resourceclaim_creates_total", &[]).await?;
     ensure!(follower_syncs == 0.0 && follower_creates == 0.0, "the follower worked: {follower_syncs} syncs");
+    // Only the leader exports kube-controller-manager's claim and queue metrics, as only a leading KCM runs the
+    // controller: a standby would double every claim count and show a queue no worker drains.
+    let (_, exported) = follower.get("/metrics").await?;
+    let upstream = ["dynamic_resource_allocation_resource_claims", "workqueue_depth", "workqueue_adds_total"];
+    let shown: Vec<&str> = upstream.iter().copied().filter(|m| exported.contains(&format!("\n{m}{{"))).collect();
+    ensure!(shown.is_empty(), "the follower exports {shown:?}");
+    ensure!(leader.metric("dynamic_resource_allocation_resource_claims", &[]).await? > 0.0, "the leader's claims");
 
     // The leader dies without releasing the Lease: the follower takes over once it expires (4 s).
     leader.kill()?;

@@ -126,8 +126,13 @@ impl ControllerMetrics {
             metrics.waiting_for_quota.clone(),
         );
         let creates = metrics.creates.clone();
-        registry.register_collector(Box::new(UpstreamMetrics { creates, queue: queue.clone() }));
-        registry.register_collector(Box::new(ScrapeTimeMetrics { caches, queue, events }));
+        let leader = metrics.leader.clone();
+        registry.register_collector(Box::new(UpstreamMetrics {
+            creates,
+            queue: queue.clone(),
+            leader: leader.clone(),
+        }));
+        registry.register_collector(Box::new(ScrapeTimeMetrics { caches, queue, events, leader }));
         metrics
     }
 
@@ -187,10 +192,16 @@ fn bool_label(b: bool) -> &'static str {
 struct UpstreamMetrics {
     creates: Family<CreateLabels, Counter>,
     queue: WorkQueue,
+    /// Only the leader exports them, as only a leading kube-controller-manager runs the controller: a warm standby
+    /// would otherwise double every claim count and show a queue no worker drains.
+    leader: Gauge,
 }
 
 impl Collector for UpstreamMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        if self.leader.get() == 0 {
+            return Ok(());
+        }
         self.creates.encode(encoder.encode_descriptor(
             "dynamic_resource_allocation_resourceclaim_creates",
             "[ALPHA] Number of ResourceClaims creation requests, categorized by creation status, admin access, and \
@@ -229,10 +240,22 @@ struct ScrapeTimeMetrics {
     caches: Arc<Caches>,
     queue: WorkQueue,
     events: super::events::Events,
+    /// The claim and queue gauges are the leader's only (see [`UpstreamMetrics::leader`]).
+    leader: Gauge,
 }
 
 impl Collector for ScrapeTimeMetrics {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let dropped = prometheus_client::metrics::counter::ConstCounter::new(self.events.dropped());
+        dropped.encode(encoder.encode_descriptor(
+            "gpu_dra_controller_events_dropped",
+            "Events not sent because too many were in flight",
+            None,
+            MetricType::Counter,
+        )?)?;
+        if self.leader.get() == 0 {
+            return Ok(());
+        }
         let claims: Family<ClaimLabels, Gauge> = Family::default();
         let foreign: Family<ManagerLabels, Gauge> = Family::default();
         for claim in self.caches.claims.state() {
@@ -292,13 +315,6 @@ impl Collector for ScrapeTimeMetrics {
             "[BETA] How many seconds has the longest running processor for workqueue been running.",
             None,
             MetricType::Gauge,
-        )?)?;
-        let dropped = prometheus_client::metrics::counter::ConstCounter::new(self.events.dropped());
-        dropped.encode(encoder.encode_descriptor(
-            "gpu_dra_controller_events_dropped",
-            "Events not sent because too many were in flight",
-            None,
-            MetricType::Counter,
         )?)?;
         let pending = ConstGauge::new(i64::try_from(self.caches.created_pending()).unwrap_or(i64::MAX));
         pending.encode(encoder.encode_descriptor(

@@ -312,6 +312,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
             Role::Leader => {
                 readiness.set(Ok(()));
                 if workers.is_empty() {
+                    queue.restart_clocks();
                     ctx.metrics.set_leader(true);
                     ctx.foreign.start_leading(Timestamp::now(), args.leader_elect);
                     info!(workers = args.workers, "leading: starting workers");

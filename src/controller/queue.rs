@@ -4,7 +4,10 @@
 //! client-go's rate-limited work queue:
 //! - a key queued twice is processed once;
 //! - a key added while it is being processed is processed again afterwards, never concurrently;
-//! - `retry` re-adds a key after 5 ms × 2^(failures−1), capped at 1,000 s; `forget` resets its failure count.
+//! - `retry` re-adds a key after 5 ms × 2^(failures−1), capped at 1,000 s, or later when retries of all keys
+//!   together pass 10 a second (a bucket of 100): client-go's `DefaultTypedControllerRateLimiter`, the larger of
+//!   the two, so that a webhook refusing every claim is asked 10 times a second, not once per failing pod;
+//!   `forget` resets a key's failure count.
 //!
 //! It measures itself as client-go's queue does for kube-controller-manager's `workqueue_*` metrics
 //! ([`QueueMetrics`]): adds of keys not already waiting, retries (every delayed add), the time from the first add
@@ -23,6 +26,33 @@ use tokio::sync::Notify;
 const BASE_DELAY: Duration = Duration::from_millis(5);
 /// Longest retry delay, as kube-controller-manager's.
 const MAX_DELAY: Duration = Duration::from_secs(1000);
+/// Retries of all keys together: 10 a second, 100 at once (client-go's overall `BucketRateLimiter`).
+const RETRIES_PER_SECOND: f64 = 10.0;
+const RETRY_BURST: f64 = 100.0;
+
+/// The overall retry bucket: each retry takes a token, and waits for it when there is none (a reservation, as
+/// `rate.Limiter.Reserve`: the wait grows with the retries already waiting).
+#[derive(Debug)]
+struct RetryBucket {
+    tokens: f64,
+    at: Instant,
+}
+
+impl Default for RetryBucket {
+    fn default() -> Self {
+        Self { tokens: RETRY_BURST, at: Instant::now() }
+    }
+}
+
+impl RetryBucket {
+    /// Takes a token at `now`; returns how long the retry waits for it.
+    fn reserve(&mut self, now: Instant) -> Duration {
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * RETRIES_PER_SECOND;
+        self.tokens = (self.tokens + refill).min(RETRY_BURST) - 1.0;
+        self.at = self.at.max(now);
+        if self.tokens >= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(-self.tokens / RETRIES_PER_SECOND) }
+    }
+}
 
 /// A namespaced object's key.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -117,6 +147,7 @@ struct State {
     /// earlier one is pending, an earlier one replaces it (client-go's delaying queue keeps one entry per key), so
     /// a key that fails often never piles up timers.
     delayed: HashMap<WorkKey, Instant>,
+    retries: RetryBucket,
     shut_down: bool,
 }
 
@@ -191,6 +222,13 @@ impl WorkQueue {
         }
     }
 
+    /// Starts the queue-time clock of every waiting key again: on becoming leader, keys a standby queued long ago
+    /// count from now, as they would in kube-controller-manager, which queues them only once it leads.
+    pub fn restart_clocks(&self) {
+        let now = Instant::now();
+        self.lock().dirty.values_mut().for_each(|added| *added = now);
+    }
+
     /// Marks the processing of `key` finished; a key added meanwhile is queued again.
     pub fn done(&self, key: &WorkKey) {
         let mut state = self.lock();
@@ -216,7 +254,8 @@ impl WorkQueue {
             let mut state = self.lock();
             let failures = state.failures.entry(key.clone()).or_insert(0);
             *failures = failures.saturating_add(1);
-            backoff(*failures)
+            let own = backoff(*failures);
+            own.max(state.retries.reserve(Instant::now()))
         };
         self.add_after(key, delay);
         delay
@@ -291,6 +330,23 @@ fn backoff(failures: u32) -> Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retries_of_all_keys_together_wait_for_the_bucket() {
+        let start = Instant::now();
+        let mut bucket = RetryBucket { tokens: RETRY_BURST, at: start };
+        for _ in 0..100 {
+            assert_eq!(bucket.reserve(start), Duration::ZERO);
+        }
+        let waits: Vec<u128> = (0..3).map(|_| bucket.reserve(start).as_millis()).collect();
+        assert_eq!(waits, [100, 200, 300]);
+        // 0.2 s later two tokens have come, both owed to the three waiting: the next waits 0.2 s.
+        assert_eq!(bucket.reserve(start + Duration::from_millis(200)).as_millis(), 200);
+        // Idle long enough, the bucket is full again, never fuller.
+        let later = start + Duration::from_secs(60);
+        assert_eq!(bucket.reserve(later), Duration::ZERO);
+        assert!((bucket.tokens - (RETRY_BURST - 1.0)).abs() < 1e-9, "{}", bucket.tokens);
+    }
 
     fn pod(name: &str) -> WorkKey {
         WorkKey::Pod(ObjectKey::new("ns", name))

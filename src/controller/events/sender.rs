@@ -190,12 +190,14 @@ impl Sender {
         let namespace = regarding.namespace.clone().unwrap_or_else(|| "default".into());
         let object = regarding.name.as_deref().unwrap_or(crate::controller::CLAIM_FIELD_MANAGER);
         self.last_name_nanos = unique_nanos(self.last_name_nanos, now.as_nanosecond());
+        // `<name>.<hex>` as client-go names them, unless that is no longer a valid name (an object's name of more
+        // than 236 characters): then the reporter's name stands in for the object's (client-go takes a UUID).
+        let mut name = format!("{object}.{:x}", self.last_name_nanos);
+        if name.len() > MAX_NAME {
+            name = format!("{REPORTER_NAME}.{:x}", self.last_name_nanos);
+        }
         Event {
-            metadata: ObjectMeta {
-                name: Some(format!("{object}.{:x}", self.last_name_nanos)),
-                namespace: Some(namespace),
-                ..Default::default()
-            },
+            metadata: ObjectMeta { name: Some(name), namespace: Some(namespace), ..Default::default() },
             event_time: Some(MicroTime(now)),
             type_: Some(type_.as_str().into()),
             reason: Some(reason.as_str().into()),
@@ -209,6 +211,11 @@ impl Sender {
         }
     }
 }
+
+/// The longest object name (a DNS subdomain).
+const MAX_NAME: usize = 253;
+/// Names an Event whose object's name leaves no room for the suffix.
+const REPORTER_NAME: &str = "gpu-dra-controller";
 
 /// The clock's nanoseconds, or one past the last name's when the clock has not moved on (several Events made from
 /// one reading, as in a batch): two Events about one pod (two of its claims) must not share a name.
