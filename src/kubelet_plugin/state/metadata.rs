@@ -31,14 +31,7 @@ impl DriverState {
     /// were made, so a made device's UUID is among its attributes.
     pub(super) fn write_metadata(&self, checkpoint: &Checkpoint, todo: &Todo) -> Result<(), String> {
         let uid = &todo.claim.uid;
-        let Some(entry) = checkpoint.claims.get(uid) else { return Ok(()) };
-        let Some(record) = &entry.metadata else { return Ok(()) };
-        let claim = ClaimIdentity {
-            namespace: &entry.namespace,
-            name: &entry.name,
-            uid,
-            pod_claim_name: record.pod_claim_name.as_deref(),
-        };
+        let Some(claim) = checkpoint.claims.get(uid).and_then(|entry| identity(uid, entry)) else { return Ok(()) };
         let mut requests: Vec<(&str, Vec<MetadataDevice>)> = Vec::new();
         for (request, pool, name) in &todo.allocated {
             let attributes = todo.devices.iter().find(|d| d.name() == *name).map(slices::attributes);
@@ -63,13 +56,7 @@ impl DriverState {
     /// The CDI devices of `entry`'s spec that mount its metadata files, one per base request (none when no files
     /// were written for it).
     pub(super) fn metadata_mounts(&self, uid: &str, entry: &ClaimEntry) -> Vec<cdi::FileDevice> {
-        let Some(record) = &entry.metadata else { return Vec::new() };
-        let claim = ClaimIdentity {
-            namespace: &entry.namespace,
-            name: &entry.name,
-            uid,
-            pod_claim_name: record.pod_claim_name.as_deref(),
-        };
+        let Some(claim) = identity(uid, entry) else { return Vec::new() };
         let requests: BTreeSet<&String> = entry.devices.iter().filter_map(|d| d.request_names.first()).collect();
         requests
             .into_iter()
@@ -113,4 +100,15 @@ impl DriverState {
         }
         removed
     }
+}
+
+/// Who a claim's metadata is about, from its checkpoint entry; `None` when no files were written for it.
+fn identity<'a>(uid: &'a str, entry: &'a ClaimEntry) -> Option<ClaimIdentity<'a>> {
+    let record = entry.metadata.as_ref()?;
+    Some(ClaimIdentity {
+        namespace: &entry.namespace,
+        name: &entry.name,
+        uid,
+        pod_claim_name: record.pod_claim_name.as_deref(),
+    })
 }

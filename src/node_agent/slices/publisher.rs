@@ -106,6 +106,11 @@ impl Publisher {
         Api::all(self.client.clone())
     }
 
+    /// Lists this node's slices of this driver.
+    fn own_slices(&self) -> ListParams {
+        ListParams::default().fields(&self.field_selector())
+    }
+
     /// The field selector for this node's slices of this driver.
     pub fn field_selector(&self) -> String {
         format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
@@ -115,7 +120,7 @@ impl Publisher {
     pub async fn publish(&self, slices: &[SliceContent]) -> Result<Outcome, PublishError> {
         let existing = self
             .api()
-            .list(&ListParams::default().fields(&self.field_selector()))
+            .list(&self.own_slices())
             .await
             .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
             .items;
@@ -204,7 +209,7 @@ impl Publisher {
     /// incomplete generation for the pool and allocate none of the node's GPUs until a later round completed one.
     /// Best effort: what is left, the next round finds and deletes with the old generation.
     async fn remove_generation(&self, generation: i64) {
-        let listed = self.api().list(&ListParams::default().fields(&self.field_selector())).await;
+        let listed = self.api().list(&self.own_slices()).await;
         let slices = match listed {
             Ok(list) => list.items,
             Err(error) => {
