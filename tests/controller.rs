@@ -27,6 +27,7 @@ use support::{TestContext, wait};
 use watch_gaps::what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist;
 use workloads::{
     a_burst_of_pods_gets_every_creation_event_within_the_rate_limit,
+    a_namespace_deleted_while_no_controller_runs_goes_once_one_does,
     extended_resource_claim_of_finished_pod_is_released, finished_pod_claim_is_deleted_once_and_never_recreated,
     pod_status_naming_another_pods_claim_gets_no_reservation,
     recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated,
@@ -64,6 +65,7 @@ fn main() {
             test!(pod_status_naming_another_pods_claim_gets_no_reservation),
             test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
             test!(deleted_claim_is_deallocated_and_released),
+            test!(a_namespace_deleted_while_no_controller_runs_goes_once_one_does),
             test!(rejected_claim_warns_once_and_backs_off),
             test!(deleted_warning_event_is_created_again),
             test!(forbidden_create_names_verb_and_resource),

@@ -1,6 +1,7 @@
 //! The controller under workloads the parity checklist does not cover: pods that finish and stay (Jobs),
 //! extended resources allocated by the scheduler, an informer that lags behind the API server, and a pod status
-//! that names a claim made for someone else, and a burst of pods whose Events the rate limit holds back.
+//! that names a claim made for someone else, a burst of pods whose Events the rate limit holds back, and a
+//! namespace deleted while no claim controller runs.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -281,5 +282,56 @@ pub(super) async fn a_burst_of_pods_gets_every_creation_event_within_the_rate_li
         metrics.lines().any(|line| line == "gpu_dra_controller_events_dropped_total 0"),
         "events were dropped, or the counter is missing"
     );
+    Ok(())
+}
+
+/// A namespace deleted while no claim controller runs (kube-controller-manager's turned off for gpu-dra's, which is
+/// down: uninstalled, crash-looping after an upgrade): its pods go, its claims keep the delete-protection finalizer
+/// and the namespace stays Terminating. Once a controller runs again it releases and deallocates them, and the
+/// namespace goes; nothing an operator has to remove by hand.
+pub(super) async fn a_namespace_deleted_while_no_controller_runs_goes_once_one_does(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut controller = Component::controller(&ctx, &[]).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    objects::create_claim(&ctx, "shared").await?;
+    let claims_of_pod = json!([
+        {"name": "gpu", "resourceClaimTemplateName": "one-gpu"},
+        {"name": "shared", "resourceClaimName": "shared"}
+    ]);
+    let pod = create_pod(&ctx, "trainer", claims_of_pod).await?;
+    let recorded = claim_statuses(&wait_recorded(&ctx, "trainer", 1).await?);
+    let generated = recorded.iter().find(|(name, _)| name == "gpu").and_then(|(_, c)| c.clone()).context("no claim")?;
+    controller.kill()?;
+
+    // What the scheduler would have done for the pod: both claims allocated, protected, reserved for it.
+    let consumer = json!([{"resource": "pods", "name": "trainer", "uid": pod.uid().context("pod without uid")?}]);
+    for claim in [generated.as_str(), "shared"] {
+        objects::allocate(&ctx, claim, consumer.clone(), true).await?;
+    }
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(ctx.client.clone());
+    namespaces.delete(&ctx.namespace, &Default::default()).await?;
+
+    let claims = objects::claims(&ctx);
+    let pods = objects::pods(&ctx);
+    wait::until("the pod gone and both claims being deleted", SETTLE, || async {
+        let deleting = list_claims(&ctx).await?.iter().filter(|c| c.metadata.deletion_timestamp.is_some()).count();
+        Ok((pods.get_opt("trainer").await?.is_none() && deleting == 2).then_some(()))
+    })
+    .await?;
+    tokio::time::sleep(QUIET).await;
+    let stuck = namespaces.get_opt(&ctx.namespace).await?.context("the namespace went without a claim controller")?;
+    let phase = stuck.status.and_then(|s| s.phase);
+    ensure!(phase.as_deref() == Some("Terminating"), "namespace phase {phase:?}");
+    for claim in [generated.as_str(), "shared"] {
+        let c = claims.get(claim).await?;
+        ensure!(allocated(&c) && reserved(&c) == ["trainer"], "claim {claim} changed with no controller: {c:?}");
+    }
+
+    let _controller = Component::controller(&ctx, &[]).await?;
+    wait::until("the namespace to go", Duration::from_secs(90), || async {
+        Ok(namespaces.get_opt(&ctx.namespace).await?.is_none().then_some(()))
+    })
+    .await?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! A StatefulSet of GPU workers on the real node, through what a cluster does to it over its life: a replica
-//! replaced under its own name, the node drained for maintenance and uncordoned, the namespace deleted.
+//! replaced under its own name (deleted, then force-deleted on a full node), the node drained for maintenance and
+//! uncordoned, the namespace deleted.
 
 use std::collections::BTreeSet;
 
@@ -17,7 +18,8 @@ const REPLICAS: [&str; 2] = ["web-0", "web-1"];
 
 /// Two replicas, each with a GPU of its own from a template, in a namespace of their own:
 /// - `web-0` deleted comes back under its name with a new UID: a new claim (never the old pod's), the old claim
-///   and its CDI spec gone, and the container sees the GPU it was allocated;
+///   and its CDI spec gone, and the container sees the GPU it was allocated; force-deleted on a full node, the new
+///   one gets the same GPU once the old container is stopped, and no GPU is ever in two CDI specs;
 /// - the node drained as `kubectl drain --pod-selector` does (cordoned, each replica evicted through the Eviction
 ///   API): the replicas come back Pending, with claims of their own but no allocation, while every claim of the
 ///   evicted ones and its CDI spec go; uncordoned, they run again with their GPUs;
@@ -85,6 +87,7 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     gone(ctx, node, &claims[..1], &[old_claim_uid]).await?;
     eprintln!("web-0 replaced: claim {} → {claim}, sees {:?}", claims[0], seen.uuids);
     claims[0] = claim;
+    claims[0] = force_deleted_replica_waits_for_its_gpu(ctx, node, &claims[0]).await?;
 
     // The node drained and uncordoned.
     let uids = [claim_uid(ctx, &claims[0]).await?, claim_uid(ctx, &claims[1]).await?];
@@ -140,6 +143,89 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
         ensure!(specs_of(node, uid)?.is_empty(), "the CDI spec of claim {uid} outlived its namespace");
     }
     Ok(())
+}
+
+/// `kubectl delete pod web-0 --grace-period=0 --force` (the documented way out for a replica stuck on a failed node)
+/// on a full node: the object goes at once, so its claim is released and deallocated at once and the new `web-0`
+/// is scheduled onto the same GPU while the kubelet is still stopping the old container (up to its grace period).
+/// The agent refuses to prepare the new claim while the old one holds the GPU, and the kubelet's retry prepares it
+/// once the old one is unprepared: at no moment do two CDI specs name one GPU, and the new `web-0` runs on the GPU
+/// the old one had. Returns the new claim.
+async fn force_deleted_replica_waits_for_its_gpu(
+    ctx: &TestContext,
+    node: &RealNode,
+    claim: &str,
+) -> anyhow::Result<String> {
+    let n = node.name.as_str();
+    let pods = objects::pods(ctx);
+    let had = allocated(ctx, n, claim).await?;
+    // The node's two other GPUs taken, so the new web-0 can only get the one the old web-0 holds.
+    let filler = json!({"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": "gpu.gpu-dra.dev", "count": super::GPUS - REPLICAS.len()}}]}}});
+    objects::create_template_in(&ctx.client, &ctx.namespace, "filler", filler).await?;
+    let filler: k8s_openapi::api::core::v1::Pod = serde_json::from_value(json!({
+        "metadata": {"name": "filler"},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": n}, "terminationGracePeriodSeconds": 1,
+                 "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "filler"}],
+                 "containers": [{"name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
+                                 "command": ["sh", "-c", SHOW_GPUS], "resources": {"claims": [{"name": "gpu"}]}}]}
+    }))?;
+    pods.create(&PostParams::default(), &filler).await?;
+    seen_by(ctx, "filler").await?;
+
+    let old_uid = pods.get("web-0").await?.metadata.uid.context("web-0 without uid")?;
+    let old_claim_uid = claim_uid(ctx, claim).await?;
+    pods.delete("web-0", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+    let overlap = wait::until("the force-deleted web-0 back under its name and running", WAIT, || async {
+        if let Some(minor) = gpu_in_two_specs(node)? {
+            return Ok(Some(Err(minor)));
+        }
+        let Some(pod) = pods.get_opt("web-0").await? else { return Ok(None) };
+        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+        Ok((pod.metadata.uid.as_deref() != Some(old_uid.as_str()) && running).then_some(Ok(())))
+    })
+    .await?;
+    if let Err(minor) = overlap {
+        anyhow::bail!("/dev/nvidia{minor} was in two claims' CDI specs at once");
+    }
+    let (new_claim, seen) = running_with_its_gpu(ctx, n, "web-0").await?;
+    ensure!(new_claim != claim, "the new web-0 was given the force-deleted pod's claim {claim}");
+    ensure!(seen == had, "the node is full: the new web-0 should have the freed {had:?}, it sees {seen:?}");
+    gone(ctx, node, &[claim.to_string()], &[old_claim_uid]).await?;
+    let refused = support::objects::events_about(ctx, "web-0")
+        .await?
+        .into_iter()
+        .filter(|(_, reason, _)| reason == "FailedPrepareDynamicResources")
+        .count();
+    eprintln!("web-0 force-deleted: claim {claim} → {new_claim} on {:?} ({refused} refused prepares)", seen.uuids);
+
+    pods.delete("filler", &DeleteParams::default()).await?;
+    wait::until("the filler to be gone", WAIT, || async { Ok(pods.get_opt("filler").await?.is_none().then_some(())) })
+        .await?;
+    Ok(new_claim)
+}
+
+/// A GPU minor that two CDI spec files in the node's CDI directory name.
+fn gpu_in_two_specs(node: &RealNode) -> anyhow::Result<Option<String>> {
+    let mut seen = BTreeSet::new();
+    for entry in std::fs::read_dir(node.cdi_dir()?)? {
+        let path = entry?.path();
+        // A spec being replaced or removed may be gone between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let minors: BTreeSet<String> = text
+            .split("\"/dev/nvidia")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .filter(|minor| !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit()))
+            .map(String::from)
+            .collect();
+        for minor in minors {
+            if !seen.insert(minor.clone()) {
+                return Ok(Some(minor));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Waits until `pod` runs and has listed its devices; checks that it sees exactly what its claim was allocated and
