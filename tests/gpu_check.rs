@@ -57,7 +57,7 @@ fn a_simulated_gpu_in_mig_mode_is_published_and_prepared_as_its_mig_devices() {
         "1 GPU(s) found",
         ", MIG mode on",
         "MIG 3g.40gb   MIG-",
-        "GPU instance 1 compute instance 0, memory slices 0..4, 40960 MiB, 48 SMs",
+        "GPU instance 1 compute instance 0, memory slices 0..4, 40779 MiB, 48 SMs",
         "\"name\": \"gpu-0-mig-19-4-1\"",
         "\"profile\"",
         "Prepared a sample claim with 2 device(s)",
@@ -126,7 +126,7 @@ fn a_mig_device_is_made_and_destroyed_where_there_is_room() {
     assert!(ok, "{out}");
     for expected in [
         "MIG device: making a 1g.10gb at memory slice 5 of gpu-1",
-        "(GPU instance 3, compute instance 0, 10240 MiB, 16 SMs,",
+        "(GPU instance 3, compute instance 0, 10194 MiB, 16 SMs,",
         "listed by discovery; published as gpu-1-mig-19-5-1",
         "a claim of it gets a valid CDI spec (",
         "CDI spec gpu.gpu-dra.dev-gpu_0c4ec4ec-0000-4000-8000-000000000002.json:",

@@ -132,7 +132,7 @@ async fn scheduler_allocates_from_published_gpus(ctx: TestContext) -> anyhow::Re
         "metadata": {"name": "two-h100"},
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
             "deviceClassName": ctx.namespace, "count": 2,
-            "selectors": [{"cel": {"expression": format!("device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100') && device.capacity['{DRIVER}'].memory.compareTo(quantity('80Gi')) >= 0")}}]
+            "selectors": [{"cel": {"expression": format!("device.attributes['{DRIVER}'].productName.startsWith('NVIDIA H100') && device.capacity['{DRIVER}'].memory.compareTo(quantity('80G')) >= 0")}}]
         }}]}}
     }))?;
     objects::claims(&ctx).create(&PostParams::default(), &claim).await?;

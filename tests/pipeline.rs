@@ -678,7 +678,8 @@ fn consumed(result: &DeviceRequestAllocationResult, capacity: &str) -> String {
 }
 
 /// A node whose agent publishes its one H100 for sharing by memory (`--gpu-sharing by-memory`): a training pod and
-/// a notebook in two namespaces get 40Gi each of the same GPU — allocated by the real scheduler with a share ID each,
+/// a notebook in two namespaces get 39Gi each of the same GPU (an H100 80GB has 81,559 MiB: two of 40Gi would not
+/// fit) — allocated by the real scheduler with a share ID each,
 /// prepared by the kubelet's DRA code with a CDI spec each, no conflict — and a third pod asking for 8Gi more waits
 /// as unschedulable until the trainer and its claim are gone; a pod asking `nvidia.com/gpu: 1` gets the GPU whole once
 /// the shares are released, and a share waits for it. Before 1.36 consumable capacity is off (the API server
@@ -735,9 +736,9 @@ async fn share_one_gpu(
 ) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
     let class = ctx.namespace.as_str();
-    pod_with_memory_share(ctx, ns, "trainer", node, class, "40Gi").await?;
+    pod_with_memory_share(ctx, ns, "trainer", node, class, "39Gi").await?;
     let trainer = kubelet.wait_for("prepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
-    pod_with_memory_share(ctx, other, "notebook", node, class, "40Gi").await?;
+    pod_with_memory_share(ctx, other, "notebook", node, class, "39Gi").await?;
     if support::cluster::kubernetes_minor()? < 36 {
         let why = objects::unschedulable(&ctx.client, other, "notebook", PREPARE_TIMEOUT).await?;
         eprintln!("before 1.36 a GPU is never shared: {why}");
@@ -748,7 +749,7 @@ async fn share_one_gpu(
     ensure!(mine.len() == 1 && theirs.len() == 1, "allocations: {mine:?} {theirs:?}");
     ensure!(mine[0].0 == "gpu-0" && theirs[0].0 == "gpu-0", "not the same GPU: {mine:?} {theirs:?}");
     ensure!(!mine[0].1.is_empty() && mine[0].1 != theirs[0].1, "share IDs: {mine:?} {theirs:?}");
-    ensure!(mine[0].2 == "40Gi" && theirs[0].2 == "40Gi", "memory consumed: {mine:?} {theirs:?}");
+    ensure!(mine[0].2 == "39Gi" && theirs[0].2 == "39Gi", "memory consumed: {mine:?} {theirs:?}");
     // Each claim its own CDI device, both for the GPU of minor 0.
     let ids = |event: &Value| -> anyhow::Result<Vec<String>> {
         gpu_cdi_ids(&serde_json::from_value::<Vec<String>>(event["containers"]["app"].clone()).unwrap_or_default())
@@ -758,7 +759,7 @@ async fn share_one_gpu(
     ensure!(trainer.iter().chain(&notebook).all(|id| id.ends_with("-gpu-0")), "CDI ids {trainer:?} {notebook:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs: {:?}", dirs.cdi_specs()?);
 
-    // 80Gi of 80Gi consumed: one more share does not fit until one is released.
+    // 78Gi of the H100's 81,559 MiB consumed: 8Gi more does not fit until a share is released.
     pod_with_memory_share(ctx, ns, "late", node, class, "8Gi").await?;
     let why = objects::unschedulable(&ctx.client, ns, "late", PREPARE_TIMEOUT).await?;
     objects::pods(ctx).delete("trainer", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;

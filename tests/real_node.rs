@@ -583,7 +583,8 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
 }
 
 /// GPUs shared by memory on the real node (`nodeAgent.gpuSharing=by-memory`, one H100): a trainer and a notebook in
-/// two namespaces, each claiming 40Gi through a template, run in containers that both see the same GPU; a third pod
+/// two namespaces, each claiming 39Gi through a template (two of 40Gi do not fit an H100's 81,559 MiB), run in
+/// containers that both see the same GPU; a third pod
 /// asking 8Gi more stays unschedulable until the trainer is deleted, then runs on that GPU too.
 async fn containers_of_two_namespaces_share_one_gpu_by_memory(ctx: TestContext) -> anyhow::Result<()> {
     let node = gpu_node(&ctx, "shared-gpu-node").await?;
@@ -609,15 +610,15 @@ async fn share_one_gpu(ctx: &TestContext, node: &RealNode, other: &str) -> anyho
     let ns = ctx.namespace.as_str();
     // The trainer's share asks for a long time slice, in NVIDIA's spelling (a manifest written for NVIDIA's driver);
     // the notebook's asks nothing and takes the GPU as it is.
-    let mut time_sliced = share("40Gi");
+    let mut time_sliced = share("39Gi");
     time_sliced["spec"]["devices"]["config"] = json!([{"opaque": {"driver": "gpu.gpu-dra.dev", "parameters": {
         "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
         "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}}]);
-    objects::create_template_in(&ctx.client, ns, "gpu-40gi", time_sliced).await?;
-    objects::create_template_in(&ctx.client, other, "gpu-40gi", share("40Gi")).await?;
+    objects::create_template_in(&ctx.client, ns, "gpu-39gi", time_sliced).await?;
+    objects::create_template_in(&ctx.client, other, "gpu-39gi", share("39Gi")).await?;
     objects::create_template_in(&ctx.client, ns, "gpu-8gi", share("8Gi")).await?;
-    workload_in(ctx, ns, "trainer", n, Some("gpu-40gi")).await?;
-    workload_in(ctx, other, "notebook", n, Some("gpu-40gi")).await?;
+    workload_in(ctx, ns, "trainer", n, Some("gpu-39gi")).await?;
+    workload_in(ctx, other, "notebook", n, Some("gpu-39gi")).await?;
     let trainer = seen_by_in(ctx, ns, "trainer").await?;
     let notebook = seen_by_in(ctx, other, "notebook").await?;
     ensure!(trainer.minors.len() == 1 && trainer.uuids.len() == 1, "the trainer sees {trainer:?}");

@@ -24,7 +24,9 @@ struct Model {
     product: &'static str,
     architecture: &'static str,
     compute_capability: &'static str,
-    memory_gib: u64,
+    /// The total NVML reports (nvidia-smi's `Total`), not the marketing size: an H100 80GB has 81,559 MiB, so
+    /// shares that fill the marketed 80Gi exactly do not fit, here as on the real GPU.
+    memory_mib: u64,
     /// Streaming multiprocessors per MIG compute slice (the simulated MIG devices' `multiprocessors`).
     sms_per_slice: u32,
 }
@@ -36,7 +38,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA A100-SXM4-40GB",
         architecture: "Ampere",
         compute_capability: "8.0",
-        memory_gib: 40,
+        memory_mib: 40_960,
     },
     Model {
         key: "A100-80GB",
@@ -44,7 +46,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA A100-SXM4-80GB",
         architecture: "Ampere",
         compute_capability: "8.0",
-        memory_gib: 80,
+        memory_mib: 81_920,
     },
     Model {
         key: "L4-24GB",
@@ -52,7 +54,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA L4",
         architecture: "Ada Lovelace",
         compute_capability: "8.9",
-        memory_gib: 24,
+        memory_mib: 23_034,
     },
     Model {
         key: "H100-80GB",
@@ -60,7 +62,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA H100 80GB HBM3",
         architecture: "Hopper",
         compute_capability: "9.0",
-        memory_gib: 80,
+        memory_mib: 81_559,
     },
     Model {
         key: "H200-141GB",
@@ -68,7 +70,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA H200",
         architecture: "Hopper",
         compute_capability: "9.0",
-        memory_gib: 141,
+        memory_mib: 143_771,
     },
     Model {
         key: "B200-180GB",
@@ -76,7 +78,7 @@ const MODELS: &[Model] = &[
         product: "NVIDIA B200",
         architecture: "Blackwell",
         compute_capability: "10.0",
-        memory_gib: 180,
+        memory_mib: 183_359,
     },
 ];
 
@@ -369,7 +371,7 @@ fn simulated_gpu(node: &str, index: u32, model: &Model) -> Gpu {
         pci_bus_id: format!("0000:{:02x}:00.0", 0x18 + index * 8 % 0xe0),
         pcie_root: None,
         numa_node: None,
-        memory_bytes: model.memory_gib << 30,
+        memory_bytes: model.memory_mib << 20,
         mig_enabled: false,
         mig_devices: Vec::new(),
     }
@@ -515,7 +517,7 @@ mod tests {
         assert_eq!(gpus.len(), 4);
         assert_eq!(gpus[0].product_name, "NVIDIA A100-SXM4-40GB");
         assert_eq!(gpus[3].product_name, "NVIDIA H100 80GB HBM3");
-        assert_eq!(gpus[3].memory_bytes, 80 << 30);
+        assert_eq!(gpus[3].memory_bytes, 81_559 << 20, "what NVML reports for an H100 80GB, not 80Gi");
         assert_eq!(gpus.iter().map(Gpu::device_name).collect::<Vec<_>>(), ["gpu-0", "gpu-1", "gpu-2", "gpu-3"]);
     }
 
@@ -578,7 +580,7 @@ mod tests {
             .map(|m| (m.profile.as_str(), m.profile_id, m.gpu_instance, m.placement_start, m.placement_size))
             .collect();
         assert_eq!(summary, [("3g.40gb", 9, 1, 0, 4), ("1g.10gb", 19, 2, 4, 1)]);
-        assert_eq!((migs[0].memory_bytes, migs[0].multiprocessors), (40 << 30, 48));
+        assert_eq!((migs[0].memory_bytes, migs[0].multiprocessors), (40_779 << 20, 48), "4 of 8 memory slices");
         assert!(migs.iter().all(|m| m.uuid.len() == 40 && m.uuid.starts_with("MIG-")), "{migs:?}");
         assert_ne!(migs[0].uuid, migs[1].uuid);
         let again =

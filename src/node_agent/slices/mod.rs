@@ -327,7 +327,7 @@ mod tests {
         assert_eq!(d["attributes"]["resource.kubernetes.io/pciBusID"], json!({"string": "0000:18:00.0"}));
         assert_eq!(d["attributes"]["resource.kubernetes.io/pcieRoot"], json!({"string": "pci0000:16"}));
         assert_eq!(d["attributes"]["resource.kubernetes.io/numaNode"], json!({"int": 1}));
-        assert_eq!(d["capacity"]["memory"], json!({"value": "81920Mi"}));
+        assert_eq!(d["capacity"]["memory"], json!({"value": "81559Mi"}));
         // A root or NUMA node sysfs does not show is left out, not guessed.
         gpu.pcie_root = None;
         gpu.numa_node = None;
@@ -347,7 +347,7 @@ mod tests {
         assert_eq!(shared["allowMultipleAllocations"], true);
         assert_eq!(
             shared["capacity"]["memory"],
-            json!({"value": "81920Mi", "requestPolicy": {"default": "81920Mi", "validRange": {"min": "1024Mi", "max": "81920Mi"}}})
+            json!({"value": "81559Mi", "requestPolicy": {"default": "81559Mi", "validRange": {"min": "1024Mi", "max": "81559Mi"}}})
         );
         assert_eq!(
             shared["capacity"]["compute"],
@@ -380,7 +380,7 @@ mod tests {
         assert!(a.get("migEnabled").is_none() && a.get("minor").is_none());
         assert_eq!(
             d["capacity"],
-            json!({"memory": {"value": "10240Mi"}, "multiprocessors": {"value": "16"}, "memorySlice4": {"value": "1"}})
+            json!({"memory": {"value": "10194Mi"}, "multiprocessors": {"value": "16"}, "memorySlice4": {"value": "1"}})
         );
         let big = device(&devices[0], Sharing::Whole);
         let slices: Vec<&String> = big["capacity"].as_object().into_iter().flat_map(|c| c.keys()).collect();

@@ -134,7 +134,7 @@ mod tests {
         assert_eq!(small["attributes"]["profile"], json!({"string": "1g.10gb"}));
         assert_eq!(small["attributes"]["type"], json!({"string": "mig"}));
         assert!(small["attributes"].get("uuid").is_none(), "a MIG device not made yet has no UUID");
-        assert_eq!(small["capacity"]["memory"], json!({"value": "10240Mi"}));
+        assert_eq!(small["capacity"]["memory"], json!({"value": "10194Mi"}));
         let media = by_name("gpu-0-mig-20-6-1");
         assert!(consumed(&media).contains(&("media-engines".into(), "1".into())), "1g.10gb+me takes the engines");
         let whole = by_name("gpu-0");
