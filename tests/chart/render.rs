@@ -78,6 +78,34 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
     ] {
         ensure!(notes.contains(check), "NOTES lack {check:?}:\n{notes}");
     }
+    // Which nodes get an agent, in the operator's words, for the values that choose them.
+    for (set, lines) in [
+        (
+            "",
+            &[
+                "only runs on nodes\n     matching one of these node affinity terms:",
+                "- feature.node.kubernetes.io/pci-10de.present In [\"true\"]\n       - nvidia.com/gpu.present In [\"true\"]",
+                "and not labeled nvidia.com/gpu.deploy.device-plugin=true",
+            ][..],
+        ),
+        ("nodeAgent.nodeSelector.gpu=yes", &["with the labels {\"gpu\":\"yes\"}\n     and matching one of"][..]),
+        (
+            "nodeAgent.affinity=null",
+            &["only runs on nodes\n     not labeled nvidia.com/gpu.deploy.device-plugin=true"][..],
+        ),
+        ("nodeAgent.affinity=null,nodeAgent.refuseWithDevicePlugin=false", &["the DaemonSet runs on every node"][..]),
+    ] {
+        let mut args = vec!["install", "gpu-dra", chart, "--namespace", "gpu-dra", "--dry-run=client"];
+        if !set.is_empty() {
+            args.extend(["--set", set]);
+        }
+        let install = helm(&args)?;
+        ensure!(install.status.success(), "helm install --set {set}: {}", text(&install.stderr));
+        let notes = text(&install.stdout);
+        for line in lines {
+            ensure!(notes.contains(line), "with {set:?} the NOTES lack {line:?}:\n{notes}");
+        }
+    }
     Ok(())
 }
 

@@ -319,10 +319,23 @@ pub(super) async fn a_namespace_deleted_while_no_controller_runs_goes_once_one_d
         Ok((pods.get_opt("trainer").await?.is_none() && deleting == 2).then_some(()))
     })
     .await?;
+    // The namespace controller says what it waits for.
+    let waiting = wait::until("the namespace to wait on the claims' finalizer", SETTLE, || async {
+        let Some(namespace) = namespaces.get_opt(&ctx.namespace).await? else {
+            anyhow::bail!("the namespace went without a claim controller")
+        };
+        let conditions = namespace.status.and_then(|s| s.conditions).unwrap_or_default();
+        Ok(conditions
+            .into_iter()
+            .find(|c| c.type_ == "NamespaceFinalizersRemaining" && c.status == "True")
+            .and_then(|c| c.message)
+            .filter(|m| m.contains("resource.kubernetes.io/delete-protection")))
+    })
+    .await?;
     tokio::time::sleep(QUIET).await;
     let stuck = namespaces.get_opt(&ctx.namespace).await?.context("the namespace went without a claim controller")?;
     let phase = stuck.status.and_then(|s| s.phase);
-    ensure!(phase.as_deref() == Some("Terminating"), "namespace phase {phase:?}");
+    ensure!(phase.as_deref() == Some("Terminating"), "namespace phase {phase:?} ({waiting})");
     for claim in [generated.as_str(), "shared"] {
         let c = claims.get(claim).await?;
         ensure!(allocated(&c) && reserved(&c) == ["trainer"], "claim {claim} changed with no controller: {c:?}");

@@ -147,10 +147,12 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
 
 /// `kubectl delete pod web-0 --grace-period=0 --force` (the documented way out for a replica stuck on a failed node)
 /// on a full node: the object goes at once, so its claim is released and deallocated at once and the new `web-0`
-/// is scheduled onto the same GPU while the kubelet is still stopping the old container (up to its grace period).
-/// The agent refuses to prepare the new claim while the old one holds the GPU, and the kubelet's retry prepares it
-/// once the old one is unprepared: at no moment do two CDI specs name one GPU, and the new `web-0` runs on the GPU
-/// the old one had. Returns the new claim.
+/// is scheduled onto the same GPU while the kubelet is still stopping the old container (about 2 s: the kubelet's
+/// least grace period for a force-deleted pod). The agent refuses to prepare the new claim while the old one holds
+/// the GPU, and the kubelet's retry prepares it once the old one is unprepared: no GPU is in two CDI specs (sampled
+/// every ~200 ms), and the new `web-0` runs on the GPU the old one had. Whether the new pod's prepare comes before
+/// the old unprepare depends on the scheduler's and the kubelet's timing, so the force delete is repeated (up to
+/// [`FORCE_DELETE_TRIES`] times) until one new `web-0` was refused at least once. Returns the last new claim.
 async fn force_deleted_replica_waits_for_its_gpu(
     ctx: &TestContext,
     node: &RealNode,
@@ -173,39 +175,66 @@ async fn force_deleted_replica_waits_for_its_gpu(
     pods.create(&PostParams::default(), &filler).await?;
     seen_by(ctx, "filler").await?;
 
-    let old_uid = pods.get("web-0").await?.metadata.uid.context("web-0 without uid")?;
-    let old_claim_uid = claim_uid(ctx, claim).await?;
-    pods.delete("web-0", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
-    let overlap = wait::until("the force-deleted web-0 back under its name and running", WAIT, || async {
-        if let Some(minor) = gpu_in_two_specs(node)? {
-            return Ok(Some(Err(minor)));
-        }
-        let Some(pod) = pods.get_opt("web-0").await? else { return Ok(None) };
-        let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
-        Ok((pod.metadata.uid.as_deref() != Some(old_uid.as_str()) && running).then_some(Ok(())))
-    })
-    .await?;
-    if let Err(minor) = overlap {
-        anyhow::bail!("/dev/nvidia{minor} was in two claims' CDI specs at once");
-    }
-    let (new_claim, seen) = running_with_its_gpu(ctx, n, "web-0").await?;
-    ensure!(new_claim != claim, "the new web-0 was given the force-deleted pod's claim {claim}");
-    ensure!(seen == had, "the node is full: the new web-0 should have the freed {had:?}, it sees {seen:?}");
-    gone(ctx, node, &[claim.to_string()], &[old_claim_uid]).await?;
-    let refused = support::objects::events_about(ctx, "web-0")
-        .await?
-        .into_iter()
-        .filter(|(_, reason, _)| reason == "FailedPrepareDynamicResources")
-        .count();
-    eprintln!("web-0 force-deleted: claim {claim} → {new_claim} on {:?} ({refused} refused prepares)", seen.uuids);
-
-    pods.delete("filler", &DeleteParams::default()).await?;
-    wait::until("the filler to be gone", WAIT, || async { Ok(pods.get_opt("filler").await?.is_none().then_some(())) })
+    let mut claim = claim.to_string();
+    for attempt in 1..=FORCE_DELETE_TRIES {
+        let old_uid = pods.get("web-0").await?.metadata.uid.context("web-0 without uid")?;
+        let old_claim_uid = claim_uid(ctx, &claim).await?;
+        pods.delete("web-0", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
+        let overlap = wait::until("the force-deleted web-0 back under its name and running", WAIT, || async {
+            if let Some(minor) = gpu_in_two_specs(node)? {
+                return Ok(Some(Err(minor)));
+            }
+            let Some(pod) = pods.get_opt("web-0").await? else { return Ok(None) };
+            let running = pod.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running");
+            let uid = pod.metadata.uid.clone().unwrap_or_default();
+            Ok((uid != old_uid && running).then_some(Ok(uid)))
+        })
         .await?;
-    Ok(new_claim)
+        let new_uid = match overlap {
+            Ok(uid) => uid,
+            Err(minor) => anyhow::bail!("/dev/nvidia{minor} was in two claims' CDI specs at once"),
+        };
+        let (new_claim, seen) = running_with_its_gpu(ctx, n, "web-0").await?;
+        ensure!(new_claim != claim, "the new web-0 was given the force-deleted pod's claim {claim}");
+        ensure!(seen == had, "the node is full: the new web-0 should have the freed {had:?}, it sees {seen:?}");
+        gone(ctx, node, std::slice::from_ref(&claim), &[old_claim_uid]).await?;
+        let refused = refused_prepares(ctx, &new_uid).await?;
+        eprintln!("web-0 force-deleted (try {attempt}): claim {claim} → {new_claim}, {refused} refused prepares");
+        claim = new_claim;
+        if refused > 0 {
+            pods.delete("filler", &DeleteParams::default()).await?;
+            wait::until("the filler to be gone", WAIT, || async {
+                Ok(pods.get_opt("filler").await?.is_none().then_some(()))
+            })
+            .await?;
+            return Ok(claim);
+        }
+    }
+    anyhow::bail!(
+        "in {FORCE_DELETE_TRIES} force deletes the new web-0 was never prepared before the old one was unprepared: \
+         the agent's refusal was not exercised"
+    )
 }
 
-/// A GPU minor that two CDI spec files in the node's CDI directory name.
+/// How many times [`force_deleted_replica_waits_for_its_gpu`] force-deletes `web-0` to see a prepare refused.
+const FORCE_DELETE_TRIES: usize = 4;
+
+/// The kubelet's `FailedPrepareDynamicResources` Events about the pod with `uid`.
+async fn refused_prepares(ctx: &TestContext, uid: &str) -> anyhow::Result<usize> {
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), &ctx.namespace);
+    Ok(events
+        .list(&Default::default())
+        .await?
+        .items
+        .iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.uid.as_deref()) == Some(uid))
+        .filter(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
+        .map(|e| e.series.as_ref().map_or(1, |s| usize::try_from(s.count).unwrap_or(1)))
+        .sum())
+}
+
+/// A GPU minor that two CDI spec files in the node's CDI directory name. Only for nodes of whole GPUs: MIG devices
+/// and shares by memory name their GPU's node in each of their claims' specs.
 fn gpu_in_two_specs(node: &RealNode) -> anyhow::Result<Option<String>> {
     let mut seen = BTreeSet::new();
     for entry in std::fs::read_dir(node.cdi_dir()?)? {
