@@ -12,7 +12,14 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         ensure!(output.status.success(), "helm {}:\n{}{}", args.join(" "), text(&output.stdout), text(&output.stderr));
     }
 
-    let default = kinds(&render("gpu-dra", "gpu-dra", false, &[])?);
+    let rendered = render("gpu-dra", "gpu-dra", false, &[])?;
+    // Both components outrank workloads: without the agent a node's GPU pods cannot start or stop, and without the
+    // controller (kube-controller-manager's claim controller turned off) no template pod starts anywhere.
+    for (kind, class) in [("Deployment", "system-cluster-critical"), ("DaemonSet", "system-node-critical")] {
+        let doc = documents(&rendered).into_iter().find(|(k, _)| k == kind).map(|(_, d)| d).unwrap_or_default();
+        ensure!(doc.contains(&format!("priorityClassName: {class}")), "the {kind} does not run at {class}:\n{doc}");
+    }
+    let default = kinds(&rendered);
     let expected: BTreeMap<String, usize> = [
         ("ClusterRole", 2),
         ("ClusterRoleBinding", 2),
