@@ -35,7 +35,9 @@ use crate::fsutil::write_atomic;
 use crate::node_agent::gpu::stable_hash;
 
 /// The only file format version this agent reads and writes. Any other version is treated as corrupt (kept aside),
-/// so a downgraded agent never misreads a newer agent's file.
+/// so a downgraded agent never misreads a newer agent's file. Within a version, fields added later are ignored by an
+/// agent that lacks them, and dropped at its next save: what they record (a time slice or compute mode to set
+/// back, a MIG device made for a claim) is lost to a downgrade (CHANGELOG, Upgrading).
 pub const CHECKPOINT_VERSION: u64 = 1;
 
 /// The checkpoint's file name inside the state directory.

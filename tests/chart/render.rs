@@ -380,3 +380,40 @@ fn check_probes(container: &Value, port: u16) -> anyhow::Result<()> {
     ensure!(addr.ends_with(&format!(":{port}")), "GPU_DRA_METRICS_ADDR {addr} is not the metrics port {port}");
     Ok(())
 }
+
+/// `helm upgrade --reuse-values` from 0.1.0: Helm then renders the new chart with the release's old values in place
+/// of the chart's defaults, so every value added since is missing (a chart copy whose values.yaml is 0.1.0's,
+/// `values-0.1.0.yaml`, renders the same). It renders (before, a nil value stopped the upgrade), every environment
+/// variable has a value (an empty one would stop the agent: the binary refuses `GPU_DRA_DEVICE_METADATA=""`), the new
+/// features take the binaries' own defaults (which are the chart's), no MIG class appears that the release never had,
+/// and the API server takes every object.
+pub(super) async fn an_upgrade_reusing_the_values_of_0_1_0_renders_and_applies(ctx: TestContext) -> anyhow::Result<()> {
+    let copy = tempfile::tempdir()?;
+    let chart = copy.path().join("gpu-dra");
+    let status = Command::new("cp").arg("-r").arg(chart_dir()).arg(&chart).status()?;
+    ensure!(status.success(), "copy the chart");
+    let old = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/chart/values-0.1.0.yaml");
+    std::fs::copy(&old, chart.join("values.yaml"))?;
+    let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
+    let (release, driver) = (format!("reuse-{suffix}"), format!("reuse-{suffix}.gpu-dra.dev"));
+    let chart = chart.to_str().context("chart path")?;
+    let args = ["template", &release, chart, "--namespace", &ctx.namespace, "--set", &format!("driverName={driver}")];
+    let output = helm(&args)?;
+    ensure!(output.status.success(), "the chart does not render with 0.1.0's values:\n{}", text(&output.stderr));
+    let rendered = text(&output.stdout);
+    for empty in ["value: \"\"", "value: null", "path: \n", "path: null"] {
+        ensure!(!rendered.contains(empty), "an empty {empty:?} rendered with 0.1.0's values:\n{rendered}");
+    }
+    for absent in ["GPU_DRA_STALE_CLAIMS", "GPU_DRA_DEVICE_METADATA", "GPU_DRA_CONTROLLER_THREADS"] {
+        ensure!(!rendered.contains(absent), "{absent} rendered though 0.1.0's values do not have it");
+    }
+    ensure!(rendered.contains("path: /run/gpu-dra/mps"), "the MPS directory is not the agent's default");
+    let documents = documents(&rendered);
+    let classes = documents.iter().filter(|(kind, _)| kind == "DeviceClass").count();
+    ensure!(classes == 1, "{classes} DeviceClasses rendered: 0.1.0 had the GPU class only");
+    let applied = apply(&ctx, &documents);
+    delete(&ctx, &documents);
+    let applied = applied?;
+    eprintln!("0.1.0's values: {} objects rendered and accepted by a server-side apply", applied.len());
+    Ok(())
+}

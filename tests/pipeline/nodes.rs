@@ -1,6 +1,7 @@
 //! What happens to GPU nodes in clusters that grow and are repaired, through the whole pipeline: a node joining while
 //! GPU pods wait for room (an autoscaler's scale-up), and a Node object deleted and registered again under its name
-//! (`kubectl delete node` and a kubelet restart, or a machine replaced under the same name).
+//! (`kubectl delete node` and a kubelet restart, or a machine replaced under the same name), and a machine that
+//! lost power coming back after its pod was force-deleted and its GPUs handed to another pod.
 
 use std::time::{Duration, Instant};
 
@@ -11,9 +12,10 @@ use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 
-use super::support::node::DRIVER;
+use super::support::harness::KubeletHarness;
+use super::support::node::{DRIVER, gpu_in_two_specs, start_agent};
 use super::support::{TestContext, objects, wait};
-use super::{PREPARE_TIMEOUT, Testbed, allocated, claim_of};
+use super::{GPUS, PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
 /// A Deployment of two trainers that each take a whole node's four H100s: the node of four takes one; the other
 /// waits as unschedulable (the other node has two H100s). A node of four H100s joins (its Node object, agent and
@@ -240,5 +242,75 @@ fn inject(node: &super::Node, line: &str) -> anyhow::Result<()> {
     let state = node.dirs.state();
     std::fs::write(state.join("inject-faults.writing"), format!("{line}\n"))?;
     std::fs::rename(state.join("inject-faults.writing"), state.join("inject-faults"))?;
+    Ok(())
+}
+
+/// How long a restarted kubelet may take to unprepare the claim of a pod deleted while it was down: its DRA
+/// manager's reconcile runs every 60 s (pkg/kubelet/cm/dra), plus the time to register the agent again.
+const RECONCILED_WITHIN: Duration = Duration::from_secs(100);
+
+/// A GPU machine goes down hard (power lost: its agent and kubelet gone, the Node object left) while a pod holds all
+/// four of its H100s, and the operator force-deletes the pod (`kubectl delete pod --force`, the way out for a node
+/// that does not come back soon). The claim controller releases the pod's claim and it goes, so in the API the
+/// node's GPUs are free, and a new pod pinned there is allocated the same four GPUs while the machine is still
+/// down. It boots with the same disks: the kubelet's and the agent's checkpoints still hold the old claim, whose pod
+/// and claim no longer exist. The agent refuses the new pod's GPUs while they are prepared for the old claim, and the
+/// kubelet's reconcile unprepares the old claim from its checkpoint alone (nothing left to read from the API); then
+/// the new pod is prepared. No GPU is ever in two CDI specs, and the old claim's spec goes.
+pub(super) async fn a_machine_back_after_its_pod_was_force_deleted_frees_the_old_claim_first(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "four-h100", 4).await?;
+    let index = 1;
+    let node = bed.nodes[index].name.clone();
+    let pods = objects::pods(&ctx);
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "before", &node, "four-h100")?).await?;
+    bed.prepared(&ctx, "before").await?;
+    let old_claim = claim_of(&ctx, "before", "gpus").await?;
+    let old_devices = allocated(&ctx, &old_claim).await?;
+    let old_uid = objects::claims(&ctx).get(&old_claim).await?.uid().context("claim without a UID")?;
+    let old_spec = bed.nodes[index].dirs.cdi_spec(&old_uid);
+    ensure!(old_spec.exists(), "no CDI spec {} for the prepared claim", old_spec.display());
+
+    // The machine loses power.
+    bed.nodes[index].kubelet.kill()?;
+    bed.nodes[index].agent.kill()?;
+    pods.delete("before", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    wait::until("the force-deleted pod's claim to go", PREPARE_TIMEOUT, || async {
+        Ok(objects::claims(&ctx).get_opt(&old_claim).await?.is_none().then_some(()))
+    })
+    .await?;
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "after", &node, "four-h100")?).await?;
+    let new_devices =
+        wait::until("the new pod's claim allocated while the machine is down", PREPARE_TIMEOUT, || async {
+            let Ok(claim) = claim_of(&ctx, "after", "gpus").await else { return Ok(None) };
+            let devices = allocated(&ctx, &claim).await?;
+            Ok((!devices.is_empty()).then_some(devices))
+        })
+        .await?;
+    ensure!(new_devices == old_devices, "the node's four GPUs are free in the API: got {new_devices:?}");
+
+    // It boots with its disks as they were.
+    let booted = Instant::now();
+    {
+        let n = &mut bed.nodes[index];
+        n.agent =
+            start_agent(&ctx, &n.name, &n.dirs, &["--gpu-backend", "simulated", "--simulated-gpus", GPUS[index]])?;
+        n.kubelet = KubeletHarness::start(&ctx, &n.name, &n.dirs)?;
+    }
+    let n = &bed.nodes[index];
+    let key = format!("{}/after", ctx.namespace);
+    wait::until("the new pod prepared once the old claim is unprepared", RECONCILED_WITHIN, || async {
+        if let Some(minor) = gpu_in_two_specs(&n.dirs.cdi())? {
+            anyhow::bail!("/dev/nvidia{minor} was in two claims' CDI specs at once: {:?}", n.dirs.cdi_specs()?);
+        }
+        Ok((n.kubelet.count("prepared", &key) > 0).then_some(()))
+    })
+    .await
+    .with_context(|| format!("harness log:\n{}", n.kubelet.log_tail()))?;
+    ensure!(!old_spec.exists(), "the old claim's CDI spec outlived its unprepare");
+    let refused = n.kubelet.count("prepare-failed", &key);
+    eprintln!("machine back: the new pod prepared {:?} after boot ({refused} refused prepares)", booted.elapsed());
     Ok(())
 }

@@ -181,7 +181,7 @@ async fn force_deleted_replica_waits_for_its_gpu(
         let old_claim_uid = claim_uid(ctx, &claim).await?;
         pods.delete("web-0", &DeleteParams { grace_period_seconds: Some(0), ..DeleteParams::default() }).await?;
         let overlap = wait::until("the force-deleted web-0 back under its name and running", WAIT, || async {
-            if let Some(minor) = gpu_in_two_specs(node)? {
+            if let Some(minor) = support::node::gpu_in_two_specs(&node.cdi_dir()?)? {
                 return Ok(Some(Err(minor)));
             }
             let Some(pod) = pods.get_opt("web-0").await? else { return Ok(None) };
@@ -231,30 +231,6 @@ async fn refused_prepares(ctx: &TestContext, uid: &str) -> anyhow::Result<usize>
         .filter(|e| e.reason.as_deref() == Some("FailedPrepareDynamicResources"))
         .map(|e| e.series.as_ref().map_or(1, |s| usize::try_from(s.count).unwrap_or(1)))
         .sum())
-}
-
-/// A GPU minor that two CDI spec files in the node's CDI directory name. Only for nodes of whole GPUs: MIG devices
-/// and shares by memory name their GPU's node in each of their claims' specs.
-fn gpu_in_two_specs(node: &RealNode) -> anyhow::Result<Option<String>> {
-    let mut seen = BTreeSet::new();
-    for entry in std::fs::read_dir(node.cdi_dir()?)? {
-        let path = entry?.path();
-        // A spec being replaced or removed may be gone between the listing and the read.
-        let Ok(text) = std::fs::read_to_string(&path) else { continue };
-        let minors: BTreeSet<String> = text
-            .split("\"/dev/nvidia")
-            .skip(1)
-            .filter_map(|rest| rest.split('"').next())
-            .filter(|minor| !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit()))
-            .map(String::from)
-            .collect();
-        for minor in minors {
-            if !seen.insert(minor.clone()) {
-                return Ok(Some(minor));
-            }
-        }
-    }
-    Ok(None)
 }
 
 /// Waits until `pod` runs and has listed its devices; checks that it sees exactly what its claim was allocated and

@@ -237,3 +237,27 @@ impl std::ops::DerefMut for NodeAgent {
         &mut self.process
     }
 }
+
+/// A GPU minor that two CDI spec files in `cdi_dir` name (`"path": "/dev/nvidia<minor>"`). Only for nodes of whole
+/// GPUs: MIG devices and shares by memory name their GPU's node in each of their claims' specs.
+pub fn gpu_in_two_specs(cdi_dir: &Path) -> anyhow::Result<Option<String>> {
+    let mut seen = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(cdi_dir)? {
+        let path = entry?.path();
+        // A spec being replaced or removed may be gone between the listing and the read.
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let minors: std::collections::BTreeSet<String> = text
+            .split("\"/dev/nvidia")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .filter(|minor| !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit()))
+            .map(String::from)
+            .collect();
+        for minor in minors {
+            if !seen.insert(minor.clone()) {
+                return Ok(Some(minor));
+            }
+        }
+    }
+    Ok(None)
+}
