@@ -163,22 +163,28 @@ impl Checkpoint {
             .collect()
     }
 
-    /// The UID of another claim (not `claim_uid`) whose hold on the device conflicts with preparing `wanted` for
-    /// `claim_uid`: both name the same pool and device, and they are not two different shares of it. Entries still
-    /// `PrepareStarted` count: their device is not free until their cleanup has run. A hold with admin access never
-    /// conflicts (it does not make the device busy), nor does a recovered entry (what it holds is unknown). Use
-    /// this, not [`device_owner`] (which ignores shares), to refuse a device already prepared for someone else.
+    /// Another claim (not `claim_uid`) whose hold conflicts with preparing `wanted` for `claim_uid`, as (its UID,
+    /// the device it holds): both are in the same pool and share hardware (the same device, a GPU and one of its
+    /// MIG devices, or overlapping MIG devices: [`devices_overlap`]), and they are not two different shares of one
+    /// device. Entries still `PrepareStarted` count: their device is not free until their cleanup has run. A hold
+    /// with admin access never conflicts (it does not make the device busy), nor does a recovered entry (what it
+    /// holds is unknown). Use this, not [`device_owner`] (which ignores shares), to refuse a device already prepared
+    /// for someone else.
     ///
     /// [`device_owner`]: Checkpoint::device_owner
-    pub fn conflicting_owner(&self, claim_uid: &str, wanted: &PreparedDevice) -> Option<&str> {
-        self.holders(&wanted.pool, &wanted.device)
-            .filter(|(uid, held)| *uid != claim_uid && !held.admin_access)
-            .filter(|(uid, _)| self.claims.get(*uid).is_some_and(|entry| !entry.recovered))
+    /// [`devices_overlap`]: crate::node_agent::device::devices_overlap
+    pub fn conflicting_owner(&self, claim_uid: &str, wanted: &PreparedDevice) -> Option<(&str, &str)> {
+        self.claims
+            .iter()
+            .filter(|(uid, entry)| *uid != claim_uid && !entry.recovered)
+            .flat_map(|(uid, entry)| entry.devices.iter().map(move |held| (uid.as_str(), held)))
+            .filter(|(_, held)| held.pool == wanted.pool && !held.admin_access)
+            .filter(|(_, held)| crate::node_agent::device::devices_overlap(&held.device, &wanted.device))
             .find(|(_, held)| match (&held.share_id, &wanted.share_id) {
-                (Some(held), Some(wanted)) => held == wanted,
+                (Some(held_share), Some(wanted_share)) if held.device == wanted.device => held_share == wanted_share,
                 _ => true,
             })
-            .map(|(uid, _)| uid)
+            .map(|(uid, held)| (uid, held.device.as_str()))
     }
 
     /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it); never a
@@ -769,13 +775,32 @@ mod tests {
         assert_eq!(checkpoint.device_owner("node2", "gpu-0"), None);
 
         // Exclusive device held by uid-a: anyone else conflicts, uid-a itself does not.
-        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", None)), Some("uid-a"));
-        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", Some("s9"))), Some("uid-a"));
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", None)).map(|c| c.0), Some("uid-a"));
+        assert_eq!(
+            checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-0", Some("s9"))).map(|c| c.0),
+            Some("uid-a")
+        );
         assert_eq!(checkpoint.conflicting_owner("uid-a", &device("node1", "gpu-0", None)), None);
         // Share s1 held by uid-b (still PrepareStarted): another share is fine, the same share or the whole is not.
         assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s2"))), None);
-        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s1"))), Some("uid-b"));
-        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", None)), Some("uid-b"));
+        assert_eq!(
+            checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", Some("s1"))).map(|c| c.0),
+            Some("uid-b")
+        );
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &device("node1", "gpu-1", None)).map(|c| c.0), Some("uid-b"));
+
+        // A GPU held whole conflicts with its MIG devices, and a MIG device with its GPU and overlapping ones (a
+        // claim prepared by 0.1.0, which published a GPU in MIG mode whole, and one for its MIG devices now).
+        let mig = |name: &str| device("node1", name, None);
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &mig("gpu-0-mig-19-4-1")), Some(("uid-a", "gpu-0")));
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &mig("gpu-1-mig-19-4-1")), Some(("uid-b", "gpu-1")));
+        assert_eq!(checkpoint.conflicting_owner("uid-c", &mig("gpu-2-mig-19-4-1")), None);
+        let mut with_mig = checkpoint.clone();
+        let held = entry("g", PrepareState::PrepareCompleted, vec![mig("gpu-5-mig-9-0-4")]);
+        with_mig.claims.insert("uid-g".to_owned(), held);
+        assert_eq!(with_mig.conflicting_owner("uid-c", &mig("gpu-5")), Some(("uid-g", "gpu-5-mig-9-0-4")));
+        assert_eq!(with_mig.conflicting_owner("uid-c", &mig("gpu-5-mig-19-3-1")), Some(("uid-g", "gpu-5-mig-9-0-4")));
+        assert_eq!(with_mig.conflicting_owner("uid-c", &mig("gpu-5-mig-19-4-1")), None);
 
         // A monitoring claim with admin access on gpu-2 and a recovered entry on gpu-3 make neither busy.
         let mut checkpoint = checkpoint;

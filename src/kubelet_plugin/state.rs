@@ -919,11 +919,12 @@ fn conflict(
     devices: &[PreparedDevice],
 ) -> Option<String> {
     planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(_, device)| {
-        let owner = checkpoint.conflicting_owner(&claim.uid, device)?;
+        let (owner, held) = checkpoint.conflicting_owner(&claim.uid, device)?;
         let holder = checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name)).unwrap_or_default();
+        let what = if held == device.device { String::new() } else { format!(" (as part of {held:?})") };
         Some(format!(
-            "claim {claim}: device {:?} is already prepared for claim {holder} (UID {owner}); it must be unprepared \
-             first",
+            "claim {claim}: device {:?} is already prepared{what} for claim {holder} (UID {owner}); it must be \
+             unprepared first",
             device.device
         ))
     })

@@ -88,6 +88,32 @@ pub fn mig_parent_name(name: &str) -> Option<&str> {
     (!minor.is_empty() && minor.bytes().all(|b| b.is_ascii_digit())).then_some(parent)
 }
 
+/// Whether two device names of one pool share hardware: the same device, a GPU and one of its MIG devices, or two
+/// MIG devices of one GPU whose memory slices overlap. A MIG name whose placement cannot be read overlaps every
+/// device of its GPU (refusing is the safe side). Pure: what the kubelet plugin refuses a second claim by.
+pub fn devices_overlap(a: &str, b: &str) -> bool {
+    if a == b {
+        return true;
+    }
+    match (mig_parent_name(a), mig_parent_name(b)) {
+        (Some(parent), None) => parent == b,
+        (None, Some(parent)) => parent == a,
+        (Some(pa), Some(pb)) if pa == pb => match (mig_slices(a), mig_slices(b)) {
+            (Some((s1, n1)), Some((s2, n2))) => s1 < s2.saturating_add(n2) && s2 < s1.saturating_add(n1),
+            _ => true,
+        },
+        _ => false,
+    }
+}
+
+/// The memory slices (first, count) of a MIG device name `gpu-<minor>-mig-<profile>-<start>-<size>`.
+fn mig_slices(name: &str) -> Option<(u32, u32)> {
+    let (_, placement) = name.split_once("-mig-")?;
+    let mut parts = placement.split('-');
+    let (_profile, start, size) = (parts.next()?, parts.next()?.parse().ok()?, parts.next()?.parse().ok()?);
+    parts.next().is_none().then_some((start, size))
+}
+
 /// Whether a ResourceSlice device name is a MIG device's (`gpu-<minor>-mig-…`).
 pub fn is_mig_device_name(name: &str) -> bool {
     mig_parent_name(name).is_some()
@@ -180,6 +206,22 @@ mod tests {
             assert!(!is_mig_device_name(not_mig), "{not_mig}");
         }
         assert_eq!(mig_parent_name("gpu-12-mig-19-4-1"), Some("gpu-12"));
+        for (a, b, overlap) in [
+            ("gpu-1", "gpu-1", true),
+            ("gpu-1", "gpu-1-mig-19-4-1", true),
+            ("gpu-1-mig-9-0-4", "gpu-1", true),
+            ("gpu-1-mig-9-0-4", "gpu-1-mig-19-3-1", true),
+            ("gpu-1-mig-9-0-4", "gpu-1-mig-19-4-1", false),
+            ("gpu-1-mig-0-0-8", "gpu-1-mig-19-7-1", true),
+            ("gpu-1-mig-19-4-1", "gpu-1-mig-19-5-1", false),
+            ("gpu-1-mig-odd", "gpu-1-mig-19-5-1", true),
+            ("gpu-1", "gpu-10-mig-19-4-1", false),
+            ("gpu-1", "gpu-2", false),
+            ("gpu-1-mig-19-4-1", "gpu-2-mig-19-4-1", false),
+        ] {
+            assert_eq!(devices_overlap(a, b), overlap, "{a} / {b}");
+            assert_eq!(devices_overlap(b, a), overlap, "{b} / {a}");
+        }
         let gpus = [test_gpu(0, "0000:01:00.0"), all[1].gpu.clone(), empty.clone()];
         let mut gpus = gpus.to_vec();
         gpus[1].mig_devices = vec![mig("3g.40gb", 9, 1, 0, 4), mig("1g.10gb", 19, 7, 4, 1)];
