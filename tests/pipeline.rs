@@ -43,7 +43,8 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use mig::{a_node_in_mig_mode_hands_out_its_mig_devices, nvidias_mig_quickstart_runs_as_a_deployment};
 use nodes::{
     a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset,
-    a_machine_back_after_its_pod_was_force_deleted_frees_the_old_claim_first,
+    a_machine_rebooted_after_its_pod_was_force_deleted_prepares_the_new_pod_at_once,
+    a_node_back_after_its_pod_was_force_deleted_frees_the_old_claim_first,
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
     an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus,
 };
@@ -96,7 +97,8 @@ fn main() {
             test!(gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root),
             test!(a_node_joining_takes_the_gpu_pods_waiting_for_room),
             test!(a_node_deleted_and_registered_again_publishes_its_gpus_again),
-            test!(a_machine_back_after_its_pod_was_force_deleted_frees_the_old_claim_first),
+            test!(a_node_back_after_its_pod_was_force_deleted_frees_the_old_claim_first),
+            test!(a_machine_rebooted_after_its_pod_was_force_deleted_prepares_the_new_pod_at_once),
             test!(an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus),
             test!(a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
