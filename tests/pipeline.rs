@@ -136,6 +136,13 @@ impl Node {
         Ok(Self { name, dirs, agent, kubelet })
     }
 
+    /// Starts this node's agent again, on its directories, with simulated `gpus` (the one it had, or others).
+    fn restart_agent(&mut self, ctx: &TestContext, gpus: &str) -> anyhow::Result<()> {
+        self.agent =
+            start_agent(ctx, &self.name, &self.dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+        Ok(())
+    }
+
     async fn wait_ready(&self) -> anyhow::Result<()> {
         self.agent.wait_ready().await?;
         self.kubelet.wait_for("registered", "", Duration::from_secs(60)).await?;
@@ -496,12 +503,7 @@ async fn restarts_of_agent_kubelet_and_controller_lose_nothing(ctx: TestContext)
     {
         let node = &mut bed.nodes[index];
         node.agent.kill()?;
-        node.agent = start_agent(
-            &ctx,
-            &node.name,
-            &node.dirs,
-            &["--gpu-backend", "simulated", "--simulated-gpus", GPUS[index]],
-        )?;
+        node.restart_agent(&ctx, GPUS[index])?;
         node.agent.wait_ready().await?;
         wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
             Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))

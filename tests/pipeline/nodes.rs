@@ -13,7 +13,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 
 use super::support::harness::KubeletHarness;
-use super::support::node::{DRIVER, gpu_in_two_specs, start_agent};
+use super::support::node::{DRIVER, gpu_in_two_specs};
 use super::support::{TestContext, objects, wait};
 use super::{GPUS, PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
@@ -146,12 +146,7 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
     {
         let node = &mut bed.nodes[index];
         node.agent.kill()?;
-        node.agent = super::support::node::start_agent(
-            &ctx,
-            &node.name,
-            &node.dirs,
-            &["--gpu-backend", "simulated", "--simulated-gpus", &spec.join(",")],
-        )?;
+        node.restart_agent(&ctx, &spec.join(","))?;
         node.agent.wait_ready().await.with_context(|| node.agent.log_tail())?;
         wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
             Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
@@ -310,8 +305,7 @@ async fn node_back_after_a_force_delete(ctx: TestContext, rebooted: bool) -> any
     let back = Instant::now();
     {
         let n = &mut bed.nodes[index];
-        n.agent =
-            start_agent(&ctx, &n.name, &n.dirs, &["--gpu-backend", "simulated", "--simulated-gpus", GPUS[index]])?;
+        n.restart_agent(&ctx, GPUS[index])?;
         n.kubelet = KubeletHarness::start(&ctx, &n.name, &n.dirs)?;
     }
     let n = &bed.nodes[index];

@@ -86,8 +86,7 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     ensure!(claim != claims[0], "the new web-0 was given the old pod's claim {claim}");
     gone(ctx, node, &claims[..1], &[old_claim_uid]).await?;
     eprintln!("web-0 replaced: claim {} → {claim}, sees {:?}", claims[0], seen.uuids);
-    claims[0] = claim;
-    claims[0] = force_deleted_replica_waits_for_its_gpu(ctx, node, &claims[0]).await?;
+    claims[0] = force_deleted_replica_waits_for_its_gpu(ctx, node, &claim).await?;
 
     // The node drained and uncordoned.
     let uids = [claim_uid(ctx, &claims[0]).await?, claim_uid(ctx, &claims[1]).await?];

@@ -238,19 +238,27 @@ impl std::ops::DerefMut for NodeAgent {
     }
 }
 
-/// A GPU minor that two CDI spec files in `cdi_dir` name (`"path": "/dev/nvidia<minor>"`). Only for nodes of whole
-/// GPUs: MIG devices and shares by memory name their GPU's node in each of their claims' specs.
+/// A GPU minor that two CDI spec files in `cdi_dir` name (a device's `deviceNodes` path `/dev/nvidia<minor>`). Only
+/// for nodes of whole GPUs: MIG devices and shares by memory name their GPU's node in each of their claims' specs.
 pub fn gpu_in_two_specs(cdi_dir: &Path) -> anyhow::Result<Option<String>> {
     let mut seen = std::collections::BTreeSet::new();
     for entry in std::fs::read_dir(cdi_dir)? {
         let path = entry?.path();
-        // A spec being replaced or removed may be gone between the listing and the read.
+        // What a runtime reads: `*.json`, not the agent's `.<name>.tmp-<pid>` files being written.
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if name.starts_with('.') || !name.ends_with(".json") {
+            continue;
+        }
+        // A spec being replaced or removed may be gone between the listing and the read (renamed into place whole,
+        // so one that is read parses).
         let Ok(text) = std::fs::read_to_string(&path) else { continue };
-        let minors: std::collections::BTreeSet<String> = text
-            .split("\"/dev/nvidia")
-            .skip(1)
-            .filter_map(|rest| rest.split('"').next())
-            .filter(|minor| !minor.is_empty() && minor.chars().all(|c| c.is_ascii_digit()))
+        let spec: serde_json::Value =
+            serde_json::from_str(&text).with_context(|| format!("CDI spec {}", path.display()))?;
+        let devices = spec["devices"].as_array().into_iter().flatten();
+        let minors: std::collections::BTreeSet<String> = devices
+            .flat_map(|device| device["containerEdits"]["deviceNodes"].as_array().into_iter().flatten())
+            .filter_map(|node| node["path"].as_str()?.strip_prefix("/dev/nvidia"))
+            .filter(|minor| !minor.is_empty() && minor.bytes().all(|b| b.is_ascii_digit()))
             .map(String::from)
             .collect();
         for minor in minors {
