@@ -17,7 +17,7 @@ use std::path::Path;
 pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let name = path.file_name().ok_or_else(|| io::Error::other(format!("{} names no file", path.display())))?;
-    fs::create_dir_all(dir)?;
+    fs::create_dir_all(dir).map_err(|err| with_remedy(err, dir))?;
     let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
     let result = (|| {
         let mut file = open_locked(&tmp)?;
@@ -30,7 +30,20 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     if result.is_err() {
         let _ = fs::remove_file(&tmp);
     }
-    result
+    result.map_err(|err| with_remedy(err, dir))
+}
+
+/// A full filesystem or an exhausted quota names where space is needed: the error alone ("No space left on
+/// device") does not say which of the node's filesystems (the CDI directory is often on `/run`, the checkpoint on
+/// `/var/lib`) to free. Other errors are returned as they are.
+fn with_remedy(err: io::Error, dir: &Path) -> io::Error {
+    match err.kind() {
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => io::Error::new(
+            err.kind(),
+            format!("{err}: the filesystem holding {} is full; free space there, then retry", dir.display()),
+        ),
+        _ => err,
+    }
 }
 
 /// Opens (creating) the temporary file `tmp`, locked and empty. The lock is taken after the open, so a clean-up may
@@ -131,6 +144,17 @@ mod tests {
         remove_if_exists(&path)?;
         assert!(!path.exists());
         fs::remove_dir_all(&dir)
+    }
+
+    #[test]
+    fn a_full_filesystem_is_named_with_what_to_do() {
+        let full = with_remedy(io::Error::from_raw_os_error(28), Path::new("/run/cdi"));
+        assert_eq!(full.kind(), io::ErrorKind::StorageFull);
+        let message = full.to_string();
+        assert!(message.starts_with("No space left on device"), "{message}");
+        assert!(message.contains("the filesystem holding /run/cdi is full; free space there"), "{message}");
+        let denied = with_remedy(io::Error::from_raw_os_error(13), Path::new("/run/cdi"));
+        assert_eq!(denied.to_string(), io::Error::from_raw_os_error(13).to_string());
     }
 
     /// A writer killed mid-write in an earlier container had the same PID as this process (PID 1 in both): its

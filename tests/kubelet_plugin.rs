@@ -3,8 +3,10 @@
 //! checked against the official schema and loaded with the `container-device-interface` crate), every refusal,
 //! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint (with the API server
 //! unreachable too), lost specs, a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
-//! prepare while the liveness probe asks, and the calls queued behind it done together.
+//! prepare while the liveness probe asks, and the calls queued behind it done together, full disks.
 
+#[path = "kubelet_plugin/disk_full.rs"]
+mod disk_full;
 #[path = "kubelet_plugin/mps.rs"]
 mod mps;
 #[path = "kubelet_plugin/stale_claims.rs"]
@@ -18,6 +20,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
+use disk_full::a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing;
 use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState};
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -49,6 +52,7 @@ fn main() {
             test!(a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside),
             test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
+            test!(a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),

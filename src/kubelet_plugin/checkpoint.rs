@@ -241,28 +241,29 @@ pub enum LoadOutcome {
     Corrupt { reason: String },
 }
 
-/// Failures that leave the state directory unusable; everything else about a bad file is a [`LoadOutcome`].
+/// Failures that leave the state directory unusable; everything else about a bad file is a [`LoadOutcome`]. The
+/// message carries its cause: it reaches the kubelet (and the pod's events) as a string.
 #[derive(Debug, thiserror::Error)]
 pub enum CheckpointError {
-    #[error("create the checkpoint directory {path}")]
+    #[error("create the checkpoint directory {}: {source}", path.display())]
     CreateDir {
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("keep the untrusted checkpoint {path} aside before replacing it")]
+    #[error("keep the untrusted checkpoint {} aside before replacing it: {source}", path.display())]
     KeepAside {
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("encode the checkpoint for {path}")]
+    #[error("encode the checkpoint for {}: {source}", path.display())]
     Encode {
         path: PathBuf,
         #[source]
         source: serde_json::Error,
     },
-    #[error("write the checkpoint {path}")]
+    #[error("write the checkpoint {}: {source}", path.display())]
     Write {
         path: PathBuf,
         #[source]
@@ -333,6 +334,30 @@ impl CheckpointStore {
     pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
         let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
         write_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write { path: self.path.clone(), source })
+    }
+
+    /// [`save`](Self::save), unless the file already holds `checkpoint` (the same bytes; for a checkpoint with no
+    /// entries, no file at all is the same, as [`load`](Self::load) reads a missing file as an empty one). Returns
+    /// whether it wrote. Start-up saves what its clean-up changed this way: an agent restarted on a full disk with
+    /// nothing to record then starts and serves, its prepares failing with the reason until space is freed, instead
+    /// of exiting at every restart.
+    pub fn save_if_changed(&self, checkpoint: &Checkpoint) -> Result<bool, CheckpointError> {
+        let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
+        let stored = match fs::read(&self.path) {
+            Ok(stored) => stored == bytes,
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                checkpoint.claims.is_empty()
+                    && checkpoint.time_sliced.is_empty()
+                    && checkpoint.exclusive_process.is_empty()
+            }
+            Err(_) => false,
+        };
+        if stored {
+            return Ok(false);
+        }
+        write_atomic(&self.path, &bytes)
+            .map_err(|source| CheckpointError::Write { path: self.path.clone(), source })?;
+        Ok(true)
     }
 
     /// Saves `rebuilt` in place of a file [`load`](Self::load) found corrupt, keeping the bad file as
@@ -763,6 +788,30 @@ mod tests {
         store.save(&Checkpoint::new("boot-1"))?;
         assert_eq!(names(dir.path())?, vec![CHECKPOINT_FILE.to_owned()]);
         assert_eq!(store.load("boot-1")?.checkpoint, Checkpoint::new("boot-1"));
+        Ok(())
+    }
+
+    #[test]
+    fn save_if_changed_writes_only_what_the_file_does_not_hold() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        // An empty checkpoint and no file are the same to load: nothing written.
+        assert!(!store.save_if_changed(&Checkpoint::new("boot-1"))?);
+        assert!(names(dir.path())?.is_empty());
+        assert!(store.save_if_changed(&sample("boot-1"))?);
+        let written = fs::metadata(store.path())?.modified()?;
+        assert!(!store.save_if_changed(&store.load("boot-1")?.checkpoint)?, "the loaded checkpoint is the stored one");
+        assert_eq!(fs::metadata(store.path())?.modified()?, written);
+        // A changed entry, a new boot, or an emptied checkpoint over a file are written.
+        let mut changed = sample("boot-1");
+        changed.claims.remove("uid-b");
+        assert!(store.save_if_changed(&changed)?);
+        assert!(store.save_if_changed(&sample("boot-2"))?);
+        assert!(store.save_if_changed(&Checkpoint::new("boot-2"))?);
+        assert_eq!(
+            store.load("boot-2")?,
+            Loaded { checkpoint: Checkpoint::new("boot-2"), outcome: LoadOutcome::Loaded }
+        );
         Ok(())
     }
 

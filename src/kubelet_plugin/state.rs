@@ -761,7 +761,9 @@ impl DriverState {
             Err(e) => warn!(error = %e, "listing CDI specs failed; stale specs stay until the next start"),
         }
         orphans += self.remove_orphaned_metadata(&checkpoint);
-        self.save(&checkpoint)?;
+        if self.store.save_if_changed(&checkpoint)? {
+            self.metrics.checkpoint_saves.inc();
+        }
         self.update_gauges(&checkpoint);
         Ok((half_done.len(), rewritten, orphans))
     }

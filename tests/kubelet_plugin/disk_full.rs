@@ -1,0 +1,148 @@
+//! A node whose disks fill up: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`,
+//! which container logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled to the last byte. What must
+//! hold: a prepare fails with the reason and the filesystem to free, leaves nothing half-written and no record of
+//! itself, and touches no other claim; an unprepare, which only removes files, still works; an agent restarted
+//! meanwhile starts and serves; once space is freed the same prepare succeeds with no restart.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context as _, ensure};
+
+use super::support::node::{Kubelet, NodeDirs};
+use super::support::{TestContext, wait};
+use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent};
+use gpu_dra::kubelet_plugin::checkpoint::PrepareState;
+
+/// A tmpfs mounted over a directory for the test's length, with a file that fills it.
+struct Tmpfs {
+    dir: PathBuf,
+}
+
+impl Tmpfs {
+    fn mount(dir: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let status = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(dir).status()?;
+        ensure!(status.success(), "mount a tmpfs on {} (the test needs root, as the real-node tests)", dir.display());
+        Ok(Self { dir: dir.to_owned() })
+    }
+
+    fn filler(&self) -> PathBuf {
+        self.dir.join("filler")
+    }
+
+    /// Writes a file until the filesystem refuses the next byte.
+    fn fill(&self) -> anyhow::Result<()> {
+        let mut file = std::fs::File::create(self.filler())?;
+        let chunk = vec![0u8; 4096];
+        loop {
+            if let Err(e) = file.write_all(&chunk).and_then(|()| file.sync_all()) {
+                ensure!(e.kind() == std::io::ErrorKind::StorageFull, "filling {}: {e}", self.dir.display());
+                break;
+            }
+        }
+        // The last page, byte by byte.
+        while file.write_all(&[0]).and_then(|()| file.sync_all()).is_ok() {}
+        Ok(())
+    }
+
+    fn free(&self) -> anyhow::Result<()> {
+        std::fs::remove_file(self.filler()).context("remove the filler")
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
+    }
+}
+
+/// The temporary files left in `dir` (a write's `.<name>.tmp-<pid>`), recursively.
+fn temporaries(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(dir)?.flatten() {
+        let path = entry.path();
+        if entry.file_type()?.is_dir() {
+            found.extend(temporaries(&path)?);
+        } else if entry.file_name().to_string_lossy().contains(".tmp-") {
+            found.push(path);
+        }
+    }
+    Ok(found)
+}
+
+fn leaves_nothing_half_written(dirs: &NodeDirs) -> anyhow::Result<()> {
+    let left: Vec<PathBuf> =
+        [dirs.cdi(), dirs.state()].iter().map(|d| temporaries(d)).collect::<Result<Vec<_>, _>>()?.concat();
+    ensure!(left.is_empty(), "temporary files left: {left:?}");
+    Ok(())
+}
+
+pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let cdi = Tmpfs::mount(&dirs.cdi())?;
+    let state = Tmpfs::mount(&dirs.state())?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], serde_json::json!([])).await?;
+    let ns = ctx.namespace.clone();
+    prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
+    let spec_a = std::fs::read(dirs.cdi_spec(&a))?;
+
+    // The CDI directory's filesystem full: b's spec cannot be written.
+    cdi.fill()?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(&ns, "b", &b)]).await?;
+    let error = &answers.get(&b).context("no answer for b")?.error;
+    let named = format!("the filesystem holding {} is full; free space there", dirs.cdi().display());
+    ensure!(error.contains("No space left on device") && error.contains(&named), "b's prepare answered {error:?}");
+    ensure!(!dirs.cdi_spec(&b).exists(), "b has a spec");
+    leaves_nothing_half_written(&dirs)?;
+    let saved = checkpoint(&dirs, "boot-1")?;
+    ensure!(!saved.claims.contains_key(&b), "the failed prepare is recorded: {saved:?}");
+    ensure!(saved.claims.get(&a).is_some_and(|e| e.state == PrepareState::PrepareCompleted), "a lost: {saved:?}");
+    ensure!(std::fs::read(dirs.cdi_spec(&a))? == spec_a, "a's spec changed");
+    let metadata_b = dirs.state().join("device-metadata").join(&b);
+    ensure!(!metadata_b.exists(), "b's device metadata files were left: {}", metadata_b.display());
+
+    // An unprepare only removes files: it works on the full filesystem (pods deleted to make room are unprepared).
+    let unprepared = kubelet.unprepare(&[(&ns, "a", &a)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "a's unprepare on a full disk: {unprepared:?}");
+    ensure!(!dirs.cdi_spec(&a).exists() && !checkpoint(&dirs, "boot-1")?.claims.contains_key(&a), "a still prepared");
+    cdi.free()?;
+
+    // The checkpoint's filesystem full: nothing is prepared that is not recorded first.
+    prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
+    state.fill()?;
+    let answers = kubelet.prepare(&[(&ns, "b", &b)]).await?;
+    let error = &answers.get(&b).context("no answer for b")?.error;
+    let named = format!("the filesystem holding {} is full; free space there", dirs.state().display());
+    ensure!(error.contains("record the prepare in the checkpoint") && error.contains(&named), "b: {error:?}");
+    ensure!(!dirs.cdi_spec(&b).exists(), "b has a spec it has no record of");
+    leaves_nothing_half_written(&dirs)?;
+
+    // An agent restarted now (an upgrade, a liveness kill) has nothing to record: it starts and serves.
+    agent.terminate()?;
+    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(&ns, "a", &a)]).await?;
+    ensure!(answers.get(&a).is_some_and(|r| r.error.is_empty()), "a, prepared before, is answered: {answers:?}");
+
+    // Space freed: the kubelet's next try prepares b, without a restart; what is on disk is whole.
+    state.free()?;
+    wait::until("b's prepare to succeed once space is freed", std::time::Duration::from_secs(20), || async {
+        let answers = Kubelet::register(&dirs).await?.prepare(&[(&ns, "b", &b)]).await?;
+        Ok(answers.get(&b).is_some_and(|r| r.error.is_empty()).then_some(()))
+    })
+    .await?;
+    prepares_fully(&dirs, &ns, "b", &b, "gpu-1").await?;
+    let saved = checkpoint(&dirs, "boot-1")?;
+    ensure!(saved.claims.len() == 2, "{saved:?}");
+    leaves_nothing_half_written(&dirs)?;
+    Ok(())
+}
