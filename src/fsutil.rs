@@ -37,13 +37,15 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
 /// device") does not say which of the node's filesystems (the CDI directory is often on `/run`, the checkpoint on
 /// `/var/lib`) to free. Other errors are returned as they are.
 fn with_remedy(err: io::Error, dir: &Path) -> io::Error {
-    match err.kind() {
-        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded => io::Error::new(
-            err.kind(),
-            format!("{err}: the filesystem holding {} is full; free space there, then retry", dir.display()),
-        ),
-        _ => err,
-    }
+    let what = match err.kind() {
+        io::ErrorKind::StorageFull => " is full",
+        io::ErrorKind::QuotaExceeded => "'s quota is used up",
+        _ => return err,
+    };
+    io::Error::new(
+        err.kind(),
+        format!("{err}: the filesystem holding {}{what}; free space there, then retry", dir.display()),
+    )
 }
 
 /// Opens (creating) the temporary file `tmp`, locked and empty. The lock is taken after the open, so a clean-up may
@@ -153,6 +155,11 @@ mod tests {
         let message = full.to_string();
         assert!(message.starts_with("No space left on device"), "{message}");
         assert!(message.contains("the filesystem holding /run/cdi is full; free space there"), "{message}");
+        let quota = with_remedy(io::Error::from_raw_os_error(122), Path::new("/var/lib/gpu-dra")).to_string();
+        assert!(
+            quota.ends_with("the filesystem holding /var/lib/gpu-dra's quota is used up; free space there, then retry"),
+            "{quota}"
+        );
         let denied = with_remedy(io::Error::from_raw_os_error(13), Path::new("/run/cdi"));
         assert_eq!(denied.to_string(), io::Error::from_raw_os_error(13).to_string());
     }

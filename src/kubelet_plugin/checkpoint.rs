@@ -340,7 +340,7 @@ impl CheckpointStore {
     /// entries, no file at all is the same, as [`load`](Self::load) reads a missing file as an empty one). Returns
     /// whether it wrote. Start-up saves what its clean-up changed this way: an agent restarted on a full disk with
     /// nothing to record then starts and serves, its prepares failing with the reason until space is freed, instead
-    /// of exiting at every restart.
+    /// of retrying its start, unregistered, until then.
     pub fn save_if_changed(&self, checkpoint: &Checkpoint) -> Result<bool, CheckpointError> {
         let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
         let stored = match fs::read(&self.path) {

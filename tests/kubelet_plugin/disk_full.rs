@@ -1,8 +1,9 @@
 //! A node whose disks fill up: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`,
-//! which container logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled to the last byte. What must
-//! hold: a prepare fails with the reason and the filesystem to free, leaves nothing half-written and no record of
-//! itself, and touches no other claim; an unprepare, which only removes files, still works; an agent restarted
-//! meanwhile starts and serves; once space is freed the same prepare succeeds with no restart.
+//! which container logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled up. What must hold: a prepare
+//! fails with the reason and the filesystem to free, leaves nothing half-written and no record of itself, and
+//! touches no other claim; an unprepare is done where it can be recorded, and otherwise fails with the reason and
+//! keeps its record; an agent restarted meanwhile with nothing to record starts and serves; once space is freed the
+//! kubelet's retries succeed with no restart.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -10,9 +11,22 @@ use std::process::Command;
 
 use anyhow::{Context as _, ensure};
 
+use super::support::TestContext;
 use super::support::node::{Kubelet, NodeDirs};
-use super::support::{TestContext, wait};
 use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent};
+
+/// [`ready_agent`] with three simulated GPUs and `extra` flags.
+async fn ready_agent_with(
+    ctx: &TestContext,
+    node: &str,
+    dirs: &NodeDirs,
+    extra: &[&str],
+) -> anyhow::Result<super::support::process::Component> {
+    let args = [&["--gpu-backend", "simulated", "--simulated-gpus", "3xH100-80GB"], extra].concat();
+    let agent = super::support::node::start_agent(ctx, node, dirs, &args)?;
+    agent.wait_ready().await?;
+    Ok(agent)
+}
 use gpu_dra::kubelet_plugin::checkpoint::PrepareState;
 
 /// A tmpfs mounted over a directory for the test's length, with a file that fills it.
@@ -32,7 +46,7 @@ impl Tmpfs {
         self.dir.join("filler")
     }
 
-    /// Writes a file until the filesystem refuses the next byte.
+    /// Writes a file (emptied first when there) until the filesystem refuses the next page.
     fn fill(&self) -> anyhow::Result<()> {
         let mut file = std::fs::File::create(self.filler())?;
         let chunk = vec![0u8; 4096];
@@ -42,8 +56,6 @@ impl Tmpfs {
                 break;
             }
         }
-        // The last page, byte by byte.
-        while file.write_all(&[0]).and_then(|()| file.sync_all()).is_ok() {}
         Ok(())
     }
 
@@ -87,7 +99,7 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
     let dirs = NodeDirs::new()?;
     let cdi = Tmpfs::mount(&dirs.cdi())?;
     let state = Tmpfs::mount(&dirs.state())?;
-    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
     let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
     let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], serde_json::json!([])).await?;
     let ns = ctx.namespace.clone();
@@ -110,7 +122,7 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
     let metadata_b = dirs.state().join("device-metadata").join(&b);
     ensure!(!metadata_b.exists(), "b's device metadata files were left: {}", metadata_b.display());
 
-    // An unprepare only removes files: it works on the full filesystem (pods deleted to make room are unprepared).
+    // An unprepare on the full CDI filesystem only removes files there: done (pods deleted to make room).
     let unprepared = kubelet.unprepare(&[(&ns, "a", &a)]).await?;
     ensure!(unprepared.values().all(String::is_empty), "a's unprepare on a full disk: {unprepared:?}");
     ensure!(!dirs.cdi_spec(&a).exists() && !checkpoint(&dirs, "boot-1")?.claims.contains_key(&a), "a still prepared");
@@ -125,24 +137,47 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
     ensure!(error.contains("record the prepare in the checkpoint") && error.contains(&named), "b: {error:?}");
     ensure!(!dirs.cdi_spec(&b).exists(), "b has a spec it has no record of");
     leaves_nothing_half_written(&dirs)?;
+    // a's device metadata files are removed before its unprepare is recorded, and the page they free holds the
+    // new checkpoint of one claim: the unprepare is done. (One that frees too little: below.)
+    let unprepared = kubelet.unprepare(&[(&ns, "a", &a)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "a's unprepare on a full state disk: {unprepared:?}");
+    ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&a), "a's unprepare is not recorded");
 
-    // An agent restarted now (an upgrade, a liveness kill) has nothing to record: it starts and serves.
+    // An agent restarted now (an upgrade, a liveness kill) has nothing to record: it starts and serves, refusing
+    // with the reason what it cannot record.
+    state.fill()?;
     agent.terminate()?;
-    let _agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
     let mut kubelet = Kubelet::register(&dirs).await?;
-    let answers = kubelet.prepare(&[(&ns, "a", &a)]).await?;
-    ensure!(answers.get(&a).is_some_and(|r| r.error.is_empty()), "a, prepared before, is answered: {answers:?}");
+    let answers = kubelet.prepare(&[(&ns, "b", &b)]).await?;
+    let error = &answers.get(&b).context("no answer for b")?.error;
+    ensure!(error.contains(&named), "b, asked of the restarted agent: {error:?}");
 
     // Space freed: the kubelet's next try prepares b, without a restart; what is on disk is whole.
     state.free()?;
-    wait::until("b's prepare to succeed once space is freed", std::time::Duration::from_secs(20), || async {
-        let answers = Kubelet::register(&dirs).await?.prepare(&[(&ns, "b", &b)]).await?;
-        Ok(answers.get(&b).is_some_and(|r| r.error.is_empty()).then_some(()))
-    })
-    .await?;
     prepares_fully(&dirs, &ns, "b", &b, "gpu-1").await?;
-    let saved = checkpoint(&dirs, "boot-1")?;
-    ensure!(saved.claims.len() == 2, "{saved:?}");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.keys().eq([&b]), "b alone is prepared");
+    leaves_nothing_half_written(&dirs)?;
+
+    // An unprepare that frees nothing on the checkpoint's full filesystem (no device metadata files): it fails with
+    // the reason and keeps the entry (the spec is gone: no container starts with it), and the kubelet's retry
+    // finishes it once space is freed. The kubelet's own record (`dra_manager_state` under its root directory)
+    // needs room the same way.
+    agent.terminate()?;
+    let _agent = ready_agent_with(&ctx, &node, &dirs, &["--device-metadata=false"]).await?;
+    let c = allocated_claim(&ctx, "c", &node, &["gpu-2"], serde_json::json!([])).await?;
+    prepares_fully(&dirs, &ns, "c", &c, "gpu-2").await?;
+    state.fill()?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let unprepared = kubelet.unprepare(&[(&ns, "c", &c)]).await?;
+    let error = unprepared.get(&c).context("no answer for c")?;
+    ensure!(error.contains("record the unprepare in the checkpoint") && error.contains(&named), "c: {error:?}");
+    ensure!(!dirs.cdi_spec(&c).exists(), "c's spec is left");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.contains_key(&c), "c's entry is gone though its unprepare failed");
+    state.free()?;
+    let unprepared = kubelet.unprepare(&[(&ns, "c", &c)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "c's retried unprepare: {unprepared:?}");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.keys().eq([&b]), "c's unprepare is not recorded");
     leaves_nothing_half_written(&dirs)?;
     Ok(())
 }
