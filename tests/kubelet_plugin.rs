@@ -2,13 +2,13 @@
 //! speaks the real protocol over the unix sockets: registration, prepare of what the scheduler allocated (CDI specs
 //! checked against the official schema and loaded with the `container-device-interface` crate), every refusal,
 //! idempotence, and the faults: kill -9 during concurrent prepares, a corrupt checkpoint (with the API server
-//! unreachable too), lost specs, a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
+//! unreachable too), lost specs (also while the agent runs), a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
 //! prepare while the liveness probe asks, and the calls queued behind it done together, full disks.
 
-#[path = "kubelet_plugin/disk_full.rs"]
-mod disk_full;
 #[path = "kubelet_plugin/mps.rs"]
 mod mps;
+#[path = "kubelet_plugin/node_disks.rs"]
+mod node_disks;
 #[path = "kubelet_plugin/stale_claims.rs"]
 mod stale_claims;
 mod support;
@@ -20,7 +20,6 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, bail, ensure};
-use disk_full::a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing;
 use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState};
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
@@ -28,6 +27,10 @@ use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
     a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_admin_access_claim_beside_an_mps_claim_changes_nothing,
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
+};
+use node_disks::{
+    a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing,
+    a_spec_directory_deleted_on_the_host_fails_the_liveness_check,
 };
 use serde_json::{Value, json};
 use stale_claims::{
@@ -53,9 +56,11 @@ fn main() {
             test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
             test!(a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing),
+            test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
+            test!(a_spec_lost_while_the_agent_runs_is_written_again),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
@@ -837,6 +842,41 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
     ensure!(!spec.exists(), "the spec of the earlier boot was kept");
     let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
     ensure!(again.get(&uid).is_some_and(|a| a.error.is_empty()) && spec.exists(), "{again:?}");
+    Ok(())
+}
+
+/// The kubelet prepares a claim once per pod, but the runtime reads its spec at every container start: a spec
+/// deleted on the host while the pod runs (a tool emptying `/var/run/cdi`) would fail the next restart of a crashed
+/// container until the agent restarted. The running agent writes it again within its check interval (10 s), also
+/// when the whole directory went.
+async fn a_spec_lost_while_the_agent_runs_is_written_again(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
+    let written = std::fs::read(dirs.cdi_spec(&a))?;
+    let (spec_a, spec_b) = (dirs.cdi_spec(&a), dirs.cdi_spec(&b));
+    let back = || {
+        let ready = spec_a.exists() && spec_b.exists();
+        async move { Ok(ready.then_some(())) }
+    };
+
+    std::fs::remove_file(dirs.cdi_spec(&a))?;
+    let lost = Instant::now();
+    wait::until("a's lost spec written again", Duration::from_secs(25), back).await?;
+    ensure!(std::fs::read(dirs.cdi_spec(&a))? == written, "the spec was written again with other content");
+    let took = lost.elapsed();
+    std::fs::remove_dir_all(dirs.cdi())?;
+    wait::until("both specs written again in a new directory", Duration::from_secs(25), back).await?;
+    check_cdi_spec(&dirs.cdi_spec(&b))?;
+    let rewritten = agent.metric("gpu_dra_kubelet_plugin_specs_rewritten_total", &[]).await?;
+    ensure!(rewritten == 3.0, "gpu_dra_kubelet_plugin_specs_rewritten_total is {rewritten}, not 3");
+    eprintln!("a spec deleted under the running agent was back after {took:?}");
     Ok(())
 }
 

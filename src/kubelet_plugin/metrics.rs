@@ -37,6 +37,7 @@ pub struct PluginMetrics {
     pub prepared_devices: Gauge,
     pub checkpoint_corruptions: Counter,
     pub checkpoint_saves: Counter,
+    pub specs_rewritten: Counter,
     pub time_slice_restore_failures: Counter,
     pub compute_mode_restore_failures: Counter,
     pub mps_daemon_restarts: Counter,
@@ -59,6 +60,7 @@ impl PluginMetrics {
             prepared_devices: Gauge::default(),
             checkpoint_corruptions: Counter::default(),
             checkpoint_saves: Counter::default(),
+            specs_rewritten: Counter::default(),
             time_slice_restore_failures: Counter::default(),
             compute_mode_restore_failures: Counter::default(),
             mps_daemon_restarts: Counter::default(),
@@ -80,6 +82,11 @@ impl PluginMetrics {
             "checkpoint_corruptions",
             "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside)",
             metrics.checkpoint_corruptions.clone(),
+        );
+        sub.register(
+            "specs_rewritten",
+            "CDI specs of prepared claims found missing while the agent ran (deleted on the host) and written again",
+            metrics.specs_rewritten.clone(),
         );
         sub.register(
             "checkpoint_saves",

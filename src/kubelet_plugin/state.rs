@@ -700,37 +700,7 @@ impl DriverState {
             checkpoint.claims.remove(uid);
             info!(%uid, "cleaned up a prepare that was interrupted");
         }
-        let inventory = self.inventory.borrow().clone();
-        let mut rewritten = 0;
-        for (uid, entry) in checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted) {
-            if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
-                continue;
-            }
-            let devices: Option<Vec<Device>> =
-                entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
-            let Some(devices) = devices else {
-                warn!(%uid, "a prepared claim's device is gone from this node; its CDI spec cannot be re-written");
-                continue;
-            };
-            // A MIG device made for it must still be the one there (never another one at its placement).
-            let made_there = entry.devices.iter().zip(&devices).all(|(recorded, device)| {
-                recorded.made_mig.as_ref().is_none_or(|uuid| device.mig.as_ref().is_some_and(|m| m.uuid == *uuid))
-            });
-            if !made_there {
-                warn!(%uid, "a MIG device made for a prepared claim is gone; its CDI spec cannot be re-written");
-                continue;
-            }
-            let devices = unique_devices_of(devices);
-            let mut edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
-            edits.file_devices = self.metadata_mounts(uid, entry);
-            match self.write_spec(uid, &devices, &edits) {
-                Ok(_) => {
-                    info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
-                    rewritten += 1;
-                }
-                Err(e) => warn!(%uid, error = %e, "re-writing a missing CDI spec failed"),
-            }
-        }
+        let rewritten = self.rewrite_missing_specs(&checkpoint);
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
         // Daemons of prepared claims started again; those of claims no longer prepared (or half prepared) stopped
@@ -766,6 +736,54 @@ impl DriverState {
         }
         self.update_gauges(&checkpoint);
         Ok((half_done.len(), rewritten, orphans))
+    }
+
+    /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
+    /// emptied, a lost write); returns how many it wrote. A claim whose device or made MIG device is gone keeps
+    /// its spec missing (logged). Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs.
+    fn rewrite_missing_specs(&self, checkpoint: &Checkpoint) -> usize {
+        let inventory = self.inventory.borrow().clone();
+        let mut rewritten = 0;
+        for (uid, entry) in checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted) {
+            if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
+                continue;
+            }
+            let devices: Option<Vec<Device>> =
+                entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
+            let Some(devices) = devices else {
+                warn!(%uid, "a prepared claim's device is gone from this node; its CDI spec cannot be re-written");
+                continue;
+            };
+            // A MIG device made for it must still be the one there (never another one at its placement).
+            let made_there = entry.devices.iter().zip(&devices).all(|(recorded, device)| {
+                recorded.made_mig.as_ref().is_none_or(|uuid| device.mig.as_ref().is_some_and(|m| m.uuid == *uuid))
+            });
+            if !made_there {
+                warn!(%uid, "a MIG device made for a prepared claim is gone; its CDI spec cannot be re-written");
+                continue;
+            }
+            let devices = unique_devices_of(devices);
+            let mut edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
+            edits.file_devices = self.metadata_mounts(uid, entry);
+            match self.write_spec(uid, &devices, &edits) {
+                Ok(_) => {
+                    info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
+                    rewritten += 1;
+                }
+                Err(e) => warn!(%uid, error = %e, "re-writing a missing CDI spec failed"),
+            }
+        }
+        rewritten
+    }
+
+    /// [`Self::rewrite_missing_specs`] under the state lock, counted in `specs_rewritten`: the kubelet never asks
+    /// again for a claim it prepared, so a spec lost while the pod runs would fail its next container start (a
+    /// restart after a crash) until the agent restarted. Takes the file lock: call it off the async threads.
+    pub fn restore_lost_specs(&self) -> usize {
+        let checkpoint = self.lock();
+        let rewritten = self.rewrite_missing_specs(&checkpoint);
+        self.metrics.specs_rewritten.inc_by(rewritten as u64);
+        rewritten
     }
 
     /// Gets the MIG device of each dynamic MIG partition `todo` was allocated, as its `making` says (filling in its

@@ -89,14 +89,64 @@ pub(super) async fn start(
         settings.stale_claims,
         stop.clone(),
     ));
+    tokio::spawn(restore_lost_specs(state.clone(), stop.clone()));
     let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop)
         .map_err(|e| e.to_string())?;
     let sockets = settings.sockets.clone();
+    let host_dirs: Vec<PathBuf> = [settings.sockets.registration.parent(), settings.sockets.dra.parent()]
+        .into_iter()
+        .flatten()
+        .map(Path::to_path_buf)
+        .chain([settings.cdi_dir.clone()])
+        .collect();
     liveness.set(move || {
         let sockets = sockets.clone();
-        Box::pin(async move { kubelet_plugin::check_sockets(&sockets).await })
+        let host_dirs = host_dirs.clone();
+        Box::pin(async move {
+            if let Some(dir) = host_dirs.iter().find(|dir| deleted(dir)) {
+                return Err(format!(
+                    "{} was deleted on the host while mounted here: the kubelet and the runtime no longer see what \
+                     the agent writes there; restarting the container mounts the new one",
+                    dir.display()
+                ));
+            }
+            kubelet_plugin::check_sockets(&sockets).await
+        })
     });
     Ok((task, state))
+}
+
+/// Whether `dir` is a directory deleted while still open or mounted here (no links left): a hostPath directory
+/// removed on the host (`rm -rf /var/run/cdi`, a stale plugin directory cleaned up) stays mounted in the container
+/// as the deleted one, where nothing can be created and nobody else looks. A path that is gone is not this case:
+/// outside a container the next write creates it again.
+fn deleted(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt as _;
+    std::fs::metadata(dir).is_ok_and(|m| m.is_dir() && m.nlink() == 0)
+}
+
+/// How often the agent looks for prepared claims' CDI specs deleted under it: within the kubelet's first container
+/// restart back-off (10 s), so a container that crashes after its spec was lost starts again at the next try.
+const LOST_SPEC_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Writes again, every [`LOST_SPEC_CHECK_INTERVAL`], the specs of prepared claims that went missing: the kubelet
+/// prepares a claim once per pod and the runtime reads its spec at every container start.
+async fn restore_lost_specs(state: Arc<DriverState>, stop: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(LOST_SPEC_CHECK_INTERVAL) => {}
+        }
+        let this = state.clone();
+        if let Ok(rewritten) = tokio::task::spawn_blocking(move || this.restore_lost_specs()).await
+            && rewritten > 0
+        {
+            tracing::warn!(
+                rewritten,
+                "CDI specs of prepared claims were missing (deleted on the host?); wrote them again"
+            );
+        }
+    }
 }
 
 /// The driver files prepared claims get: those under `driver_root` (host paths as the runtime sees them when

@@ -1,9 +1,10 @@
-//! A node whose disks fill up: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`,
+//! A node's directories failing under the agent. A full disk: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`,
 //! which container logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled up. What must hold: a prepare
 //! fails with the reason and the filesystem to free, leaves nothing half-written and no record of itself, and
 //! touches no other claim; an unprepare is done where it can be recorded, and otherwise fails with the reason and
 //! keeps its record; an agent restarted meanwhile with nothing to record starts and serves; once space is freed the
-//! kubelet's retries succeed with no restart.
+//! kubelet's retries succeed with no restart. A directory deleted on the host while the agent's container mounts it:
+//! the liveness check fails, so the kubelet restarts the container onto the new one.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -180,4 +181,59 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
     ensure!(checkpoint(&dirs, "boot-1")?.claims.keys().eq([&b]), "c's unprepare is not recorded");
     leaves_nothing_half_written(&dirs)?;
     Ok(())
+}
+
+/// `rm -rf /var/run/cdi` on the host while the agent's container runs: the container keeps the deleted directory
+/// mounted, where nothing can be created and the runtime does not look, so every later prepare fails and lost specs
+/// cannot be written again. The agent's liveness check says so, and the kubelet restarts the container, which
+/// mounts the new directory; the restarted agent writes the prepared claims' specs there. The container's mount is
+/// played by a bind mount of a directory that is then deleted.
+pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_check(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let host = tempfile::Builder::new().prefix("gd-host-cdi-").tempdir_in("/tmp")?;
+    let mounted = BindMount::mount(host.path(), &dirs.cdi())?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
+    let ns = ctx.namespace.clone();
+    prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
+    let (code, _) = agent.get("/healthz").await?;
+    ensure!(code == 200, "/healthz answered {code} before the directory was deleted");
+
+    std::fs::remove_dir_all(host.path())?;
+    let (code, body) = agent.get("/healthz").await?;
+    let named = format!("{} was deleted on the host", dirs.cdi().display());
+    ensure!(code != 200 && body.contains(&named), "/healthz after the deletion: {code} {body}");
+
+    // The kubelet restarts the container: the new one mounts the host's new directory.
+    agent.terminate()?;
+    drop(mounted);
+    let agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
+    ensure!(dirs.cdi_spec(&a).exists(), "the restarted agent did not write a's spec again");
+    let (code, body) = agent.get("/healthz").await?;
+    ensure!(code == 200, "/healthz of the restarted agent: {code} {body}");
+    Ok(())
+}
+
+/// A directory bind-mounted over another for the test's length, as a hostPath volume in the agent's container.
+struct BindMount {
+    target: PathBuf,
+}
+
+impl BindMount {
+    fn mount(source: &Path, target: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(target)?;
+        let status = Command::new("mount").arg("--bind").arg(source).arg(target).status()?;
+        ensure!(status.success(), "bind-mount {} on {} (the test needs root)", source.display(), target.display());
+        Ok(Self { target: target.to_owned() })
+    }
+}
+
+impl Drop for BindMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.target).status();
+    }
 }
