@@ -33,19 +33,20 @@ pub fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     result.map_err(|err| with_remedy(err, dir))
 }
 
-/// A full filesystem or an exhausted quota names where space is needed: the error alone ("No space left on
+/// A full, over-quota or read-only filesystem names which one and what to do: the error alone ("No space left on
 /// device") does not say which of the node's filesystems (the CDI directory is often on `/run`, the checkpoint on
 /// `/var/lib`) to free. Other errors are returned as they are.
-fn with_remedy(err: io::Error, dir: &Path) -> io::Error {
+pub fn with_remedy(err: io::Error, dir: &Path) -> io::Error {
     let what = match err.kind() {
-        io::ErrorKind::StorageFull => " is full",
-        io::ErrorKind::QuotaExceeded => "'s quota is used up",
+        io::ErrorKind::StorageFull => " is full; free space there, then retry",
+        io::ErrorKind::QuotaExceeded => "'s quota is used up; free space there, then retry",
+        io::ErrorKind::ReadOnlyFilesystem => {
+            " is read-only (a filesystem remounts read-only after I/O errors: see the kernel log); make it writable, \
+             then retry"
+        }
         _ => return err,
     };
-    io::Error::new(
-        err.kind(),
-        format!("{err}: the filesystem holding {}{what}; free space there, then retry", dir.display()),
-    )
+    io::Error::new(err.kind(), format!("{err}: the filesystem holding {}{what}", dir.display()))
 }
 
 /// Opens (creating) the temporary file `tmp`, locked and empty. The lock is taken after the open, so a clean-up may
@@ -160,6 +161,8 @@ mod tests {
             quota.ends_with("the filesystem holding /var/lib/gpu-dra's quota is used up; free space there, then retry"),
             "{quota}"
         );
+        let read_only = with_remedy(io::Error::from_raw_os_error(30), Path::new("/var/lib/gpu-dra")).to_string();
+        assert!(read_only.contains("the filesystem holding /var/lib/gpu-dra is read-only"), "{read_only}");
         let denied = with_remedy(io::Error::from_raw_os_error(13), Path::new("/run/cdi"));
         assert_eq!(denied.to_string(), io::Error::from_raw_os_error(13).to_string());
     }

@@ -871,7 +871,10 @@ async fn a_spec_lost_while_the_agent_runs_is_written_again(ctx: TestContext) -> 
     wait::until("a's lost spec written again", Duration::from_secs(25), back).await?;
     ensure!(std::fs::read(dirs.cdi_spec(&a))? == written, "the spec was written again with other content");
     let took = lost.elapsed();
-    std::fs::remove_dir_all(dirs.cdi())?;
+    // Moved away in one step, then removed: a pass of the agent's look never sees it half removed.
+    let gone = dirs.cdi().with_extension("gone");
+    std::fs::rename(dirs.cdi(), &gone)?;
+    std::fs::remove_dir_all(&gone)?;
     wait::until("both specs written again in a new directory", Duration::from_secs(25), back).await?;
     check_cdi_spec(&dirs.cdi_spec(&b))?;
     let rewritten = agent.metric("gpu_dra_kubelet_plugin_specs_rewritten_total", &[]).await?;

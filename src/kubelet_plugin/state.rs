@@ -69,6 +69,14 @@ pub enum StateError {
     Task(String),
 }
 
+/// What writing missing specs again did: how many were written, and the claims (UID) whose spec could not be, with
+/// why.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Rewrites {
+    pub written: usize,
+    pub failed: Vec<(String, String)>,
+}
+
 /// What start-up found and did, for the log and Events.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
@@ -241,12 +249,12 @@ impl DriverState {
     }
 
     /// The claims prepared here with the names of their devices, to be checked against the API for ones the kubelet
-    /// forgot ([`super::stale`]). Recovered entries have no name and are left out. Takes the file lock: call it off
-    /// the async threads.
+    /// forgot ([`super::stale`]): completed ones, and those a failure left started (an unprepare that failed
+    /// part-way, which only another unprepare finishes). No batch is in progress while the lock is held. Recovered
+    /// entries have no name and are left out. Takes the file lock: call it off the async threads.
     pub fn prepared_claims(&self) -> Vec<(ClaimRef, BTreeSet<String>)> {
         let checkpoint = self.lock();
-        let prepared =
-            checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted && !e.recovered);
+        let prepared = checkpoint.claims.iter().filter(|(_, e)| !e.recovered);
         prepared
             .map(|(uid, e)| {
                 let claim = ClaimRef { namespace: e.namespace.clone(), name: e.name.clone(), uid: uid.clone() };
@@ -590,6 +598,7 @@ impl DriverState {
                 }
                 Err(e) => {
                     warn!(claim = %claim, uid = %claim.uid, error = %e, "unpreparing the claim failed");
+                    undoing(checkpoint.claims.get_mut(&claim.uid));
                     results.push((claim.uid, Err(e)));
                 }
             }
@@ -617,6 +626,8 @@ impl DriverState {
                 Err(e) => {
                     // Keep the entry (its spec is gone): the kubelet retries and the next save drops it.
                     results.push((claim.uid.clone(), Err(format!("record the unprepare in the checkpoint: {e}"))));
+                    let mut entry = entry;
+                    undoing(Some(&mut entry));
                     checkpoint.claims.insert(claim.uid, entry);
                 }
             }
@@ -700,7 +711,10 @@ impl DriverState {
             checkpoint.claims.remove(uid);
             info!(%uid, "cleaned up a prepare that was interrupted");
         }
-        let rewritten = self.rewrite_missing_specs(&checkpoint);
+        let Rewrites { written: rewritten, failed } = self.rewrite_missing_specs(&checkpoint);
+        for (uid, error) in failed {
+            warn!(%uid, %error, "a prepared claim's missing CDI spec cannot be written again");
+        }
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
         // Daemons of prepared claims started again; those of claims no longer prepared (or half prepared) stopped
@@ -739,11 +753,13 @@ impl DriverState {
     }
 
     /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
-    /// emptied, a lost write); returns how many it wrote. A claim whose device or made MIG device is gone keeps
-    /// its spec missing (logged). Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs.
-    fn rewrite_missing_specs(&self, checkpoint: &Checkpoint) -> usize {
+    /// emptied, a lost write). A claim whose device or made MIG device is gone, or whose write fails, keeps its spec
+    /// missing: listed with why, for the caller to say. Start-up does this, and [`DriverState::restore_lost_specs`]
+    /// while the agent runs. Entries left started (a failed unprepare, an interrupted prepare) are not completed:
+    /// their specs stay gone.
+    fn rewrite_missing_specs(&self, checkpoint: &Checkpoint) -> Rewrites {
         let inventory = self.inventory.borrow().clone();
-        let mut rewritten = 0;
+        let mut done = Rewrites::default();
         for (uid, entry) in checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted) {
             if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
                 continue;
@@ -751,7 +767,7 @@ impl DriverState {
             let devices: Option<Vec<Device>> =
                 entry.devices.iter().map(|d| inventory.get(&d.device).cloned()).collect();
             let Some(devices) = devices else {
-                warn!(%uid, "a prepared claim's device is gone from this node; its CDI spec cannot be re-written");
+                done.failed.push((uid.clone(), "a device of the claim is gone from this node".into()));
                 continue;
             };
             // A MIG device made for it must still be the one there (never another one at its placement).
@@ -759,7 +775,7 @@ impl DriverState {
                 recorded.made_mig.as_ref().is_none_or(|uuid| device.mig.as_ref().is_some_and(|m| m.uuid == *uuid))
             });
             if !made_there {
-                warn!(%uid, "a MIG device made for a prepared claim is gone; its CDI spec cannot be re-written");
+                done.failed.push((uid.clone(), "a MIG device made for the claim is gone".into()));
                 continue;
             }
             let devices = unique_devices_of(devices);
@@ -768,22 +784,22 @@ impl DriverState {
             match self.write_spec(uid, &devices, &edits) {
                 Ok(_) => {
                     info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
-                    rewritten += 1;
+                    done.written += 1;
                 }
-                Err(e) => warn!(%uid, error = %e, "re-writing a missing CDI spec failed"),
+                Err(e) => done.failed.push((uid.clone(), e.to_string())),
             }
         }
-        rewritten
+        done
     }
 
     /// [`Self::rewrite_missing_specs`] under the state lock, counted in `specs_rewritten`: the kubelet never asks
     /// again for a claim it prepared, so a spec lost while the pod runs would fail its next container start (a
     /// restart after a crash) until the agent restarted. Takes the file lock: call it off the async threads.
-    pub fn restore_lost_specs(&self) -> usize {
+    pub fn restore_lost_specs(&self) -> Rewrites {
         let checkpoint = self.lock();
-        let rewritten = self.rewrite_missing_specs(&checkpoint);
-        self.metrics.specs_rewritten.inc_by(rewritten as u64);
-        rewritten
+        let done = self.rewrite_missing_specs(&checkpoint);
+        self.metrics.specs_rewritten.inc_by(done.written as u64);
+        done
     }
 
     /// Gets the MIG device of each dynamic MIG partition `todo` was allocated, as its `making` says (filling in its
@@ -970,6 +986,16 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             made_mig: None,
         })
         .collect()
+}
+
+/// Marks the entry of a claim whose unprepare failed part-way (its spec may be gone already) as started, not
+/// completed: its spec is then never written again while the agent runs (see [`DriverState::restore_lost_specs`]),
+/// the kubelet's retried unprepare finishes it, a retried prepare prepares it in full, and start-up undoes it as
+/// an interrupted prepare. It stays in the checkpoint, so its devices stay held until then.
+fn undoing(entry: Option<&mut ClaimEntry>) {
+    if let Some(entry) = entry {
+        entry.state = PrepareState::PrepareStarted;
+    }
 }
 
 /// Puts back the entry a failed prepare replaced, or drops the new one.

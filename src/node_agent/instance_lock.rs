@@ -40,8 +40,8 @@ pub struct InstanceLock {
 /// Takes the lock in `state_dir`, waiting while another process holds it. `None` when `stop` ends the wait.
 pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Option<InstanceLock>, LockError> {
     let path = state_dir.join(LOCK_FILE);
-    let failed = |source| LockError { path: path.clone(), source };
-    std::fs::create_dir_all(state_dir).map_err(|source| LockError { path: state_dir.to_path_buf(), source })?;
+    let failed = |source| LockError { path: path.clone(), source: crate::fsutil::with_remedy(source, state_dir) };
+    std::fs::create_dir_all(state_dir).map_err(failed)?;
     let mut file =
         OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(failed)?;
     let mut said = false;

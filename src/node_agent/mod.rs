@@ -106,6 +106,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         return Ok(());
     };
     let boot_id = crate::kubelet_plugin::checkpoint::boot_id_from(&args.boot_id_file);
+    if boot_id.is_empty() {
+        warn!(
+            file = %args.boot_id_file.display(),
+            "the boot ID is unreadable: claims prepared before a reboot cannot be told from this boot's and are \
+             kept; check --boot-id-file (default /proc/sys/kernel/random/boot_id)"
+        );
+    }
     let discovery = discovery::backend(gpu, &node, Some((&args.state_dir, &boot_id)))?;
     let settings = PluginSettings {
         driver: gpu.driver_name.clone(),

@@ -82,6 +82,11 @@ pub(super) async fn start(
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
     report(&recovery, &settings.node, client.clone()).await;
     let health = HealthService::new(settings.node.clone(), health);
+    let task =
+        kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop.clone())
+            .map_err(|e| e.to_string())?;
+    // Only once it serves: a start that fails is tried again with a new state, and a task of this one would act on
+    // its stale copy of the checkpoint beside it.
     tokio::spawn(super::stale_claims::run(
         state.clone(),
         client.clone(),
@@ -89,9 +94,7 @@ pub(super) async fn start(
         settings.stale_claims,
         stop.clone(),
     ));
-    tokio::spawn(restore_lost_specs(state.clone(), stop.clone()));
-    let task = kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop)
-        .map_err(|e| e.to_string())?;
+    tokio::spawn(restore_lost_specs(state.clone(), stop));
     let sockets = settings.sockets.clone();
     let host_dirs: Vec<PathBuf> = [settings.sockets.registration.parent(), settings.sockets.dra.parent()]
         .into_iter()
@@ -103,7 +106,9 @@ pub(super) async fn start(
         let sockets = sockets.clone();
         let host_dirs = host_dirs.clone();
         Box::pin(async move {
-            if let Some(dir) = host_dirs.iter().find(|dir| deleted(dir)) {
+            // Off the async threads, and never waited for long: a hung filesystem is not what this looks for.
+            let look = tokio::task::spawn_blocking(move || host_dirs.into_iter().find(|dir| deleted(dir)));
+            if let Ok(Ok(Some(dir))) = tokio::time::timeout(std::time::Duration::from_secs(2), look).await {
                 return Err(format!(
                     "{} was deleted on the host while mounted here: the kubelet and the runtime no longer see what \
                      the agent writes there; restarting the container mounts the new one",
@@ -132,20 +137,22 @@ const LOST_SPEC_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_
 /// Writes again, every [`LOST_SPEC_CHECK_INTERVAL`], the specs of prepared claims that went missing: the kubelet
 /// prepares a claim once per pod and the runtime reads its spec at every container start.
 async fn restore_lost_specs(state: Arc<DriverState>, stop: CancellationToken) {
+    let mut said = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(LOST_SPEC_CHECK_INTERVAL) => {}
         }
         let this = state.clone();
-        if let Ok(rewritten) = tokio::task::spawn_blocking(move || this.restore_lost_specs()).await
-            && rewritten > 0
-        {
-            tracing::warn!(
-                rewritten,
-                "CDI specs of prepared claims were missing (deleted on the host?); wrote them again"
-            );
+        let Ok(done) = tokio::task::spawn_blocking(move || this.restore_lost_specs()).await else { continue };
+        if done.written > 0 {
+            warn!(rewritten = done.written, "CDI specs of prepared claims were missing (deleted on the host?); wrote them again");
         }
+        // Each claim whose spec cannot be written said once, not every pass, until it can be or is gone.
+        for (uid, error) in done.failed.iter().filter(|(uid, _)| !said.contains(uid)) {
+            warn!(%uid, %error, "a prepared claim's missing CDI spec cannot be written again; retrying every pass");
+        }
+        said = done.failed.into_iter().map(|(uid, _)| uid).collect();
     }
 }
 
