@@ -146,7 +146,10 @@ async fn restore_lost_specs(state: Arc<DriverState>, stop: CancellationToken) {
         let this = state.clone();
         let Ok(done) = tokio::task::spawn_blocking(move || this.restore_lost_specs()).await else { continue };
         if done.written > 0 {
-            warn!(rewritten = done.written, "CDI specs of prepared claims were missing (deleted on the host?); wrote them again");
+            warn!(
+                rewritten = done.written,
+                "CDI specs of prepared claims were missing (deleted on the host?); wrote them again"
+            );
         }
         // Each claim whose spec cannot be written said once, not every pass, until it can be or is gone.
         for (uid, error) in done.failed.iter().filter(|(uid, _)| !said.contains(uid)) {
