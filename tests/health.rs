@@ -1,7 +1,8 @@
 //! GPU health against the real control plane: a fault injected into a simulated GPU becomes a device taint in the
 //! node's ResourceSlice within a second; the real scheduler gives a tainted GPU to no new claim;
 //! kube-controller-manager's own device-taint-eviction controller evicts the pod of a `NoExecute` (lost) GPU;
-//! a reset or the healthy window untaints it; an agent restart keeps the fault with its `timeAdded`.
+//! a reset or the healthy window untaints it; an agent restart keeps the fault with its `timeAdded`; an unreadable
+//! saved state is kept aside and reported.
 
 mod support;
 
@@ -29,9 +30,13 @@ fn main() {
             test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
             test!(the_kubelet_writes_device_health_into_the_pod_status),
             test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
+            test!(an_unreadable_health_state_is_kept_aside_and_reported),
         ]
     } else {
-        vec![test!(without_device_taints_a_faulted_gpu_stays_allocatable_and_the_agent_says_why)]
+        vec![
+            test!(without_device_taints_a_faulted_gpu_stays_allocatable_and_the_agent_says_why),
+            test!(an_unreadable_health_state_is_kept_aside_and_reported),
+        ]
     };
     support::run_with_env(
         "health",
@@ -351,6 +356,37 @@ async fn device_health(ctx: &TestContext, pod: &str, want: &[(&str, &str)]) -> a
         Ok(()) => Ok(()),
         Err(error) => Err(error.context(format!("wanted {want:?}, last reported {:?}", reported().await?))),
     }
+}
+
+/// A health state the agent cannot read (a corrupt file, or one a newer agent wrote before a rollback) loses the
+/// faults it recorded: a GPU that needs a reset would be untainted. The agent keeps the file aside, so its next
+/// save does not overwrite it, and says so in a Warning Event on the Node, so that an operator checks the GPUs.
+async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xL4-24GB"];
+    let mut agent = NodeAgent::start(&ctx, &node, &args)?;
+    agent.wait_ready().await?;
+    agent.process.terminate()?;
+    let torn = b"{\"version\": 1, \"faulted\": {\"GPU-";
+    std::fs::write(agent.dirs.state().join("health.json"), torn)?;
+
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &args)?;
+    agent.wait_ready().await?;
+    let note = wait::until("a GpuHealthStateUnreadable Event on the Node", Duration::from_secs(10), || async {
+        let events = objects::events_in(&ctx, "default", &node).await?;
+        Ok(events.into_iter().find(|(t, reason, _)| t == "Warning" && reason == "GpuHealthStateUnreadable"))
+    })
+    .await?
+    .2;
+    let kept: Vec<_> = std::fs::read_dir(agent.dirs.state())?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("health.json.corrupt-"))
+        .map(|e| e.path())
+        .collect();
+    ensure!(kept.len() == 1 && std::fs::read(&kept[0])? == torn, "kept aside: {kept:?}");
+    ensure!(note.contains(&kept[0].display().to_string()) && note.contains("check this node's GPUs"), "{note}");
+    Ok(())
 }
 
 /// Events about the Node `node` (in `default`), as (type, reason, note), once there is one.

@@ -84,11 +84,14 @@ pub struct Monitor {
     health: watch::Sender<HealthReport>,
     /// The kubelet plugin's state once it serves: which claims (and so pods) a faulted GPU affects.
     holders: Arc<OnceLock<Arc<DriverState>>>,
+    /// Why the saved state could not be read at start (and where it was kept), for a Warning Event on the Node.
+    unreadable: Option<String>,
 }
 
 impl Monitor {
-    /// The monitor with the state saved in `state_dir` (a missing or unreadable file: every GPU healthy, said in the
-    /// log), its metrics registered in `registry`.
+    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one too,
+    /// kept aside and said in the log and, once it runs, in a Warning Event on the Node), its metrics registered in
+    /// `registry`.
     pub fn new(
         driver: &str,
         node: &str,
@@ -97,8 +100,14 @@ impl Monitor {
         effects: Effects,
         registry: &mut Registry,
     ) -> Self {
+        let mut unreadable = None;
         let book = store::load(&state_dir).unwrap_or_else(|error| {
-            warn!(%error, "GPU health state unreadable; starting with every GPU healthy");
+            let kept = match store::keep_aside(&state_dir) {
+                Ok(aside) => format!("kept as {}", aside.display()),
+                Err(e) => format!("could not be kept aside: {e}"),
+            };
+            warn!(%error, %kept, "GPU health state unreadable; starting with every GPU healthy");
+            unreadable = Some(format!("{error}; {kept}"));
             HealthBook::default()
         });
         if !book.faulted.is_empty() {
@@ -126,6 +135,7 @@ impl Monitor {
             metrics,
             health: watch::Sender::new(HealthReport::default()),
             holders: Arc::default(),
+            unreadable,
         }
     }
 
@@ -189,6 +199,13 @@ impl Monitor {
         stop: CancellationToken,
     ) {
         let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
+        if let Some(why) = &self.unreadable {
+            let note = format!(
+                "{why}: GPU faults recorded before this start are forgotten, so a GPU that needs a reset is untainted \
+                 until it faults again; check this node's GPUs (nvidia-smi -q) and reset any that need it"
+            );
+            events.send(EventType::Warning, "GpuHealthStateUnreadable", note);
+        }
         loop {
             let wait = self.until_next_expiry();
             tokio::select! {

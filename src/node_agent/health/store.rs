@@ -20,9 +20,7 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "the GPU health state {path} is not valid ({source}); delete it to start with every GPU healthy, or fix it"
-    )]
+    #[error("the GPU health state {path} is not valid ({source})")]
     Decode {
         path: PathBuf,
         #[source]
@@ -66,6 +64,22 @@ pub fn load(state_dir: &Path) -> Result<HealthBook, StoreError> {
     Ok(on_disk.book)
 }
 
+/// Renames an unreadable state file to `health.json.corrupt-<unix seconds>` (`-<n>` appended when taken), so that
+/// the next save does not overwrite what an operator may want to read; returns the new path.
+pub fn keep_aside(state_dir: &Path) -> io::Result<PathBuf> {
+    let path = path(state_dir);
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let base = format!("{FILE_NAME}.corrupt-{secs}");
+    let mut target = state_dir.join(&base);
+    let mut n = 1;
+    while target.exists() {
+        target = state_dir.join(format!("{base}-{n}"));
+        n += 1;
+    }
+    std::fs::rename(&path, &target)?;
+    Ok(target)
+}
+
 /// Saves the state atomically.
 pub fn save(state_dir: &Path, book: &HealthBook) -> Result<(), StoreError> {
     let path = path(state_dir);
@@ -82,6 +96,21 @@ mod tests {
     use crate::node_agent::health::state::Policy;
 
     #[test]
+    fn an_unreadable_file_is_kept_aside_under_a_new_name() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        std::fs::write(path(dir.path()), b"{torn")?;
+        assert!(matches!(load(dir.path()), Err(StoreError::Decode { .. })));
+        let first = keep_aside(dir.path())?;
+        std::fs::write(path(dir.path()), b"{torn again")?;
+        let second = keep_aside(dir.path())?;
+        assert_ne!(first, second, "an earlier kept file is never overwritten");
+        assert_eq!(std::fs::read(&first)?, b"{torn");
+        assert_eq!(std::fs::read(&second)?, b"{torn again");
+        assert!(load(dir.path())?.faulted.is_empty(), "no file left: an empty book");
+        Ok(())
+    }
+
+    #[test]
     fn round_trip_and_errors() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         assert_eq!(load(dir.path())?, HealthBook::default());
@@ -93,7 +122,7 @@ mod tests {
 
         std::fs::write(path(dir.path()), b"{not json")?;
         let error = load(dir.path()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(error.contains("health.json") && error.contains("delete it"), "{error}");
+        assert!(error.contains("health.json") && error.contains("is not valid"), "{error}");
         std::fs::write(path(dir.path()), br#"{"version": 9, "faulted": {}}"#)?;
         assert!(matches!(load(dir.path()), Err(StoreError::Version { found: 9, .. })));
         Ok(())
