@@ -632,16 +632,23 @@ async fn a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec(ctx: Test
     Ok(())
 }
 
+/// A new node with a ready agent of two simulated H100s, and claims `a` (its `gpu-0`) and `b` (`gpu-1`) allocated
+/// there: the node's directories, the agent, and the claims' UIDs.
+async fn node_with_two_claims(ctx: &TestContext) -> anyhow::Result<(NodeDirs, Component, String, String)> {
+    let node = node_name(ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(ctx, &node, &dirs, "2xH100-80GB").await?;
+    let a = allocated_claim(ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let b = allocated_claim(ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    Ok((dirs, agent, a, b))
+}
+
 /// A prepare stuck in the disk (here the spec's temporary file is a fifo nobody reads, so the open blocks as on a
 /// hung volume) holds the state lock; the liveness probe (`/healthz`, which calls both sockets) must still answer at
 /// once, or the kubelet kills the agent mid-prepare.
 async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
-    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let (dirs, agent, a, b) = node_with_two_claims(&ctx).await?;
     let ns = ctx.namespace.clone();
     let fifo = hang_spec_write(&dirs, &agent, &a)?;
 
@@ -850,12 +857,7 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
 /// container until the agent restarted. The running agent writes it again within its check interval (10 s), also
 /// when the whole directory went.
 async fn a_spec_lost_while_the_agent_runs_is_written_again(ctx: TestContext) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
-    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], json!([])).await?;
+    let (dirs, agent, a, b) = node_with_two_claims(&ctx).await?;
     let ns = ctx.namespace.as_str();
     let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
     ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
