@@ -12,7 +12,7 @@
 //!   next start: there is never a moment when the node has CDI specs and no record saying they are in use;
 //! - stale entries after an interrupted prepare: an entry is written [`PrepareState::PrepareStarted`] before any CDI
 //!   file exists and [`PrepareState::PrepareCompleted`] after, so on start-up every `PrepareStarted` entry is a
-//!   half-done prepare whose leftovers the caller cleans up;
+//!   half-done prepare (or an unprepare that failed part-way, marked so again) whose leftovers the caller cleans up;
 //! - a reboot losing device state while the checkpoint still says "prepared": the file records the kernel's boot ID,
 //!   and entries from another boot are dropped (and reported) instead of being served as if still in place.
 //!
@@ -105,7 +105,8 @@ fn is_false(value: &bool) -> bool {
 }
 
 /// How far a prepare got. Saved `PrepareStarted` before the first CDI file is written and `PrepareCompleted` after the
-/// last, so a crash in between leaves a `PrepareStarted` entry that names what to clean up.
+/// last, so a crash in between leaves a `PrepareStarted` entry that names what to clean up. An unprepare that fails
+/// part-way sets its entry back to `PrepareStarted`: what is left of it is cleaned up the same way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PrepareState {
     PrepareStarted,

@@ -4,7 +4,8 @@
 //!  NodePrepareResources ─▶ GET claims (concurrently) ─▶ allocation::plan ─┐
 //!                                                                        ▼
 //!   checkpoint: PrepareStarted (saved) ─▶ CDI spec per claim (atomic) ─▶ PrepareCompleted (saved) ─▶ CDI ids
-//!  NodeUnprepareResources ─▶ remove spec ─▶ drop entry (saved); unknown claims succeed
+//!  NodeUnprepareResources ─▶ remove spec ─▶ drop entry (saved); unknown claims succeed; a failure part-way
+//!                            leaves the entry PrepareStarted (saved where the disk allows), finished by a retry
 //! ```
 //!
 //! **Invariant:** a CDI spec exists only for a claim the checkpoint on disk lists (as started or completed), so a
@@ -574,6 +575,7 @@ impl DriverState {
     fn unprepare_claims(&self, checkpoint: &mut Checkpoint, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
         let mut results = Vec::with_capacity(claims.len());
         let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
+        let mut marked = false;
         for claim in claims {
             // Whatever comes of it: a prepare asked before it must not be done after it (see `call_order`).
             self.order.unprepared(&claim.uid);
@@ -599,11 +601,18 @@ impl DriverState {
                 Err(e) => {
                     warn!(claim = %claim, uid = %claim.uid, error = %e, "unpreparing the claim failed");
                     undoing(checkpoint.claims.get_mut(&claim.uid));
+                    marked = true;
                     results.push((claim.uid, Err(e)));
                 }
             }
         }
         if removed.is_empty() {
+            // Only failures: their entries, now started, are saved so, where the disk allows, so that a restart
+            // does not write their specs again (the kubelet's retry finishes them either way).
+            if marked && let Err(e) = self.save(checkpoint) {
+                warn!(error = %e, "recording failed unprepares as unfinished failed");
+            }
+            self.update_gauges(checkpoint);
             return results;
         }
         let saved = self.save(checkpoint);
@@ -709,7 +718,7 @@ impl DriverState {
                 continue;
             }
             checkpoint.claims.remove(uid);
-            info!(%uid, "cleaned up a prepare that was interrupted");
+            info!(%uid, "cleaned up a prepare (or unprepare) that was interrupted");
         }
         let Rewrites { written: rewritten, failed } = self.rewrite_missing_specs(&checkpoint);
         for (uid, error) in failed {
@@ -991,7 +1000,8 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
 /// Marks the entry of a claim whose unprepare failed part-way (its spec may be gone already) as started, not
 /// completed: its spec is then never written again while the agent runs (see [`DriverState::restore_lost_specs`]),
 /// the kubelet's retried unprepare finishes it, a retried prepare prepares it in full, and start-up undoes it as
-/// an interrupted prepare. It stays in the checkpoint, so its devices stay held until then.
+/// an interrupted prepare once the mark is saved (a restart before any save finds it completed and writes its spec
+/// again, until the kubelet's retry removes it). It stays in the checkpoint, so its devices stay held until then.
 fn undoing(entry: Option<&mut ClaimEntry>) {
     if let Some(entry) = entry {
         entry.state = PrepareState::PrepareStarted;

@@ -41,7 +41,10 @@ pub struct InstanceLock {
 pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Option<InstanceLock>, LockError> {
     let path = state_dir.join(LOCK_FILE);
     let failed = |source| LockError { path: path.clone(), source: crate::fsutil::with_remedy(source, state_dir) };
-    std::fs::create_dir_all(state_dir).map_err(failed)?;
+    std::fs::create_dir_all(state_dir).map_err(|source| LockError {
+        path: state_dir.to_path_buf(),
+        source: crate::fsutil::with_remedy(source, state_dir),
+    })?;
     let mut file =
         OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(failed)?;
     let mut said = false;

@@ -102,13 +102,27 @@ pub(super) async fn start(
         .map(Path::to_path_buf)
         .chain([settings.cdi_dir.clone()])
         .collect();
+    // At most one look at a time: a look stuck on a hung filesystem holds a blocking thread, and probes must not
+    // pile up more of them.
+    let looking = Arc::new(std::sync::atomic::AtomicBool::new(false));
     liveness.set(move || {
         let sockets = sockets.clone();
         let host_dirs = host_dirs.clone();
+        let looking = looking.clone();
         Box::pin(async move {
+            use std::sync::atomic::Ordering;
             // Off the async threads, and never waited for long: a hung filesystem is not what this looks for.
-            let look = tokio::task::spawn_blocking(move || host_dirs.into_iter().find(|dir| deleted(dir)));
-            if let Ok(Ok(Some(dir))) = tokio::time::timeout(std::time::Duration::from_secs(2), look).await {
+            let found = if looking.swap(true, Ordering::AcqRel) {
+                None
+            } else {
+                let look = tokio::task::spawn_blocking(move || {
+                    let found = host_dirs.into_iter().find(|dir| deleted(dir));
+                    looking.store(false, Ordering::Release);
+                    found
+                });
+                tokio::time::timeout(std::time::Duration::from_secs(2), look).await.ok().and_then(Result::ok).flatten()
+            };
+            if let Some(dir) = found {
                 return Err(format!(
                     "{} was deleted on the host while mounted here: the kubelet and the runtime no longer see what \
                      the agent writes there; restarting the container mounts the new one",
