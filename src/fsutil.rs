@@ -9,7 +9,8 @@
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Writes `data` to `path` atomically: a hidden temporary file in the same directory (so the runtime's CDI cache,
 /// which reads only `*.json`/`*.yaml`, never picks it up), locked while it is written, fsync, rename over the target,
@@ -47,6 +48,23 @@ pub fn with_remedy(err: io::Error, dir: &Path) -> io::Error {
         _ => return err,
     };
     io::Error::new(err.kind(), format!("{err}: the filesystem holding {}{what}", dir.display()))
+}
+
+/// A free name `<file>.corrupt-<unix seconds>[-<n>]` beside `path`, where a file that cannot be trusted is kept for
+/// an operator to read: never the name of one kept earlier.
+pub fn aside_path(path: &Path) -> io::Result<PathBuf> {
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let base = format!("{}.corrupt-{secs}", path.file_name().unwrap_or_default().to_string_lossy());
+    let mut n = 0u32;
+    loop {
+        let name = if n == 0 { base.clone() } else { format!("{base}-{n}") };
+        let candidate = path.with_file_name(name);
+        match fs::symlink_metadata(&candidate) {
+            Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(candidate),
+            Err(err) => return Err(err),
+            Ok(_) => n += 1,
+        }
+    }
 }
 
 /// Opens (creating) the temporary file `tmp`, locked and empty. The lock is taken after the open, so a clean-up may

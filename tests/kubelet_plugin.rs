@@ -81,7 +81,19 @@ fn node_name(ctx: &TestContext) -> String {
 
 /// Starts an agent with `gpus` simulated GPUs and waits until it is ready (plugin serving, slices published).
 async fn ready_agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, gpus: &str) -> anyhow::Result<Component> {
-    let agent = start_agent(ctx, node, dirs, &["--gpu-backend", "simulated", "--simulated-gpus", gpus])?;
+    ready_agent_with(ctx, node, dirs, gpus, &[]).await
+}
+
+/// [`ready_agent`] with `extra` flags.
+async fn ready_agent_with(
+    ctx: &TestContext,
+    node: &str,
+    dirs: &NodeDirs,
+    gpus: &str,
+    extra: &[&str],
+) -> anyhow::Result<Component> {
+    let args = [&["--gpu-backend", "simulated", "--simulated-gpus", gpus], extra].concat();
+    let agent = start_agent(ctx, node, dirs, &args)?;
     agent.wait_ready().await?;
     Ok(agent)
 }

@@ -25,7 +25,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -333,8 +332,15 @@ impl CheckpointStore {
     /// Replaces the file atomically (temporary file, fsync, rename, directory fsync): a crash leaves the old
     /// checkpoint or the new one, never half of one.
     pub fn save(&self, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
-        let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
-        write_atomic(&self.path, &bytes).map_err(|source| CheckpointError::Write { path: self.path.clone(), source })
+        self.write(&self.encode(checkpoint)?)
+    }
+
+    fn encode(&self, checkpoint: &Checkpoint) -> Result<Vec<u8>, CheckpointError> {
+        encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })
+    }
+
+    fn write(&self, bytes: &[u8]) -> Result<(), CheckpointError> {
+        write_atomic(&self.path, bytes).map_err(|source| CheckpointError::Write { path: self.path.clone(), source })
     }
 
     /// [`save`](Self::save), unless the file already holds `checkpoint` (the same bytes; for a checkpoint with no
@@ -343,21 +349,16 @@ impl CheckpointStore {
     /// nothing to record then starts and serves, its prepares failing with the reason until space is freed, instead
     /// of retrying its start, unregistered, until then.
     pub fn save_if_changed(&self, checkpoint: &Checkpoint) -> Result<bool, CheckpointError> {
-        let bytes = encode(checkpoint).map_err(|source| CheckpointError::Encode { path: self.path.clone(), source })?;
+        let bytes = self.encode(checkpoint)?;
         let stored = match fs::read(&self.path) {
             Ok(stored) => stored == bytes,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                checkpoint.claims.is_empty()
-                    && checkpoint.time_sliced.is_empty()
-                    && checkpoint.exclusive_process.is_empty()
-            }
+            Err(err) if err.kind() == io::ErrorKind::NotFound => *checkpoint == Checkpoint::new(&checkpoint.boot_id),
             Err(_) => false,
         };
         if stored {
             return Ok(false);
         }
-        write_atomic(&self.path, &bytes)
-            .map_err(|source| CheckpointError::Write { path: self.path.clone(), source })?;
+        self.write(&bytes)?;
         Ok(true)
     }
 
@@ -368,7 +369,7 @@ impl CheckpointStore {
     /// file (the next start rebuilds again) or the rebuilt one. Anything else there (a directory) is renamed first.
     pub fn replace_corrupt(&self, rebuilt: &Checkpoint) -> Result<PathBuf, CheckpointError> {
         let keep_aside = || -> io::Result<PathBuf> {
-            let target = self.aside_path()?;
+            let target = crate::fsutil::aside_path(&self.path)?;
             if fs::symlink_metadata(&self.path)?.is_file() {
                 if fs::hard_link(&self.path, &target).is_err() {
                     fs::copy(&self.path, &target)?;
@@ -385,22 +386,6 @@ impl CheckpointStore {
 
     fn dir(&self) -> &Path {
         self.path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."))
-    }
-
-    /// A free name `checkpoint.json.corrupt-<unix seconds>[-<n>]` beside the file.
-    fn aside_path(&self) -> io::Result<PathBuf> {
-        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let base = format!("{}.corrupt-{secs}", self.path.file_name().unwrap_or_default().to_string_lossy());
-        let mut n = 0u32;
-        loop {
-            let name = if n == 0 { base.clone() } else { format!("{base}-{n}") };
-            let candidate = self.path.with_file_name(name);
-            match fs::symlink_metadata(&candidate) {
-                Err(err) if err.kind() == io::ErrorKind::NotFound => return Ok(candidate),
-                Err(err) => return Err(err),
-                Ok(_) => n += 1,
-            }
-        }
     }
 }
 

@@ -40,11 +40,10 @@ pub struct InstanceLock {
 /// Takes the lock in `state_dir`, waiting while another process holds it. `None` when `stop` ends the wait.
 pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Option<InstanceLock>, LockError> {
     let path = state_dir.join(LOCK_FILE);
-    let failed = |source| LockError { path: path.clone(), source: crate::fsutil::with_remedy(source, state_dir) };
-    std::fs::create_dir_all(state_dir).map_err(|source| LockError {
-        path: state_dir.to_path_buf(),
-        source: crate::fsutil::with_remedy(source, state_dir),
-    })?;
+    let failed_at =
+        |at: &Path, source| LockError { path: at.to_path_buf(), source: crate::fsutil::with_remedy(source, state_dir) };
+    let failed = |source| failed_at(&path, source);
+    std::fs::create_dir_all(state_dir).map_err(|source| failed_at(state_dir, source))?;
     let mut file =
         OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(failed)?;
     let mut said = false;

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use kube::Resource;
@@ -96,33 +97,12 @@ pub(super) async fn start(
     ));
     tokio::spawn(restore_lost_specs(state.clone(), stop));
     let sockets = settings.sockets.clone();
-    let host_dirs: Vec<PathBuf> = [settings.sockets.registration.parent(), settings.sockets.dra.parent()]
-        .into_iter()
-        .flatten()
-        .map(Path::to_path_buf)
-        .chain([settings.cdi_dir.clone()])
-        .collect();
-    // At most one look at a time: a look stuck on a hung filesystem holds a blocking thread, and probes must not
-    // pile up more of them.
-    let looking = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let host_dirs = HostDirs::new(&settings.sockets, &settings.cdi_dir);
     liveness.set(move || {
         let sockets = sockets.clone();
         let host_dirs = host_dirs.clone();
-        let looking = looking.clone();
         Box::pin(async move {
-            use std::sync::atomic::Ordering;
-            // Off the async threads, and never waited for long: a hung filesystem is not what this looks for.
-            let found = if looking.swap(true, Ordering::AcqRel) {
-                None
-            } else {
-                let look = tokio::task::spawn_blocking(move || {
-                    let found = host_dirs.into_iter().find(|dir| deleted(dir));
-                    looking.store(false, Ordering::Release);
-                    found
-                });
-                tokio::time::timeout(std::time::Duration::from_secs(2), look).await.ok().and_then(Result::ok).flatten()
-            };
-            if let Some(dir) = found {
+            if let Some(dir) = host_dirs.deleted_one().await {
                 return Err(format!(
                     "{} was deleted on the host while mounted here: the kubelet and the runtime no longer see what \
                      the agent writes there; restarting the container mounts the new one",
@@ -133,6 +113,39 @@ pub(super) async fn start(
         })
     });
     Ok((task, state))
+}
+
+/// The host directories the agent writes and others read: the sockets' (the kubelet's plugin watcher) and the CDI
+/// directory (the container runtime). Looked at by the liveness check.
+#[derive(Clone)]
+struct HostDirs {
+    dirs: Arc<Vec<PathBuf>>,
+    /// At most one look at a time: a look stuck on a hung filesystem holds a blocking thread, and probes must not
+    /// pile up more of them.
+    looking: Arc<AtomicBool>,
+}
+
+impl HostDirs {
+    fn new(sockets: &SocketPaths, cdi_dir: &Path) -> Self {
+        let parents = [sockets.registration.parent(), sockets.dra.parent()].into_iter().flatten();
+        let dirs = parents.map(Path::to_path_buf).chain([cdi_dir.to_path_buf()]).collect();
+        Self { dirs: Arc::new(dirs), looking: Arc::default() }
+    }
+
+    /// The first of them [`deleted`] under its mount. Off the async threads, and never waited for long (2 s): a hung
+    /// filesystem is not what this looks for, so a look still running or too slow finds nothing.
+    async fn deleted_one(&self) -> Option<PathBuf> {
+        if self.looking.swap(true, Ordering::AcqRel) {
+            return None;
+        }
+        let this = self.clone();
+        let look = tokio::task::spawn_blocking(move || {
+            let found = this.dirs.iter().find(|dir| deleted(dir)).cloned();
+            this.looking.store(false, Ordering::Release);
+            found
+        });
+        tokio::time::timeout(std::time::Duration::from_secs(2), look).await.ok().and_then(Result::ok).flatten()
+    }
 }
 
 /// Whether `dir` is a directory deleted while still open or mounted here (no links left): a hostPath directory

@@ -1,50 +1,69 @@
-//! A node's directories failing under the agent. A full disk: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`,
-//! which container logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled up. What must hold: a prepare
-//! fails with the reason and the filesystem to free, leaves nothing half-written and no record of itself, and
-//! touches no other claim; an unprepare is done where it can be recorded, and otherwise fails with the reason and
-//! keeps its record; an agent restarted meanwhile with nothing to record starts and serves; once space is freed the
-//! kubelet's retries succeed with no restart. A directory deleted on the host while the agent's container mounts it:
-//! the liveness check fails, so the kubelet restarts the container onto the new one.
+//! A node's directories failing under the agent.
+//!
+//! A full disk: the CDI directory is often on `/run` (a small tmpfs) and the checkpoint on `/var/lib`, which container
+//! logs and images fill. Here each is a tmpfs of its own, 1 MiB, filled up. What must hold: a prepare fails with the
+//! reason and the filesystem to free, leaves nothing half-written and no record of itself, and touches no other
+//! claim; an unprepare is done where it can be recorded, and otherwise fails with the reason and keeps its record; an
+//! agent restarted meanwhile with nothing to record starts and serves; once space is freed the kubelet's retries
+//! succeed with no restart.
+//!
+//! A directory deleted on the host while the agent's container mounts it: the liveness check fails, so the kubelet
+//! restarts the container onto the new one.
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context as _, ensure};
+use gpu_dra::kubelet_plugin::checkpoint::PrepareState;
 
 use super::support::TestContext;
 use super::support::node::{Kubelet, NodeDirs};
-use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent};
+use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent, ready_agent_with};
 
-/// [`ready_agent`] with three simulated GPUs and `extra` flags.
-async fn ready_agent_with(
-    ctx: &TestContext,
-    node: &str,
-    dirs: &NodeDirs,
-    extra: &[&str],
-) -> anyhow::Result<super::support::process::Component> {
-    let args = [&["--gpu-backend", "simulated", "--simulated-gpus", "3xH100-80GB"], extra].concat();
-    let agent = super::support::node::start_agent(ctx, node, dirs, &args)?;
-    agent.wait_ready().await?;
-    Ok(agent)
+/// A filesystem mounted over a directory for the test's length (unmounted, lazily, when dropped).
+struct Mount {
+    target: PathBuf,
 }
-use gpu_dra::kubelet_plugin::checkpoint::PrepareState;
 
-/// A tmpfs mounted over a directory for the test's length, with a file that fills it.
+impl Mount {
+    /// Runs `mount <args> <target>`, creating `target` first.
+    fn new(args: &[&std::ffi::OsStr], target: &Path) -> anyhow::Result<Self> {
+        std::fs::create_dir_all(target)?;
+        let status = Command::new("mount").args(args).arg(target).status()?;
+        ensure!(
+            status.success(),
+            "mount {args:?} on {} (the test needs root, as the real-node tests)",
+            target.display()
+        );
+        Ok(Self { target: target.to_owned() })
+    }
+
+    /// A directory bind-mounted over `target`, as a hostPath volume in the agent's container.
+    fn bind(source: &Path, target: &Path) -> anyhow::Result<Self> {
+        Self::new(&["--bind".as_ref(), source.as_os_str()], target)
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.target).status();
+    }
+}
+
+/// A 1 MiB tmpfs mounted over a directory for the test's length, with a file that fills it.
 struct Tmpfs {
-    dir: PathBuf,
+    mount: Mount,
 }
 
 impl Tmpfs {
     fn mount(dir: &Path) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(dir)?;
-        let status = Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"]).arg(dir).status()?;
-        ensure!(status.success(), "mount a tmpfs on {} (the test needs root, as the real-node tests)", dir.display());
-        Ok(Self { dir: dir.to_owned() })
+        let args = ["-t", "tmpfs", "-o", "size=1m", "tmpfs"].map(std::ffi::OsStr::new);
+        Ok(Self { mount: Mount::new(&args, dir)? })
     }
 
     fn filler(&self) -> PathBuf {
-        self.dir.join("filler")
+        self.mount.target.join("filler")
     }
 
     /// Writes a file (emptied first when there) until the filesystem refuses the next page.
@@ -53,7 +72,7 @@ impl Tmpfs {
         let chunk = vec![0u8; 4096];
         loop {
             if let Err(e) = file.write_all(&chunk).and_then(|()| file.sync_all()) {
-                ensure!(e.kind() == std::io::ErrorKind::StorageFull, "filling {}: {e}", self.dir.display());
+                ensure!(e.kind() == std::io::ErrorKind::StorageFull, "filling {}: {e}", self.mount.target.display());
                 break;
             }
         }
@@ -62,12 +81,6 @@ impl Tmpfs {
 
     fn free(&self) -> anyhow::Result<()> {
         std::fs::remove_file(self.filler()).context("remove the filler")
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.dir).status();
     }
 }
 
@@ -165,7 +178,7 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
     // finishes it once space is freed. The kubelet's own record (`dra_manager_state` under its root directory)
     // needs room the same way.
     agent.terminate()?;
-    let _agent = ready_agent_with(&ctx, &node, &dirs, &["--device-metadata=false"]).await?;
+    let _agent = ready_agent_with(&ctx, &node, &dirs, "3xH100-80GB", &["--device-metadata=false"]).await?;
     let c = allocated_claim(&ctx, "c", &node, &["gpu-2"], serde_json::json!([])).await?;
     prepares_fully(&dirs, &ns, "c", &c, "gpu-2").await?;
     state.fill()?;
@@ -197,7 +210,7 @@ pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_chec
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
     let host = tempfile::Builder::new().prefix("gd-host-cdi-").tempdir_in("/tmp")?;
-    let mounted = BindMount::mount(host.path(), &dirs.cdi())?;
+    let mounted = Mount::bind(host.path(), &dirs.cdi())?;
     let mut agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
     let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
     let ns = ctx.namespace.clone();
@@ -218,24 +231,4 @@ pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_chec
     let (code, body) = agent.get("/healthz").await?;
     ensure!(code == 200, "/healthz of the restarted agent: {code} {body}");
     Ok(())
-}
-
-/// A directory bind-mounted over another for the test's length, as a hostPath volume in the agent's container.
-struct BindMount {
-    target: PathBuf,
-}
-
-impl BindMount {
-    fn mount(source: &Path, target: &Path) -> anyhow::Result<Self> {
-        std::fs::create_dir_all(target)?;
-        let status = Command::new("mount").arg("--bind").arg(source).arg(target).status()?;
-        ensure!(status.success(), "bind-mount {} on {} (the test needs root)", source.display(), target.display());
-        Ok(Self { target: target.to_owned() })
-    }
-}
-
-impl Drop for BindMount {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg("-l").arg(&self.target).status();
-    }
 }

@@ -12,19 +12,16 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
 use serde_json::json;
 
-use super::support::node::{DRIVER, Kubelet, NodeDirs, start_agent};
+use super::support::node::{DRIVER, Kubelet, NodeDirs};
 use super::support::process::Component;
 use super::support::{TestContext, objects, wait};
-use super::{allocated_claim, checkpoint, node_name, prepares_fully};
+use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent_with};
 
 const CHECK_EVERY: &str = "1s";
 
 async fn agent(ctx: &TestContext, node: &str, dirs: &NodeDirs, action: &str) -> anyhow::Result<Component> {
-    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"];
     let checks = ["--stale-claim-check-interval", CHECK_EVERY, "--stale-claims", action];
-    let agent = start_agent(ctx, node, dirs, &[&args[..], &checks[..]].concat())?;
-    agent.wait_ready().await?;
-    Ok(agent)
+    ready_agent_with(ctx, node, dirs, "2xH100-80GB", &checks).await
 }
 
 async fn set_ready(ctx: &TestContext, node: &str, ready: bool) -> anyhow::Result<()> {

@@ -68,14 +68,7 @@ pub fn load(state_dir: &Path) -> Result<HealthBook, StoreError> {
 /// the next save does not overwrite what an operator may want to read; returns the new path.
 pub fn keep_aside(state_dir: &Path) -> io::Result<PathBuf> {
     let path = path(state_dir);
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let base = format!("{FILE_NAME}.corrupt-{secs}");
-    let mut target = state_dir.join(&base);
-    let mut n = 1;
-    while target.exists() {
-        target = state_dir.join(format!("{base}-{n}"));
-        n += 1;
-    }
+    let target = crate::fsutil::aside_path(&path)?;
     std::fs::rename(&path, &target)?;
     Ok(target)
 }
