@@ -2,7 +2,7 @@
 //! node's ResourceSlice within a second; the real scheduler gives a tainted GPU to no new claim;
 //! kube-controller-manager's own device-taint-eviction controller evicts the pod of a `NoExecute` (lost) GPU;
 //! a reset or the healthy window untaints it; an agent restart keeps the fault with its `timeAdded`; an unreadable
-//! saved state is kept aside and reported.
+//! saved state is kept aside, reported, and its faults read back from the published taints.
 
 mod support;
 
@@ -358,15 +358,26 @@ async fn device_health(ctx: &TestContext, pod: &str, want: &[(&str, &str)]) -> a
     }
 }
 
-/// A health state the agent cannot read (a corrupt file, or one a newer agent wrote before a rollback) loses the
-/// faults it recorded: a GPU that needs a reset would be untainted. The agent keeps the file aside, so its next
-/// save does not overwrite it, and says so in a Warning Event on the Node, so that an operator checks the GPUs.
+/// A health state the agent cannot read (a corrupt file, or one a newer agent wrote before a rollback) has lost the
+/// faults it recorded. The agent keeps the file aside, so its next save does not overwrite it, and reads the faults
+/// back from the taints its slices were last published with (from 1.36, where taints are served) before it
+/// publishes again: the faulted GPU is never untainted, not even for one pool generation. A Warning Event on the
+/// Node says what happened and what was read back, so that an operator checks the GPUs.
 async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
+    let taints_served = support::cluster::kubernetes_minor()? >= 36;
     let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xL4-24GB"];
     let mut agent = NodeAgent::start(&ctx, &node, &args)?;
     agent.wait_ready().await?;
+    let key = format!("{DRIVER}/needs-reset");
+    let tainted = if taints_served {
+        inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+        Some(wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(5)).await?.0)
+    } else {
+        None
+    };
+    let generation = pool_generation(&ctx, &node).await?;
     agent.process.terminate()?;
     let torn = b"{\"version\": 1, \"faulted\": {\"GPU-";
     std::fs::write(agent.dirs.state().join("health.json"), torn)?;
@@ -386,7 +397,29 @@ async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext)
         .collect();
     ensure!(kept.len() == 1 && std::fs::read(&kept[0])? == torn, "kept aside: {kept:?}");
     ensure!(note.contains(&kept[0].display().to_string()) && note.contains("check this node's GPUs"), "{note}");
+    let devices = taints(&ctx, &node).await?;
+    let saved = std::fs::read_to_string(agent.dirs.state().join("health.json")).unwrap_or_default();
+    match tainted {
+        Some(before) => {
+            // Read back: same taint, same timeAdded, the pool never republished, and saved again.
+            ensure!(devices == [("gpu-0".into(), Vec::new()), ("gpu-1".into(), before)], "{devices:?}");
+            ensure!(pool_generation(&ctx, &node).await? == generation, "the pool was republished meanwhile");
+            ensure!(note.contains("were read back from this node's ResourceSlice taints"), "{note}");
+            ensure!(saved.contains("ecc-double-bit"), "the fault read back was not saved: {saved}");
+        }
+        None => {
+            ensure!(devices.iter().all(|(_, t)| t.is_empty()), "{devices:?}");
+            ensure!(note.contains("carried no GPU fault taint"), "{note}");
+        }
+    }
     Ok(())
+}
+
+/// The generation of the node's pool.
+async fn pool_generation(ctx: &TestContext, node: &str) -> anyhow::Result<i64> {
+    let selector = format!("spec.nodeName={node},spec.driver={DRIVER}");
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone()).list(&ListParams::default().fields(&selector)).await?;
+    slices.items.iter().map(|s| s.spec.pool.generation).max().context("no slice published")
 }
 
 /// Events about the Node `node` (in `default`), as (type, reason, note), once there is one.

@@ -452,6 +452,14 @@ async fn publish(
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, RoundFailure> {
+    if monitor.restore_pending() {
+        // The health state was unreadable: its faults are read back from the slices before they are replaced.
+        let published = publisher.published_taints().await.map_err(|e| RoundFailure {
+            kind: FailureKind::Other,
+            reason: format!("read the GPU faults back from the published taints: {e}"),
+        })?;
+        monitor.restore(&published);
+    }
     let taints = gpus.iter().map(|gpu| (gpu.uuid.clone(), monitor.taints(gpu))).collect();
     let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);

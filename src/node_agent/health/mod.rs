@@ -22,6 +22,7 @@ pub mod store;
 pub mod taints;
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -86,12 +87,17 @@ pub struct Monitor {
     holders: Arc<OnceLock<Arc<DriverState>>>,
     /// Why the saved state could not be read at start (and where it was kept), for a Warning Event on the Node.
     unreadable: Option<String>,
+    /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
+    /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
+    restore_pending: AtomicBool,
+    /// The GPUs whose faults [`Monitor::restore`] read back, once it ran (for the Event about the unreadable state).
+    restored: watch::Sender<Option<Vec<String>>>,
 }
 
 impl Monitor {
-    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one too,
-    /// kept aside and said in the log and, once it runs, in a Warning Event on the Node), its metrics registered in
-    /// `registry`.
+    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one is kept
+    /// aside, said in the log and in a Warning Event on the Node, and the faults are read back from the published
+    /// taints before the next publish: see [`Monitor::restore`]), its metrics registered in `registry`.
     pub fn new(
         driver: &str,
         node: &str,
@@ -106,7 +112,7 @@ impl Monitor {
                 Ok(aside) => format!("kept as {}", aside.display()),
                 Err(e) => format!("could not be kept aside: {e}"),
             };
-            warn!(%error, %kept, "GPU health state unreadable; starting with every GPU healthy");
+            warn!(%error, %kept, "GPU health state unreadable; reading the faults back from the published taints");
             unreadable = Some(format!("{error}; {kept}"));
             HealthBook::default()
         });
@@ -135,7 +141,9 @@ impl Monitor {
             metrics,
             health: watch::Sender::new(HealthReport::default()),
             holders: Arc::default(),
+            restore_pending: AtomicBool::new(unreadable.is_some()),
             unreadable,
+            restored: watch::Sender::new(None),
         }
     }
 
@@ -199,12 +207,19 @@ impl Monitor {
         stop: CancellationToken,
     ) {
         let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
-        if let Some(why) = &self.unreadable {
-            let note = format!(
-                "{why}: GPU faults recorded before this start are forgotten, so a GPU that needs a reset is untainted \
-                 until it faults again; check this node's GPUs (nvidia-smi -q) and reset any that need it"
-            );
-            events.send(EventType::Warning, "GpuHealthStateUnreadable", note);
+        if let Some(why) = self.unreadable.clone() {
+            // Said once the faults were read back, with what was found.
+            let (mut restored, events, stop) = (self.restored.subscribe(), events.clone(), stop.clone());
+            tokio::spawn(async move {
+                let gpus = tokio::select! {
+                    () = stop.cancelled() => return,
+                    gpus = restored.wait_for(Option::is_some) => match gpus {
+                        Ok(gpus) => gpus.clone().unwrap_or_default(),
+                        Err(_) => return,
+                    },
+                };
+                events.send(EventType::Warning, "GpuHealthStateUnreadable", unreadable_note(&why, &gpus));
+            });
         }
         loop {
             let wait = self.until_next_expiry();
@@ -275,6 +290,40 @@ impl Monitor {
         }
     }
 
+    /// Whether the faults are still to be read back from the published taints (see [`Monitor::restore`]).
+    pub fn restore_pending(&self) -> bool {
+        self.restore_pending.load(Ordering::Acquire)
+    }
+
+    /// After an unreadable saved state: takes the faults back from the taints this node's devices were last
+    /// published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
+    /// before anything is published again, and saves them. The slices are the only other record of them: without
+    /// this, a GPU that needs a reset was untainted at the next publish and handed out again. What was never
+    /// published (a fault in the second before the state was lost) stays forgotten; the Event says so.
+    pub fn restore(&self, published: &[(String, Vec<Value>)]) {
+        let now = now();
+        let mut restored = Vec::new();
+        {
+            let mut book = self.book();
+            for (gpu, taints) in published {
+                for taint in taints {
+                    if let Some(state) = taints::restored(&self.driver, taint, now)
+                        && book.restore(gpu, state)
+                        && !restored.contains(gpu)
+                    {
+                        restored.push(gpu.clone());
+                    }
+                }
+            }
+            if !restored.is_empty() {
+                self.save(&book);
+            }
+        }
+        info!(restored = ?restored, "GPU faults read back from the published taints");
+        self.restore_pending.store(false, Ordering::Release);
+        self.restored.send_replace(Some(restored));
+    }
+
     fn save(&self, book: &HealthBook) {
         if let Err(error) = store::save(&self.state_dir, book) {
             warn!(%error, "GPU health state not saved; a restart now would forget this change");
@@ -313,6 +362,23 @@ impl Monitor {
             _ => {}
         }
     }
+}
+
+/// The note of the Warning Event about an unreadable saved state (`why`: the error and where the file went), once
+/// the faults of `restored` (GPU UUIDs) were read back from the published taints.
+fn unreadable_note(why: &str, restored: &[String]) -> String {
+    let found = match restored {
+        [] => "this node's ResourceSlices carried no GPU fault taint of this driver to read back".to_string(),
+        gpus => format!(
+            "the faults of GPUs {} were read back from this node's ResourceSlice taints, their healthy window \
+             starting again now",
+            gpus.join(", ")
+        ),
+    };
+    format!(
+        "{why}; {found}. A fault recorded but not yet published, or published in slices deleted since (a kubelet \
+         restart deletes them), is forgotten: check this node's GPUs (nvidia-smi -q) and reset any that need it"
+    )
 }
 
 fn now() -> i64 {

@@ -117,6 +117,16 @@ impl HealthBook {
         self.faulted.values().map(|state| state.last_seen.saturating_add(window)).min()
     }
 
+    /// Takes `state` for `uuid` unless the GPU is faulted already at its class or worse (a GPU's devices all carry
+    /// its taint: read back from several, the worst one stands). Returns whether the book changed.
+    pub fn restore(&mut self, uuid: &str, state: Faulted) -> bool {
+        if self.faulted.get(uuid).is_some_and(|known| known.class >= state.class) {
+            return false;
+        }
+        self.faulted.insert(uuid.to_string(), state);
+        true
+    }
+
     /// Forgets GPUs that are no longer on the node (another GPU may get the same device name later).
     pub fn retain(&mut self, present: impl Fn(&str) -> bool) {
         self.faulted.retain(|uuid, _| present(uuid));
@@ -176,6 +186,18 @@ mod tests {
         assert!(book.get("b").is_some());
         book.retain(|uuid| uuid != "b");
         assert_eq!(book, HealthBook::default());
+    }
+
+    #[test]
+    fn the_worst_restored_state_stands() {
+        let mut book = HealthBook::default();
+        let needs_reset = Faulted { class: NeedsReset, fault: Fault::EccDoubleBit, since: 5, last_seen: 9 };
+        let lost = Faulted { class: Lost, fault: Fault::Xid(Some(79)), since: 7, last_seen: 9 };
+        assert!(book.restore("a", needs_reset.clone()));
+        assert!(!book.restore("a", needs_reset.clone()), "the same state again changes nothing");
+        assert!(book.restore("a", lost.clone()));
+        assert!(!book.restore("a", needs_reset), "a lesser state never downgrades");
+        assert_eq!(book.get("a"), Some(&lost));
     }
 
     #[test]

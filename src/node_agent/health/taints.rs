@@ -81,6 +81,31 @@ pub fn taints(driver: &str, state: Option<&Faulted>, effects: Effects) -> Vec<Va
     vec![taint]
 }
 
+/// The fault a taint value written by [`value`] names (`None`: not a value this agent writes).
+pub fn fault_of(value: &str) -> Option<Fault> {
+    match value {
+        "unknown-xid" => Some(Fault::Xid(None)),
+        "ecc-single-bit" => Some(Fault::EccSingleBit),
+        "ecc-double-bit" => Some(Fault::EccDoubleBit),
+        "gpu-lost" => Some(Fault::GpuLost),
+        xid => xid.parse().ok().map(|xid| Fault::Xid(Some(xid))),
+    }
+}
+
+/// The state one of this agent's taints (from [`taints`], read back from a published ResourceSlice) records, seen
+/// at `now`: its class from the key, its fault from the value, since its `timeAdded` (`now` when it has none). The
+/// healthy window starts again at `now`: when the GPU last faulted is not in the taint. `None` for any other taint
+/// (another driver's, an administrator's, a value this agent never writes).
+pub fn restored(driver: &str, taint: &Value, now: i64) -> Option<Faulted> {
+    let key = taint["key"].as_str()?;
+    let class = [FaultClass::NeedsReset, FaultClass::Lost]
+        .into_iter()
+        .find(|class| self::key(driver, *class).as_deref() == Some(key))?;
+    let fault = fault_of(taint["value"].as_str()?)?;
+    let since = taint["timeAdded"].as_str().and_then(|t| t.parse::<Timestamp>().ok()).map_or(now, |t| t.as_second());
+    Some(Faulted { class, fault, since, last_seen: now })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -115,5 +140,37 @@ mod tests {
         );
         assert_eq!(taints(d, Some(&faulted(FaultClass::Lost, Fault::GpuLost)), configured)[0]["effect"], "NoSchedule");
         assert_eq!(taints(d, Some(&faulted(FaultClass::Lost, Fault::GpuLost)), configured)[0]["value"], "gpu-lost");
+    }
+
+    /// Every taint this agent writes reads back as the state it was written from (the healthy window restarting).
+    #[test]
+    fn taints_read_back() {
+        let d = "gpu.example.com";
+        let now = 1_764_700_000;
+        let states = [
+            faulted(FaultClass::Lost, Fault::Xid(Some(79))),
+            faulted(FaultClass::Lost, Fault::GpuLost),
+            faulted(FaultClass::NeedsReset, Fault::EccDoubleBit),
+            faulted(FaultClass::NeedsReset, Fault::EccSingleBit),
+            faulted(FaultClass::NeedsReset, Fault::Xid(None)),
+        ];
+        for state in states {
+            for effect in [Effect::None, Effect::NoSchedule, Effect::NoExecute] {
+                let effects = Effects { needs_reset: effect, lost: effect };
+                let taint = &taints(d, Some(&state), effects)[0];
+                let back = restored(d, taint, now);
+                assert_eq!(back, Some(Faulted { last_seen: now, ..state.clone() }), "{taint}");
+            }
+        }
+        let lost = json!({"key": "gpu.example.com/gpu-lost", "value": "79", "effect": "NoExecute"});
+        assert_eq!(restored(d, &lost, now).map(|s| s.since), Some(now), "no timeAdded: since now");
+        for other in [
+            json!({"key": "other.example.com/gpu-lost", "value": "79", "effect": "NoExecute"}),
+            json!({"key": "gpu.example.com/maintenance", "value": "79", "effect": "NoSchedule"}),
+            json!({"key": "gpu.example.com/needs-reset", "value": "soon", "effect": "NoSchedule"}),
+            json!({"key": "gpu.example.com/needs-reset", "effect": "NoSchedule"}),
+        ] {
+            assert_eq!(restored(d, &other, now), None, "{other}");
+        }
     }
 }

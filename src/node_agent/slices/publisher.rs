@@ -116,6 +116,28 @@ impl Publisher {
         format!("spec.nodeName={},spec.driver={}", self.node, self.driver)
     }
 
+    /// The taints of this node's published devices, by the UUID of the GPU each device is (or is part of: a MIG
+    /// device's `parentUUID`), as the API serves them: what the devices were last published with, for the health
+    /// monitor to read its faults back from when its own record is lost. Devices without taints are left out.
+    pub async fn published_taints(&self) -> Result<Vec<(String, Vec<Value>)>, PublishError> {
+        let slices = self
+            .api()
+            .list(&self.own_slices())
+            .await
+            .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
+            .items;
+        let devices = slices.into_iter().flat_map(|slice| slice.spec.devices.unwrap_or_default());
+        Ok(devices
+            .filter_map(|device| {
+                let attributes = device.attributes.unwrap_or_default();
+                let gpu = ["parentUUID", "uuid"].iter().find_map(|name| attributes.get(*name)?.string.clone())?;
+                let taints: Vec<Value> =
+                    device.taints.unwrap_or_default().iter().filter_map(|t| serde_json::to_value(t).ok()).collect();
+                (!taints.is_empty()).then_some((gpu, taints))
+            })
+            .collect())
+    }
+
     /// Publishes `slices` (from [`super::pool_slices`]) as the node's pool.
     pub async fn publish(&self, slices: &[SliceContent]) -> Result<Outcome, PublishError> {
         let existing = self
