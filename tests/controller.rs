@@ -178,9 +178,17 @@ async fn a_pod_named_with_253_characters_gets_its_warning(ctx: TestContext) -> a
     Ok(())
 }
 
+/// A pod whose first template is not there yet (a chart applying its Deployment before its ResourceClaimTemplate, or
+/// a misspelt name) is told so in a Warning Event and retried with back-off; its second pod claim waits, as
+/// kube-controller-manager's does. Once the template appears, the pod gets both claims at once.
 async fn template_created_after_pod_is_used_at_once(ctx: TestContext) -> anyhow::Result<()> {
     let controller = Component::controller(&ctx, &[]).await?;
-    create_pod(&ctx, "early", json!([{"name": "gpu", "resourceClaimTemplateName": "late"}])).await?;
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let pod_claims = json!([
+        {"name": "gpu", "resourceClaimTemplateName": "late"},
+        {"name": "nic", "resourceClaimTemplateName": "one-gpu"}
+    ]);
+    create_pod(&ctx, "early", pod_claims).await?;
     let warning = wait::until("the FailedResourceClaimCreation warning", SETTLE, || async {
         let events = events_about(&ctx, "early").await?;
         Ok(events.into_iter().find(|(_, reason, _)| reason == "FailedResourceClaimCreation"))
@@ -199,10 +207,18 @@ async fn template_created_after_pod_is_used_at_once(ctx: TestContext) -> anyhow:
         .metric("gpu_dra_controller_sync_duration_seconds_count", &[("result", "template_not_found")])
         .await?;
     ensure!((5.0..=20.0).contains(&failures), "{failures} failed syncs in 6 s: not an exponential back-off");
+    // As upstream, the pod claims after the failing one wait for it: created meanwhile, they would only be charged
+    // to the namespace's quota while the pod cannot start.
+    let claims = list_claims(&ctx).await?;
+    ensure!(
+        claims.is_empty(),
+        "claims created while the first pod claim fails: {:?}",
+        claims.iter().map(ResourceExt::name_any).collect::<Vec<_>>()
+    );
 
     let created = Instant::now();
     create_template(&ctx, "late", one_gpu()).await?;
-    wait_recorded(&ctx, "early", 1).await?;
+    wait_recorded(&ctx, "early", 2).await?;
     let took = created.elapsed();
     // The template watch triggers the pod at once; waiting out the back-off would take seconds.
     ensure!(took < Duration::from_secs(2), "claim took {took:?} after the template appeared");

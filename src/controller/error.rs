@@ -90,8 +90,6 @@ pub enum SyncError {
     DecodeClaim(#[source] serde_json::Error),
     #[error("sync did not finish within {0:?}")]
     Timeout(std::time::Duration),
-    #[error("{count} pod claims failed; first: {first}")]
-    Several { count: usize, first: Box<SyncError> },
 }
 
 impl SyncError {
@@ -115,7 +113,6 @@ impl SyncError {
             SyncError::PodGroupsNotHandled { .. } => "podgroups_not_handled",
             SyncError::DecodeClaim(_) => "decode_claim",
             SyncError::Timeout(_) => "timeout",
-            SyncError::Several { first, .. } => first.metric_label(),
         }
     }
 
@@ -133,7 +130,6 @@ impl SyncError {
             | SyncError::GetClaim { source, .. }
             | SyncError::ApplyPodGroupStatus { source, .. }
             | SyncError::GetPodGroup { source, .. } => source,
-            SyncError::Several { first, .. } => return first.api_status(),
             _ => return None,
         };
         match source {

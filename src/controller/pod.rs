@@ -47,37 +47,36 @@ pub async fn sync_pod(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError> {
     let quota_changes = ctx.quota.changes();
     let applied = ctx.caches.applied_statuses(&pod);
     let mut to_record = Vec::new();
-    let mut errors = Vec::new();
+    let mut failed = None;
     for pod_claim in decide::pod_claims(&pod) {
         match handle_claim(ctx, &pod, pod_claim, &applied, observe_only).await {
             Ok(Outcome::Record(name)) => to_record.push((pod_claim.name.clone(), name)),
             Ok(Outcome::Unchanged) => {}
             Err(err) => {
-                // Tell the operator on the pod; the other pod claims still go ahead.
+                // Tell the operator on the pod, and stop there as upstream does: the pod starts only with all its
+                // claims, and creating the later ones meanwhile would only charge them to the namespace's quota
+                // (a Job's waiting pods could take all of another class's quota) or leave them unused.
                 ctx.events.pod_warning(
                     &pod,
                     Reason::FailedResourceClaimCreation,
                     format!("PodResourceClaim {}: {err}", pod_claim.name),
                 );
-                errors.push(err);
+                failed = Some(err);
+                break;
             }
         }
     }
-    if !errors.is_empty() {
-        let refused: Vec<&SyncError> = errors.iter().collect();
-        super::quota::after_failure(ctx, &key.namespace, &WorkKey::Pod(key.clone()), quota_changes, &refused);
+    if let Some(err) = &failed {
+        super::quota::after_failure(ctx, &key.namespace, &WorkKey::Pod(key.clone()), quota_changes, &[err]);
     }
     if !to_record.is_empty() {
+        // Also when a later pod claim failed (upstream forgets them until the retry finds them by owner): recorded
+        // now, the retry has less to do.
         let entries: Vec<(String, String)> = applied.iter().cloned().chain(to_record.iter().cloned()).collect();
         apply_claim_statuses(ctx, &pod, &entries).await?;
     }
-    if !errors.is_empty() {
-        // A quota's refusal first: the worker retries the key as one (see `quota`).
-        errors.sort_by_key(|e| !super::quota::is_quota_refusal(e));
-        return Err(match errors.len() {
-            1 => errors.remove(0),
-            count => SyncError::Several { count, first: Box::new(errors.remove(0)) },
-        });
+    if let Some(err) = failed {
+        return Err(err);
     }
     if decide::is_scheduled(&pod) && !observe_only {
         reserve_claims(ctx, &pod, &to_record).await?;

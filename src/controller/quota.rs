@@ -48,11 +48,6 @@ pub const QUOTA_RETRY: Duration = Duration::from_secs(60);
 /// When a key woken by a quota's change and refused again is looked at once more.
 pub const WOKEN_REFUSED_AGAIN: Duration = Duration::from_secs(1);
 
-/// Whether `err` is a quota's refusal.
-pub fn is_quota_refusal(err: &SyncError) -> bool {
-    err.api_status().is_some_and(|(code, message)| refusal(code, message) == Refusal::Quota)
-}
-
 /// What to do with a key just refused for quota.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AfterRefusal {
