@@ -299,7 +299,9 @@ fn mounted_files(spec: &Path) -> anyhow::Result<Vec<String>> {
 
 /// The GPU Operator upgrades the driver under running agents (the driver root is mounted with HostToContainer
 /// propagation for that): the claims prepared afterwards must mount the new version's files, never the removed
-/// ones, or every new GPU container fails to start. Same agent process throughout.
+/// ones, or every new GPU container fails to start. The spec of the claim prepared before is written again too
+/// (within the agent's 10 s look): the runtime reads it at every container start of the running pod (a restart
+/// after a crash), and a mount of a removed file fails it. Same agent process throughout.
 async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
@@ -334,6 +336,20 @@ async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestCon
             "the spec of {claim} (driver {version} installed) mounts {files:?}"
         );
     }
+    let before = objects::claims(&ctx).get("before").await?.metadata.uid.unwrap_or_default();
+    let spec = agent.dirs.cdi_spec(&before);
+    let files =
+        wait::until("the spec prepared before the upgrade to mount the new files", Duration::from_secs(25), || {
+            let spec = spec.clone();
+            async move {
+                let files = mounted_files(&spec)?;
+                Ok(files.iter().all(|f| f.contains("570.86.10") && Path::new(f).exists()).then_some(files))
+            }
+        })
+        .await
+        .with_context(|| agent.log_tail())?;
+    ensure!(files.len() == 5, "{files:?}");
+    ensure!(agent.metric("gpu_dra_kubelet_plugin_specs_rewritten_total", &[]).await? >= 1.0, "not counted");
     ensure!(agent.try_wait()?.is_none(), "the agent exited:\n{}", agent.log_tail());
     ensure!(
         agent.log_text().contains("the driver's files changed"),

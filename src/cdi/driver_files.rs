@@ -14,6 +14,7 @@ use std::ffi::OsString;
 use std::fs;
 use std::io;
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CdiError;
@@ -96,7 +97,11 @@ struct Tracked {
     root: PathBuf,
     /// Where the container runtime sees `root`, when that differs (see [`DriverFiles::seen_from_host`]).
     host_root: Option<PathBuf>,
-    current: Mutex<Found>,
+    /// `None` until a discovery succeeds (see [`DriverFiles::awaiting`]).
+    current: Mutex<Option<Found>>,
+    /// How many times the files were found anew since the first discovery: specs written before name files that
+    /// may be gone (see [`DriverFiles::changes`]).
+    changes: AtomicU64,
 }
 
 /// What one discovery found.
@@ -149,8 +154,32 @@ impl DriverFiles {
     /// GPUs they cannot use, which is worse than failing prepare with an error that says what to fix.
     pub fn discover(driver_root: &Path) -> Result<Self, CdiError> {
         let found = Found::discover(driver_root)?;
-        let tracked = Tracked { root: driver_root.to_path_buf(), host_root: None, current: Mutex::new(found) };
-        Ok(Self { tracked: Some(Arc::new(tracked)), simulated: false, dev_root: None })
+        Ok(Self::tracking(driver_root, Some(found)))
+    }
+
+    /// The driver files under `driver_root` once they are there: [`Self::mounts`] looks for them at every call and
+    /// fails, saying what is missing, until they are found. For a plugin that must serve while the driver is not
+    /// usable yet (being installed, or broken by an upgrade without a reboot): unprepare needs no driver file, and
+    /// a prepare then fails with the reason.
+    pub fn awaiting(driver_root: &Path) -> Self {
+        Self::tracking(driver_root, None)
+    }
+
+    fn tracking(driver_root: &Path, found: Option<Found>) -> Self {
+        let tracked = Tracked {
+            root: driver_root.to_path_buf(),
+            host_root: None,
+            current: Mutex::new(found),
+            changes: AtomicU64::new(0),
+        };
+        Self { tracked: Some(Arc::new(tracked)), simulated: false, dev_root: None }
+    }
+
+    /// How many times the driver's files changed under it since they were first found (a driver upgraded in place):
+    /// each change makes the specs written before it name files that may no longer exist. Checked by
+    /// [`Self::mounts`]; always 0 without a driver root.
+    pub fn changes(&self) -> u64 {
+        self.tracked.as_ref().map_or(0, |t| t.changes.load(Ordering::Acquire))
     }
 
     /// The same files with host paths as the container runtime sees them, when this process sees the driver root
@@ -163,6 +192,7 @@ impl DriverFiles {
             root: tracked.root.clone(),
             host_root: Some(host_root.to_path_buf()),
             current: Mutex::new(current),
+            changes: AtomicU64::new(tracked.changes.load(Ordering::Acquire)),
         };
         Self { tracked: Some(Arc::new(tracked)), simulated: self.simulated, dev_root: self.dev_root.clone() }
     }
@@ -175,17 +205,28 @@ impl DriverFiles {
     pub fn mounts(&self) -> Result<Vec<DriverMount>, CdiError> {
         let Some(tracked) = &self.tracked else { return Ok(Vec::new()) };
         let mut current = tracked.current.lock().unwrap_or_else(PoisonError::into_inner);
-        if !current.still_there(&tracked.root) {
-            let found = Found::discover(&tracked.root)?;
-            tracing::info!(
-                driver_root = %tracked.root.display(),
-                from_version = current.version.as_deref().unwrap_or("unknown"),
-                to_version = found.version.as_deref().unwrap_or("unknown"),
-                files = found.files.len(),
-                "the driver's files changed (driver upgraded in place?): discovered them again"
-            );
-            *current = found;
-        }
+        let current = match &mut *current {
+            Some(found) if found.still_there(&tracked.root) => found,
+            Some(found) => {
+                let new = Found::discover(&tracked.root)?;
+                tracing::info!(
+                    driver_root = %tracked.root.display(),
+                    from_version = found.version.as_deref().unwrap_or("unknown"),
+                    to_version = new.version.as_deref().unwrap_or("unknown"),
+                    files = new.files.len(),
+                    "the driver's files changed (driver upgraded in place?): discovered them again"
+                );
+                tracked.changes.fetch_add(1, Ordering::AcqRel);
+                *found = new;
+                found
+            }
+            none @ None => {
+                let new = Found::discover(&tracked.root)?;
+                tracing::info!(driver_root = %tracked.root.display(), version = new.version.as_deref().unwrap_or("unknown"),
+                               files = new.files.len(), "the driver's files are there now");
+                none.insert(new)
+            }
+        };
         let host_root = tracked.host_root.as_deref().unwrap_or(&current.root);
         Ok(current
             .files
@@ -504,6 +545,7 @@ mod tests {
         assert_eq!(before.len(), 5, "{before:?}");
         assert!(before.iter().all(|n| n.contains("550.54.15")), "{before:?}");
         assert_eq!(names(&files)?, before, "nothing changed, nothing moves");
+        assert_eq!(files.changes(), 0);
 
         // The package manager's order: the new files, the links switched, the old files removed.
         install_driver(&root, "570.86.10")?;
@@ -512,6 +554,7 @@ mod tests {
         assert_eq!(after.len(), 5, "{after:?}");
         assert!(after.iter().all(|n| n.contains("570.86.10") && n.starts_with("/run/nvidia/driver/")), "{after:?}");
         assert!(files.clone().mounts()? == files.mounts()?, "clones share the current files");
+        assert_eq!((files.changes(), files.clone().changes()), (1, 1), "a change counted once, shared by clones");
 
         // Mid-upgrade (no libcuda.so.1 target): an error naming what is missing, and found again once it is back.
         remove_driver(&root, "570.86.10")?;
@@ -524,6 +567,22 @@ mod tests {
         let kept = names(&files)?;
         assert!(kept.iter().any(|n| n.ends_with("libcuda.so.580.82.07")), "{kept:?}");
         assert!(kept.iter().all(|n| !n.contains("580.65.06/")), "old firmware: {kept:?}");
+        Ok(())
+    }
+
+    /// A plugin started before the driver is there: every spec's mounts fail with the reason until it is installed,
+    /// which is then the first discovery, not a change.
+    #[test]
+    fn awaited_files_are_found_once_installed() -> TestResult {
+        let base = tempfile::tempdir()?;
+        let root = base.path().join("root");
+        let files = DriverFiles::awaiting(&root);
+        assert!(matches!(files.mounts(), Err(CdiError::DriverRoot { .. })));
+        fs::create_dir_all(&root)?;
+        assert!(matches!(files.mounts(), Err(CdiError::NoCudaLibrary { .. })));
+        install_driver(&root, "550.54.15")?;
+        assert_eq!(names(&files)?.len(), 5);
+        assert_eq!(files.changes(), 0);
         Ok(())
     }
 

@@ -128,6 +128,10 @@ pub struct DriverState {
     state_dir: PathBuf,
     device_metadata: bool,
     driver_files: DriverFiles,
+    /// The [`DriverFiles::changes`] the specs on disk were written for, and the claims whose specs are still to be
+    /// written again since the driver's files last changed (a driver upgraded in place): see
+    /// [`Self::restore_lost_specs`].
+    stale_specs: Mutex<(u64, BTreeSet<String>)>,
     gpu_settings: Arc<dyn GpuSettings>,
     mig_control: Arc<dyn Discovery>,
     /// The MPS control daemons of prepared claims that asked MPS ([`super::mps`]).
@@ -182,6 +186,7 @@ impl DriverState {
             cdi_dir: config.cdi_dir,
             state_dir,
             device_metadata: config.device_metadata,
+            stale_specs: Mutex::new((config.driver_files.changes(), BTreeSet::new())),
             driver_files: config.driver_files,
             gpu_settings: config.gpu_settings,
             mig_control: config.mig_control,
@@ -720,7 +725,7 @@ impl DriverState {
             checkpoint.claims.remove(uid);
             info!(%uid, "cleaned up a prepare (or unprepare) that was interrupted");
         }
-        let Rewrites { written: rewritten, failed } = self.rewrite_missing_specs(&checkpoint);
+        let Rewrites { written: rewritten, failed } = self.rewrite_specs(&checkpoint, &BTreeSet::new());
         for (uid, error) in failed {
             warn!(%uid, %error, "a prepared claim's missing CDI spec cannot be written again");
         }
@@ -762,15 +767,16 @@ impl DriverState {
     }
 
     /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
-    /// emptied, a lost write). A claim whose device or made MIG device is gone, or whose write fails, keeps its spec
-    /// missing: listed with why, for the caller to say. Start-up does this, and [`DriverState::restore_lost_specs`]
-    /// while the agent runs. Entries left started (a failed unprepare, an interrupted prepare) are not completed:
-    /// their specs stay gone.
-    fn rewrite_missing_specs(&self, checkpoint: &Checkpoint) -> Rewrites {
+    /// emptied, a lost write), and those of the completed claims in `stale` (the driver's files changed). A claim whose
+    /// device or made MIG device is gone, or whose write fails, keeps its spec as it is: listed with why, for the
+    /// caller to say. Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs. Entries left
+    /// started (a failed unprepare, an interrupted prepare) are not completed: their specs stay gone.
+    fn rewrite_specs(&self, checkpoint: &Checkpoint, stale: &BTreeSet<String>) -> Rewrites {
         let inventory = self.inventory.borrow().clone();
         let mut done = Rewrites::default();
         for (uid, entry) in checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted) {
-            if cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
+            let is_stale = stale.contains(uid);
+            if !is_stale && cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, uid) {
                 continue;
             }
             let devices: Option<Vec<Device>> =
@@ -792,7 +798,9 @@ impl DriverState {
             edits.file_devices = self.metadata_mounts(uid, entry);
             match self.write_spec(uid, &devices, &edits) {
                 Ok(_) => {
-                    info!(%uid, claim = %format!("{}/{}", entry.namespace, entry.name), "re-wrote a missing CDI spec");
+                    let claim = format!("{}/{}", entry.namespace, entry.name);
+                    let what = if is_stale { "for the driver's new files" } else { "that was missing" };
+                    info!(%uid, %claim, "re-wrote a CDI spec {what}");
                     done.written += 1;
                 }
                 Err(e) => done.failed.push((uid.clone(), e.to_string())),
@@ -801,12 +809,25 @@ impl DriverState {
         done
     }
 
-    /// [`Self::rewrite_missing_specs`] under the state lock, counted in `specs_rewritten`: the kubelet never asks
-    /// again for a claim it prepared, so a spec lost while the pod runs would fail its next container start (a
-    /// restart after a crash) until the agent restarted. Takes the file lock: call it off the async threads.
+    /// [`Self::rewrite_specs`] under the state lock, counted in `specs_rewritten`: the kubelet never asks again for
+    /// a claim it prepared, but the runtime reads its spec at every container start (a restart after a crash, the
+    /// next init container). So a spec lost while the pod runs is written again, and after the driver's files
+    /// changed (a driver upgraded in place: the old versioned libraries and firmware removed) every spec is, so
+    /// that none names files that are gone (those that cannot be written are tried again every pass). Takes the
+    /// file lock: call it off the async threads.
     pub fn restore_lost_specs(&self) -> Rewrites {
         let checkpoint = self.lock();
-        let done = self.rewrite_missing_specs(&checkpoint);
+        // Looks at the driver's files (a failure, the driver half-installed, leaves them as they were).
+        let _ = self.driver_files.mounts();
+        let changes = self.driver_files.changes();
+        let mut stale = self.stale_specs.lock().unwrap_or_else(PoisonError::into_inner);
+        if stale.0 != changes {
+            let completed = checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted);
+            *stale = (changes, completed.map(|(uid, _)| uid.clone()).collect());
+        }
+        let done = self.rewrite_specs(&checkpoint, &stale.1);
+        let failed: BTreeSet<&String> = done.failed.iter().map(|(uid, _)| uid).collect();
+        stale.1.retain(|uid| failed.contains(uid));
         self.metrics.specs_rewritten.inc_by(done.written as u64);
         done
     }

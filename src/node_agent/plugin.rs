@@ -161,8 +161,9 @@ fn deleted(dir: &Path) -> bool {
 /// restart back-off (10 s), so a container that crashes after its spec was lost starts again at the next try.
 const LOST_SPEC_CHECK_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
-/// Writes again, every [`LOST_SPEC_CHECK_INTERVAL`], the specs of prepared claims that went missing: the kubelet
-/// prepares a claim once per pod and the runtime reads its spec at every container start.
+/// Writes again, every [`LOST_SPEC_CHECK_INTERVAL`], the specs of prepared claims that went missing or name the
+/// driver's files from before an upgrade in place: the kubelet prepares a claim once per pod and the runtime reads
+/// its spec at every container start.
 async fn restore_lost_specs(state: Arc<DriverState>, stop: CancellationToken) {
     let mut said = std::collections::BTreeSet::new();
     loop {
@@ -175,12 +176,13 @@ async fn restore_lost_specs(state: Arc<DriverState>, stop: CancellationToken) {
         if done.written > 0 {
             warn!(
                 rewritten = done.written,
-                "CDI specs of prepared claims were missing (deleted on the host?); wrote them again"
+                "CDI specs of prepared claims were missing (deleted on the host?) or named the driver's old files; \
+                 wrote them again"
             );
         }
         // Each claim whose spec cannot be written said once, not every pass, until it can be or is gone.
         for (uid, error) in done.failed.iter().filter(|(uid, _)| !said.contains(uid)) {
-            warn!(%uid, %error, "a prepared claim's missing CDI spec cannot be written again; retrying every pass");
+            warn!(%uid, %error, "a prepared claim's CDI spec cannot be written again; retrying every pass");
         }
         said = done.failed.into_iter().map(|(uid, _)| uid).collect();
     }
