@@ -47,6 +47,7 @@ use nodes::{
     a_node_back_after_its_pod_was_force_deleted_frees_the_old_claim_first,
     a_node_deleted_and_registered_again_publishes_its_gpus_again, a_node_joining_takes_the_gpu_pods_waiting_for_room,
     an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus,
+    an_agent_restarted_without_a_usable_driver_still_unprepares_its_pods,
 };
 use quota::{
     a_device_plugin_era_gpu_quota_holds_template_claims_and_frees_them_at_once,
@@ -100,6 +101,7 @@ fn main() {
             test!(a_node_back_after_its_pod_was_force_deleted_frees_the_old_claim_first),
             test!(a_machine_rebooted_after_its_pod_was_force_deleted_prepares_the_new_pod_at_once),
             test!(an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_other_gpus),
+            test!(an_agent_restarted_without_a_usable_driver_still_unprepares_its_pods),
             test!(a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_until_reset),
             test!(a_job_over_its_namespaces_gpu_quota_runs_as_quota_comes_free),
             test!(a_team_with_quotas_on_two_gpu_models_gets_each_freed_gpu_to_a_pod_of_its_model),

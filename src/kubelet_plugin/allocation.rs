@@ -93,6 +93,14 @@ pub fn plan(
             ));
         }
         let Some(device) = inventory.get(&result.device) else {
+            if inventory.is_empty() {
+                return Err(format!(
+                    "claim {wanted}: request {:?} is allocated device {:?}, but this node's GPUs are not discovered \
+                     (the NVIDIA driver is missing or unusable: see the node agent's /readyz and log); retried until \
+                     they are",
+                    result.request, result.device
+                ));
+            }
             return Err(format!(
                 "claim {wanted}: request {:?} is allocated device {:?}, which this node does not have (it has {})",
                 result.request,

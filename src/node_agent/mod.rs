@@ -5,12 +5,12 @@
 //!  discovery (NVML | simulated) ─▶ slices::device ─▶ split_into_slices ─▶ Publisher ─▶ ResourceSlices
 //!        │ ▲ retry with back-off                                 ▲
 //!        │ └── resync every minute ── watch of own slices ───────┘ (deleted, e.g. by a kubelet restart)
-//!        └─▶ inventory ─▶ kubelet plugin (started after the first successful discovery)
+//!        └─▶ inventory ─▶ kubelet plugin (started after the first successful discovery, or the first failed one)
 //! ```
 //!
 //! Without a usable driver the agent stays up, not ready, says why on /readyz and in its log, publishes nothing,
-//! does not register with the kubelet, and looks for the driver again every 10 s at most ([`retry`]): never a
-//! crash loop.
+//! and looks for the driver again every 10 s at most ([`retry`]): never a crash loop. Its kubelet plugin serves
+//! meanwhile with no GPUs, so that claims prepared before can be unprepared (prepares fail with the reason).
 
 pub mod bounded_run;
 pub mod device;
@@ -197,9 +197,23 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut last_failure: Option<FailureKind> = None;
     // The GPUs NVML reports lost, as last said in the log: (kept with their last reading, left out).
     let mut unreadable_said: (Vec<String>, Vec<discovery::Unreadable>) = (Vec::new(), Vec::new());
+    let start_plugin = |without_driver| {
+        plugin::start(
+            &settings,
+            without_driver,
+            plugin_client.clone(),
+            inventory_rx.clone(),
+            plugin_metrics.clone(),
+            monitor.health_updates(),
+            &liveness,
+            stop.clone(),
+        )
+    };
     loop {
         // Whether this round found the Node (`None`: it did not read it, or the read failed).
         let mut node_exists = None;
+        // Whether this round's discovery failed (no usable driver, an NVML error).
+        let mut discovery_failed = false;
         // The GPUs this round's discovery found lost: (kept with their last reading, left out); `None`: it
         // discovered nothing.
         let mut unreadable_now = None;
@@ -217,7 +231,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
-            let found = discover(discovery.clone()).await?;
+            let found = discover(discovery.clone()).await.inspect_err(|_| discovery_failed = true)?;
             let discovery::Filled { mut gpus, filled, unknown } =
                 found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
             unreadable_now = Some((filled, unknown));
@@ -227,18 +241,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             if plugin_task.is_none() {
                 let devices = device::devices(&gpus, mig_layout(gpu.mig_layout, &publisher));
                 inventory.send_replace(inventory_of(&devices));
-                let metrics = plugin_metrics.clone();
-                let (task, state) = plugin::start(
-                    &settings,
-                    plugin_client.clone(),
-                    inventory_rx.clone(),
-                    metrics,
-                    monitor.health_updates(),
-                    &liveness,
-                    stop.clone(),
-                )
-                .await
-                .map_err(|e| format!("start the kubelet plugin: {e}"))?;
+                let (task, state) = start_plugin(false).await.map_err(|e| format!("start the kubelet plugin: {e}"))?;
                 monitor.set_holders(state.clone());
                 plugin_state = Some(state);
                 plugin_task = Some(task);
@@ -266,6 +269,24 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             }
         }
         .await;
+        if discovery_failed && plugin_task.is_none() {
+            // Claims prepared before this start (the agent upgraded or restarted while the driver is broken, being
+            // reinstalled, or mismatched after an upgrade without a reboot) must still be unprepared: without a
+            // registered plugin the kubelet cannot, and their pods stay Terminating, holding up a drain. So the
+            // plugin serves without GPUs (prepares fail with the reason) until the discovery works.
+            match start_plugin(true).await {
+                Ok((task, state)) => {
+                    warn!(
+                        "serving the kubelet without GPUs while they cannot be discovered: prepared claims can be \
+                           unprepared, new ones fail to prepare until the GPUs are discovered"
+                    );
+                    monitor.set_holders(state.clone());
+                    plugin_state = Some(state);
+                    plugin_task = Some(task);
+                }
+                Err(error) => debug!(%error, "the kubelet plugin could not start without GPUs either"),
+            }
+        }
         if let Some(now) = unreadable_now {
             // Lost now: the monitor taints it (and keeps it tainted while it stays lost).
             for uuid in &now.0 {

@@ -53,9 +53,13 @@ pub(super) struct PluginSettings {
 }
 
 /// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
-/// is returned too, for the health monitor to name the claims a faulted GPU affects.
+/// is returned too, for the health monitor to name the claims a faulted GPU affects. Without the driver's files
+/// under the driver root it fails, unless `without_driver` (serving while the GPUs cannot be discovered, so that
+/// prepared claims can be unprepared): prepares then fail, naming what is missing, until the files are there.
+#[allow(clippy::too_many_arguments)]
 pub(super) async fn start(
     settings: &PluginSettings,
+    without_driver: bool,
     client: kube::Client,
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: PluginMetrics,
@@ -63,9 +67,20 @@ pub(super) async fn start(
     liveness: &Liveness,
     stop: CancellationToken,
 ) -> Result<(JoinHandle<()>, Arc<DriverState>), String> {
-    let driver_files =
-        driver_files(settings.driver_root.as_deref(), settings.host_driver_root.as_deref(), settings.simulated_gpus)
-            .map_err(|e| e.to_string())?;
+    let (root, host_root) = (settings.driver_root.as_deref(), settings.host_driver_root.as_deref());
+    let driver_files = match (driver_files(root, host_root, settings.simulated_gpus), root) {
+        (Ok(files), _) => files,
+        (Err(error), Some(root)) if without_driver => {
+            warn!(%error, "the driver's files are not there: prepares fail until they are");
+            let files = DriverFiles::awaiting(root);
+            let files = match host_root {
+                Some(host_root) => files.seen_from_host(host_root),
+                None => files,
+            };
+            if settings.simulated_gpus { files.with_simulated_devices() } else { files }
+        }
+        (Err(error), _) => return Err(error.to_string()),
+    };
     let config = StateConfig {
         driver: settings.driver.clone(),
         pool: settings.node.clone(),

@@ -13,7 +13,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 
 use super::support::harness::KubeletHarness;
-use super::support::node::{DRIVER, gpu_in_two_specs};
+use super::support::node::{DRIVER, gpu_in_two_specs, start_agent};
 use super::support::{TestContext, objects, wait};
 use super::{GPUS, PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
@@ -180,6 +180,44 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
     devices.sort();
     ensure!(devices == published, "the new pods got {devices:?}, the node publishes {published:?}");
     eprintln!("{lost_device} lost across a restart: {published:?} published and prepared");
+    Ok(())
+}
+
+/// The NVIDIA driver becomes unusable under a node's running GPU pods (upgraded in place without a reboot, so NVML
+/// answers "Driver/library version mismatch"; the GPU Operator's driver container restarting, the driver root empty
+/// meanwhile), and the agent restarts then (a `helm upgrade`, a crash). Its discovery fails, so it stays not ready
+/// and publishes nothing, but it serves the kubelet without GPUs: the pod that held a GPU is unprepared when deleted
+/// (a drain, the reboot that fixes the driver), its CDI spec removed. Before, the restarted agent never registered,
+/// the kubelet answered "driver not registered", and the pod stayed Terminating, holding up the drain.
+pub(super) async fn an_agent_restarted_without_a_usable_driver_still_unprepares_its_pods(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let mut bed = Testbed::start(&ctx).await?;
+    bed.h100_template(&ctx, "one-h100", 1).await?;
+    let node_name = bed.nodes[0].name.clone();
+    objects::pods(&ctx).create(&PostParams::default(), &bed.pod_on(&ctx, "held", &node_name, "one-h100")?).await?;
+    bed.prepared(&ctx, "held").await?;
+    let claim = objects::claims(&ctx).get(&claim_of(&ctx, "held", "gpus").await?).await?;
+    let uid = claim.metadata.uid.context("claim without UID")?;
+    {
+        let node = &mut bed.nodes[0];
+        ensure!(node.dirs.cdi_spec(&uid).exists(), "no spec for the prepared claim");
+        node.agent.kill()?;
+        let no_driver = node.dirs.state().join("driver-root-being-reinstalled");
+        let no_driver = no_driver.to_string_lossy();
+        node.agent =
+            start_agent(&ctx, &node_name, &node.dirs, &["--gpu-backend", "nvml", "--driver-root", &no_driver])?;
+        wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
+            Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
+        })
+        .await
+        .with_context(|| node.agent.log_tail())?;
+        let (code, why) = node.agent.get("/readyz").await?;
+        ensure!(code == 503 && why.contains("NVML"), "/readyz: {code} {why}");
+    }
+    bed.delete_pod(&ctx, "held", &node_name).await.with_context(|| bed.nodes[0].agent.log_tail())?;
+    ensure!(!bed.nodes[0].dirs.cdi_spec(&uid).exists(), "the unprepared claim's spec is still there");
+    ensure!(bed.nodes[0].agent.try_wait()?.is_none(), "the agent exited:\n{}", bed.nodes[0].agent.log_tail());
     Ok(())
 }
 
