@@ -384,19 +384,16 @@ async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext)
 
     agent.process = start_agent(&ctx, &node, &agent.dirs, &args)?;
     agent.wait_ready().await?;
-    let note = wait::until("a GpuHealthStateUnreadable Event on the Node", Duration::from_secs(10), || async {
-        let events = objects::events_in(&ctx, "default", &node).await?;
-        Ok(events.into_iter().find(|(t, reason, _)| t == "Warning" && reason == "GpuHealthStateUnreadable"))
-    })
-    .await?
-    .2;
+    let (kind, _, warning) = node_event(&ctx, &node, "GpuHealthStateUnreadable").await?;
+    ensure!(kind == "Warning" && warning.contains("check this node's GPUs"), "{kind}: {warning}");
+    let note = node_event(&ctx, &node, "GpuHealthStateRestored").await?.2;
     let kept: Vec<_> = std::fs::read_dir(agent.dirs.state())?
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("health.json.corrupt-"))
         .map(|e| e.path())
         .collect();
     ensure!(kept.len() == 1 && std::fs::read(&kept[0])? == torn, "kept aside: {kept:?}");
-    ensure!(note.contains(&kept[0].display().to_string()) && note.contains("check this node's GPUs"), "{note}");
+    ensure!(note.contains(&kept[0].display().to_string()) && note.contains("is forgotten"), "{note}");
     let devices = taints(&ctx, &node).await?;
     let saved = std::fs::read_to_string(agent.dirs.state().join("health.json")).unwrap_or_default();
     match tainted {
@@ -413,6 +410,15 @@ async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext)
         }
     }
     Ok(())
+}
+
+/// The Event about the Node `node` with `reason`, as (type, reason, note), once there is one.
+async fn node_event(ctx: &TestContext, node: &str, reason: &str) -> anyhow::Result<(String, String, String)> {
+    wait::until(&format!("a {reason} Event on the Node"), Duration::from_secs(10), || async {
+        let events = objects::events_in(ctx, "default", node).await?;
+        Ok(events.into_iter().find(|(_, r, _)| r == reason))
+    })
+    .await
 }
 
 /// The generation of the node's pool.

@@ -175,9 +175,9 @@ impl DriverFiles {
         Self { tracked: Some(Arc::new(tracked)), simulated: false, dev_root: None }
     }
 
-    /// How many times the driver's files changed under it since they were first found (a driver upgraded in place):
-    /// each change makes the specs written before it name files that may no longer exist. Checked by
-    /// [`Self::mounts`]; always 0 without a driver root.
+    /// How many times the driver's files changed under it (a driver upgraded in place), or were found at last after
+    /// [`Self::awaiting`]: each change makes the specs written before it name files that may no longer exist.
+    /// Checked by [`Self::mounts`]; always 0 without a driver root.
     pub fn changes(&self) -> u64 {
         self.tracked.as_ref().map_or(0, |t| t.changes.load(Ordering::Acquire))
     }
@@ -222,6 +222,8 @@ impl DriverFiles {
             }
             none @ None => {
                 let new = Found::discover(&tracked.root)?;
+                // Specs on disk from before (a driver being reinstalled) may name another version's files.
+                tracked.changes.fetch_add(1, Ordering::AcqRel);
                 tracing::info!(driver_root = %tracked.root.display(), version = new.version.as_deref().unwrap_or("unknown"),
                                files = new.files.len(), "the driver's files are there now");
                 none.insert(new)
@@ -571,7 +573,7 @@ mod tests {
     }
 
     /// A plugin started before the driver is there: every spec's mounts fail with the reason until it is installed,
-    /// which is then the first discovery, not a change.
+    /// which counts as a change (specs written before may name another version's files).
     #[test]
     fn awaited_files_are_found_once_installed() -> TestResult {
         let base = tempfile::tempdir()?;
@@ -582,7 +584,8 @@ mod tests {
         assert!(matches!(files.mounts(), Err(CdiError::NoCudaLibrary { .. })));
         install_driver(&root, "550.54.15")?;
         assert_eq!(names(&files)?.len(), 5);
-        assert_eq!(files.changes(), 0);
+        assert_eq!(files.changes(), 1);
+        assert_eq!((names(&files)?.len(), files.changes()), (5, 1), "found once");
         Ok(())
     }
 

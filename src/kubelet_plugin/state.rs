@@ -228,6 +228,19 @@ impl DriverState {
         Ok((state, recovery))
     }
 
+    /// Start-up's clean-up again, once the GPUs are discovered after the plugin started without them (the driver
+    /// unusable then): what needed them could not be done at start (the MIG devices of interrupted prepares
+    /// destroyed, time slices and compute modes set back, missing specs written). Safe while serving: prepares and
+    /// unprepares hold the state lock for their whole batch, so nothing it finds started is in progress.
+    pub async fn recover_with_gpus(self: &Arc<Self>) -> Result<(), StateError> {
+        let this = self.clone();
+        let (half_done, rewritten, orphans) = tokio::task::spawn_blocking(move || this.clean_up())
+            .await
+            .map_err(|e| StateError::Task(e.to_string()))??;
+        info!(half_done, rewritten, orphans, "checkpoint recovered again now that the GPUs are discovered");
+        Ok(())
+    }
+
     pub fn metrics(&self) -> &PluginMetrics {
         &self.metrics
     }
@@ -822,7 +835,10 @@ impl DriverState {
         let changes = self.driver_files.changes();
         let mut stale = self.stale_specs.lock().unwrap_or_else(PoisonError::into_inner);
         if stale.0 != changes {
-            let completed = checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted);
+            // Not those adopted from their specs after a corrupt checkpoint: what their specs hold beyond their
+            // devices (the device metadata files) is not recorded, and a spec written again would lose it.
+            let completed =
+                checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted && !e.recovered);
             *stale = (changes, completed.map(|(uid, _)| uid.clone()).collect());
         }
         let done = self.rewrite_specs(&checkpoint, &stale.1);

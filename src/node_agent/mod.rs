@@ -197,6 +197,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut last_failure: Option<FailureKind> = None;
     // The GPUs NVML reports lost, as last said in the log: (kept with their last reading, left out).
     let mut unreadable_said: (Vec<String>, Vec<discovery::Unreadable>) = (Vec::new(), Vec::new());
+    // Whether the kubelet plugin serves without GPUs: started while they could not be discovered, and not since.
+    let mut without_gpus = false;
+    // Whether starting it without GPUs failed and was said.
+    let mut start_without_gpus_failed = false;
     let start_plugin = |without_driver| {
         plugin::start(
             &settings,
@@ -238,13 +242,24 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
-            if plugin_task.is_none() {
+            if plugin_task.is_none() || without_gpus {
                 let devices = device::devices(&gpus, mig_layout(gpu.mig_layout, &publisher));
                 inventory.send_replace(inventory_of(&devices));
-                let (task, state) = start_plugin(false).await.map_err(|e| format!("start the kubelet plugin: {e}"))?;
-                monitor.set_holders(state.clone());
-                plugin_state = Some(state);
-                plugin_task = Some(task);
+                match &plugin_state {
+                    // Serving without GPUs until now: its start-up recovery is done again, with them.
+                    Some(state) if without_gpus => {
+                        state.recover_with_gpus().await.map_err(|e| format!("recover the kubelet plugin: {e}"))?;
+                        without_gpus = false;
+                        info!("the GPUs are discovered: the kubelet plugin prepares them");
+                    }
+                    _ => {
+                        let (task, state) =
+                            start_plugin(false).await.map_err(|e| format!("start the kubelet plugin: {e}"))?;
+                        monitor.set_holders(state.clone());
+                        plugin_state = Some(state);
+                        plugin_task = Some(task);
+                    }
+                }
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
                     let discovery::Filled { gpus: found, filled, unknown } =
@@ -278,13 +293,29 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 Ok((task, state)) => {
                     warn!(
                         "serving the kubelet without GPUs while they cannot be discovered: prepared claims can be \
-                           unprepared, new ones fail to prepare until the GPUs are discovered"
+                         unprepared, new ones fail to prepare until the GPUs are discovered"
                     );
                     monitor.set_holders(state.clone());
                     plugin_state = Some(state);
                     plugin_task = Some(task);
+                    without_gpus = true;
                 }
-                Err(error) => debug!(%error, "the kubelet plugin could not start without GPUs either"),
+                Err(error) if !start_without_gpus_failed => {
+                    warn!(%error, "the kubelet plugin cannot start without GPUs either: prepared claims cannot be \
+                                   unprepared until it can; retrying with the discovery");
+                    start_without_gpus_failed = true;
+                }
+                Err(error) => debug!(%error, "the kubelet plugin cannot start without GPUs either"),
+            }
+        }
+        if discovery_failed && without_gpus {
+            // The slices published before (by this node's previous agent) name GPUs that nothing here can prepare
+            // now, and the plugin's registration keeps the kubelet from deleting them as it does those of a driver
+            // that is gone: the pool is emptied, after the faults of an unreadable health state are read back
+            // from them.
+            let none = std::collections::BTreeSet::new();
+            if let Err(failure) = publish(&[], &[], sharing.current, &none, &publisher, &monitor).await {
+                debug!(error = %failure.reason, "emptying the pool of a node whose GPUs cannot be discovered failed");
             }
         }
         if let Some(now) = unreadable_now {

@@ -13,7 +13,7 @@ use kube::api::{Api, DeleteParams, ListParams, PostParams};
 use serde_json::Value;
 
 use super::support::harness::KubeletHarness;
-use super::support::node::{DRIVER, gpu_in_two_specs, start_agent};
+use super::support::node::{DRIVER, gpu_in_two_specs};
 use super::support::{TestContext, objects, wait};
 use super::{GPUS, PREPARE_TIMEOUT, Testbed, allocated, claim_of};
 
@@ -184,40 +184,61 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
 }
 
 /// The NVIDIA driver becomes unusable under a node's running GPU pods (upgraded in place without a reboot, so NVML
-/// answers "Driver/library version mismatch"; the GPU Operator's driver container restarting, the driver root empty
-/// meanwhile), and the agent restarts then (a `helm upgrade`, a crash). Its discovery fails, so it stays not ready
-/// and publishes nothing, but it serves the kubelet without GPUs: the pod that held a GPU is unprepared when deleted
-/// (a drain, the reboot that fixes the driver), its CDI spec removed. Before, the restarted agent never registered,
-/// the kubelet answered "driver not registered", and the pod stayed Terminating, holding up the drain.
+/// answers "Driver/library version mismatch"; the GPU Operator's driver container reinstalling), and the agent
+/// restarts then (a `helm upgrade`, a crash). Its discovery fails, so it stays not ready, but it serves the kubelet
+/// without GPUs: the pod that held a GPU is unprepared when deleted (a drain, the reboot that fixes the driver), its
+/// CDI spec removed. The slices its previous process published are emptied (its registration keeps the kubelet from
+/// deleting them): nothing is sent to GPUs that cannot be prepared. Once the driver works again, the same process
+/// publishes the GPUs and prepares a new pod. Before, the restarted agent never registered, the kubelet answered
+/// "driver not registered", and the pod stayed Terminating, holding up the drain.
 pub(super) async fn an_agent_restarted_without_a_usable_driver_still_unprepares_its_pods(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
     let mut bed = Testbed::start(&ctx).await?;
     bed.h100_template(&ctx, "one-h100", 1).await?;
-    let node_name = bed.nodes[0].name.clone();
-    objects::pods(&ctx).create(&PostParams::default(), &bed.pod_on(&ctx, "held", &node_name, "one-h100")?).await?;
+    let node_name = bed.nodes[1].name.clone();
+    let pods = objects::pods(&ctx);
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "held", &node_name, "one-h100")?).await?;
     bed.prepared(&ctx, "held").await?;
     let claim = objects::claims(&ctx).get(&claim_of(&ctx, "held", "gpus").await?).await?;
     let uid = claim.metadata.uid.context("claim without UID")?;
+    let unusable = bed.nodes[1].dirs.state().join("simulated-driver-unusable");
     {
-        let node = &mut bed.nodes[0];
+        let node = &mut bed.nodes[1];
         ensure!(node.dirs.cdi_spec(&uid).exists(), "no spec for the prepared claim");
+        std::fs::write(&unusable, b"")?;
         node.agent.kill()?;
-        let no_driver = node.dirs.state().join("driver-root-being-reinstalled");
-        let no_driver = no_driver.to_string_lossy();
-        node.agent =
-            start_agent(&ctx, &node_name, &node.dirs, &["--gpu-backend", "nvml", "--driver-root", &no_driver])?;
+        node.restart_agent(&ctx, GPUS[1])?;
         wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
             Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
         })
         .await
         .with_context(|| node.agent.log_tail())?;
         let (code, why) = node.agent.get("/readyz").await?;
-        ensure!(code == 503 && why.contains("NVML"), "/readyz: {code} {why}");
+        ensure!(code == 503 && why.contains("version mismatch"), "/readyz: {code} {why}");
     }
-    bed.delete_pod(&ctx, "held", &node_name).await.with_context(|| bed.nodes[0].agent.log_tail())?;
-    ensure!(!bed.nodes[0].dirs.cdi_spec(&uid).exists(), "the unprepared claim's spec is still there");
-    ensure!(bed.nodes[0].agent.try_wait()?.is_none(), "the agent exited:\n{}", bed.nodes[0].agent.log_tail());
+    wait::until("the node's pool to be emptied", PREPARE_TIMEOUT, || async {
+        let devices: usize =
+            node_slices(&ctx, &node_name).await?.iter().map(|s| s.spec.devices.iter().flatten().count()).sum();
+        Ok((devices == 0).then_some(()))
+    })
+    .await
+    .with_context(|| bed.nodes[1].agent.log_tail())?;
+    bed.delete_pod(&ctx, "held", &node_name).await.with_context(|| bed.nodes[1].agent.log_tail())?;
+    ensure!(!bed.nodes[1].dirs.cdi_spec(&uid).exists(), "the unprepared claim's spec is still there");
+
+    // The driver works again (the node rebooted into it, or the driver container finished): no restart needed.
+    std::fs::remove_file(&unusable)?;
+    bed.nodes[1].agent.wait_ready().await.with_context(|| bed.nodes[1].agent.log_tail())?;
+    pods.create(&PostParams::default(), &bed.pod_on(&ctx, "after", &node_name, "one-h100")?).await?;
+    bed.prepared(&ctx, "after").await.with_context(|| bed.nodes[1].agent.log_tail())?;
+    let log = bed.nodes[1].agent.log_text();
+    ensure!(
+        log.contains("serving the kubelet without GPUs")
+            && log.contains("recovered again now that the GPUs are discovered"),
+        "{}",
+        bed.nodes[1].agent.log_tail()
+    );
     Ok(())
 }
 

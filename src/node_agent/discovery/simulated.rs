@@ -5,7 +5,8 @@
 //! `@<path>` naming a file that holds such a spec. `<count>x<model>/mig=<profile>+<profile>…` puts those GPUs in
 //! MIG mode with those MIG devices (e.g. `1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb`), laid out as
 //! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet. `<count>x<model>/lost` are
-//! GPUs fallen off the bus: counted, but unreadable, as NVML answers for such a GPU ("GPU is lost").
+//! GPUs fallen off the bus: counted, but unreadable, as NVML answers for such a GPU ("GPU is lost"). While
+//! `<state-dir>/simulated-driver-unusable` exists, discovery fails as NVML does after a driver upgrade without a reboot.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -118,7 +119,14 @@ pub struct Simulated {
     made: (u64, std::sync::atomic::AtomicU64),
     /// Where the MIG layouts are kept across restarts, and the spec and boot they belong to.
     kept: Option<KeptLayouts>,
+    /// While this file exists, discovery fails as NVML does on a node whose driver was upgraded without a reboot
+    /// ("Driver/library version mismatch"): `<state-dir>/simulated-driver-unusable`, for tests of an agent
+    /// that cannot discover its GPUs.
+    unusable_marker: Option<std::path::PathBuf>,
 }
+
+/// The file under the state directory that makes simulated GPUs' discovery fail while it exists.
+pub const SIMULATED_DRIVER_UNUSABLE_FILE: &str = "simulated-driver-unusable";
 
 /// The file that keeps simulated MIG layouts: `{"spec": …, "boot": …, "gpus": {"<index>": [[profile ID, first
 /// memory slice, GPU instance, UUID], …]}}`, written after every change.
@@ -196,6 +204,7 @@ impl Simulated {
             sysfs: None,
             made,
             kept: None,
+            unusable_marker: None,
         })
     }
 
@@ -209,6 +218,7 @@ impl Simulated {
         boot_id: &str,
     ) -> Result<Self, SpecError> {
         let mut simulated = Self::new(node, spec)?;
+        simulated.unusable_marker = Some(state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE));
         let kept = KeptLayouts {
             path: state_dir.join(SIMULATED_MIG_FILE),
             spec: spec.trim().into(),
@@ -246,6 +256,10 @@ impl Simulated {
 
 impl Discovery for Simulated {
     fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
+        if self.unusable_marker.as_deref().is_some_and(std::path::Path::exists) {
+            let source = ::nvml_wrapper::error::NvmlError::LibRmVersionMismatch;
+            return Err(DiscoveryError::NvmlUnavailable { library: "simulated NVML".into(), source });
+        }
         let lost_now = self.lost.lock().unwrap_or_else(PoisonError::into_inner).clone();
         let (lost, mut gpus): (Vec<Gpu>, Vec<Gpu>) =
             self.gpus().iter().cloned().partition(|g| lost_now.contains(&g.index));

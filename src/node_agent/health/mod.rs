@@ -85,19 +85,20 @@ pub struct Monitor {
     health: watch::Sender<HealthReport>,
     /// The kubelet plugin's state once it serves: which claims (and so pods) a faulted GPU affects.
     holders: Arc<OnceLock<Arc<DriverState>>>,
-    /// Why the saved state could not be read at start (and where it was kept), for a Warning Event on the Node.
+    /// Why the saved state could not be read at start, for a Warning Event on the Node.
     unreadable: Option<String>,
     /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
     /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
     restore_pending: AtomicBool,
-    /// The GPUs whose faults [`Monitor::restore`] read back, once it ran (for the Event about the unreadable state).
-    restored: watch::Sender<Option<Vec<String>>>,
+    /// What [`Monitor::restore`] did, once it ran, for an Event on the Node: the GPUs whose faults it read back, and
+    /// where the unreadable file was kept (or why it could not be).
+    restored: watch::Sender<Option<(Vec<String>, String)>>,
 }
 
 impl Monitor {
-    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one is kept
-    /// aside, said in the log and in a Warning Event on the Node, and the faults are read back from the published
-    /// taints before the next publish: see [`Monitor::restore`]), its metrics registered in `registry`.
+    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one is said
+    /// in the log and in a Warning Event on the Node, and its faults are read back from the published taints before
+    /// the next publish, when it is kept aside: see [`Monitor::restore`]), its metrics registered in `registry`.
     pub fn new(
         driver: &str,
         node: &str,
@@ -108,12 +109,8 @@ impl Monitor {
     ) -> Self {
         let mut unreadable = None;
         let book = store::load(&state_dir).unwrap_or_else(|error| {
-            let kept = match store::keep_aside(&state_dir) {
-                Ok(aside) => format!("kept as {}", aside.display()),
-                Err(e) => format!("could not be kept aside: {e}"),
-            };
-            warn!(%error, %kept, "GPU health state unreadable; reading the faults back from the published taints");
-            unreadable = Some(format!("{error}; {kept}"));
+            warn!(%error, "GPU health state unreadable; reading the faults back from the published taints");
+            unreadable = Some(error.to_string());
             HealthBook::default()
         });
         if !book.faulted.is_empty() {
@@ -208,17 +205,22 @@ impl Monitor {
     ) {
         let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
         if let Some(why) = self.unreadable.clone() {
-            // Said once the faults were read back, with what was found.
+            let note = format!(
+                "{why}: the GPU faults it held are read back from this node's ResourceSlice taints before the GPUs are \
+                 published again; check this node's GPUs (nvidia-smi -q) and reset any that need it"
+            );
+            events.send(EventType::Warning, "GpuHealthStateUnreadable", note);
+            // And once they were read back, what was found.
             let (mut restored, events, stop) = (self.restored.subscribe(), events.clone(), stop.clone());
             tokio::spawn(async move {
-                let gpus = tokio::select! {
+                let (gpus, kept) = tokio::select! {
                     () = stop.cancelled() => return,
-                    gpus = restored.wait_for(Option::is_some) => match gpus {
-                        Ok(gpus) => gpus.clone().unwrap_or_default(),
+                    done = restored.wait_for(Option::is_some) => match done {
+                        Ok(done) => done.clone().unwrap_or_default(),
                         Err(_) => return,
                     },
                 };
-                events.send(EventType::Warning, "GpuHealthStateUnreadable", unreadable_note(&why, &gpus));
+                events.send(EventType::Normal, "GpuHealthStateRestored", restored_note(&gpus, &kept));
             });
         }
         loop {
@@ -297,13 +299,15 @@ impl Monitor {
 
     /// After an unreadable saved state: takes the faults back from the taints this node's devices were last
     /// published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
-    /// before anything is published again, and saves them. The slices are the only other record of them: without
-    /// this, a GPU that needs a reset was untainted at the next publish and handed out again. What was never
-    /// published (a fault in the second before the state was lost) stays forgotten; the Event says so.
+    /// before anything is published again; then keeps the unreadable file aside and saves. The slices are the only
+    /// other record of the faults: without this, a GPU that needs a reset was untainted at the next publish and
+    /// handed out again. Until then nothing is saved (a save would replace the unreadable file, and a restart in
+    /// between would find nothing to read back), so an agent restarted before reads them back as well. What was never
+    /// published (a fault in the second before the state was lost) stays forgotten; the Events say so.
     pub fn restore(&self, published: &[(String, Vec<Value>)]) {
         let now = now();
         let mut restored = Vec::new();
-        {
+        let kept = {
             let mut book = self.book();
             for (gpu, taints) in published {
                 for taint in taints {
@@ -315,16 +319,23 @@ impl Monitor {
                     }
                 }
             }
-            if !restored.is_empty() {
-                self.save(&book);
-            }
-        }
-        info!(restored = ?restored, "GPU faults read back from the published taints");
-        self.restore_pending.store(false, Ordering::Release);
-        self.restored.send_replace(Some(restored));
+            let kept = match store::keep_aside(&self.state_dir) {
+                Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
+                Err(e) => format!("the unreadable file could not be kept aside ({e})"),
+            };
+            self.restore_pending.store(false, Ordering::Release);
+            self.save(&book);
+            kept
+        };
+        info!(restored = ?restored, %kept, "GPU faults read back from the published taints");
+        self.restored.send_replace(Some((restored, kept)));
     }
 
     fn save(&self, book: &HealthBook) {
+        if self.restore_pending() {
+            // Saved with the faults read back (see `restore`).
+            return;
+        }
         if let Err(error) = store::save(&self.state_dir, book) {
             warn!(%error, "GPU health state not saved; a restart now would forget this change");
         }
@@ -364,9 +375,9 @@ impl Monitor {
     }
 }
 
-/// The note of the Warning Event about an unreadable saved state (`why`: the error and where the file went), once
-/// the faults of `restored` (GPU UUIDs) were read back from the published taints.
-fn unreadable_note(why: &str, restored: &[String]) -> String {
+/// The note of the Event saying what was read back after an unreadable saved state: the GPUs whose faults were found
+/// in the published taints, and where the unreadable file was kept.
+fn restored_note(restored: &[String], kept: &str) -> String {
     let found = match restored {
         [] => "this node's ResourceSlices carried no GPU fault taint of this driver to read back".to_string(),
         gpus => format!(
@@ -376,8 +387,8 @@ fn unreadable_note(why: &str, restored: &[String]) -> String {
         ),
     };
     format!(
-        "{why}; {found}. A fault recorded but not yet published, or published in slices deleted since (a kubelet \
-         restart deletes them), is forgotten: check this node's GPUs (nvidia-smi -q) and reset any that need it"
+        "GPU health state unreadable at start: {found}; {kept}. A fault recorded but not yet published, or published \
+         in slices deleted since (a kubelet restart deletes them), is forgotten"
     )
 }
 
