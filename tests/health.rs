@@ -362,7 +362,8 @@ async fn device_health(ctx: &TestContext, pod: &str, want: &[(&str, &str)]) -> a
 /// faults it recorded. The agent keeps the file aside, so its next save does not overwrite it, and reads the faults
 /// back from the taints its slices were last published with (from 1.36, where taints are served) before it
 /// publishes again: the faulted GPU is never untainted, not even for one pool generation. A Warning Event on the
-/// Node says what happened and what was read back, so that an operator checks the GPUs.
+/// Node says the state was unreadable, so that an operator checks the GPUs; a Normal one then says what was read
+/// back and where the file was kept.
 async fn an_unreadable_health_state_is_kept_aside_and_reported(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;

@@ -72,14 +72,23 @@ pub fn list_claim_specs(dir: &Path, kind: &CdiKind) -> Result<Vec<String>, CdiEr
     Ok(uids)
 }
 
-/// The ResourceSlice devices a claim's spec on disk names (its CDI devices are `<claimUID>-<device>`), so the spec
-/// can be adopted when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
-pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<String>> {
+/// The ResourceSlice devices a claim's spec on disk names (its CDI devices are `<claimUID>-<device>`), each with the
+/// UUID its own environment gives it (`GPU_DRA_DEVICE_<DEVICE>=<uuid>`, when the spec has it), so the spec can be
+/// adopted when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
+pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<(String, Option<String>)>> {
     let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
     let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
     let prefix = format!("{claim_uid}-");
-    let names = spec["devices"].as_array().into_iter().flatten().filter_map(|d| d["name"].as_str());
-    Ok(names.filter_map(|name| name.strip_prefix(&prefix)).filter(|d| !d.is_empty()).map(str::to_string).collect())
+    let devices = spec["devices"].as_array().into_iter().flatten();
+    Ok(devices
+        .filter_map(|d| {
+            let name = d["name"].as_str()?.strip_prefix(&prefix).filter(|name| !name.is_empty())?;
+            let wanted = format!("{}=", super::spec::device_env_name(name));
+            let env = d["containerEdits"]["env"].as_array().into_iter().flatten().filter_map(|e| e.as_str());
+            let uuid = env.into_iter().find_map(|e| e.strip_prefix(&wanted)).map(str::to_string);
+            Some((name.to_string(), uuid))
+        })
+        .collect())
 }
 
 /// The spec-wide environment of a claim's spec on disk (`NAME=value`), from which an adopted claim's MPS daemon is
@@ -196,7 +205,10 @@ mod tests {
         fs::write(dir.join("gpu.gpu-dra.dev-gpu_bad-.json"), b"{}")?;
         assert_eq!(list_claim_specs(&dir, &kind)?, ["a-uid", "b-uid"]);
         write_claim_spec(&dir, &kind, UID, &spec)?;
-        assert_eq!(claim_spec_devices(&dir, &kind, UID)?, ["gpu-1", "gpu-3"], "the devices its device names name");
+        let devices = claim_spec_devices(&dir, &kind, UID)?;
+        let names: Vec<&str> = devices.iter().map(|(name, _)| name.as_str()).collect();
+        assert_eq!(names, ["gpu-1", "gpu-3"], "the devices its device names name");
+        assert!(devices.iter().all(|(_, uuid)| uuid.as_ref().is_some_and(|u| u.starts_with("GPU-"))), "{devices:?}");
         remove_claim_spec(&dir, &kind, UID)?;
         assert!(claim_spec_exists(&dir, &kind, "a-uid"));
         assert!(!claim_spec_exists(&dir, &kind, "a/uid"));

@@ -179,7 +179,7 @@ pub fn validate_claim_spec(kind: &CdiKind, claim_uid: &str, spec: &Spec) -> Resu
 }
 
 /// `GPU_DRA_DEVICE_` and the device name in upper case with `_` for `-` (device names are DNS labels).
-fn device_env_name(device: &str) -> String {
+pub(super) fn device_env_name(device: &str) -> String {
     format!("GPU_DRA_DEVICE_{}", device.to_ascii_uppercase().replace('-', "_"))
 }
 

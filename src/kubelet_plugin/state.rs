@@ -691,7 +691,8 @@ impl DriverState {
         let uids = cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind)
             .map_err(|source| StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source })?;
         for uid in &uids {
-            let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid);
+            let inventory = self.inventory.borrow().clone();
+            let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid, &inventory);
             info!(%uid, devices = devices.len(), "adopted the CDI spec of a claim the corrupt checkpoint recorded");
             let entry = ClaimEntry {
                 namespace: String::new(),
@@ -1013,23 +1014,34 @@ fn conflict(
 }
 
 /// The devices a claim's spec on disk names, as recovered-entry devices (no requests, shares or admin access known).
-/// An unreadable spec is adopted with none: it is still kept, and unprepare still removes it.
-fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<PreparedDevice> {
+/// An unreadable spec is adopted with none: it is still kept, and unprepare still removes it. A device that is a
+/// dynamic MIG partition in `inventory` gets the MIG device its spec names as made for it: with dynamic MIG, a claim
+/// is only ever allocated partitions, whose MIG devices prepare made, and unprepare must destroy it, or it would stay
+/// in the way of the partitions around it for good (the one exception: a node switched from `--mig-layout static`
+/// to dynamic while a claim of an administrator's MIG device was prepared, with the checkpoint lost at that restart).
+fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str, inventory: &Inventory) -> Vec<PreparedDevice> {
     let devices = cdi::claim_spec_devices(dir, kind, uid).unwrap_or_else(|e| {
         warn!(%uid, error = %e, "the CDI spec of a recovered claim is unreadable; keeping it without devices");
         Vec::new()
     });
     devices
         .into_iter()
-        .map(|device| PreparedDevice {
-            request_names: Vec::new(),
-            pool: pool.to_string(),
-            cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],
-            device,
-            share_id: None,
-            admin_access: false,
-            time_slice: None,
-            made_mig: None,
+        .map(|(device, uuid)| {
+            let partition = inventory.get(&device).is_some_and(|d| d.partition.is_some());
+            let made_mig = uuid.filter(|uuid| partition && uuid.starts_with("MIG-"));
+            if let Some(mig) = &made_mig {
+                info!(%uid, %device, %mig, "the adopted claim's MIG device was made for it: unprepare destroys it");
+            }
+            PreparedDevice {
+                request_names: Vec::new(),
+                pool: pool.to_string(),
+                cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],
+                device,
+                share_id: None,
+                admin_access: false,
+                time_slice: None,
+                made_mig,
+            }
         })
         .collect()
 }

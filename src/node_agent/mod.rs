@@ -201,6 +201,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut without_gpus = false;
     // Whether starting it without GPUs failed and was said.
     let mut start_without_gpus_failed = false;
+    // Whether emptying the pool while serving without GPUs failed and was said.
+    let mut unpublish_failure_said = false;
     let start_plugin = |without_driver| {
         plugin::start(
             &settings,
@@ -289,6 +291,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // reinstalled, or mismatched after an upgrade without a reboot) must still be unprepared: without a
             // registered plugin the kubelet cannot, and their pods stay Terminating, holding up a drain. So the
             // plugin serves without GPUs (prepares fail with the reason) until the discovery works.
+            // A discovery that worked before a failed plugin start left its GPUs in the inventory.
+            inventory.send_replace(Arc::new(Inventory::new()));
             match start_plugin(true).await {
                 Ok((task, state)) => {
                     warn!(
@@ -313,9 +317,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // now, and the plugin's registration keeps the kubelet from deleting them as it does those of a driver
             // that is gone: the pool is emptied, after the faults of an unreadable health state are read back
             // from them.
-            let none = std::collections::BTreeSet::new();
-            if let Err(failure) = publish(&[], &[], sharing.current, &none, &publisher, &monitor).await {
-                debug!(error = %failure.reason, "emptying the pool of a node whose GPUs cannot be discovered failed");
+            match unpublish(&publisher, &monitor).await {
+                Ok(()) => unpublish_failure_said = false,
+                Err(error) if !unpublish_failure_said => {
+                    warn!(%error, "emptying the pool of a node whose GPUs cannot be discovered failed: pods may be \
+                                   sent to GPUs that cannot be prepared; retrying with the discovery");
+                    unpublish_failure_said = true;
+                }
+                Err(error) => debug!(%error, "emptying the pool failed again"),
             }
         }
         if let Some(now) = unreadable_now {
@@ -522,6 +531,14 @@ async fn publish(
         },
         reason: e.to_string(),
     })
+}
+
+/// Deletes the node's slices, after reading the faults of an unreadable health state back from them.
+async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(), slices::publisher::PublishError> {
+    if monitor.restore_pending() {
+        monitor.restore(&publisher.published_taints().await?);
+    }
+    publisher.publish(&[]).await.map(drop)
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

@@ -300,7 +300,8 @@ impl MpsDaemons {
 
     /// Start-up: stops daemons a previous agent left running, removes the directories of claims not in `keep`
     /// (answers how many), then starts the daemons of `keep`, each failure logged (the claim's next prepare, or
-    /// its unprepare, deals with it).
+    /// its unprepare, deals with it). Run again while serving (the plugin's recovery once the GPUs are discovered),
+    /// the daemons this process supervises are left running when kept, stopped when not.
     pub fn reconcile(&self, keep: &BTreeMap<String, MpsDaemon>) -> usize {
         let mut removed = 0;
         let listed: BTreeSet<String> = match std::fs::read_dir(&self.root) {
@@ -308,6 +309,15 @@ impl MpsDaemons {
             Err(_) => BTreeSet::new(),
         };
         for uid in &listed {
+            if self.supervises(uid) {
+                if !keep.contains_key(uid) {
+                    match self.stop(uid) {
+                        Ok(()) => removed += 1,
+                        Err(e) => warn!(claim_uid = %uid, error = %e, "stopping an MPS daemon no claim needs failed"),
+                    }
+                }
+                continue;
+            }
             let dirs = self.dirs(uid);
             stop_leftover(&dirs);
             if !keep.contains_key(uid) {

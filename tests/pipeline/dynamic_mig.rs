@@ -21,7 +21,8 @@ const GPUS: &str = "1xH100-80GB/mig=,1xH100-80GB/mig=1g.10gb";
 /// 0, and gets those three MIG devices made there; a `1g.10gb` pod goes beside the administrator's device on GPU 1;
 /// a whole-GPU claim waits while GPU 0 is partitioned (GPU 1 never is whole: a MIG device no claim holds is on it)
 /// and gets GPU 0 once the first pod is gone and its MIG devices destroyed. The agent is killed and restarted while
-/// the whole GPU is prepared: the MIG device it made is still its own, and unprepare destroys it. Before 1.36
+/// the whole GPU is prepared: the MIG device it made is still its own, also when its checkpoint was lost at that
+/// restart (the claim adopted from its CDI spec), and unprepare destroys it. Before 1.36
 /// (DRAPartitionableDevices off) the API server drops the counters: the agent says so and publishes the MIG
 /// devices that exist instead.
 pub(super) async fn the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices(
@@ -141,30 +142,38 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
     ensure!(whole == ["gpu-0"], "the whole-GPU claim got {whole:?}");
     ensure!(made(bed, 0)? == [(0, 0)], "GPU 0 should hold its 7g.80gb alone: {:?}", made(bed, 0)?);
 
-    // The agent dies and comes back: the 7g device is still the whole claim's, not an administrator's.
-    bed.agent.kill()?;
-    bed.agent = start_agent(
-        ctx,
-        &node,
-        &bed.dirs,
-        &["--gpu-backend", "simulated", "--simulated-gpus", GPUS, "--mig-layout", "dynamic"],
-    )?;
-    bed.agent.wait_ready().await?;
-    wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
-        Ok((bed.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
-    })
-    .await?;
-    let after = wait::until("the pool after the restart", PREPARE_TIMEOUT, || async {
-        let pool = read_pool(ctx, &node).await?;
-        Ok((!pool.devices.is_empty() && pool.counters.len() == 2).then_some(pool))
-    })
-    .await?;
-    ensure!(
-        after.on(0) == 26 && after.whole(),
-        "after a restart the whole claim's MIG device passed for an administrator's: {:?}",
-        after.devices
-    );
-    ensure!(made(bed, 0)? == [(0, 0)], "the restart lost the 7g device: {:?}", made(bed, 0)?);
+    // The agent dies and comes back: the 7g device is still the whole claim's, not an administrator's. Then again
+    // with its checkpoint lost (torn, or written by a newer agent before a rollback): the claim is adopted from its
+    // CDI spec, and its MIG device, named there, is known as made for it.
+    for (restart, checkpoint_lost) in [(2, false), (3, true)] {
+        bed.agent.kill()?;
+        if checkpoint_lost {
+            std::fs::write(bed.dirs.checkpoint(), b"{\"version\": 99}")?;
+        }
+        bed.agent = start_agent(
+            ctx,
+            &node,
+            &bed.dirs,
+            &["--gpu-backend", "simulated", "--simulated-gpus", GPUS, "--mig-layout", "dynamic"],
+        )?;
+        bed.agent.wait_ready().await?;
+        wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
+            Ok((bed.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= restart).then_some(()))
+        })
+        .await?;
+        let after = wait::until("the pool after the restart", PREPARE_TIMEOUT, || async {
+            let pool = read_pool(ctx, &node).await?;
+            Ok((!pool.devices.is_empty() && pool.counters.len() == 2).then_some(pool))
+        })
+        .await?;
+        ensure!(
+            after.on(0) == 26 && after.whole(),
+            "after a restart (checkpoint lost: {checkpoint_lost}) the whole claim's MIG device passed for an \
+             administrator's: {:?}",
+            after.devices
+        );
+        ensure!(made(bed, 0)? == [(0, 0)], "the restart lost the 7g device: {:?}", made(bed, 0)?);
+    }
     let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     objects::pods(ctx).delete("whole", &now).await?;
     bed.kubelet.wait_for("unprepared", &format!("{ns}/whole"), PREPARE_TIMEOUT).await?;

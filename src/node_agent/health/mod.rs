@@ -90,6 +90,8 @@ pub struct Monitor {
     /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
     /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
     restore_pending: AtomicBool,
+    /// Where [`Monitor::restore`] copied the unreadable file (or why it could not), once it did.
+    kept_aside: Mutex<Option<String>>,
     /// What [`Monitor::restore`] did, once it ran, for an Event on the Node: the GPUs whose faults it read back, and
     /// where the unreadable file was kept (or why it could not be).
     restored: watch::Sender<Option<(Vec<String>, String)>>,
@@ -139,6 +141,7 @@ impl Monitor {
             health: watch::Sender::new(HealthReport::default()),
             holders: Arc::default(),
             restore_pending: AtomicBool::new(unreadable.is_some()),
+            kept_aside: Mutex::default(),
             unreadable,
             restored: watch::Sender::new(None),
         }
@@ -299,34 +302,40 @@ impl Monitor {
 
     /// After an unreadable saved state: takes the faults back from the taints this node's devices were last
     /// published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
-    /// before anything is published again; then keeps the unreadable file aside and saves. The slices are the only
+    /// before anything is published again; then copies the unreadable file aside and saves. The slices are the only
     /// other record of the faults: without this, a GPU that needs a reset was untainted at the next publish and
-    /// handed out again. Until then nothing is saved (a save would replace the unreadable file, and a restart in
-    /// between would find nothing to read back), so an agent restarted before reads them back as well. What was never
-    /// published (a fault in the second before the state was lost) stays forgotten; the Events say so.
+    /// handed out again. Until the save succeeds nothing is saved (a save replaces the unreadable file) and the
+    /// restore stays pending, so an agent restarted before reads them back as well, and a failed save is tried again
+    /// at the next publish. What was never published (a fault in the second before the state was lost) stays
+    /// forgotten; the Events say so.
     pub fn restore(&self, published: &[(String, Vec<Value>)]) {
         let now = now();
         let mut restored = Vec::new();
-        let kept = {
-            let mut book = self.book();
-            for (gpu, taints) in published {
-                for taint in taints {
-                    if let Some(state) = taints::restored(&self.driver, taint, now)
-                        && book.restore(gpu, state)
-                        && !restored.contains(gpu)
-                    {
-                        restored.push(gpu.clone());
-                    }
+        let mut book = self.book();
+        for (gpu, taints) in published {
+            for taint in taints {
+                if let Some(state) = taints::restored(&self.driver, taint, now)
+                    && book.restore(gpu, state)
+                    && !restored.contains(gpu)
+                {
+                    restored.push(gpu.clone());
                 }
             }
-            let kept = match store::keep_aside(&self.state_dir) {
+        }
+        let mut kept = self.kept_aside.lock().unwrap_or_else(PoisonError::into_inner);
+        let kept = kept
+            .get_or_insert_with(|| match store::keep_aside(&self.state_dir) {
                 Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
                 Err(e) => format!("the unreadable file could not be kept aside ({e})"),
-            };
-            self.restore_pending.store(false, Ordering::Release);
-            self.save(&book);
-            kept
-        };
+            })
+            .clone();
+        if let Err(error) = store::save(&self.state_dir, &book) {
+            // Published with them all the same (they are in the book); read back and saved again next time.
+            warn!(%error, "the GPU faults read back could not be saved; trying again at the next publish");
+            return;
+        }
+        self.restore_pending.store(false, Ordering::Release);
+        drop(book);
         info!(restored = ?restored, %kept, "GPU faults read back from the published taints");
         self.restored.send_replace(Some((restored, kept)));
     }
@@ -394,4 +403,55 @@ fn restored_note(restored: &[String], kept: &str) -> String {
 
 fn now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use classify::{Fault, FaultClass};
+    use serde_json::json;
+
+    fn monitor(dir: &std::path::Path) -> Monitor {
+        let mut registry = Registry::default();
+        Monitor::new(
+            "gpu.example.com",
+            "node-a",
+            dir.to_path_buf(),
+            Policy::default(),
+            Effects::default(),
+            &mut registry,
+        )
+    }
+
+    /// An unreadable state stays where it is, and the read-back pending, until the faults read back are saved: a
+    /// save meanwhile (a fault reported, a healthy window ending) writes nothing, and an agent restarted before
+    /// finds the same file and reads them back too.
+    #[test]
+    fn an_unreadable_state_stays_until_the_faults_read_back_are_saved() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let torn = b"{\"version\": 1, \"faulted\": {\"GPU-";
+        std::fs::write(store::path(dir.path()), torn)?;
+        let first = monitor(dir.path());
+        assert!(first.restore_pending());
+        first.save(&HealthBook::default());
+        assert_eq!(std::fs::read(store::path(dir.path()))?, torn, "saved over while the read-back was pending");
+        drop(first);
+
+        let restarted = monitor(dir.path());
+        assert!(restarted.restore_pending(), "a restart before the read-back forgot it");
+        let taint = json!({"key": "gpu.example.com/needs-reset", "value": "ecc-double-bit", "effect": "NoSchedule",
+                           "timeAdded": "2026-12-01T10:00:00Z"});
+        restarted.restore(&[("GPU-1".into(), vec![taint])]);
+        assert!(!restarted.restore_pending());
+        let saved = store::load(dir.path())?;
+        let state = saved.get("GPU-1").map(|s| (s.class, s.fault));
+        assert_eq!(state, Some((FaultClass::NeedsReset, Fault::EccDoubleBit)), "{saved:?}");
+        let kept: Vec<_> = std::fs::read_dir(dir.path())?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("health.json.corrupt-"))
+            .map(|e| std::fs::read(e.path()))
+            .collect::<Result<_, _>>()?;
+        assert_eq!(kept, [torn.to_vec()]);
+        Ok(())
+    }
 }

@@ -64,12 +64,14 @@ pub fn load(state_dir: &Path) -> Result<HealthBook, StoreError> {
     Ok(on_disk.book)
 }
 
-/// Renames an unreadable state file to `health.json.corrupt-<unix seconds>` (`-<n>` appended when taken), so that
-/// the next save does not overwrite what an operator may want to read; returns the new path.
+/// Copies an unreadable state file to `health.json.corrupt-<unix seconds>` (`-<n>` appended when taken), so that
+/// the next save, which replaces it, does not lose what an operator may want to read; returns the copy's path. A
+/// copy, not a rename: until that save succeeds, the unreadable file stays where a restart finds it (and reads the
+/// faults back from the published taints again).
 pub fn keep_aside(state_dir: &Path) -> io::Result<PathBuf> {
     let path = path(state_dir);
     let target = crate::fsutil::aside_path(&path)?;
-    std::fs::rename(&path, &target)?;
+    std::fs::copy(&path, &target)?;
     Ok(target)
 }
 
@@ -94,8 +96,10 @@ mod tests {
         std::fs::write(path(dir.path()), b"{torn")?;
         assert!(matches!(load(dir.path()), Err(StoreError::Decode { .. })));
         let first = keep_aside(dir.path())?;
+        assert_eq!(std::fs::read(path(dir.path()))?, b"{torn", "a copy: the file stays until a save replaces it");
         std::fs::write(path(dir.path()), b"{torn again")?;
         let second = keep_aside(dir.path())?;
+        std::fs::remove_file(path(dir.path()))?;
         assert_ne!(first, second, "an earlier kept file is never overwritten");
         assert_eq!(std::fs::read(&first)?, b"{torn");
         assert_eq!(std::fs::read(&second)?, b"{torn again");
