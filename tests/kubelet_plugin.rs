@@ -26,6 +26,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
     a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_admin_access_claim_beside_an_mps_claim_changes_nothing,
+    an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back,
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
 };
 use node_disks::{
@@ -68,6 +69,7 @@ fn main() {
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
+            test!(an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back),
             test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
             test!(a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more),
             test!(with_warn_a_forgotten_claim_is_reported_and_kept),

@@ -2,7 +2,8 @@
 //! (the simulated backend's stand-in, started, supervised and stopped exactly as `nvidia-cuda-mps-control -f`),
 //! with the claim's GPUs and limits; its containers get the daemon's pipe directory, shared memory and limits
 //! through the CDI spec. A daemon that dies is started again (its orphaned server killed and reaped), one an agent
-//! restart leaves behind is replaced, a claim adopted from its spec after a corrupt checkpoint gets its daemon back,
+//! restart leaves behind is replaced (one of the agent's own outlives its recovery once the GPUs are discovered
+//! after a start without them), a claim adopted from its spec after a corrupt checkpoint gets its daemon back,
 //! and unprepare stops it and its server and removes its directories. The GPUs a daemon serves are in the
 //! `EXCLUSIVE_PROCESS` compute mode while it runs (set again at start-up, set back when it goes or fails to start).
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use anyhow::{Context as _, ensure};
 use serde_json::{Value, json};
 
-use super::support::node::{DRIVER, Kubelet, NodeDirs};
+use super::support::node::{DRIVER, Kubelet, NodeDirs, start_agent};
 use super::support::{TestContext, wait};
 use super::{allocated_claim, checkpoint, node_name, ready_agent};
 
@@ -184,6 +185,47 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
     let listed = checkpoint(&dirs, "boot-1")?.exclusive_process;
     ensure!(listed.is_empty(), "the checkpoint still lists {listed:?} as set to EXCLUSIVE_PROCESS");
+    Ok(())
+}
+
+/// The agent restarts while the driver is unusable (reloaded by an upgrade without a reboot, which also set every
+/// GPU's compute mode back to DEFAULT): it serves without GPUs and starts the prepared MPS claim's daemon again. Once
+/// the GPUs are discovered, its start-up recovery, done again with them, leaves that daemon running (it is this
+/// process's own, not one a previous agent left) and sets the compute mode to EXCLUSIVE_PROCESS again.
+pub(super) async fn an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let uid = allocated_claim(&ctx, "mps", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
+    let claims = [(ctx.namespace.as_str(), "mps", uid.as_str())];
+    let answers = Kubelet::register(&dirs).await?.prepare(&claims).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    let claim_dir: PathBuf = dirs.mps().join(&uid);
+    next_daemon(&claim_dir, 0).await?;
+
+    agent.kill()?;
+    let unusable = dirs.state().join("simulated-driver-unusable");
+    std::fs::write(&unusable, b"")?;
+    std::fs::write(dirs.state().join("simulated-compute-modes.json"), "{}")?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"];
+    let agent = start_agent(&ctx, &node, &dirs, &args)?;
+    let second = next_daemon(&claim_dir, 1).await.with_context(|| agent.log_tail())?;
+    ensure!(dirs.compute_modes()?.is_empty(), "a compute mode set without GPUs: {:?}", dirs.compute_modes()?);
+
+    std::fs::remove_file(&unusable)?;
+    agent.wait_ready().await.with_context(|| agent.log_tail())?;
+    ensure!(agent.log_text().contains("recovered again now that the GPUs are discovered"), "{}", agent.log_tail());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    ensure!(
+        alive(second) && started_pids(&claim_dir).len() == 2,
+        "the recovery replaced the agent's own daemon {second}: {:?}",
+        started_pids(&claim_dir)
+    );
+    let restarts = agent.metric("gpu_dra_kubelet_plugin_mps_daemon_restarts_total", &[]).await?;
+    ensure!(restarts == 0.0, "daemon restarts counted: {restarts}");
+    let exclusive = BTreeMap::from([("gpu-0".to_string(), "ExclusiveProcess".to_string())]);
+    ensure!(dirs.compute_modes()? == exclusive, "compute modes once the GPUs are back: {:?}", dirs.compute_modes()?);
     Ok(())
 }
 
