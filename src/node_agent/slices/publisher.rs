@@ -106,9 +106,11 @@ impl Publisher {
         Api::all(self.client.clone())
     }
 
-    /// Lists this node's slices of this driver.
-    fn own_slices(&self) -> ListParams {
-        ListParams::default().fields(&self.field_selector())
+    /// This node's slices of this driver.
+    async fn list_own(&self) -> Result<Vec<ResourceSlice>, PublishError> {
+        let params = ListParams::default().fields(&self.field_selector());
+        let list = self.api().list(&params).await;
+        Ok(list.map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?.items)
     }
 
     /// The field selector for this node's slices of this driver.
@@ -120,13 +122,7 @@ impl Publisher {
     /// device's `parentUUID`), as the API serves them: what the devices were last published with, for the health
     /// monitor to read its faults back from when its own record is lost. Devices without taints are left out.
     pub async fn published_taints(&self) -> Result<Vec<(String, Vec<Value>)>, PublishError> {
-        let slices = self
-            .api()
-            .list(&self.own_slices())
-            .await
-            .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
-            .items;
-        let devices = slices.into_iter().flat_map(|slice| slice.spec.devices.unwrap_or_default());
+        let devices = self.list_own().await?.into_iter().flat_map(|slice| slice.spec.devices.unwrap_or_default());
         Ok(devices
             .filter_map(|device| {
                 let attributes = device.attributes.unwrap_or_default();
@@ -140,12 +136,7 @@ impl Publisher {
 
     /// Publishes `slices` (from [`super::pool_slices`]) as the node's pool.
     pub async fn publish(&self, slices: &[SliceContent]) -> Result<Outcome, PublishError> {
-        let existing = self
-            .api()
-            .list(&self.own_slices())
-            .await
-            .map_err(|source| PublishError::ListSlices { node: self.node.clone(), source })?
-            .items;
+        let existing = self.list_own().await?;
         let hashes: Vec<String> = slices.iter().map(content_hash).collect();
         let generation = existing.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
         let current: Vec<&ResourceSlice> =
@@ -231,9 +222,8 @@ impl Publisher {
     /// incomplete generation for the pool and allocate none of the node's GPUs until a later round completed one.
     /// Best effort: what is left, the next round finds and deletes with the old generation.
     async fn remove_generation(&self, generation: i64) {
-        let listed = self.api().list(&self.own_slices()).await;
-        let slices = match listed {
-            Ok(list) => list.items,
+        let slices = match self.list_own().await {
+            Ok(slices) => slices,
             Err(error) => {
                 warn!(node = %self.node, generation, %error, "listing the slices of a failed publish failed");
                 return;
