@@ -234,11 +234,67 @@ impl DriverState {
     /// unprepares hold the state lock for their whole batch, so nothing it finds started is in progress.
     pub async fn recover_with_gpus(self: &Arc<Self>) -> Result<(), StateError> {
         let this = self.clone();
-        let (half_done, rewritten, orphans) = tokio::task::spawn_blocking(move || this.clean_up())
-            .await
-            .map_err(|e| StateError::Task(e.to_string()))??;
+        let (half_done, rewritten, orphans) = tokio::task::spawn_blocking(move || {
+            {
+                // Claims adopted after a corrupt checkpoint without GPUs: what their specs say of them needs the
+                // GPUs too (saved by the clean-up).
+                let mut checkpoint = this.lock();
+                this.mark_made_mig_devices(&mut checkpoint);
+                let inventory = this.inventory.borrow().clone();
+                let recovered = checkpoint.claims.values().filter(|e| e.recovered);
+                let exclusive: Vec<String> = recovered
+                    .filter_map(|e| e.mps.as_ref())
+                    .flat_map(|daemon| mps::exclusive_gpus(daemon, inventory.values()))
+                    .collect();
+                checkpoint.exclusive_process.extend(exclusive);
+            }
+            this.clean_up()
+        })
+        .await
+        .map_err(|e| StateError::Task(e.to_string()))??;
         info!(half_done, rewritten, orphans, "checkpoint recovered again now that the GPUs are discovered");
         Ok(())
+    }
+
+    /// Marks, in the entries adopted from their specs after a corrupt checkpoint, the dynamic MIG devices made for
+    /// them, so that their unprepare destroys them (left, one would stay in the way of the partitions around it for
+    /// good). With dynamic MIG a claim is only ever allocated partitions, whose MIG devices prepare made; a claim's
+    /// spec names each device's UUID. Not marked: a device of the inventory that is no partition (static MIG: an
+    /// administrator's), and a MIG device more than one claim names (an admin-access claim looks at a device
+    /// another claim made, and its spec says nothing of admin access: destroying it for the wrong one would pull it
+    /// from under the other's pods; left, it leaks, which is said). The one device wrongly taken for made: a node
+    /// switched from `--mig-layout static` to dynamic while a claim of an administrator's MIG device was prepared,
+    /// with the checkpoint lost at that restart. Needs the GPUs (see [`Self::recover_with_gpus`]).
+    fn mark_made_mig_devices(&self, checkpoint: &mut Checkpoint) {
+        let inventory = self.inventory.borrow().clone();
+        let mut candidates = Vec::new();
+        let mut named: BTreeMap<String, usize> = BTreeMap::new();
+        for (uid, entry) in &checkpoint.claims {
+            if !entry.recovered {
+                entry.devices.iter().filter_map(|d| d.made_mig.clone()).for_each(|u| *named.entry(u).or_default() += 1);
+                continue;
+            }
+            let Ok(devices) = cdi::claim_spec_devices(&self.cdi_dir, &self.cdi_kind, uid) else { continue };
+            for (device, uuid) in devices {
+                let Some(uuid) = uuid.filter(|uuid| uuid.starts_with("MIG-")) else { continue };
+                *named.entry(uuid.clone()).or_default() += 1;
+                if inventory.get(&device).is_some_and(|d| d.partition.is_some()) {
+                    candidates.push((uid.clone(), device, uuid));
+                }
+            }
+        }
+        for (uid, device, uuid) in candidates {
+            let Some(entry) = checkpoint.claims.get_mut(&uid) else { continue };
+            for recorded in entry.devices.iter_mut().filter(|d| d.device == device && d.made_mig.is_none()) {
+                if named.get(&uuid) == Some(&1) {
+                    info!(%uid, %device, mig = %uuid, "the adopted claim's MIG device was made for it: unprepare destroys it");
+                    recorded.made_mig = Some(uuid.clone());
+                } else {
+                    warn!(%uid, %device, mig = %uuid, "the adopted claim's MIG device is named by another claim too \
+                          (admin access?): it is not destroyed when unprepared; destroy it by hand once no pod uses it");
+                }
+            }
+        }
     }
 
     pub fn metrics(&self) -> &PluginMetrics {
@@ -691,8 +747,7 @@ impl DriverState {
         let uids = cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind)
             .map_err(|source| StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source })?;
         for uid in &uids {
-            let inventory = self.inventory.borrow().clone();
-            let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid, &inventory);
+            let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid);
             info!(%uid, devices = devices.len(), "adopted the CDI spec of a claim the corrupt checkpoint recorded");
             let entry = ClaimEntry {
                 namespace: String::new(),
@@ -717,6 +772,7 @@ impl DriverState {
             }
             checkpoint.claims.insert(uid.clone(), entry);
         }
+        self.mark_made_mig_devices(&mut checkpoint);
         let moved_to = self.store.replace_corrupt(&checkpoint)?;
         Ok((uids.len(), moved_to))
     }
@@ -1013,35 +1069,25 @@ fn conflict(
     })
 }
 
-/// The devices a claim's spec on disk names, as recovered-entry devices (no requests, shares or admin access known).
-/// An unreadable spec is adopted with none: it is still kept, and unprepare still removes it. A device that is a
-/// dynamic MIG partition in `inventory` gets the MIG device its spec names as made for it: with dynamic MIG, a claim
-/// is only ever allocated partitions, whose MIG devices prepare made, and unprepare must destroy it, or it would stay
-/// in the way of the partitions around it for good (the one exception: a node switched from `--mig-layout static`
-/// to dynamic while a claim of an administrator's MIG device was prepared, with the checkpoint lost at that restart).
-fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str, inventory: &Inventory) -> Vec<PreparedDevice> {
+/// The devices a claim's spec on disk names, as recovered-entry devices (no requests, shares or admin access known;
+/// the MIG devices made for them: [`DriverState::mark_made_mig_devices`]). An unreadable spec is adopted with none:
+/// it is still kept, and unprepare still removes it.
+fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<PreparedDevice> {
     let devices = cdi::claim_spec_devices(dir, kind, uid).unwrap_or_else(|e| {
         warn!(%uid, error = %e, "the CDI spec of a recovered claim is unreadable; keeping it without devices");
         Vec::new()
     });
     devices
         .into_iter()
-        .map(|(device, uuid)| {
-            let partition = inventory.get(&device).is_some_and(|d| d.partition.is_some());
-            let made_mig = uuid.filter(|uuid| partition && uuid.starts_with("MIG-"));
-            if let Some(mig) = &made_mig {
-                info!(%uid, %device, %mig, "the adopted claim's MIG device was made for it: unprepare destroys it");
-            }
-            PreparedDevice {
-                request_names: Vec::new(),
-                pool: pool.to_string(),
-                cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],
-                device,
-                share_id: None,
-                admin_access: false,
-                time_slice: None,
-                made_mig,
-            }
+        .map(|(device, _)| PreparedDevice {
+            request_names: Vec::new(),
+            pool: pool.to_string(),
+            cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],
+            device,
+            share_id: None,
+            admin_access: false,
+            time_slice: None,
+            made_mig: None,
         })
         .collect()
 }

@@ -533,10 +533,15 @@ async fn publish(
     })
 }
 
-/// Deletes the node's slices, after reading the faults of an unreadable health state back from them.
+/// Deletes the node's slices, after reading the faults of an unreadable health state back from them (not before
+/// those are saved).
 async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(), slices::publisher::PublishError> {
     if monitor.restore_pending() {
         monitor.restore(&publisher.published_taints().await?);
+        if monitor.restore_pending() {
+            // Not saved: the slices stay the only record of the faults.
+            return Ok(());
+        }
     }
     publisher.publish(&[]).await.map(drop)
 }

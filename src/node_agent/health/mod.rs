@@ -90,6 +90,8 @@ pub struct Monitor {
     /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
     /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
     restore_pending: AtomicBool,
+    /// Whether a failed save of the faults read back was said.
+    restore_save_failed: AtomicBool,
     /// Where [`Monitor::restore`] copied the unreadable file (or why it could not), once it did.
     kept_aside: Mutex<Option<String>>,
     /// What [`Monitor::restore`] did, once it ran, for an Event on the Node: the GPUs whose faults it read back, and
@@ -142,6 +144,7 @@ impl Monitor {
             holders: Arc::default(),
             restore_pending: AtomicBool::new(unreadable.is_some()),
             kept_aside: Mutex::default(),
+            restore_save_failed: AtomicBool::new(false),
             unreadable,
             restored: watch::Sender::new(None),
         }
@@ -331,7 +334,9 @@ impl Monitor {
             .clone();
         if let Err(error) = store::save(&self.state_dir, &book) {
             // Published with them all the same (they are in the book); read back and saved again next time.
-            warn!(%error, "the GPU faults read back could not be saved; trying again at the next publish");
+            if !self.restore_save_failed.swap(true, Ordering::AcqRel) {
+                warn!(%error, "the GPU faults read back could not be saved; trying again at every publish");
+            }
             return;
         }
         self.restore_pending.store(false, Ordering::Release);
