@@ -235,25 +235,27 @@ impl DriverState {
     pub async fn recover_with_gpus(self: &Arc<Self>) -> Result<(), StateError> {
         let this = self.clone();
         let (half_done, rewritten, orphans) = tokio::task::spawn_blocking(move || {
-            {
-                // Claims adopted after a corrupt checkpoint without GPUs: what their specs say of them needs the
-                // GPUs too (saved by the clean-up).
-                let mut checkpoint = this.lock();
-                this.mark_made_mig_devices(&mut checkpoint);
-                let inventory = this.inventory.borrow().clone();
-                let recovered = checkpoint.claims.values().filter(|e| e.recovered);
-                let exclusive: Vec<String> = recovered
-                    .filter_map(|e| e.mps.as_ref())
-                    .flat_map(|daemon| mps::exclusive_gpus(daemon, inventory.values()))
-                    .collect();
-                checkpoint.exclusive_process.extend(exclusive);
-            }
+            // Claims adopted after a corrupt checkpoint without GPUs: what their specs say of them needs the GPUs too
+            // (saved by the clean-up).
+            this.note_adopted_gpus(&mut this.lock());
             this.clean_up()
         })
         .await
         .map_err(|e| StateError::Task(e.to_string()))??;
         info!(half_done, rewritten, orphans, "checkpoint recovered again now that the GPUs are discovered");
         Ok(())
+    }
+
+    /// What the entries adopted from their specs after a corrupt checkpoint need the GPUs to know: the MIG devices
+    /// made for them ([`Self::mark_made_mig_devices`]) and the GPUs their MPS daemons serve, listed as set to
+    /// `EXCLUSIVE_PROCESS` so that they are set back once the claims are unprepared.
+    fn note_adopted_gpus(&self, checkpoint: &mut Checkpoint) {
+        self.mark_made_mig_devices(checkpoint);
+        let inventory = self.inventory.borrow().clone();
+        let daemons = checkpoint.claims.values().filter(|e| e.recovered).filter_map(|e| e.mps.as_ref());
+        let exclusive: Vec<String> =
+            daemons.flat_map(|daemon| mps::exclusive_gpus(daemon, inventory.values())).collect();
+        checkpoint.exclusive_process.extend(exclusive);
     }
 
     /// Marks, in the entries adopted from their specs after a corrupt checkpoint, the dynamic MIG devices made for
@@ -766,13 +768,10 @@ impl DriverState {
             // device never is (its parent's time slice is not changed for it).
             let whole = entry.devices.iter().map(|d| d.device.clone()).filter(|d| !device::is_mig_device_name(d));
             checkpoint.time_sliced.extend(whole);
-            // So may the compute mode of those its MPS daemon served.
-            if let Some(daemon) = &entry.mps {
-                checkpoint.exclusive_process.extend(mps::exclusive_gpus(daemon, self.inventory.borrow().values()));
-            }
             checkpoint.claims.insert(uid.clone(), entry);
         }
-        self.mark_made_mig_devices(&mut checkpoint);
+        // So may the compute mode of those their MPS daemons served; and their MIG devices were made for them.
+        self.note_adopted_gpus(&mut checkpoint);
         let moved_to = self.store.replace_corrupt(&checkpoint)?;
         Ok((uids.len(), moved_to))
     }

@@ -513,14 +513,10 @@ async fn publish(
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<Outcome, RoundFailure> {
-    if monitor.restore_pending() {
-        // The health state was unreadable: its faults are read back from the slices before they are replaced.
-        let published = publisher.published_taints().await.map_err(|e| RoundFailure {
-            kind: FailureKind::Other,
-            reason: format!("read the GPU faults back from the published taints: {e}"),
-        })?;
-        monitor.restore(&published);
-    }
+    read_back_faults(publisher, monitor).await.map_err(|e| RoundFailure {
+        kind: FailureKind::Other,
+        reason: format!("read the GPU faults back from the published taints: {e}"),
+    })?;
     let taints = gpus.iter().map(|gpu| (gpu.uuid.clone(), monitor.taints(gpu))).collect();
     let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);
@@ -536,14 +532,23 @@ async fn publish(
 /// Deletes the node's slices, after reading the faults of an unreadable health state back from them (not before
 /// those are saved).
 async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(), slices::publisher::PublishError> {
+    read_back_faults(publisher, monitor).await?;
     if monitor.restore_pending() {
-        monitor.restore(&publisher.published_taints().await?);
-        if monitor.restore_pending() {
-            // Not saved: the slices stay the only record of the faults.
-            return Ok(());
-        }
+        // Not saved: the slices stay the only record of the faults.
+        return Ok(());
     }
     publisher.publish(&[]).await.map(drop)
+}
+
+/// The health state was unreadable: its faults are read back from the node's slices before they are replaced.
+async fn read_back_faults(
+    publisher: &Publisher,
+    monitor: &health::Monitor,
+) -> Result<(), slices::publisher::PublishError> {
+    if monitor.restore_pending() {
+        monitor.restore(&publisher.published_taints().await?);
+    }
+    Ok(())
 }
 
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).

@@ -72,12 +72,7 @@ pub(super) async fn start(
         (Ok(files), _) => files,
         (Err(error), Some(root)) if without_driver => {
             warn!(%error, "the driver's files are not there: prepares fail until they are");
-            let files = DriverFiles::awaiting(root);
-            let files = match host_root {
-                Some(host_root) => files.seen_from_host(host_root),
-                None => files,
-            };
-            if settings.simulated_gpus { files.with_simulated_devices() } else { files }
+            as_seen(DriverFiles::awaiting(root), host_root, settings.simulated_gpus)
         }
         (Err(error), _) => return Err(error.to_string()),
     };
@@ -211,12 +206,17 @@ pub(super) fn driver_files(
     simulated_gpus: bool,
 ) -> Result<DriverFiles, crate::cdi::CdiError> {
     let Some(root) = driver_root else { return Ok(DriverFiles::simulated()) };
-    let files = DriverFiles::discover(root)?;
+    Ok(as_seen(DriverFiles::discover(root)?, host_driver_root, simulated_gpus))
+}
+
+/// `files` with host paths as the runtime sees them when `host_driver_root` is given, and simulated device nodes
+/// for simulated GPUs.
+fn as_seen(files: DriverFiles, host_driver_root: Option<&Path>, simulated_gpus: bool) -> DriverFiles {
     let files = match host_driver_root {
         Some(host_root) => files.seen_from_host(host_root),
         None => files,
     };
-    Ok(if simulated_gpus { files.with_simulated_devices() } else { files })
+    if simulated_gpus { files.with_simulated_devices() } else { files }
 }
 
 async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
