@@ -158,6 +158,12 @@ pub struct NodeAgentArgs {
     /// kept under `<state-dir>/device-metadata`, which must be the same path on the host.
     #[arg(long, env = "GPU_DRA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub device_metadata: bool,
+    /// Publish none of this node's GPUs while a device plugin serves NVIDIA GPUs on it (`nvidia.com/gpu`, its
+    /// `.shared` or MIG resources allocatable in the Node's status): both would hand out the same GPUs. Said in the
+    /// log, a Warning Event on the Node and `gpu_dra_node_agent_device_plugin_refused`; the GPUs are published
+    /// again once the device plugin is gone. Off, the agent only warns.
+    #[arg(long, env = "GPU_DRA_REFUSE_WITH_DEVICE_PLUGIN", default_value_t = true, action = clap::ArgAction::Set)]
+    pub refuse_with_device_plugin: bool,
     /// What to do with a claim prepared here that the API no longer allocates what was prepared (deleted,
     /// deallocated, allocated other devices), found so by two checks an interval apart while the Node is Ready: the
     /// kubelet lost its record of it, or a container it cannot stop still holds it. `warn` says so (log, Warning

@@ -29,11 +29,24 @@ fn main() {
             test!(a_bad_simulated_spec_is_refused_with_the_reason),
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
             test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
+            test!(beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_is_gone),
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
             test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
         ],
     )
+}
+
+/// What a classic device plugin's registration makes of a Node: `nvidia.com/gpu` in its capacity and allocatable,
+/// as the kubelet's device manager writes them (`count` 0: the plugin stopped, its resource kept with nothing
+/// allocatable).
+async fn device_plugin_gpus(ctx: &TestContext, node: &str, count: u32) -> anyhow::Result<()> {
+    let gpus = json!({"nvidia.com/gpu": count.to_string()});
+    let patch = json!({"status": {"capacity": gpus, "allocatable": gpus}});
+    Api::<k8s_openapi::api::core::v1::Node>::all(ctx.client.clone())
+        .patch_status(node, &PatchParams::default(), &Patch::Merge(&patch))
+        .await?;
+    Ok(())
 }
 
 /// A node name unique to the test (node names become 63-character label values).
@@ -372,6 +385,66 @@ async fn shared(ctx: &TestContext, node: &str) -> anyhow::Result<Option<bool>> {
         Some(first) if flags.iter().all(|f| f == first) => Some(*first),
         _ => None,
     })
+}
+
+/// A GPU Operator node whose device plugin serves its GPUs (the Operator's labels, `nvidia.com/gpu` allocatable): the
+/// agent runs there but publishes none of them, as both would hand out the same GPUs, and says so on the Node; once
+/// the plugin is gone (nothing allocatable) the GPUs are published again. With `--refuse-with-device-plugin=false`
+/// the agent only warns and keeps them published.
+async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_is_gone(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    let tolerant = format!("{node}-b");
+    // The Operator labels every GPU node so, whether its device plugin runs or not: the label decides nothing.
+    let labels = ["nvidia.com/gpu.present=true", "nvidia.com/gpu.deploy.device-plugin=true"];
+    ctx.cluster.add_node_labeled(&node, &labels)?;
+    ctx.cluster.add_node_labeled(&tolerant, &labels)?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--resync-period", "1s"];
+    let both = agent(&ctx, &tolerant, &[&gpus[..], &["--refuse-with-device-plugin=false"]].concat()).await?;
+    let agent = agent(&ctx, &node, &gpus).await?;
+    agent.wait_ready().await?;
+    both.wait_ready().await?;
+    wait_devices(&ctx, &node, 2).await?;
+    wait_devices(&ctx, &tolerant, 2).await?;
+    ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "refused before a plugin");
+
+    device_plugin_gpus(&ctx, &node, 2).await?;
+    device_plugin_gpus(&ctx, &tolerant, 2).await?;
+    wait_devices(&ctx, &node, 0).await.with_context(|| agent.log_tail())?;
+    let warned = wait::until("a DevicePluginServesGpus Warning on the Node", Duration::from_secs(10), || async {
+        let events = objects::events_in(&ctx, "default", &node).await?;
+        Ok(events.into_iter().find(|(type_, reason, _)| type_ == "Warning" && reason == "DevicePluginServesGpus"))
+    })
+    .await?;
+    for part in ["nvidia.com/gpu=2", "publishes none of this node's GPUs", "devicePlugin.enabled=false"] {
+        ensure!(warned.2.contains(part), "the Event lacks {part:?}: {}", warned.2);
+    }
+    ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 1.0, "metric not set");
+    // Still Ready: the agent works as it should there, and a DaemonSet rollout must not stall on it.
+    ensure!(agent.get("/readyz").await?.0 == 200, "not ready while refusing:\n{}", agent.log_tail());
+    // A few resyncs later: still nothing published, and the other agent keeps its GPUs (only warning).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "GPUs published beside the device plugin");
+    ensure!(device_names(&slices_of(&ctx, &tolerant).await?).len() == 2, "refused with the refusal off");
+    ensure!(
+        objects::events_in(&ctx, "default", &tolerant)
+            .await?
+            .iter()
+            .any(|(type_, reason, _)| type_ == "Warning" && reason == "DevicePluginServesGpus"),
+        "no warning with the refusal off"
+    );
+    ensure!(both.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "refused with it off");
+
+    device_plugin_gpus(&ctx, &node, 0).await?;
+    wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    wait::until("a DevicePluginGone event on the Node", Duration::from_secs(10), || async {
+        let events = objects::events_in(&ctx, "default", &node).await?;
+        Ok(events.iter().any(|(type_, reason, _)| type_ == "Normal" && reason == "DevicePluginGone").then_some(()))
+    })
+    .await?;
+    ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "metric not cleared");
+    Ok(())
 }
 
 /// A node pool labelled `gpu.gpu-dra.dev/gpu-sharing=by-memory` gets its GPUs shared by memory from one DaemonSet

@@ -14,6 +14,7 @@
 
 pub mod bounded_run;
 pub mod device;
+pub mod device_plugin;
 pub mod discovery;
 pub mod driver_tool;
 pub mod gpu;
@@ -35,6 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
@@ -160,6 +162,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let (policy, effects) = args.health.policy();
     let monitor =
         Arc::new(health::Monitor::new(&gpu.driver_name, &node, args.state_dir.clone(), policy, effects, &mut registry));
+    let mut device_plugins =
+        device_plugin::DevicePluginGuard::new(args.refuse_with_device_plugin, client.clone(), &mut registry);
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
     let liveness = Liveness::default();
@@ -224,11 +228,19 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         // discovered nothing.
         let mut unreadable_now = None;
         let round = async {
+            // Nothing is published while a device plugin serves the GPUs; the next full round looks again.
+            if health_only && device_plugins.refusing() {
+                return Ok::<_, RoundFailure>((0, Outcome::Unchanged));
+            }
             if health_only && let Some((gpus, devices, ours)) = &known {
                 let outcome = publish(gpus, devices, sharing.current, ours, &publisher, &monitor).await?;
                 return Ok::<_, RoundFailure>((devices.len(), outcome));
             }
-            node_exists = sharing.refresh(&client, &node, &gpu.driver_name).await;
+            let read = read_node(&client, &node).await;
+            node_exists = sharing.refresh(&read, &gpu.driver_name);
+            if let Ok(Some(read)) = &read {
+                device_plugins.observe(read).await;
+            }
             // With the plugin serving, a round for a missing Node stops here: nothing can be published for it.
             if node_exists == Some(false) && plugin_task.is_some() {
                 let reason = format!("node {node} not found: waiting for the Node to be registered again");
@@ -272,6 +284,17 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
             }
             ours.extend(made_mig_devices(plugin_state.as_ref()).await);
+            if device_plugins.refusing() {
+                // Claims allocated before the device plugin came still prepare (their GPUs stay in the inventory);
+                // new ones find no GPU of this node to allocate.
+                inventory.send_replace(inventory_of(&device::devices(&gpus, mig_layout(gpu.mig_layout, &publisher))));
+                known = None;
+                unpublish(&publisher, &monitor).await.map_err(|e| RoundFailure {
+                    kind: FailureKind::Other,
+                    reason: format!("empty the pool while a device plugin serves this node's GPUs: {e}"),
+                })?;
+                return Ok((0, Outcome::Unchanged));
+            }
             loop {
                 let layout = mig_layout(gpu.mig_layout, &publisher);
                 let devices = device::devices(&gpus, layout);
@@ -417,6 +440,16 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     Ok(())
 }
 
+/// Reads the Node from the API server's cache (resourceVersion 0: one cheap read per node and resync, never a
+/// quorum read from etcd); `None`: it does not exist.
+async fn read_node(client: &kube::Client, node: &str) -> Result<Option<Node>, kube::Error> {
+    match Api::<Node>::all(client.clone()).get_with(node, &kube::api::GetParams::any()).await {
+        Ok(node) => Ok(Some(node)),
+        Err(kube::Error::Api(status)) if status.code == 404 => Ok(None),
+        Err(err) => Err(err),
+    }
+}
+
 /// This node's sharing mode ([`slices::node_sharing`]): `--gpu-sharing`, unless the Node's label says otherwise.
 struct SharingChoice {
     default: slices::Sharing,
@@ -432,13 +465,12 @@ impl SharingChoice {
         Self { default, current: default, reported: None, read_failure_reported: false }
     }
 
-    /// Reads the Node's labels, from the API server's cache (resourceVersion 0: one cheap read per node and
-    /// resync, never a quorum read from etcd); says whether the Node exists (`None`: the read failed). A Node that
-    /// cannot be read keeps the current mode: the round goes on, and the publisher reports what is wrong with it.
-    async fn refresh(&mut self, client: &kube::Client, node: &str, driver: &str) -> Option<bool> {
-        let nodes = Api::<k8s_openapi::api::core::v1::Node>::all(client.clone());
-        let labels = match nodes.get_metadata_opt_with(node, &kube::api::GetParams::any()).await {
-            Ok(Some(meta)) => meta.metadata.labels.unwrap_or_default(),
+    /// Takes the Node's labels from `read` ([`read_node`]); says whether the Node exists (`None`: the read failed).
+    /// A Node that cannot be read keeps the current mode: the round goes on, and the publisher reports what is wrong
+    /// with it.
+    fn refresh(&mut self, read: &Result<Option<Node>, kube::Error>, driver: &str) -> Option<bool> {
+        let labels = match read {
+            Ok(Some(node)) => node.metadata.labels.clone().unwrap_or_default(),
             Ok(None) => return Some(false),
             Err(err) => {
                 if !std::mem::replace(&mut self.read_failure_reported, true) {

@@ -92,15 +92,16 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
             &[
                 "only runs on nodes\n     matching one of these node affinity terms:",
                 "- feature.node.kubernetes.io/pci-10de.present In [\"true\"]\n       - nvidia.com/gpu.present In [\"true\"]",
-                "and not labeled nvidia.com/gpu.deploy.device-plugin=true",
+                "Where a classic device plugin serves GPUs (nvidia.com/gpu allocatable), the agent publishes none",
+                "--field-selector reason=DevicePluginServesGpus",
             ][..],
         ),
         ("nodeAgent.nodeSelector.gpu=yes", &["with the labels {\"gpu\":\"yes\"}\n     and matching one of"][..]),
         (
-            "nodeAgent.affinity=null",
-            &["only runs on nodes\n     not labeled nvidia.com/gpu.deploy.device-plugin=true"][..],
+            "nodeAgent.affinity=null,nodeAgent.devicePluginNodeLabel=example.com/device-plugin",
+            &["only runs on nodes\n     not labeled example.com/device-plugin=true"][..],
         ),
-        ("nodeAgent.affinity=null,nodeAgent.refuseWithDevicePlugin=false", &["the DaemonSet runs on every node"][..]),
+        ("nodeAgent.affinity=null", &["the DaemonSet runs on every node"][..]),
     ] {
         let mut args = vec!["install", "gpu-dra", chart, "--namespace", "gpu-dra", "--dry-run=client"];
         if !set.is_empty() {
@@ -233,15 +234,28 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         "the agent's startup probe must give a replaced agent minutes to exit: {}",
         container["startupProbe"]
     );
-    let excluded = json!({"key": "nvidia.com/gpu.deploy.device-plugin", "operator": "NotIn", "values": ["true"]});
+    // Nodes where a device plugin serves GPUs are told by the agent from the Node's status, not by a label (the GPU
+    // Operator labels every GPU node as running its device plugin): no exclusion unless a label is named.
+    ensure!(
+        env_value(container, "GPU_DRA_REFUSE_WITH_DEVICE_PLUGIN") == Some("true"),
+        "the agent must refuse to publish beside a device plugin: {}",
+        container["env"]
+    );
+    let excluded = json!({"key": "example.com/device-plugin", "operator": "NotIn", "values": ["true"]});
     let terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
         .as_array()
         .context("no required node affinity")?;
-    ensure!(
-        !terms.is_empty()
-            && terms.iter().all(|t| t["matchExpressions"].as_array().is_some_and(|e| e.contains(&excluded))),
-        "device-plugin nodes not excluded from every term: {terms:?}"
-    );
+    let excluding =
+        |t: &Value| t["matchExpressions"].as_array().is_some_and(|e| e.iter().any(|e| e["operator"] == "NotIn"));
+    if all_on {
+        ensure!(
+            !terms.is_empty()
+                && terms.iter().all(|t| t["matchExpressions"].as_array().is_some_and(|e| e.contains(&excluded))),
+            "labeled device-plugin nodes not excluded from every term: {terms:?}"
+        );
+    } else {
+        ensure!(!terms.iter().any(excluding), "no node label excludes device-plugin nodes by default: {terms:?}");
+    }
     if !all_on {
         // GPU nodes by NFD's label or by the GPU Operator's: either term, each without the device plugin.
         let keys: Vec<&Value> = terms.iter().map(|t| &t["matchExpressions"][0]["key"]).collect();
