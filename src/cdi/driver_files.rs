@@ -44,6 +44,14 @@ const LIBRARY_DIRS: &[&str] = &[
 ];
 
 /// The utilities workloads and their tooling expect (`nvidia-smi` above all).
+/// Where CUDA-based images (NVIDIA's `nvidia/cuda`, and PyTorch's and the others built on them) look for the
+/// driver's libraries first: their `LD_LIBRARY_PATH` names it. Each library is mounted there as well as at its own
+/// path, because a container's dynamic linker searches only its own distribution's directories: an Ubuntu image on a
+/// RHEL-family node (libraries in `/usr/lib64`) would not find `libcuda.so.1` at the node's path, nor a UBI image on
+/// an Ubuntu node (`/usr/lib/x86_64-linux-gnu`).
+const CUDA_IMAGE_LIBRARY_DIR: &str = "/usr/local/nvidia/lib64";
+
+/// The utilities workloads and their tooling expect (`nvidia-smi` above all).
 const UTILITIES: &[&str] =
     &["nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control", "nvidia-cuda-mps-server"];
 
@@ -230,14 +238,15 @@ impl DriverFiles {
             }
         };
         let host_root = tracked.host_root.as_deref().unwrap_or(&current.root);
-        Ok(current
+        let mut mounts: BTreeMap<PathBuf, PathBuf> = current
             .files
             .iter()
-            .map(|(container_path, relative)| DriverMount {
-                host_path: host_root.join(relative),
-                container_path: container_path.clone(),
-            })
-            .collect())
+            .map(|(container_path, relative)| (container_path.clone(), host_root.join(relative)))
+            .collect();
+        for (container_path, host_path) in library_aliases(&current.files, host_root) {
+            mounts.entry(container_path).or_insert(host_path);
+        }
+        Ok(mounts.into_iter().map(|(container_path, host_path)| DriverMount { host_path, container_path }).collect())
     }
 }
 
@@ -289,6 +298,19 @@ impl Found {
                 && self.root.join(relative).is_file()
         })
     }
+}
+
+/// Each library of `files` once more under [`CUDA_IMAGE_LIBRARY_DIR`], by its file name (the first of a name, in
+/// container path order, where two directories hold it).
+fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let mut aliases: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
+    for (container_path, relative) in files {
+        let Some(name) = container_path.file_name().and_then(|n| n.to_str()) else { continue };
+        if LIBRARY_PREFIXES.iter().any(|prefix| name.starts_with(prefix)) {
+            aliases.entry(Path::new(CUDA_IMAGE_LIBRARY_DIR).join(name)).or_insert_with(|| host_root.join(relative));
+        }
+    }
+    aliases.into_iter().collect()
 }
 
 /// The driver version from the real CUDA library's name (`libcuda.so.550.54.15` → `550.54.15`); it names the
@@ -459,6 +481,7 @@ mod tests {
             })
             .collect();
         let lib = |name: &str| format!("/{LIB}/{name}");
+        let cuda_image = |name: &str| format!("/usr/local/nvidia/lib64/{name}");
         let expected = [
             ("/usr/bin/nvidia-smi".into(), "usr/bin/nvidia-smi".into()),
             (
@@ -473,6 +496,15 @@ mod tests {
             (lib("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
             (lib("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+            // Each library again where CUDA images' LD_LIBRARY_PATH looks.
+            (cuda_image("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
+            (cuda_image("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
+            (cuda_image("libcuda.so.550.54.15"), format!("{LIB}/libcuda.so.550.54.15")),
+            (cuda_image("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
+            (cuda_image("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
+            (cuda_image("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
+            (cuda_image("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+            (cuda_image("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
         ];
         let expected: Vec<(String, PathBuf)> = expected.into_iter().map(|(c, h)| (c, PathBuf::from(h))).collect();
         assert_eq!(got, expected);
@@ -544,7 +576,7 @@ mod tests {
         install_driver(&root, "550.54.15")?;
         let files = DriverFiles::discover(&root)?.seen_from_host(Path::new("/run/nvidia/driver"));
         let before = names(&files)?;
-        assert_eq!(before.len(), 5, "{before:?}");
+        assert_eq!(before.len(), 9, "{before:?}");
         assert!(before.iter().all(|n| n.contains("550.54.15")), "{before:?}");
         assert_eq!(names(&files)?, before, "nothing changed, nothing moves");
         assert_eq!(files.changes(), 0);
@@ -553,7 +585,7 @@ mod tests {
         install_driver(&root, "570.86.10")?;
         remove_driver(&root, "550.54.15")?;
         let after = names(&files)?;
-        assert_eq!(after.len(), 5, "{after:?}");
+        assert_eq!(after.len(), 9, "{after:?}");
         assert!(after.iter().all(|n| n.contains("570.86.10") && n.starts_with("/run/nvidia/driver/")), "{after:?}");
         assert!(files.clone().mounts()? == files.mounts()?, "clones share the current files");
         assert_eq!((files.changes(), files.clone().changes()), (1, 1), "a change counted once, shared by clones");
@@ -583,9 +615,32 @@ mod tests {
         fs::create_dir_all(&root)?;
         assert!(matches!(files.mounts(), Err(CdiError::NoCudaLibrary { .. })));
         install_driver(&root, "550.54.15")?;
-        assert_eq!(names(&files)?.len(), 5);
+        assert_eq!(names(&files)?.len(), 9);
         assert_eq!(files.changes(), 1);
-        assert_eq!((names(&files)?.len(), files.changes()), (5, 1), "found once");
+        assert_eq!((names(&files)?.len(), files.changes()), (9, 1), "found once");
+        Ok(())
+    }
+
+    /// A RHEL-family node (Amazon Linux, OpenShift): the libraries in `/usr/lib64`, which the dynamic linker of a
+    /// Debian-family image (CUDA's, PyTorch's) never searches; its `LD_LIBRARY_PATH` names `/usr/local/nvidia/lib64`.
+    #[test]
+    fn libraries_of_any_layout_are_also_where_cuda_images_look() -> TestResult {
+        let base = tempfile::tempdir()?;
+        let root = base.path().join("root");
+        touch(&root, "usr/lib64/libcuda.so.570.86.10")?;
+        touch(&root, "usr/lib64/libnvidia-ml.so.570.86.10")?;
+        touch(&root, "usr/bin/nvidia-smi")?;
+        symlink("libcuda.so.570.86.10", root.join("usr/lib64/libcuda.so.1"))?;
+        let mounts = DriverFiles::discover(&root)?.mounts()?;
+        let real = fs::canonicalize(&root)?;
+        let at = |path: &str| mounts.iter().find(|m| m.container_path() == Path::new(path)).map(|m| m.host_path());
+        for name in ["libcuda.so.1", "libcuda.so.570.86.10", "libnvidia-ml.so.570.86.10"] {
+            let lib64 = at(&format!("/usr/lib64/{name}"));
+            assert!(lib64.is_some_and(|p| p.starts_with(&real)), "{name} at its own path: {mounts:?}");
+            assert_eq!(at(&format!("/usr/local/nvidia/lib64/{name}")), lib64, "{name} where CUDA images look");
+        }
+        // Utilities and firmware stay where they are.
+        assert!(at("/usr/bin/nvidia-smi").is_some() && at("/usr/local/nvidia/lib64/nvidia-smi").is_none());
         Ok(())
     }
 

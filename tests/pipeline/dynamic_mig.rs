@@ -28,13 +28,45 @@ const GPUS: &str = "1xH100-80GB/mig=,1xH100-80GB/mig=1g.10gb";
 pub(super) async fn the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
+    let watching = tokio::spawn(devices_ever_stored(ctx.client.clone(), "-dynmig", seen.clone()));
     let mut bed = MigNode::start(&ctx, "dynmig", GPUS, &["--mig-layout", "dynamic"]).await?;
-    let result = partition(&ctx, &mut bed).await;
+    let result = partition(&ctx, &mut bed, &seen).await;
+    watching.abort();
     bed.remove_classes(&ctx).await;
     result
 }
 
-async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
+/// Collects into `seen` the name of every device a slice of this driver for a node named `*<suffix>` was ever stored
+/// with, from a watch started before the node's agent.
+async fn devices_ever_stored(
+    client: kube::Client,
+    suffix: &str,
+    seen: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
+) {
+    use futures::StreamExt as _;
+    let config = kube::runtime::watcher::Config::default().fields(&format!("spec.driver={DRIVER}"));
+    let events = kube::runtime::watcher(Api::<ResourceSlice>::all(client), config);
+    let mut events = std::pin::pin!(events);
+    while let Some(event) = events.next().await {
+        let (kube::runtime::watcher::Event::Apply(slice) | kube::runtime::watcher::Event::InitApply(slice)) =
+            event.unwrap_or(kube::runtime::watcher::Event::InitDone)
+        else {
+            continue;
+        };
+        if slice.spec.node_name.as_deref().is_some_and(|n| n.ends_with(suffix))
+            && let Ok(mut seen) = seen.lock()
+        {
+            seen.extend(slice.spec.devices.unwrap_or_default().into_iter().map(|d| d.name));
+        }
+    }
+}
+
+async fn partition(
+    ctx: &TestContext,
+    bed: &mut MigNode,
+    seen: &std::sync::Mutex<BTreeSet<String>>,
+) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
     let node = bed.name.clone();
     if support::cluster::kubernetes_minor()? < 36 {
@@ -49,6 +81,10 @@ async fn partition(ctx: &TestContext, bed: &mut MigNode) -> anyhow::Result<()> {
             Ok((names == ["gpu-1-mig-19-0-1"]).then_some(()))
         })
         .await?;
+        // Found by a dry run: no slice of partitions stored without their counters (overlapping MIG devices the
+        // scheduler could have allocated together), not even for a moment.
+        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+        ensure!(seen == BTreeSet::from(["gpu-1-mig-19-0-1".to_string()]), "devices ever stored: {seen:?}");
         return Ok(());
     }
     // GPU 0: 26 partitions; GPU 1: 26 less the 8 starting on the administrator's slice 0 (its whole among them).

@@ -69,6 +69,9 @@ pub struct Publisher {
     /// Whether the API server dropped the devices' `consumesCounters` (DRAPartitionableDevices off): dynamic MIG
     /// cannot work, and the agent publishes MIG devices as they exist instead.
     counters_dropped: Arc<AtomicBool>,
+    /// Whether the API server was seen to keep the devices' `consumesCounters` (a dry-run create, once per agent
+    /// start, before the first pool with counters is written).
+    counters_kept: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -93,6 +96,7 @@ impl Publisher {
             last_generation: Arc::default(),
             checked_dropped: Arc::default(),
             counters_dropped: Arc::default(),
+            counters_kept: Arc::default(),
         }
     }
 
@@ -159,8 +163,8 @@ impl Publisher {
 
         let node_uid = self.node_uid().await?;
         let generation = generation.max(self.last_generation.load(Ordering::Relaxed)) + 1;
-        for (content, hash) in slices.iter().zip(&hashes) {
-            let slice: ResourceSlice = serde_json::from_value(json!({
+        let slice = |content: &SliceContent, hash: &str| -> Result<ResourceSlice, PublishError> {
+            serde_json::from_value(json!({
                 "metadata": {
                     "generateName": format!("{}-{}-", self.node, self.driver),
                     "annotations": {DEVICES_HASH_ANNOTATION: hash},
@@ -173,28 +177,49 @@ impl Publisher {
                     content.field(): content.items()
                 }
             }))
-            .map_err(PublishError::Encode)?;
-            let stored = match self.api().create(&PostParams::default(), &slice).await {
+            .map_err(PublishError::Encode)
+        };
+        // Devices that consume counters, stored without them (DRAPartitionableDevices off), are a GPU's overlapping
+        // MIG partitions offered as independent devices: a complete pool of them, even for the moment before the
+        // agent switches to the MIG devices that exist, lets the scheduler allocate two that cannot both be made.
+        // So before the first such pool is written, the API server is asked what it would store.
+        let consuming = slices.iter().zip(&hashes).find(|(content, _)| consumes_counters(content.devices()));
+        if let Some((content, hash)) = consuming
+            && !self.counters_kept.load(Ordering::Relaxed)
+        {
+            let dry_run = PostParams { dry_run: true, ..Default::default() };
+            let would_store = self
+                .api()
+                .create(&dry_run, &slice(content, hash)?)
+                .await
+                .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
+            let dropped = dropped_fields(content.devices(), &would_store);
+            if dropped.contains(&DroppedField::ConsumesCounters) {
+                self.counters_dropped.store(true, Ordering::Relaxed);
+                self.warn_dropped(&dropped, "(dry run)");
+                return Ok(Outcome::Unchanged);
+            }
+            self.counters_kept.store(true, Ordering::Relaxed);
+        }
+        for (content, hash) in slices.iter().zip(&hashes) {
+            let stored = match self.api().create(&PostParams::default(), &slice(content, hash)?).await {
                 Ok(stored) => stored,
                 Err(source) => {
                     self.remove_generation(generation).await;
                     return Err(PublishError::CreateSlice { node: self.node.clone(), source });
                 }
             };
-            for field in dropped_fields(content.devices(), &stored) {
-                if field == DroppedField::ConsumesCounters {
-                    self.counters_dropped.store(true, Ordering::Relaxed);
-                }
-                warn!(
-                    node = %self.node,
-                    slice = %stored.name_any(),
-                    gate = field.feature_gate(),
-                    "the API server dropped the devices' {} (feature gate {} off): {}",
-                    field.field(),
-                    field.feature_gate(),
-                    field.consequence()
-                );
+            let dropped = dropped_fields(content.devices(), &stored);
+            if dropped.contains(&DroppedField::ConsumesCounters) {
+                // Checked by the dry run; a gate turned off since (an API server restarted meanwhile): the
+                // generation is taken back before it is complete.
+                self.counters_dropped.store(true, Ordering::Relaxed);
+                self.warn_dropped(&dropped, &stored.name_any());
+                self.remove_generation(generation).await;
+                self.last_generation.store(generation, Ordering::Relaxed);
+                return Ok(Outcome::Unchanged);
             }
+            self.warn_dropped(&dropped, &stored.name_any());
         }
         for old in &existing {
             let name = old.name_any();
@@ -215,6 +240,21 @@ impl Publisher {
         let devices: usize = slices.iter().map(|s| s.devices().len()).sum();
         info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
         Ok(Outcome::Published { generation, slices: slices.len() })
+    }
+
+    /// Says which of the devices' fields the API server dropped from `slice` (a name, or that it was a dry run).
+    fn warn_dropped(&self, dropped: &[DroppedField], slice: &str) {
+        for field in dropped {
+            warn!(
+                node = %self.node,
+                slice,
+                gate = field.feature_gate(),
+                "the API server dropped the devices' {} (feature gate {} off): {}",
+                field.field(),
+                field.feature_gate(),
+                field.consequence()
+            );
+        }
     }
 
     /// After a create of `generation` failed: removes the slices of it that were made (also one whose answer was
@@ -262,6 +302,11 @@ fn stored_lack_fields(slices: &[SliceContent], hashes: &[String], current: &[&Re
             .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(hash))
             .any(|stored| !dropped_fields(content.devices(), stored).is_empty())
     })
+}
+
+/// Whether some of `devices` (as sent) consume counters.
+fn consumes_counters(devices: &[Value]) -> bool {
+    devices.iter().any(|device| device.get("consumesCounters").is_some())
 }
 
 /// A stable hash of a slice's content: of its device list as before counter slices existed (a pool published by
