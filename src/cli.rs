@@ -158,12 +158,21 @@ pub struct NodeAgentArgs {
     /// kept under `<state-dir>/device-metadata`, which must be the same path on the host.
     #[arg(long, env = "GPU_DRA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub device_metadata: bool,
-    /// Publish none of this node's GPUs while a device plugin serves NVIDIA GPUs on it (`nvidia.com/gpu`, its
-    /// `.shared` or MIG resources allocatable in the Node's status): both would hand out the same GPUs. Said in the
-    /// log, a Warning Event on the Node and `gpu_dra_node_agent_device_plugin_refused`; the GPUs are published
-    /// again once the device plugin is gone. Off, the agent only warns.
+    /// Publish none of this node's GPUs while a device plugin serves NVIDIA GPUs on it (one of
+    /// `--device-plugin-resources` in the Node's capacity or allocatable): both would hand out the same GPUs. Said in
+    /// the log, a Warning Event on the Node and `gpu_dra_node_agent_device_plugin_refused`; the GPUs are published
+    /// again once none has served any for `--device-plugin-grace-period`. Off, the agent only warns.
     #[arg(long, env = "GPU_DRA_REFUSE_WITH_DEVICE_PLUGIN", default_value_t = true, action = clap::ArgAction::Set)]
     pub refuse_with_device_plugin: bool,
+    /// The extended resources a device plugin serves GPUs as, comma-separated; a trailing `*` matches any rest of
+    /// the name. Add the names of a plugin configured to rename its resources (e.g. `nvidia.com/a100`).
+    #[arg(long, env = "GPU_DRA_DEVICE_PLUGIN_RESOURCES", value_delimiter = ',',
+          default_value = crate::node_agent::device_plugin::DEFAULT_RESOURCES)]
+    pub device_plugin_resources: Vec<String>,
+    /// How long no device plugin must have served GPUs before the agent publishes them again: the kubelet zeroes a
+    /// plugin's resources while either restarts, and keeps a disconnected plugin's for 5 minutes.
+    #[arg(long, env = "GPU_DRA_DEVICE_PLUGIN_GRACE_PERIOD", default_value = "5m", value_parser = humantime::parse_duration)]
+    pub device_plugin_grace_period: Duration,
     /// What to do with a claim prepared here that the API no longer allocates what was prepared (deleted,
     /// deallocated, allocated other devices), found so by two checks an interval apart while the Node is Ready: the
     /// kubelet lost its record of it, or a container it cannot stop still holds it. `warn` says so (log, Warning

@@ -6,7 +6,6 @@
 
 mod support;
 
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, ensure};
@@ -50,13 +49,7 @@ fn node_name(ctx: &TestContext) -> String {
     format!("gpu-node-{}", &ctx.namespace[ctx.namespace.len() - 6..])
 }
 
-/// Injects `line` as an operator would: the file appears whole (written aside, renamed into place).
-fn inject(state_dir: &Path, line: &str) -> anyhow::Result<()> {
-    let aside = state_dir.join("inject-faults.writing");
-    std::fs::write(&aside, format!("{line}\n"))?;
-    std::fs::rename(&aside, state_dir.join("inject-faults"))?;
-    Ok(())
-}
+use support::node::inject_fault as inject;
 
 /// The taints of each device of the node's current pool, by device name.
 async fn taints(ctx: &TestContext, node: &str) -> anyhow::Result<Vec<(String, Vec<Value>)>> {

@@ -25,6 +25,7 @@ fn main() {
             test!(deleted_slices_are_published_again),
             test!(scheduler_allocates_from_published_gpus),
             test!(many_gpus_split_and_a_change_bumps_the_generation),
+            test!(a_change_to_one_slice_of_a_pool_updates_it_in_place),
             test!(without_a_driver_it_stays_up_not_ready_and_publishes_nothing),
             test!(a_bad_simulated_spec_is_refused_with_the_reason),
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
@@ -187,6 +188,57 @@ async fn many_gpus_split_and_a_change_bumps_the_generation(ctx: TestContext) -> 
         generation,
         after[0].spec.pool.generation
     );
+    Ok(())
+}
+
+/// A fault on one GPU of a pool of several slices (200 GPUs, 64 a slice once one is tainted) changes one slice: it
+/// is updated in place and the pool keeps its generation, as upstream's resourceslice controller does. A new generation would be incomplete
+/// until all its slices were written, and the scheduler allocates nothing from an incomplete pool: every GPU of the
+/// node out of reach for those round trips, at every health change of a dynamic-MIG node (a slice per GPU).
+async fn a_change_to_one_slice_of_a_pool_updates_it_in_place(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "200xL4-24GB"]).await?;
+    wait_devices(&ctx, &node, 200).await?;
+    let stored = |slices: &[ResourceSlice]| -> BTreeSet<(String, i64, String)> {
+        slices
+            .iter()
+            .map(|s| (s.name_any(), s.spec.pool.generation, s.resource_version().unwrap_or_default()))
+            .collect()
+    };
+    // A first fault splits the pool anew (a slice with a tainted device holds at most 64): a new generation.
+    support::node::inject_fault(&agent.dirs.state(), "gpu-10 xid 48")?;
+    let before = wait::until("the pool split for taints", Duration::from_secs(10), || async {
+        let slices = slices_of(&ctx, &node).await?;
+        Ok((slices.len() == 4 && device_names(&slices).len() == 200).then_some(slices))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let was = stored(&slices_of(&ctx, &node).await?);
+    ensure!(was == stored(&before), "the pool kept changing: {was:?}");
+    support::node::inject_fault(&agent.dirs.state(), "gpu-150 xid 48")?;
+    wait::until("the faulted GPU's slice to change", Duration::from_secs(10), || async {
+        Ok((stored(&slices_of(&ctx, &node).await?) != was).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    // Whatever the API server keeps of the taint (before 1.36 it drops it), the slice holding gpu-150 was written
+    // again and the other one was not; the names and the generation stay (a second later too).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let now = slices_of(&ctx, &node).await?;
+    let names = |s: &BTreeSet<(String, i64, String)>| s.iter().map(|(n, g, _)| (n.clone(), *g)).collect::<Vec<_>>();
+    let is = stored(&now);
+    ensure!(names(&is) == names(&was), "the pool was published anew: {was:?} → {is:?}\n{}", agent.log_tail());
+    let kept: Vec<_> = is.intersection(&was).collect();
+    let holds = |name: &str| {
+        now.iter().any(|s| s.name_any() == name && s.spec.devices.iter().flatten().any(|d| d.name == "gpu-150"))
+    };
+    ensure!(
+        kept.len() + 1 == was.len() && kept.iter().all(|(name, _, _)| !holds(name)),
+        "one slice, gpu-150's, written again; kept: {kept:?}"
+    );
+    ensure!(agent.log_text().contains("updated one ResourceSlice in place"), "{}", agent.log_tail());
     Ok(())
 }
 
@@ -389,9 +441,10 @@ async fn shared(ctx: &TestContext, node: &str) -> anyhow::Result<Option<bool>> {
 }
 
 /// A GPU Operator node whose device plugin serves its GPUs (the Operator's labels, `nvidia.com/gpu` allocatable): the
-/// agent runs there but publishes none of them, as both would hand out the same GPUs, and says so on the Node; once
-/// the plugin is gone (nothing allocatable) the GPUs are published again. With `--refuse-with-device-plugin=false`
-/// the agent only warns and keeps them published.
+/// agent runs there but publishes none of them, as both would hand out the same GPUs, and says so on the Node. A
+/// plugin restarting (its resource zeroed a moment, as the kubelet does) does not let them out; once none has served
+/// any for the grace period the GPUs are published again. With `--refuse-with-device-plugin=false` the agent only
+/// warns and keeps them published.
 async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_is_gone(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -401,7 +454,16 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     let labels = ["nvidia.com/gpu.present=true", "nvidia.com/gpu.deploy.device-plugin=true"];
     ctx.cluster.add_node_labeled(&node, &labels)?;
     ctx.cluster.add_node_labeled(&tolerant, &labels)?;
-    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--resync-period", "1s"];
+    let gpus = [
+        "--gpu-backend",
+        "simulated",
+        "--simulated-gpus",
+        "2xH100-80GB",
+        "--resync-period",
+        "1s",
+        "--device-plugin-grace-period",
+        "4s",
+    ];
     let both = agent(&ctx, &tolerant, &[&gpus[..], &["--refuse-with-device-plugin=false"]].concat()).await?;
     let agent = agent(&ctx, &node, &gpus).await?;
     agent.wait_ready().await?;
@@ -418,7 +480,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
         Ok(events.into_iter().find(|(type_, reason, _)| type_ == "Warning" && reason == "DevicePluginServesGpus"))
     })
     .await?;
-    for part in ["nvidia.com/gpu=2", "publishes none of this node's GPUs", "devicePlugin.enabled=false"] {
+    for part in ["nvidia.com/gpu=2", "publishes none of this node's GPUs", "for 4s", "devicePlugin.enabled=false"] {
         ensure!(warned.2.contains(part), "the Event lacks {part:?}: {}", warned.2);
     }
     ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 1.0, "metric not set");
@@ -437,8 +499,17 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     );
     ensure!(both.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "refused with it off");
 
+    // The plugin restarting: zero for a few resyncs, then back. Nothing is published meanwhile.
     device_plugin_gpus(&ctx, &node, 0).await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    device_plugin_gpus(&ctx, &node, 2).await?;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "published while the plugin restarted");
+    // Gone: published again once none has served GPUs for the grace period, not before.
+    device_plugin_gpus(&ctx, &node, 0).await?;
+    let gone = Instant::now();
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    ensure!(gone.elapsed() >= Duration::from_secs(3), "published {:?} after the plugin went", gone.elapsed());
     wait::until("a DevicePluginGone event on the Node", Duration::from_secs(10), || async {
         let events = objects::events_in(&ctx, "default", &node).await?;
         Ok(events.iter().any(|(type_, reason, _)| type_ == "Normal" && reason == "DevicePluginGone").then_some(()))

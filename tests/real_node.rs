@@ -652,11 +652,7 @@ async fn share_one_gpu(ctx: &TestContext, node: &RealNode, other: &str) -> anyho
 /// Injects a fault line into the node agent's state directory (on the host, through its hostPath), as an operator
 /// would: the file appears whole.
 fn inject_fault(node: &RealNode, line: &str) -> anyhow::Result<()> {
-    let dir = node.agent_state_dir()?;
-    let aside = dir.join("inject-faults.writing");
-    std::fs::write(&aside, format!("{line}\n"))?;
-    std::fs::rename(&aside, dir.join("inject-faults"))?;
-    Ok(())
+    support::node::inject_fault(&node.agent_state_dir()?, line)
 }
 
 /// File names in `dir` (none when it does not exist).

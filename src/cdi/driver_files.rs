@@ -43,13 +43,24 @@ const LIBRARY_DIRS: &[&str] = &[
     "lib",
 ];
 
-/// The utilities workloads and their tooling expect (`nvidia-smi` above all).
 /// Where CUDA-based images (NVIDIA's `nvidia/cuda`, and PyTorch's and the others built on them) look for the
 /// driver's libraries first: their `LD_LIBRARY_PATH` names it. Each library is mounted there as well as at its own
 /// path, because a container's dynamic linker searches only its own distribution's directories: an Ubuntu image on a
 /// RHEL-family node (libraries in `/usr/lib64`) would not find `libcuda.so.1` at the node's path, nor a UBI image on
 /// an Ubuntu node (`/usr/lib/x86_64-linux-gnu`).
 const CUDA_IMAGE_LIBRARY_DIR: &str = "/usr/local/nvidia/lib64";
+
+/// Which directory's library goes under [`CUDA_IMAGE_LIBRARY_DIR`] when several hold one name, first first: the
+/// 64-bit ones; `usr/lib` and `lib` last, where a RHEL-family node keeps its 32-bit libraries.
+const ALIAS_DIRS: &[&str] = &[
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib64",
+    "/lib64",
+    "/lib/x86_64-linux-gnu",
+    "/usr/lib",
+    "/lib",
+];
 
 /// The utilities workloads and their tooling expect (`nvidia-smi` above all).
 const UTILITIES: &[&str] =
@@ -300,17 +311,26 @@ impl Found {
     }
 }
 
-/// Each library of `files` once more under [`CUDA_IMAGE_LIBRARY_DIR`], by its file name (the first of a name, in
-/// container path order, where two directories hold it).
+/// Each library of `files` once more under [`CUDA_IMAGE_LIBRARY_DIR`], by its file name; where two directories hold
+/// one name, the one [`ALIAS_DIRS`] puts first.
 fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathBuf, PathBuf)> {
-    let mut aliases: BTreeMap<PathBuf, PathBuf> = BTreeMap::new();
+    let rank = |path: &Path| {
+        let dir = path.parent().unwrap_or(path);
+        ALIAS_DIRS.iter().position(|d| Path::new(d) == dir).unwrap_or(ALIAS_DIRS.len())
+    };
+    let mut aliases: BTreeMap<PathBuf, (usize, PathBuf)> = BTreeMap::new();
     for (container_path, relative) in files {
         let Some(name) = container_path.file_name().and_then(|n| n.to_str()) else { continue };
-        if LIBRARY_PREFIXES.iter().any(|prefix| name.starts_with(prefix)) {
-            aliases.entry(Path::new(CUDA_IMAGE_LIBRARY_DIR).join(name)).or_insert_with(|| host_root.join(relative));
+        if !LIBRARY_PREFIXES.iter().any(|prefix| name.starts_with(prefix)) {
+            continue;
+        }
+        let candidate = (rank(container_path), host_root.join(relative));
+        let alias = aliases.entry(Path::new(CUDA_IMAGE_LIBRARY_DIR).join(name)).or_insert_with(|| candidate.clone());
+        if candidate.0 < alias.0 {
+            *alias = candidate;
         }
     }
-    aliases.into_iter().collect()
+    aliases.into_iter().map(|(alias, (_, host_path))| (alias, host_path)).collect()
 }
 
 /// The driver version from the real CUDA library's name (`libcuda.so.550.54.15` → `550.54.15`); it names the
@@ -631,6 +651,9 @@ mod tests {
         touch(&root, "usr/lib64/libnvidia-ml.so.570.86.10")?;
         touch(&root, "usr/bin/nvidia-smi")?;
         symlink("libcuda.so.570.86.10", root.join("usr/lib64/libcuda.so.1"))?;
+        // The 32-bit libraries of the same driver, where RHEL keeps them: never the ones CUDA images get.
+        touch(&root, "usr/lib/libcuda.so.570.86.10")?;
+        symlink("libcuda.so.570.86.10", root.join("usr/lib/libcuda.so.1"))?;
         let mounts = DriverFiles::discover(&root)?.mounts()?;
         let real = fs::canonicalize(&root)?;
         let at = |path: &str| mounts.iter().find(|m| m.container_path() == Path::new(path)).map(|m| m.host_path());

@@ -162,8 +162,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let (policy, effects) = args.health.policy();
     let monitor =
         Arc::new(health::Monitor::new(&gpu.driver_name, &node, args.state_dir.clone(), policy, effects, &mut registry));
-    let mut device_plugins =
-        device_plugin::DevicePluginGuard::new(args.refuse_with_device_plugin, client.clone(), &mut registry);
+    let mut device_plugins = device_plugin::DevicePluginGuard::new(
+        args.refuse_with_device_plugin,
+        args.device_plugin_resources.clone(),
+        args.device_plugin_grace_period,
+        client.clone(),
+        &mut registry,
+    );
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
     let liveness = Liveness::default();

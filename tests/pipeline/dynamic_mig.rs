@@ -29,7 +29,13 @@ pub(super) async fn the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devi
     ctx: TestContext,
 ) -> anyhow::Result<()> {
     let seen = std::sync::Arc::new(std::sync::Mutex::new(BTreeSet::new()));
-    let watching = tokio::spawn(devices_ever_stored(ctx.client.clone(), "-dynmig", seen.clone()));
+    // The node's name as MigNode::start makes it; the watch has listed before the agent starts.
+    let node = format!("e2e-{}-dynmig", &ctx.namespace[ctx.namespace.len() - 6..]);
+    let (listed, listed_rx) = tokio::sync::oneshot::channel();
+    let watching = tokio::spawn(devices_ever_stored(ctx.client.clone(), node, seen.clone(), listed));
+    tokio::time::timeout(std::time::Duration::from_secs(10), listed_rx)
+        .await
+        .context("the slice watch never listed")??;
     let mut bed = MigNode::start(&ctx, "dynmig", GPUS, &["--mig-layout", "dynamic"]).await?;
     let result = partition(&ctx, &mut bed, &seen).await;
     watching.abort();
@@ -37,24 +43,32 @@ pub(super) async fn the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devi
     result
 }
 
-/// Collects into `seen` the name of every device a slice of this driver for a node named `*<suffix>` was ever stored
-/// with, from a watch started before the node's agent.
+/// Collects into `seen` the name of every device a slice of this driver for `node` was ever stored with, from a
+/// watch that says on `listed` when it has listed (before the node's agent starts).
 async fn devices_ever_stored(
     client: kube::Client,
-    suffix: &str,
+    node: String,
     seen: std::sync::Arc<std::sync::Mutex<BTreeSet<String>>>,
+    listed: tokio::sync::oneshot::Sender<()>,
 ) {
     use futures::StreamExt as _;
+    use kube::runtime::watcher::Event;
     let config = kube::runtime::watcher::Config::default().fields(&format!("spec.driver={DRIVER}"));
     let events = kube::runtime::watcher(Api::<ResourceSlice>::all(client), config);
     let mut events = std::pin::pin!(events);
+    let mut listed = Some(listed);
     while let Some(event) = events.next().await {
-        let (kube::runtime::watcher::Event::Apply(slice) | kube::runtime::watcher::Event::InitApply(slice)) =
-            event.unwrap_or(kube::runtime::watcher::Event::InitDone)
-        else {
-            continue;
+        let slice = match event {
+            Ok(Event::Apply(slice) | Event::InitApply(slice)) => slice,
+            Ok(Event::InitDone) => {
+                if let Some(listed) = listed.take() {
+                    let _ = listed.send(());
+                }
+                continue;
+            }
+            _ => continue,
         };
-        if slice.spec.node_name.as_deref().is_some_and(|n| n.ends_with(suffix))
+        if slice.spec.node_name.as_deref() == Some(node.as_str())
             && let Ok(mut seen) = seen.lock()
         {
             seen.extend(slice.spec.devices.unwrap_or_default().into_iter().map(|d| d.name));
@@ -83,7 +97,14 @@ async fn partition(
         .await?;
         // Found by a dry run: no slice of partitions stored without their counters (overlapping MIG devices the
         // scheduler could have allocated together), not even for a moment.
-        let seen = seen.lock().map(|s| s.clone()).unwrap_or_default();
+        // Watch events come in the order they were stored: partitions stored before the MIG devices that exist
+        // would have been seen by the time those are.
+        let snapshot = || seen.lock().map(|s| s.clone()).unwrap_or_default();
+        wait::until("the watch to see the pool stored", PREPARE_TIMEOUT, || async {
+            Ok(snapshot().contains("gpu-1-mig-19-0-1").then_some(()))
+        })
+        .await?;
+        let seen = snapshot();
         ensure!(seen == BTreeSet::from(["gpu-1-mig-19-0-1".to_string()]), "devices ever stored: {seen:?}");
         return Ok(());
     }

@@ -295,12 +295,7 @@ async fn hand_out(ctx: &TestContext, bed: &MigNode) -> anyhow::Result<()> {
     eprintln!("MIG devices of mixed profiles handed out; the third 1g.10gb waited ({why}) until they were free");
 
     // A fault of the GPU is every MIG device's: named by one MIG device, all four are tainted, GPU 1 is not.
-    let inject = |line: &str| -> anyhow::Result<()> {
-        let aside = dirs.state().join("inject-faults.writing");
-        std::fs::write(&aside, format!("{line}\n"))?;
-        std::fs::rename(&aside, dirs.state().join("inject-faults"))?;
-        Ok(())
-    };
+    let inject = |line: &str| super::support::node::inject_fault(&dirs.state(), line);
     inject("gpu-0-mig-19-2-1 xid 79")?;
     if support::cluster::kubernetes_minor()? < 36 {
         // Device taints are off before 1.36: the server drops them and the agent says so (README's version table).

@@ -293,10 +293,7 @@ pub(super) async fn a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_
 
 /// Injects `line` into `node`'s agent as an operator would: the file appears whole (written aside, renamed in).
 fn inject(node: &super::Node, line: &str) -> anyhow::Result<()> {
-    let state = node.dirs.state();
-    std::fs::write(state.join("inject-faults.writing"), format!("{line}\n"))?;
-    std::fs::rename(state.join("inject-faults.writing"), state.join("inject-faults"))?;
-    Ok(())
+    super::support::node::inject_fault(&node.dirs.state(), line)
 }
 
 /// How long a restarted kubelet may take to unprepare the claim of a pod deleted while it was down: its DRA

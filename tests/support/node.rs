@@ -238,6 +238,15 @@ impl std::ops::DerefMut for NodeAgent {
     }
 }
 
+/// Injects `line` (`<gpu> xid <n>`, …) into the simulated GPUs' fault file of the agent whose state directory is
+/// `state`, as an operator would: the file appears whole (written aside, renamed into place).
+pub fn inject_fault(state: &Path, line: &str) -> anyhow::Result<()> {
+    let aside = state.join("inject-faults.writing");
+    std::fs::write(&aside, format!("{line}\n"))?;
+    std::fs::rename(&aside, state.join("inject-faults"))?;
+    Ok(())
+}
+
 /// A GPU minor that two CDI spec files in `cdi_dir` name (a device's `deviceNodes` path `/dev/nvidia<minor>`). Only
 /// for nodes of whole GPUs: MIG devices and shares by memory name their GPU's node in each of their claims' specs.
 pub fn gpu_in_two_specs(cdi_dir: &Path) -> anyhow::Result<Option<String>> {

@@ -44,6 +44,12 @@ pub enum PublishError {
         #[source]
         source: kube::Error,
     },
+    #[error("update ResourceSlice {slice}: {source}")]
+    UpdateSlice {
+        slice: String,
+        #[source]
+        source: kube::Error,
+    },
     #[error("delete obsolete ResourceSlice {slice}: {source}")]
     DeleteSlice {
         slice: String,
@@ -161,6 +167,10 @@ impl Publisher {
                   was off): publishing them again once");
         }
 
+        if counts_right && let Some(outcome) = self.update_in_place(slices, &hashes, &existing, generation).await? {
+            return Ok(outcome);
+        }
+
         let node_uid = self.node_uid().await?;
         let generation = generation.max(self.last_generation.load(Ordering::Relaxed)) + 1;
         let slice = |content: &SliceContent, hash: &str| -> Result<ResourceSlice, PublishError> {
@@ -242,6 +252,49 @@ impl Publisher {
         Ok(Outcome::Published { generation, slices: slices.len() })
     }
 
+    /// When one slice of a complete pool changed (a GPU's taint in a pool of several slices: dynamic MIG), updates
+    /// it in place and keeps the generation, as upstream's resourceslice controller does when at most one update is
+    /// needed. A new generation would be incomplete until all its slices are created, and the scheduler allocates
+    /// nothing from an incomplete pool ("resource pool … is currently being updated"): every GPU of the node would be
+    /// out of reach for those round trips. `None`: not such a change (or the slice changed meanwhile): the caller
+    /// publishes a new generation.
+    async fn update_in_place(
+        &self,
+        slices: &[SliceContent],
+        hashes: &[String],
+        existing: &[ResourceSlice],
+        generation: i64,
+    ) -> Result<Option<Outcome>, PublishError> {
+        if existing.len() != slices.len() || existing.iter().any(|s| s.spec.pool.generation != generation) {
+            return Ok(None);
+        }
+        let Some((index, old)) = one_changed(hashes, existing) else { return Ok(None) };
+        let content = &slices[index];
+        // A slice of counters stays one, a slice of devices too.
+        if old.spec.shared_counters.is_some() != matches!(content, SliceContent::Counters(_)) {
+            return Ok(None);
+        }
+        let mut slice = serde_json::to_value(old).map_err(PublishError::Encode)?;
+        slice["metadata"]["annotations"][DEVICES_HASH_ANNOTATION] = json!(hashes[index]);
+        slice["spec"][content.field()] = json!(content.items());
+        let slice: ResourceSlice = serde_json::from_value(slice).map_err(PublishError::Encode)?;
+        let name = old.name_any();
+        // The update carries the resource version listed: a slice changed or deleted meanwhile is not overwritten.
+        let stored = match self.api().replace(&name, &PostParams::default(), &slice).await {
+            Ok(stored) => stored,
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => return Ok(None),
+            Err(source) => return Err(PublishError::UpdateSlice { slice: name, source }),
+        };
+        let dropped = dropped_fields(content.devices(), &stored);
+        if dropped.contains(&DroppedField::ConsumesCounters) {
+            self.counters_dropped.store(true, Ordering::Relaxed);
+        }
+        self.warn_dropped(&dropped, &name);
+        info!(node = %self.node, generation, slice = %name, devices = content.devices().len(),
+              "updated one ResourceSlice in place");
+        Ok(Some(Outcome::Published { generation, slices: slices.len() }))
+    }
+
     /// Says which of the devices' fields the API server dropped from `slice` (a name, or that it was a dry run).
     fn warn_dropped(&self, dropped: &[DroppedField], slice: &str) {
         for field in dropped {
@@ -302,6 +355,25 @@ fn stored_lack_fields(slices: &[SliceContent], hashes: &[String], current: &[&Re
             .filter(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(hash))
             .any(|stored| !dropped_fields(content.devices(), stored).is_empty())
     })
+}
+
+/// The one wanted slice (its index in `hashes`) whose content no slice of `existing` has, and the one slice of
+/// `existing` whose content is not wanted, when exactly one of each: every other content stored once.
+fn one_changed<'a>(hashes: &[String], existing: &'a [ResourceSlice]) -> Option<(usize, &'a ResourceSlice)> {
+    let mut unmatched: Vec<&ResourceSlice> = existing.iter().collect();
+    let mut missing = Vec::new();
+    for (index, hash) in hashes.iter().enumerate() {
+        match unmatched.iter().position(|s| s.annotations().get(DEVICES_HASH_ANNOTATION) == Some(hash)) {
+            Some(found) => {
+                unmatched.swap_remove(found);
+            }
+            None => missing.push(index),
+        }
+    }
+    match (missing.as_slice(), unmatched.as_slice()) {
+        ([index], [old]) => Some((*index, *old)),
+        _ => None,
+    }
 }
 
 /// Whether some of `devices` (as sent) consume counters.
