@@ -159,7 +159,7 @@ pub struct NodeAgentArgs {
     #[arg(long, env = "GPU_DRA_DEVICE_METADATA", default_value_t = true, action = clap::ArgAction::Set)]
     pub device_metadata: bool,
     /// Publish none of this node's GPUs while a device plugin serves NVIDIA GPUs on it (one of
-    /// `--device-plugin-resources` in the Node's capacity or allocatable): both would hand out the same GPUs. Said in
+    /// `--device-plugin-resources` allocatable in the Node's status): both would hand out the same GPUs. Said in
     /// the log, a Warning Event on the Node and `gpu_dra_node_agent_device_plugin_refused`; the GPUs are published
     /// again once none has served any for `--device-plugin-grace-period`. Off, the agent only warns.
     #[arg(long, env = "GPU_DRA_REFUSE_WITH_DEVICE_PLUGIN", default_value_t = true, action = clap::ArgAction::Set)]
@@ -170,7 +170,8 @@ pub struct NodeAgentArgs {
           default_value = crate::node_agent::device_plugin::DEFAULT_RESOURCES)]
     pub device_plugin_resources: Vec<String>,
     /// How long no device plugin must have served GPUs before the agent publishes them again: the kubelet zeroes a
-    /// plugin's resources while either restarts, and keeps a disconnected plugin's for 5 minutes.
+    /// plugin's allocatable while the plugin or the kubelet restarts, and waits 5 minutes for a disconnected one. When
+    /// one last served is kept in `<state-dir>/device-plugin.json` for an agent restarted meanwhile.
     #[arg(long, env = "GPU_DRA_DEVICE_PLUGIN_GRACE_PERIOD", default_value = "5m", value_parser = humantime::parse_duration)]
     pub device_plugin_grace_period: Duration,
     /// What to do with a claim prepared here that the API no longer allocates what was prepared (deleted,

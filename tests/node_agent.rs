@@ -465,7 +465,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
         "4s",
     ];
     let both = agent(&ctx, &tolerant, &[&gpus[..], &["--refuse-with-device-plugin=false"]].concat()).await?;
-    let agent = agent(&ctx, &node, &gpus).await?;
+    let mut agent = agent(&ctx, &node, &gpus).await?;
     agent.wait_ready().await?;
     both.wait_ready().await?;
     wait_devices(&ctx, &node, 2).await?;
@@ -516,6 +516,26 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     })
     .await?;
     ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "metric not cleared");
+
+    // The kubelet leaves a removed plugin's resource at zero for good: an agent restarted later holds nothing back.
+    agent.process.terminate()?;
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &gpus)?;
+    agent.wait_ready().await?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(device_names(&slices_of(&ctx, &node).await?).len() == 2, "held back for a zero:\n{}", agent.log_tail());
+    // A node rebooting: the plugin served a moment before the agent restarted and is not back yet. The restarted
+    // agent holds the GPUs back for the rest of the grace period (from its record under the state directory).
+    device_plugin_gpus(&ctx, &node, 2).await?;
+    wait_devices(&ctx, &node, 0).await.with_context(|| agent.log_tail())?;
+    device_plugin_gpus(&ctx, &node, 0).await?;
+    agent.process.terminate()?;
+    let restarted = Instant::now();
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &gpus)?;
+    agent.wait_ready().await?;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "published at once after a restart");
+    wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    ensure!(restarted.elapsed() >= Duration::from_secs(2), "published {:?} after the restart", restarted.elapsed());
     Ok(())
 }
 

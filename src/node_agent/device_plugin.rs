@@ -1,20 +1,23 @@
 //! A classic NVIDIA device plugin on the same node hands out the same GPUs through the kubelet's device manager, and
 //! neither knows what the other gave: two pods on one GPU. The agent tells one from the Node itself: a device plugin
 //! that serves GPUs puts `nvidia.com/gpu` (or its shared or MIG resources, or the names `--device-plugin-resources`
-//! lists) in the Node's capacity and allocatable, which DRA never does (extended resources backed by DRA, 1.34+, are
+//! lists) in the Node's allocatable, which DRA never does (extended resources backed by DRA, 1.34+, are
 //! matched by the scheduler from the DeviceClass, not the Node). A node label cannot tell it: the GPU Operator labels
 //! every GPU node `nvidia.com/gpu.deploy.device-plugin=true`, whether its device plugin is enabled or not.
 //!
 //! While such resources are there the agent publishes none of its GPUs (`--refuse-with-device-plugin`, on by
 //! default) and says so (error log, Warning Event `DevicePluginServesGpus` on the Node,
 //! `gpu_dra_node_agent_device_plugin_refused 1`); it still serves the kubelet, so claims prepared before can be
-//! unprepared. A zero is not a plugin gone: the kubelet zeroes a plugin's resources while it restarts (until the
-//! plugin registers again) and keeps a disconnected plugin's capacity for 5 minutes; so the GPUs are published again
-//! only once no plugin has served any for `--device-plugin-grace-period` (5 minutes, the kubelet's own grace), and
-//! an agent that starts beside resources listed at zero (a node rebooting) waits as long.
+//! unprepared. A plugin serves while it makes GPUs allocatable; a zero is not a plugin gone: the kubelet zeroes its
+//! allocatable while the plugin or the kubelet restarts, until it registers again. So the GPUs are published again
+//! only once none has been allocatable for `--device-plugin-grace-period` (5 minutes: the kubelet's own wait for a
+//! disconnected plugin). When a plugin last served is kept in `<state-dir>/device-plugin.json`, so that an agent
+//! restarted within that time (a node rebooting: the kubelet lists the plugin's resources at zero until it is back)
+//! holds the GPUs back too. Zeros alone mean nothing: the kubelet leaves a removed plugin's resources at zero in the
+//! Node for good.
 
-use std::collections::BTreeMap;
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
 
 use k8s_openapi::api::core::v1::{Node, NodeStatus};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -39,30 +42,20 @@ fn matches(patterns: &[String], name: &str) -> bool {
 /// What the Node shows of device plugins serving GPUs.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Observed {
-    /// The resources with something in capacity or allocatable, as `name=<capacity>`, sorted.
+    /// The resources with something allocatable, as `name=<allocatable>`, sorted.
     pub serving: Vec<String>,
-    /// Whether any of the resources is listed at all, zero included.
-    pub listed: bool,
 }
 
 /// Reads `status` for the resources `patterns` names.
 pub fn observe(status: Option<&NodeStatus>, patterns: &[String]) -> Observed {
-    let empty = BTreeMap::new();
-    let capacity = status.and_then(|s| s.capacity.as_ref()).unwrap_or(&empty);
-    let allocatable = status.and_then(|s| s.allocatable.as_ref()).unwrap_or(&empty);
-    let mut serving = BTreeMap::new();
-    let mut listed = false;
-    for (name, quantity) in capacity.iter().chain(allocatable) {
-        if !matches(patterns, name) {
-            continue;
-        }
-        listed = true;
-        if !is_zero(quantity) {
-            let shown = capacity.get(name).unwrap_or(quantity);
-            serving.insert(name.clone(), format!("{name}={}", shown.0));
-        }
-    }
-    Observed { serving: serving.into_values().collect(), listed }
+    let serving = status
+        .and_then(|s| s.allocatable.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|(name, quantity)| matches(patterns, name) && !is_zero(quantity))
+        .map(|(name, quantity)| format!("{name}={}", quantity.0))
+        .collect();
+    Observed { serving }
 }
 
 /// Extended resources are whole numbers; anything else that is not plainly zero counts as something.
@@ -74,7 +67,7 @@ fn is_zero(quantity: &Quantity) -> bool {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Verdict {
     pub refusing: bool,
-    /// When a plugin was last seen serving GPUs (or the agent started beside listed zeros) while refusing.
+    /// When a plugin was last seen serving GPUs, while refusing.
     pub last_served: Option<Instant>,
 }
 
@@ -87,11 +80,12 @@ pub enum Change {
     Released,
 }
 
-/// Decides from the last verdict and what the Node shows `now`. `first`: the agent's first look at the Node.
+/// Decides from the last verdict and what the Node shows `now`. `remembered`: at the agent's first look, when a
+/// plugin last served GPUs by the record an earlier agent left.
 pub fn decide(
     last: Verdict,
     observed: &Observed,
-    first: bool,
+    remembered: Option<Instant>,
     now: Instant,
     grace: Duration,
 ) -> (Verdict, Option<Change>) {
@@ -99,10 +93,10 @@ pub fn decide(
     if !observed.serving.is_empty() {
         return (Verdict { refusing: true, last_served: Some(now) }, refused);
     }
-    let since = match (last.refusing, first && observed.listed) {
+    let since = match (last.refusing, remembered) {
         (true, _) => last.last_served.unwrap_or(now),
-        (false, true) => now,
-        (false, false) => return (Verdict::default(), None),
+        (false, Some(at)) => at,
+        (false, None) => return (Verdict::default(), None),
     };
     if now.saturating_duration_since(since) >= grace {
         return (Verdict::default(), last.refusing.then_some(Change::Released));
@@ -119,6 +113,10 @@ pub struct DevicePluginGuard {
     verdict: Verdict,
     /// Whether the Node was looked at before.
     looked: bool,
+    /// `<state-dir>/device-plugin.json`: when a plugin last served GPUs, for the next agent.
+    record: PathBuf,
+    /// When the record was last written (it is written at most every half grace period while a plugin serves).
+    recorded: Option<Instant>,
     /// What the last look saw serving GPUs.
     serving: Vec<String>,
     gauge: Gauge<i64>,
@@ -140,6 +138,7 @@ impl DevicePluginGuard {
         refuse: bool,
         patterns: Vec<String>,
         grace: Duration,
+        state_dir: &std::path::Path,
         client: kube::Client,
         registry: &mut prometheus_client::registry::Registry,
     ) -> Self {
@@ -157,6 +156,8 @@ impl DevicePluginGuard {
             grace,
             verdict: Verdict::default(),
             looked: false,
+            record: state_dir.join(RECORD),
+            recorded: None,
             serving: Vec::new(),
             gauge,
             recorder,
@@ -172,9 +173,14 @@ impl DevicePluginGuard {
     /// published again.
     pub async fn observe(&mut self, node: &Node) {
         let observed = observe(node.status.as_ref(), &self.patterns);
-        let first = !std::mem::replace(&mut self.looked, true);
-        let (verdict, change) = decide(self.verdict, &observed, first, Instant::now(), self.grace);
+        let now = Instant::now();
+        let remembered = if std::mem::replace(&mut self.looked, true) { None } else { self.remembered(now) };
+        let (verdict, change) = decide(self.verdict, &observed, remembered, now, self.grace);
         self.verdict = verdict;
+        if !observed.serving.is_empty() && self.recorded.is_none_or(|at| now.duration_since(at) >= self.grace / 2) {
+            self.remember();
+            self.recorded = Some(now);
+        }
         let appeared = self.serving.is_empty() && !observed.serving.is_empty();
         self.serving = observed.serving;
         self.gauge.set(i64::from(self.refusing()));
@@ -182,8 +188,8 @@ impl DevicePluginGuard {
         let (type_, reason, note) = match change {
             Some(Change::Refused) if self.refuse => {
                 let what = if self.serving.is_empty() {
-                    "The Node lists a device plugin's GPU resources with none there now (the kubelet or the plugin \
-                     restarting?)"
+                    "A device plugin served GPUs on this node shortly before this agent started (the node or the \
+                     plugin restarting?)"
                         .to_string()
                 } else {
                     format!("A device plugin serves GPUs on this node ({})", self.serving.join(", "))
@@ -223,57 +229,81 @@ impl DevicePluginGuard {
     }
 }
 
+/// The record's file name under `--state-dir`.
+const RECORD: &str = "device-plugin.json";
+
+impl DevicePluginGuard {
+    /// When a plugin last served GPUs by the record, as an instant of this process's clock, if within the grace
+    /// period. A record that cannot be read is as none (said in the log): the GPUs are not held back for it.
+    fn remembered(&self, now: Instant) -> Option<Instant> {
+        let text = match std::fs::read(&self.record) {
+            Ok(text) => text,
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => return None,
+            Err(err) => {
+                warn!(file = %self.record.display(), error = %err, "cannot read when a device plugin last served GPUs");
+                return None;
+            }
+        };
+        let served = serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|v| v["lastServed"].as_u64());
+        let Some(served) = served else {
+            warn!(file = %self.record.display(), "unreadable record of when a device plugin last served GPUs: ignored");
+            return None;
+        };
+        let ago = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH + Duration::from_secs(served)).ok()?;
+        (ago < self.grace).then(|| now.checked_sub(ago).unwrap_or(now))
+    }
+
+    /// Writes that a plugin serves GPUs now. A failure is logged, not fatal: only a restart within the grace period
+    /// would miss it.
+    fn remember(&self) {
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let text = serde_json::json!({"lastServed": now}).to_string();
+        if let Err(err) = crate::fsutil::write_atomic(&self.record, text.as_bytes()) {
+            warn!(file = %self.record.display(), error = %err, "cannot record that a device plugin serves GPUs");
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use std::collections::BTreeMap;
 
-    fn status(capacity: &[(&str, &str)], allocatable: &[(&str, &str)]) -> NodeStatus {
-        let map = |pairs: &[(&str, &str)]| -> BTreeMap<String, Quantity> {
-            pairs.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect()
-        };
-        NodeStatus { capacity: Some(map(capacity)), allocatable: Some(map(allocatable)), ..Default::default() }
-    }
+    use super::*;
 
     #[test]
     fn the_resources_a_device_plugin_serves_gpus_as_are_read_from_the_node() {
         let defaults: Vec<String> = DEFAULT_RESOURCES.split(',').map(String::from).collect();
         let renamed = vec!["nvidia.com/a100".to_string()];
         type Pairs = &'static [(&'static str, &'static str)];
-        type Case<'a> = (Pairs, Pairs, &'a [String], &'a [&'a str], bool);
-        let cases: &[Case] = &[
-            (&[], &[], &defaults, &[], false),
-            (&[("cpu", "8"), ("memory", "32Gi")], &[("cpu", "8")], &defaults, &[], false),
-            (&[("nvidia.com/gpu", "8")], &[("nvidia.com/gpu", "8")], &defaults, &["nvidia.com/gpu=8"], true),
-            // A disconnected plugin: its capacity kept for the kubelet's grace period, nothing allocatable.
-            (&[("nvidia.com/gpu", "8")], &[("nvidia.com/gpu", "0")], &defaults, &["nvidia.com/gpu=8"], true),
-            // A kubelet restarted: zero until the plugin registers again; listed all the same.
-            (&[("nvidia.com/gpu", "0")], &[("nvidia.com/gpu", "0")], &defaults, &[], true),
-            (&[("nvidia.com/gpu.shared", "40")], &[], &defaults, &["nvidia.com/gpu.shared=40"], true),
+        let cases: &[(Pairs, &[String], &[&str])] = &[
+            (&[], &defaults, &[]),
+            (&[("cpu", "8"), ("memory", "32Gi")], &defaults, &[]),
+            (&[("nvidia.com/gpu", "8")], &defaults, &["nvidia.com/gpu=8"]),
+            // Disconnected, restarting, or removed for good: nothing allocatable.
+            (&[("nvidia.com/gpu", "0")], &defaults, &[]),
+            (&[("nvidia.com/gpu.shared", "40")], &defaults, &["nvidia.com/gpu.shared=40"]),
             (
                 &[("nvidia.com/mig-1g.10gb", "7"), ("nvidia.com/mig-3g.40gb", "0"), ("example.com/fpga", "2")],
-                &[],
                 &defaults,
                 &["nvidia.com/mig-1g.10gb=7"],
-                true,
             ),
             // Look-alikes of other vendors and of NVIDIA's network operator are no GPU plugin.
-            (
-                &[("nvidia.com/gpumem", "80"), ("amd.com/gpu", "2"), ("nvidia.com/hostdev", "4")],
-                &[],
-                &defaults,
-                &[],
-                false,
-            ),
+            (&[("nvidia.com/gpumem", "80"), ("amd.com/gpu", "2"), ("nvidia.com/hostdev", "4")], &defaults, &[]),
             // A plugin configured to rename its resource, named by --device-plugin-resources.
-            (&[("nvidia.com/a100", "4")], &[], &defaults, &[], false),
-            (&[("nvidia.com/a100", "4")], &[], &renamed, &["nvidia.com/a100=4"], true),
+            (&[("nvidia.com/a100", "4")], &defaults, &[]),
+            (&[("nvidia.com/a100", "4")], &renamed, &["nvidia.com/a100=4"]),
             // Not a whole number: counted rather than ignored.
-            (&[("nvidia.com/gpu", "1k")], &[], &defaults, &["nvidia.com/gpu=1k"], true),
+            (&[("nvidia.com/gpu", "1k")], &defaults, &["nvidia.com/gpu=1k"]),
         ];
-        for (capacity, allocatable, patterns, serving, listed) in cases {
-            let seen = observe(Some(&status(capacity, allocatable)), patterns);
-            assert_eq!(seen.serving, *serving, "{capacity:?} {allocatable:?}");
-            assert_eq!(seen.listed, *listed, "{capacity:?} {allocatable:?}");
+        for (allocatable, patterns, serving) in cases {
+            let map = allocatable.iter().map(|(k, v)| (k.to_string(), Quantity(v.to_string()))).collect();
+            // Capacity alone (a disconnected plugin's, kept for the kubelet's grace period) is not serving.
+            let status = NodeStatus {
+                allocatable: Some(map),
+                capacity: Some(BTreeMap::from([("nvidia.com/gpu".to_string(), Quantity("8".into()))])),
+                ..Default::default()
+            };
+            assert_eq!(observe(Some(&status), patterns).serving, *serving, "{allocatable:?}");
         }
         assert_eq!(observe(None, &defaults), Observed::default());
     }
@@ -283,34 +313,35 @@ mod tests {
         let grace = Duration::from_secs(300);
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
-        let serving = Observed { serving: vec!["nvidia.com/gpu=8".into()], listed: true };
-        let zero = Observed { serving: Vec::new(), listed: true };
+        let serving = Observed { serving: vec!["nvidia.com/gpu=8".into()] };
         let none = Observed::default();
 
         // No plugin: nothing held back, nothing said.
-        assert_eq!(decide(Verdict::default(), &none, true, at(0), grace), (Verdict::default(), None));
+        assert_eq!(decide(Verdict::default(), &none, None, at(0), grace), (Verdict::default(), None));
         // A plugin appears: refused at once.
-        let (v, change) = decide(Verdict::default(), &serving, false, at(10), grace);
+        let (v, change) = decide(Verdict::default(), &serving, None, at(10), grace);
         assert_eq!((v.refusing, change), (true, Some(Change::Refused)));
-        // It restarts (zeros) and comes back within the grace period: held back throughout, nothing said.
-        let (v, change) = decide(v, &zero, false, at(20), grace);
+        // It restarts (nothing allocatable) and comes back within the grace period: held back throughout, nothing
+        // said.
+        let (v, change) = decide(v, &none, None, at(20), grace);
         assert_eq!((v.refusing, change), (true, None));
-        let (v, change) = decide(v, &serving, false, at(200), grace);
+        let (v, change) = decide(v, &serving, None, at(200), grace);
         assert_eq!((v.refusing, change, v.last_served), (true, None, Some(at(200))));
         // Gone: held back until the grace period has passed since it last served.
-        let (v, change) = decide(v, &none, false, at(201), grace);
+        let (v, change) = decide(v, &none, None, at(201), grace);
         assert_eq!((v.refusing, change), (true, None));
-        let (v, change) = decide(v, &none, false, at(499), grace);
+        let (v, change) = decide(v, &none, None, at(499), grace);
         assert_eq!((v.refusing, change), (true, None));
-        let (v, change) = decide(v, &none, false, at(500), grace);
+        let (v, change) = decide(v, &none, None, at(500), grace);
         assert_eq!((v, change), (Verdict::default(), Some(Change::Released)));
 
-        // An agent starting beside listed zeros (a node rebooting, its plugin not registered yet) waits too.
-        let (v, change) = decide(Verdict::default(), &zero, true, at(0), grace);
-        assert_eq!((v.refusing, change), (true, Some(Change::Refused)));
-        let (v, change) = decide(v, &zero, false, at(300), grace);
+        // An agent restarted a minute after a plugin last served (the node rebooting, the plugin not registered
+        // again yet) holds back for the rest of the grace period.
+        let (v, change) = decide(Verdict::default(), &none, Some(at(0)), at(60), grace);
+        assert_eq!((v.refusing, change, v.last_served), (true, Some(Change::Refused), Some(at(0))));
+        let (v, change) = decide(v, &none, None, at(300), grace);
         assert_eq!((v, change), (Verdict::default(), Some(Change::Released)));
-        // Zeros listed later, by a kubelet the agent saw without a plugin: no plugin, nothing held back.
-        assert_eq!(decide(Verdict::default(), &zero, false, at(400), grace), (Verdict::default(), None));
+        // A record older than that: nothing held back.
+        assert_eq!(decide(Verdict::default(), &none, Some(at(0)), at(300), grace), (Verdict::default(), None));
     }
 }

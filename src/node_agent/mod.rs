@@ -166,6 +166,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         args.refuse_with_device_plugin,
         args.device_plugin_resources.clone(),
         args.device_plugin_grace_period,
+        &args.state_dir,
         client.clone(),
         &mut registry,
     );

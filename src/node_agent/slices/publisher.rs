@@ -167,7 +167,12 @@ impl Publisher {
                   was off): publishing them again once");
         }
 
-        if counts_right && let Some(outcome) = self.update_in_place(slices, &hashes, &existing, generation).await? {
+        // A pool stored without fields this agent sends (a gate off) is written whole once, as above, not in part.
+        let lacking = !self.checked_dropped.load(Ordering::Relaxed) && stored_lack_fields(slices, &hashes, &current);
+        if counts_right
+            && !lacking
+            && let Some(outcome) = self.update_in_place(slices, &hashes, &existing, generation).await?
+        {
             return Ok(outcome);
         }
 
@@ -290,6 +295,8 @@ impl Publisher {
             self.counters_dropped.store(true, Ordering::Relaxed);
         }
         self.warn_dropped(&dropped, &name);
+        // The rest was stored as sent (checked just before): the pool counts as checked for dropped fields.
+        self.checked_dropped.store(true, Ordering::Relaxed);
         info!(node = %self.node, generation, slice = %name, devices = content.devices().len(),
               "updated one ResourceSlice in place");
         Ok(Some(Outcome::Published { generation, slices: slices.len() }))
