@@ -270,6 +270,12 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         ensure!(terms[0]["matchExpressions"][0]["key"] == "kubernetes.io/arch", "the user's term was lost: {terms:?}");
     }
     check_node_agent_mounts(pod, driver, !all_on)?;
+    // The MPS daemons of MPS claims run in the agent's container: no memory limit that would kill them all with it.
+    ensure!(
+        container["resources"]["requests"]["memory"] == "32Mi" && container["resources"]["limits"]["memory"].is_null(),
+        "node agent resources: {}",
+        container["resources"]
+    );
     ensure!(
         container["terminationMessagePath"] != "/dev/termination-log",
         "the runtime cannot create /dev/termination-log in the read-only host /dev"
