@@ -192,9 +192,10 @@ async fn many_gpus_split_and_a_change_bumps_the_generation(ctx: TestContext) -> 
 }
 
 /// A fault on one GPU of a pool of several slices (200 GPUs, 64 a slice once one is tainted) changes one slice: it
-/// is updated in place and the pool keeps its generation, as upstream's resourceslice controller does. A new generation would be incomplete
-/// until all its slices were written, and the scheduler allocates nothing from an incomplete pool: every GPU of the
-/// node out of reach for those round trips, at every health change of a dynamic-MIG node (a slice per GPU).
+/// is updated in place and the pool keeps its generation, as upstream's resourceslice controller does. A new
+/// generation would be incomplete until all its slices were written, and the scheduler allocates nothing from an
+/// incomplete pool: every GPU of the node out of reach for those round trips, at every health change of a
+/// dynamic-MIG node (a slice per GPU).
 async fn a_change_to_one_slice_of_a_pool_updates_it_in_place(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
@@ -462,7 +463,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
         "--resync-period",
         "1s",
         "--device-plugin-grace-period",
-        "4s",
+        "6s",
     ];
     let both = agent(&ctx, &tolerant, &[&gpus[..], &["--refuse-with-device-plugin=false"]].concat()).await?;
     let mut agent = agent(&ctx, &node, &gpus).await?;
@@ -480,7 +481,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
         Ok(events.into_iter().find(|(type_, reason, _)| type_ == "Warning" && reason == "DevicePluginServesGpus"))
     })
     .await?;
-    for part in ["nvidia.com/gpu=2", "publishes none of this node's GPUs", "for 4s", "devicePlugin.enabled=false"] {
+    for part in ["nvidia.com/gpu=2", "publishes none of this node's GPUs", "for 6s", "devicePlugin.enabled=false"] {
         ensure!(warned.2.contains(part), "the Event lacks {part:?}: {}", warned.2);
     }
     ensure!(agent.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 1.0, "metric not set");
@@ -499,7 +500,8 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     );
     ensure!(both.metric("gpu_dra_node_agent_device_plugin_refused", &[]).await? == 0.0, "refused with it off");
 
-    // The plugin restarting: zero for a few resyncs, then back. Nothing is published meanwhile.
+    // The plugin restarting: zero for a few resyncs (well within the grace period, rounds slowed by a busy machine
+    // included), then back. Nothing is published meanwhile.
     device_plugin_gpus(&ctx, &node, 0).await?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     device_plugin_gpus(&ctx, &node, 2).await?;
@@ -509,7 +511,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     device_plugin_gpus(&ctx, &node, 0).await?;
     let gone = Instant::now();
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
-    ensure!(gone.elapsed() >= Duration::from_secs(3), "published {:?} after the plugin went", gone.elapsed());
+    ensure!(gone.elapsed() >= Duration::from_secs(5), "published {:?} after the plugin went", gone.elapsed());
     wait::until("a DevicePluginGone event on the Node", Duration::from_secs(10), || async {
         let events = objects::events_in(&ctx, "default", &node).await?;
         Ok(events.iter().any(|(type_, reason, _)| type_ == "Normal" && reason == "DevicePluginGone").then_some(()))
@@ -535,7 +537,7 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "published at once after a restart");
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
-    ensure!(restarted.elapsed() >= Duration::from_secs(2), "published {:?} after the restart", restarted.elapsed());
+    ensure!(restarted.elapsed() >= Duration::from_secs(4), "published {:?} after the restart", restarted.elapsed());
     Ok(())
 }
 
