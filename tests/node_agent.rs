@@ -537,7 +537,8 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "published at once after a restart");
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
-    ensure!(restarted.elapsed() >= Duration::from_secs(4), "published {:?} after the restart", restarted.elapsed());
+    // The plugin last served at most a round and a stop before the restart: the rest of the 6 s is 3 s or more.
+    ensure!(restarted.elapsed() >= Duration::from_secs(3), "published {:?} after the restart", restarted.elapsed());
     Ok(())
 }
 

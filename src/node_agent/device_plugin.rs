@@ -244,20 +244,21 @@ impl DevicePluginGuard {
                 return None;
             }
         };
-        let served = serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|v| v["lastServed"].as_u64());
+        let served =
+            serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|v| v["lastServedMillis"].as_u64());
         let Some(served) = served else {
             warn!(file = %self.record.display(), "unreadable record of when a device plugin last served GPUs: ignored");
             return None;
         };
-        let ago = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH + Duration::from_secs(served)).ok()?;
+        let ago = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(served)).ok()?;
         (ago < self.grace).then(|| now.checked_sub(ago).unwrap_or(now))
     }
 
     /// Writes that a plugin serves GPUs now. A failure is logged, not fatal: only a restart within the grace period
     /// would miss it.
     fn remember(&self) {
-        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        let text = serde_json::json!({"lastServed": now}).to_string();
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
+        let text = serde_json::json!({"lastServedMillis": u64::try_from(now).unwrap_or(u64::MAX)}).to_string();
         if let Err(err) = crate::fsutil::write_atomic(&self.record, text.as_bytes()) {
             warn!(file = %self.record.display(), error = %err, "cannot record that a device plugin serves GPUs");
         }
