@@ -36,7 +36,7 @@ use k8s_openapi::api::authentication::v1::TokenRequest;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Pod, Secret, ServiceAccount};
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceSlice};
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams, ResourceExt as _};
 use serde_json::{Value, json};
 use support::node::{DRIVER, Kubelet, NodeAgent, NodeDirs};
 use support::objects::{self, claim_statuses, create_pod, create_template, events_about, one_gpu};

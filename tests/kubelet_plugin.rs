@@ -55,6 +55,7 @@ fn main() {
             test!(kill_during_fifty_concurrent_prepares_leaves_a_consistent_state),
             test!(a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside),
             test!(a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec),
+            test!(a_lost_checkpoint_keeps_the_specs_of_prepared_claims),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
             test!(a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing),
             test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
@@ -530,6 +531,17 @@ async fn two_prepared_claims_and_a_corrupt_checkpoint(
     node: &str,
     dirs: &NodeDirs,
 ) -> anyhow::Result<(String, String)> {
+    let (a, b) = two_prepared_claims_agent_stopped(ctx, node, dirs).await?;
+    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
+    Ok((a, b))
+}
+
+/// Prepares claims `a` (gpu-0) and `b` (gpu-1) through a first agent and stops it. Returns the two UIDs.
+async fn two_prepared_claims_agent_stopped(
+    ctx: &TestContext,
+    node: &str,
+    dirs: &NodeDirs,
+) -> anyhow::Result<(String, String)> {
     let mut agent = ready_agent(ctx, node, dirs, "2xH100-80GB").await?;
     let a = allocated_claim(ctx, "a", node, &["gpu-0"], json!([])).await?;
     let b = allocated_claim(ctx, "b", node, &["gpu-1"], json!([])).await?;
@@ -537,7 +549,6 @@ async fn two_prepared_claims_and_a_corrupt_checkpoint(
     let answers = Kubelet::register(dirs).await?.prepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
     ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
     agent.terminate()?;
-    std::fs::write(dirs.checkpoint(), b"{\"version\": 1, \"checksum\": \"00\", \"checkpo")?;
     Ok((a, b))
 }
 
@@ -591,6 +602,52 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside(ctx: Test
     let state = checkpoint(&dirs, "boot-1")?;
     ensure!(state.claims.contains_key(&a) && state.claims.contains_key(&b), "rebuilt entries: {:?}", state.claims);
     // A repeated prepare answers in full (the claim is read again), and unprepare releases both.
+    prepares_fully(&dirs, ns, "a", &a, "gpu-0").await?;
+    let unprepared = Kubelet::register(&dirs).await?.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
+    ensure!(unprepared.values().all(String::is_empty) && dirs.cdi_specs()?.is_empty(), "{unprepared:?}");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.is_empty(), "entries left after unprepare");
+    Ok(())
+}
+
+/// The checkpoint is gone while claims are prepared (the state directory wiped to "reset" a node, or moved by an
+/// upgrade that changed it; the CDI directory kept): not a first start. The kubelet holds the claims as prepared and
+/// never prepares them again, so their specs stay (adopted, as after a corrupt checkpoint) for the containers that
+/// restart, and go with the kubelet's unprepare.
+async fn a_lost_checkpoint_keeps_the_specs_of_prepared_claims(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let (a, b) = two_prepared_claims_agent_stopped(&ctx, &node, &dirs).await?;
+    let ns = ctx.namespace.as_str();
+    let written = std::fs::read(dirs.cdi_spec(&a))?;
+    std::fs::remove_file(dirs.checkpoint())?;
+
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    ensure!(
+        std::fs::read(dirs.cdi_spec(&a))? == written && dirs.cdi_spec(&b).exists(),
+        "the specs of prepared claims were removed: {:?}\n{}",
+        dirs.cdi_specs()?,
+        agent.log_tail()
+    );
+    let state = checkpoint(&dirs, "boot-1")?;
+    ensure!(state.claims.contains_key(&a) && state.claims.contains_key(&b), "adopted entries: {:?}", state.claims);
+    ensure!(kept_aside(&dirs)?.is_empty(), "a missing file is not corrupt");
+    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
+    wait::until("a CheckpointMissing event on the Node", Duration::from_secs(20), || async {
+        let list = events.list(&ListParams::default()).await?;
+        Ok(list
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("CheckpointMissing")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str())
+                    && e.note.as_deref().is_some_and(|n| n.contains("2 CDI specs"))
+            })
+            .map(|_| ()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    // A container of `a` restarting finds its devices; the kubelet's unprepares remove both specs.
     prepares_fully(&dirs, ns, "a", &a, "gpu-0").await?;
     let unprepared = Kubelet::register(&dirs).await?.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
     ensure!(unprepared.values().all(String::is_empty) && dirs.cdi_specs()?.is_empty(), "{unprepared:?}");

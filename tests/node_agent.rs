@@ -33,6 +33,7 @@ fn main() {
             test!(beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_is_gone),
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
             test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
+            test!(an_agent_the_kubelet_never_registers_says_so_on_its_node),
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
         ],
     )
@@ -710,5 +711,42 @@ async fn a_failed_publish_leaves_no_partial_pool_and_backs_off(ctx: TestContext)
         "pool {:?}",
         slices.iter().map(|s| (s.name_any(), s.spec.pool.clone())).collect::<Vec<_>>()
     );
+    Ok(())
+}
+
+/// An agent whose registry directory the kubelet does not watch (the chart's `kubeletDir` left at its default on a
+/// node whose kubelet lives elsewhere: k0s, MicroK8s) publishes GPUs the kubelet cannot prepare: it says so with a
+/// Warning on its Node once the kubelet has had time to find it; one the kubelet registered says nothing.
+async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    let registered = format!("{node}-r");
+    for name in [&node, &registered] {
+        ctx.cluster.add_node(name)?;
+    }
+    let extra = ["--gpu-backend", "simulated", "--simulated-gpus", "1xL4-24GB", "--kubelet-registration-timeout", "5s"];
+    let lonely = agent(&ctx, &node, &extra).await?;
+    let watched = agent(&ctx, &registered, &extra).await?;
+    let _kubelet = Kubelet::register(&watched.dirs).await?;
+    let warned = wait::until("a NotRegistered Warning on the Node", Duration::from_secs(20), || async {
+        let events = objects::events_in(&ctx, "default", &node).await?;
+        Ok(events.into_iter().find(|(type_, reason, _)| type_ == "Warning" && reason == "NotRegistered"))
+    })
+    .await
+    .with_context(|| lonely.log_tail())?;
+    let registry = watched.dirs.registry();
+    let lonely_registry = lonely.dirs.registry().display().to_string();
+    for part in ["has not registered the plugin 5s after", lonely_registry.as_str(), "nodeAgent.kubeletDir"] {
+        ensure!(warned.2.contains(part), "the Event lacks {part:?}: {}", warned.2);
+    }
+    ensure!(lonely.metric("gpu_dra_kubelet_plugin_registered", &[]).await? == 0.0, "registered metric set");
+    // The registered one: past its timeout, no warning.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let events = objects::events_in(&ctx, "default", &registered).await?;
+    ensure!(
+        !events.iter().any(|(_, reason, _)| reason == "NotRegistered"),
+        "warned though registered ({}): {events:?}",
+        registry.display()
+    );
+    ensure!(watched.metric("gpu_dra_kubelet_plugin_registered", &[]).await? == 1.0, "registered metric not set");
     Ok(())
 }

@@ -34,7 +34,7 @@ use choices::{
     gpus_and_a_nic_asked_to_share_a_pcie_root_get_devices_under_one_root,
     two_gpus_asked_to_match_are_one_model_and_each_rank_gets_its_own,
 };
-use compute::inference_pods_share_one_gpu_by_compute;
+use compute::{an_mps_claim_naming_no_memory_holds_a_shared_gpu_whole, inference_pods_share_one_gpu_by_compute};
 use dynamic_mig::the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Namespace, Pod};
@@ -85,6 +85,7 @@ fn main() {
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
             test!(pods_of_two_namespaces_share_one_gpu_by_memory),
             test!(inference_pods_share_one_gpu_by_compute),
+            test!(an_mps_claim_naming_no_memory_holds_a_shared_gpu_whole),
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
             test!(nvidias_mig_quickstart_runs_as_a_deployment),
             test!(the_scheduler_partitions_gpus_and_prepare_makes_the_mig_devices),

@@ -8,9 +8,12 @@
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{DeviceRequestAllocationResult, ResourceClaim};
 
-use super::config::{ConfigEntry, GpuConfig, SharingStrategy, TimeSliceInterval, effective_config};
+use super::config::{
+    ConfigEntry, DeviceKind, GpuConfig, SharingStrategy, TimeSliceInterval, effective_config,
+    memory_bytes as memory_bytes_of,
+};
 use crate::node_agent::device::Device;
 
 /// This node's devices by ResourceSlice device name (`gpu-<minor>`, `gpu-<minor>-mig-…`).
@@ -38,6 +41,9 @@ pub struct PlannedDevice {
     pub pool: String,
     pub device: Device,
     pub share_id: Option<String>,
+    /// A share (`share_id`) of all of its GPU's memory, as a claim naming no memory gets on a GPU shared by memory
+    /// (the request policy's default): no other share fits beside it, so it holds the GPU whole.
+    pub all_memory: bool,
     pub admin_access: bool,
     pub config: GpuConfig,
 }
@@ -108,7 +114,9 @@ pub fn plan(
                 inventory.keys().cloned().collect::<Vec<_>>().join(", ")
             ));
         };
-        let config = effective_config(driver, &result.request, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
+        let kind = if device.is_mig() { DeviceKind::Mig } else { DeviceKind::Gpu };
+        let config =
+            effective_config(driver, &result.request, kind, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
         let interval = config.sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default();
         if device.is_mig()
             && config.sharing.strategy == SharingStrategy::TimeSlicing
@@ -126,11 +134,19 @@ pub fn plan(
             pool: result.pool.clone(),
             device: device.clone(),
             share_id: result.share_id.clone(),
+            all_memory: result.share_id.is_some() && consumes_all_memory(result, device.gpu.memory_bytes),
             admin_access: result.admin_access.unwrap_or(false),
             config,
         });
     }
     Ok(planned)
+}
+
+/// Whether `result` consumed at least `memory_bytes` of its device's `memory` capacity (the scheduler records what
+/// each share of a device with `allowMultipleAllocations` consumes).
+fn consumes_all_memory(result: &DeviceRequestAllocationResult, memory_bytes: u64) -> bool {
+    let consumed = result.consumed_capacity.as_ref().and_then(|c| c.get("memory"));
+    consumed.and_then(|q| memory_bytes_of(&q.0).ok()).is_some_and(|bytes| bytes >= memory_bytes)
 }
 
 #[cfg(test)]
@@ -235,5 +251,42 @@ mod tests {
                 Err(reason) => assert!(reason.contains(expected), "{reason:?} lacks {expected:?}"),
             }
         }
+    }
+
+    /// A share of a GPU shared by memory that consumed all of it (a claim naming no memory) holds the GPU whole; one
+    /// of part of it does not. Results without a share ID never count as shares.
+    #[test]
+    fn a_share_of_all_the_memory_holds_the_gpu_whole() -> Result<(), String> {
+        let share = |request: &str, device: &str, memory: &str| {
+            let mut result = result(request, "node-a", device);
+            result["shareID"] = json!(format!("share-{request}"));
+            result["consumedCapacity"] = json!({"memory": memory});
+            result
+        };
+        let claim = allocated(json!([share("all", "gpu-0", "80Gi"), share("half", "gpu-1", "40Gi")]), json!([]));
+        let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory())?;
+        let whole: Vec<(&str, bool)> = planned.iter().map(|p| (p.request.as_str(), p.all_memory)).collect();
+        assert_eq!(whole, [("all", true), ("half", false)]);
+        Ok(())
+    }
+
+    /// NVIDIA's `GpuConfig` naming no request configures the claim's whole GPUs only, not its MIG devices (NVIDIA's
+    /// driver does the same): a claim of both with a long time slice for its GPU is prepared, the MIG device as is.
+    #[test]
+    fn nvidia_gpu_config_leaves_the_claims_mig_devices_alone() -> Result<(), String> {
+        let gpu_config = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}}]);
+        let claim = allocated(
+            json!([result("gpu", "node-a", "gpu-0"), result("mig", "node-a", "gpu-2-mig-19-0-1")]),
+            gpu_config,
+        );
+        let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory())?;
+        let intervals: Vec<(&str, Option<TimeSliceInterval>)> = planned
+            .iter()
+            .map(|p| (p.request.as_str(), p.config.sharing.time_slicing.as_ref().map(|t| t.interval)))
+            .collect();
+        assert_eq!(intervals, [("gpu", Some(TimeSliceInterval::Long)), ("mig", None)]);
+        Ok(())
     }
 }

@@ -385,18 +385,59 @@ pub struct ConfigEntry<'a> {
     pub parameters: &'a serde_json::Value,
 }
 
-/// The effective configuration of `request` (a base request name or `request/subrequest`): the last entry of this
-/// driver that applies wins, so a claim's entry overrides its class's. Entries of other drivers are not ours to read.
-pub fn effective_config(driver: &str, request: &str, entries: &[ConfigEntry<'_>]) -> Result<GpuConfig, String> {
+/// The kind of device an NVIDIA-spelt document configures: its `GpuConfig` whole GPUs only, its `MigDeviceConfig` MIG
+/// devices only (the driver's own `GpuConfig` configures both). `None`: not NVIDIA's spelling.
+fn nvidia_kind(parameters: &serde_json::Value) -> Option<DeviceKind> {
+    let meta = TypeMeta::deserialize(parameters).ok()?;
+    match (meta.api_version.as_str(), meta.kind.as_str()) {
+        (NVIDIA_CONFIG_API_VERSION, GPU_CONFIG_KIND) => Some(DeviceKind::Gpu),
+        (NVIDIA_CONFIG_API_VERSION, NVIDIA_MIG_CONFIG_KIND) => Some(DeviceKind::Mig),
+        _ => None,
+    }
+}
+
+/// Whole GPU or MIG device: what an allocated device is, for the NVIDIA configuration kinds that apply to one only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    Gpu,
+    Mig,
+}
+
+/// The effective configuration of `request` (a base request name or `request/subrequest`) allocated a device of
+/// `kind`: the last entry of this driver that applies wins, so a claim's entry overrides its class's. Entries of
+/// other drivers are not ours to read. As NVIDIA's driver does, an NVIDIA-spelt entry naming no request applies only
+/// to devices of its kind (a claim's `GpuConfig` and `MigDeviceConfig` each configure their own devices), and one
+/// naming the request with the other kind is an error.
+pub fn effective_config(
+    driver: &str,
+    request: &str,
+    kind: DeviceKind,
+    entries: &[ConfigEntry<'_>],
+) -> Result<GpuConfig, String> {
     let base = request.split('/').next().unwrap_or(request);
     let mut effective = GpuConfig::default();
     for (position, entry) in entries.iter().enumerate() {
-        let applies = entry.requests.is_empty() || entry.requests.iter().any(|r| r == request || r == base);
-        if entry.driver != driver || !applies {
+        let named = entry.requests.iter().any(|r| r == request || r == base);
+        if entry.driver != driver || !(named || entry.requests.is_empty()) {
             continue;
         }
-        effective = GpuConfig::decode(driver, entry.parameters)
-            .map_err(|e| format!("config #{} ({}): {e}", position + 1, entry.source))?;
+        let at = || format!("config #{} ({})", position + 1, entry.source);
+        match nvidia_kind(entry.parameters) {
+            Some(only) if only != kind && named => {
+                let (document, device, instead) = match only {
+                    DeviceKind::Gpu => (GPU_CONFIG_KIND, "a MIG device", NVIDIA_MIG_CONFIG_KIND),
+                    DeviceKind::Mig => (NVIDIA_MIG_CONFIG_KIND, "a whole GPU", GPU_CONFIG_KIND),
+                };
+                return Err(format!(
+                    "{}: NVIDIA's {document} cannot configure request {request:?}, which was allocated {device}; use \
+                     kind {instead} for it",
+                    at()
+                ));
+            }
+            Some(only) if only != kind => continue,
+            _ => {}
+        }
+        effective = GpuConfig::decode(driver, entry.parameters).map_err(|e| format!("{}: {e}", at()))?;
     }
     Ok(effective)
 }
@@ -627,7 +668,8 @@ mod tests {
             ConfigEntry { source: "FromClaim", requests: &names, driver: DRIVER, parameters: &claim },
             ConfigEntry { source: "FromClaim", requests: &[], driver: "other.example.com", parameters: &other_driver },
         ];
-        let strategy = |request| effective_config(DRIVER, request, &entries).map(|c| c.sharing.strategy);
+        let strategy =
+            |request| effective_config(DRIVER, request, DeviceKind::Gpu, &entries).map(|c| c.sharing.strategy);
         assert_eq!(strategy("big"), Ok(SharingStrategy::Exclusive));
         assert_eq!(strategy("big/h100"), Ok(SharingStrategy::Exclusive));
         assert_eq!(strategy("small"), Ok(SharingStrategy::TimeSlicing));
@@ -637,7 +679,37 @@ mod tests {
     fn a_bad_entry_is_named_by_position_and_source() {
         let bad = doc(json!({"sharing": {"strategy": 7}}));
         let entries = [ConfigEntry { source: "FromClaim", requests: &[], driver: DRIVER, parameters: &bad }];
-        let error = effective_config(DRIVER, "gpu", &entries).err().unwrap_or_default();
+        let error = effective_config(DRIVER, "gpu", DeviceKind::Gpu, &entries).err().unwrap_or_default();
         assert!(error.starts_with("config #1 (FromClaim): sharing.strategy:"), "{error}");
+    }
+
+    /// NVIDIA's `GpuConfig` and `MigDeviceConfig` naming no request each configure their own kind of device (as in
+    /// NVIDIA's driver: a claim of a GPU and a MIG device with one of each); naming a request of the other kind is an
+    /// error. The driver's own `GpuConfig` configures both.
+    #[test]
+    fn nvidia_kinds_configure_their_own_devices() {
+        let nvidia = |kind: &str, sharing: serde_json::Value| json!({"apiVersion": "resource.nvidia.com/v1beta1", "kind": kind, "sharing": sharing});
+        let gpu = nvidia("GpuConfig", json!({"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}));
+        let mig = nvidia("MigDeviceConfig", json!({"strategy": "MPS"}));
+        let own = doc(json!({"sharing": {"strategy": "TimeSlicing"}}));
+        let entry = |parameters, requests| ConfigEntry { source: "FromClaim", requests, driver: DRIVER, parameters };
+        let strategy = |entries: &[ConfigEntry<'_>], request, kind| {
+            effective_config(DRIVER, request, kind, entries).map(|c| c.sharing.strategy)
+        };
+        let both = [entry(&gpu, &[]), entry(&mig, &[])];
+        assert_eq!(strategy(&both, "gpu", DeviceKind::Gpu), Ok(SharingStrategy::TimeSlicing));
+        assert_eq!(strategy(&both, "mig", DeviceKind::Mig), Ok(SharingStrategy::Mps));
+        let only_gpu = [entry(&gpu, &[])];
+        assert_eq!(strategy(&only_gpu, "mig", DeviceKind::Mig), Ok(SharingStrategy::Exclusive));
+        let own_last = [entry(&gpu, &[]), entry(&own, &[])];
+        assert_eq!(strategy(&own_last, "mig", DeviceKind::Mig), Ok(SharingStrategy::TimeSlicing));
+        let names = ["mig".to_string()];
+        let named = [entry(&gpu, &names)];
+        let error = strategy(&named, "mig", DeviceKind::Mig).err().unwrap_or_default();
+        assert!(
+            error.starts_with("config #1 (FromClaim): NVIDIA's GpuConfig cannot configure request \"mig\"")
+                && error.contains("use kind MigDeviceConfig"),
+            "{error}"
+        );
     }
 }

@@ -6,8 +6,9 @@
 //! - every device of the claim that is not looked at with admin access asks `sharing.strategy: MPS` with the same
 //!   settings, or none does: the daemon's pipe and limits reach every container of the claim, so a claim mixing
 //!   MPS with something else, or two different limits, is refused naming the requests;
-//! - MPS needs its GPUs whole: a share of a GPU shared by memory and a dynamic MIG device (made at prepare, so its
-//!   UUID is not known to the limits) are refused; static MIG devices are served by their MIG UUIDs;
+//! - MPS needs its GPUs whole: a share of part of a GPU shared by memory (a share of all its memory, which a claim
+//!   naming no memory gets, holds it whole) and a dynamic MIG device (made at prepare, so its UUID is not known to
+//!   the limits) are refused; static MIG devices are served by their MIG UUIDs;
 //! - the daemon sees the claim's devices by UUID (`CUDA_VISIBLE_DEVICES`), its default active thread percentage
 //!   and pinned device memory limits in its environment (the defaults of every server it starts), and writes its
 //!   pipes, logs and shared memory under the claim's own directories;
@@ -143,10 +144,13 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
             ));
         }
         let name = device.device.name();
-        if device.share_id.is_some() {
+        // MPS sets its GPUs' compute mode to EXCLUSIVE_PROCESS, which would lock the other shares' processes out. A
+        // share of all the memory has none beside it (a claim naming no memory gets that by default).
+        if device.share_id.is_some() && !device.all_memory {
             return Err(format!(
-                "claim {claim}: request {:?} has a share of device {name:?} (a GPU shared by memory); MPS needs its \
-                 GPUs whole: ask for a GPU from a class of unshared GPUs",
+                "claim {claim}: request {:?} has a share of part of device {name:?}'s memory (a GPU shared by \
+                 memory); MPS needs its GPUs whole: ask for no memory capacity (the whole GPU) or a GPU from a class \
+                 of unshared GPUs",
                 device.request
             ));
         }
@@ -256,6 +260,7 @@ mod tests {
             pool: "node-a".into(),
             device: Device::whole(&test_gpu(minor, "0000:01:00.0")),
             share_id: None,
+            all_memory: false,
             admin_access: false,
             config: GpuConfig { sharing },
         }
@@ -372,6 +377,18 @@ mod tests {
                 Err(error) => assert!(error.contains(expected), "{error:?} lacks {expected:?}"),
             }
         }
+    }
+
+    /// On a GPU shared by memory, a claim naming no memory gets a share of all of it: nothing shares it beside the
+    /// daemon, which serves it as a whole GPU.
+    #[test]
+    fn a_share_of_all_the_memory_gets_a_daemon() -> Result<(), String> {
+        let mut whole = device("gpu", 0, mps(MpsConfig::default()));
+        whole.share_id = Some("share-1".into());
+        whole.all_memory = true;
+        let daemon = plan(&claim(), &[whole])?.ok_or("no daemon")?;
+        assert_eq!(daemon.uuids.len(), 1, "{daemon:?}");
+        Ok(())
     }
 
     #[test]

@@ -79,12 +79,24 @@ pub struct Rewrites {
 }
 
 /// What start-up found and did, for the log and Events.
+/// How the record of prepared claims was lost, when it was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Lost {
+    /// Unreadable: kept aside.
+    Corrupt,
+    /// No file.
+    Missing,
+}
+
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
     /// The checkpoint was unreadable: where it was kept aside and why.
     pub corrupt: Option<(PathBuf, String)>,
-    /// CDI specs adopted as recovered entries after a corrupt checkpoint.
+    /// CDI specs adopted as recovered entries after a corrupt or missing checkpoint.
     pub rebuilt: usize,
+    /// The checkpoint was missing while this many specs of the driver's claims were on disk (all adopted): the
+    /// record was lost, not a first start.
+    pub missing: usize,
     /// Entries of an earlier boot dropped (their devices' state is gone; kubelet prepares again).
     pub previous_boot: usize,
     /// Half-done prepares cleaned up.
@@ -200,7 +212,19 @@ impl DriverState {
         });
         let mut recovery = Recovery::default();
         match loaded.outcome {
-            LoadOutcome::Fresh | LoadOutcome::Loaded => {}
+            LoadOutcome::Loaded => {}
+            LoadOutcome::Fresh => {
+                // No record, yet specs of this driver's claims on disk: the record was lost (a wiped or changed
+                // state directory), not a first start. The kubelet still holds those claims as prepared and never
+                // prepares them again, so their specs are adopted as after a corrupt checkpoint instead of being
+                // removed as orphans under running containers.
+                let this = state.clone();
+                let (adopted, _) = tokio::task::spawn_blocking(move || this.adopt_specs(Lost::Missing))
+                    .await
+                    .map_err(|e| StateError::Task(e.to_string()))??;
+                recovery.missing = adopted;
+                recovery.rebuilt = adopted;
+            }
             LoadOutcome::PreviousBoot { dropped } => {
                 recovery.previous_boot = dropped.len();
                 for (uid, _) in dropped {
@@ -211,11 +235,11 @@ impl DriverState {
             LoadOutcome::Corrupt { reason } => {
                 state.metrics.checkpoint_corruptions.inc();
                 let this = state.clone();
-                let (adopted, moved_to) = tokio::task::spawn_blocking(move || this.adopt_specs())
+                let (adopted, moved_to) = tokio::task::spawn_blocking(move || this.adopt_specs(Lost::Corrupt))
                     .await
                     .map_err(|e| StateError::Task(e.to_string()))??;
                 recovery.rebuilt = adopted;
-                recovery.corrupt = Some((moved_to, reason));
+                recovery.corrupt = moved_to.map(|moved_to| (moved_to, reason));
             }
         }
         let this = state.clone();
@@ -742,15 +766,20 @@ impl DriverState {
         devices
     }
 
-    /// After a corrupt checkpoint: every spec of this driver on disk becomes a recovered entry, and the rebuilt
-    /// checkpoint is saved in place of the corrupt one. Returns (specs adopted, where the corrupt file was kept).
-    fn adopt_specs(&self) -> Result<(usize, PathBuf), StateError> {
+    /// After a corrupt or missing checkpoint: every spec of this driver on disk becomes a recovered entry, and the
+    /// rebuilt checkpoint is saved (in place of the corrupt one, kept aside). Returns (specs adopted, where the
+    /// corrupt file was kept). A missing checkpoint with no spec on disk is a first start: nothing is written.
+    fn adopt_specs(&self, lost: Lost) -> Result<(usize, Option<PathBuf>), StateError> {
         let mut checkpoint = self.lock();
         let uids = cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind)
             .map_err(|source| StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source })?;
+        if lost == Lost::Missing && uids.is_empty() {
+            // A first start.
+            return Ok((0, None));
+        }
         for uid in &uids {
             let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid);
-            info!(%uid, devices = devices.len(), "adopted the CDI spec of a claim the corrupt checkpoint recorded");
+            info!(%uid, devices = devices.len(), record = ?lost, "adopted the CDI spec of a prepared claim whose record was lost");
             let entry = ClaimEntry {
                 namespace: String::new(),
                 name: String::new(),
@@ -772,7 +801,13 @@ impl DriverState {
         }
         // So may the compute mode of those their MPS daemons served; and their MIG devices were made for them.
         self.note_adopted_gpus(&mut checkpoint);
-        let moved_to = self.store.replace_corrupt(&checkpoint)?;
+        let moved_to = match lost {
+            Lost::Corrupt => Some(self.store.replace_corrupt(&checkpoint)?),
+            Lost::Missing => {
+                self.store.save(&checkpoint)?;
+                None
+            }
+        };
         Ok((uids.len(), moved_to))
     }
 

@@ -163,6 +163,7 @@ mod tests {
             pool: "node-a".into(),
             device: crate::node_agent::device::Device::whole(&test_gpu(minor, "0000:01:00.0")),
             share_id: None,
+            all_memory: false,
             admin_access,
             config: GpuConfig { sharing },
         }

@@ -120,6 +120,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         driver: gpu.driver_name.clone(),
         node: node.clone(),
         sockets: SocketPaths::new(&args.kubelet_registry_dir, &args.kubelet_plugins_dir, &gpu.driver_name)?,
+        registration_timeout: args.kubelet_registration_timeout,
         cdi_dir: args.cdi_dir.clone(),
         state_dir: args.state_dir.clone(),
         mps_dir: args.mps_dir.clone(),

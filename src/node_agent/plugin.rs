@@ -29,6 +29,8 @@ pub(super) struct PluginSettings {
     pub(super) driver: String,
     pub(super) node: String,
     pub(super) sockets: SocketPaths,
+    /// How long the kubelet may take to register the plugin before the agent warns (`--kubelet-registration-timeout`).
+    pub(super) registration_timeout: std::time::Duration,
     pub(super) cdi_dir: PathBuf,
     pub(super) state_dir: PathBuf,
     /// Where claims' MPS daemons keep their directories.
@@ -89,6 +91,7 @@ pub(super) async fn start(
         mig_control: settings.mig_control.clone(),
         device_metadata: settings.device_metadata,
     };
+    let registered = metrics.registered.clone();
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
     report(&recovery, &settings.node, client.clone()).await;
@@ -105,6 +108,7 @@ pub(super) async fn start(
         settings.stale_claims,
         stop.clone(),
     ));
+    tokio::spawn(warn_unregistered(settings, registered, client.clone(), stop.clone()));
     tokio::spawn(restore_lost_specs(state.clone(), stop));
     let sockets = settings.sockets.clone();
     let host_dirs = HostDirs::new(&settings.sockets, &settings.cdi_dir);
@@ -223,6 +227,16 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
     if recovery != &Recovery::default() {
         info!(?recovery, "checkpoint recovered");
     }
+    if recovery.missing > 0 {
+        let note = format!(
+            "The checkpoint of prepared claims was missing while {} CDI specs of this driver's claims were on disk (a \
+             wiped or changed state directory): they were adopted as prepared and are kept until the kubelet \
+             unprepares them.",
+            recovery.missing
+        );
+        warn!(adopted = recovery.missing, "checkpoint was missing beside CDI specs of prepared claims");
+        node_warning(client.clone(), node, "CheckpointMissing", "RecoverCheckpoint", note).await;
+    }
     let Some((moved_to, reason)) = &recovery.corrupt else { return };
     let note = format!(
         "The checkpoint of prepared claims was unreadable ({reason}); it was kept as {} and the record rebuilt from \
@@ -232,6 +246,41 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
     );
     warn!(moved_to = %moved_to.display(), %reason, rebuilt = recovery.rebuilt, "checkpoint was corrupt");
     node_warning(client, node, "CheckpointCorrupt", "RecoverCheckpoint", note).await;
+}
+
+/// Says so, once, when the kubelet has not registered the plugin `registration_timeout` after its socket appeared.
+/// The kubelet's plugin watcher finds a new socket within a second; one it never finds is under a directory the
+/// kubelet does not watch (its root directory elsewhere: k0s, MicroK8s), and every pod allocated this node's GPUs
+/// then fails with "DRA driver … is not registered" while the agent itself looks healthy.
+fn warn_unregistered(
+    settings: &PluginSettings,
+    registered: prometheus_client::metrics::gauge::Gauge,
+    client: kube::Client,
+    stop: CancellationToken,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let (node, timeout) = (settings.node.clone(), settings.registration_timeout);
+    let socket = settings.sockets.registration.clone();
+    async move {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(timeout) => {}
+        }
+        if registered.get() == 1 {
+            return;
+        }
+        let dir = socket.parent().unwrap_or(&socket).display().to_string();
+        let note = format!(
+            "The kubelet has not registered the plugin {}s after its socket {} appeared: the kubelet watches \
+             <its root directory>/plugins_registry, so if its root directory is not the one {dir} is under, set the \
+             chart's nodeAgent.kubeletDir to it (--kubelet-registry-dir and --kubelet-plugins-dir). Until then pods \
+             allocated this node's GPUs fail to start. (A kubelet that found it and refused it: the agent's log \
+             says why.)",
+            timeout.as_secs(),
+            socket.display()
+        );
+        tracing::error!(socket = %socket.display(), "the kubelet has not registered the plugin");
+        node_warning(client, &node, "NotRegistered", "RegisterPlugin", note).await;
+    }
 }
 
 /// Publishes a Warning Event on the Node (by name alone when it cannot be read); a failure is logged.

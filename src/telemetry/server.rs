@@ -1,7 +1,7 @@
 //! The HTTP endpoint every component serves: `/metrics` (Prometheus text format), `/healthz` (the process is
 //! alive, and its own [`Liveness`] check passes) and `/readyz` (the component is ready; the body says why not).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Router;
@@ -89,7 +89,7 @@ pub async fn bind(
     liveness: Liveness,
     stop: CancellationToken,
 ) -> Result<(SocketAddr, impl Future<Output = Result<(), ServerError>>), ServerError> {
-    let listener = tokio::net::TcpListener::bind(addr).await.map_err(|source| ServerError::Bind { addr, source })?;
+    let listener = listen(addr).map_err(|source| ServerError::Bind { addr, source })?;
     let local = listener.local_addr().map_err(|source| ServerError::Bind { addr, source })?;
     let app = Router::new()
         .route("/metrics", get(metrics))
@@ -100,6 +100,39 @@ pub async fn bind(
         axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await.map_err(ServerError::Serve)
     };
     Ok((local, serve))
+}
+
+/// A listener on `addr`. The IPv4 wildcard `0.0.0.0` (the default) listens on every address, IPv6 too, as Go's
+/// listeners do with it (kube-controller-manager's `--bind-address`): the kubelet probes a Pod and Prometheus scrapes
+/// it at the Pod's IP, which is IPv6 on single-stack IPv6 and IPv6-first clusters. A node without IPv6 gets the
+/// IPv4 wildcard alone.
+fn listen(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    if addr.ip() == IpAddr::V4(Ipv4Addr::UNSPECIFIED) {
+        match dual_stack(addr.port()) {
+            Ok(listener) => return tokio::net::TcpListener::from_std(listener),
+            // Taken on IPv6 is taken on IPv4 too (a dual-stack socket holds both).
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => return Err(e),
+            Err(e) => tracing::debug!(error = %e, "no IPv6 listener; listening on IPv4 only"),
+        }
+    }
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+    ready_to_listen(socket, addr).and_then(tokio::net::TcpListener::from_std)
+}
+
+/// `[::]:port` with IPv4 mapped in (IPV6_V6ONLY off, whatever the node's `net.ipv6.bindv6only`).
+fn dual_stack(port: u16) -> std::io::Result<std::net::TcpListener> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV6, socket2::Type::STREAM, None)?;
+    socket.set_only_v6(false)?;
+    ready_to_listen(socket, SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+}
+
+/// Binds and listens as tokio's own `TcpListener::bind` does (SO_REUSEADDR, non-blocking, backlog 1024).
+fn ready_to_listen(socket: socket2::Socket, addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(1024)?;
+    Ok(socket.into())
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
@@ -129,5 +162,30 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
     match state.readiness.get() {
         Ok(()) => (StatusCode::OK, "ok".to_string()),
         Err(reason) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {reason}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The default wildcard answers over IPv4 and IPv6 (a Pod's IP on an IPv6 cluster), on the port it took; a
+    /// named address only there.
+    #[tokio::test]
+    async fn the_ipv4_wildcard_listens_on_ipv6_too() -> std::io::Result<()> {
+        let any = listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, 0)))?;
+        let port = any.local_addr()?.port();
+        for ip in [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)] {
+            tokio::net::TcpStream::connect((ip, port)).await?;
+            any.accept().await?;
+        }
+        let loopback = listen(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
+        let port = loopback.local_addr()?.port();
+        assert!(tokio::net::TcpStream::connect((Ipv6Addr::LOCALHOST, port)).await.is_err());
+        // A port taken stays an error, not a quiet fall back.
+        let taken = any.local_addr()?.port();
+        let error = listen(SocketAddr::from((Ipv4Addr::UNSPECIFIED, taken))).err();
+        assert_eq!(error.map(|e| e.kind()), Some(std::io::ErrorKind::AddrInUse));
+        Ok(())
     }
 }

@@ -208,7 +208,7 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
 
     let granted = rules(object(applied, "ClusterRole", Some("node-agent"))?);
     let expected = rows(&[
-        ("resource.k8s.io", "resourceslices", "create,delete,list,watch"),
+        ("resource.k8s.io", "resourceslices", "create,delete,list,update,watch"),
         ("resource.k8s.io", "resourceclaims", "get"),
         ("", "nodes", "get"),
         ("events.k8s.io", "events", "create,patch"),
@@ -303,6 +303,31 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
         "delete a claim",
         Api::<ResourceClaim>::namespaced(client.clone(), ns).delete("pair", &DeleteParams::default()).await,
     )?;
+
+    // A GPU's fault changes the pool's one slice: updated in place under the grant, same name and generation, not
+    // republished as a new generation (whatever the API server keeps of the taint: before 1.36 it drops it).
+    let pool = |list: Vec<ResourceSlice>| -> Vec<(String, i64, String)> {
+        list.iter()
+            .map(|s| {
+                let hash = s.annotations().get("gpu-dra.dev/devices-hash").cloned().unwrap_or_default();
+                (s.name_any(), s.spec.pool.generation, hash)
+            })
+            .collect()
+    };
+    let before = pool(slices.list(&ListParams::default().fields(&selector)).await?.items);
+    ensure!(before.len() == 1, "the pool of two GPUs is one slice: {before:?}");
+    support::node::inject_fault(&dirs.state(), "gpu-1 xid 48")?;
+    let after = wait::until("the faulted GPU's slice to change", SETTLE, || async {
+        let now = pool(slices.list(&ListParams::default().fields(&selector)).await?.items);
+        Ok((now != before).then_some(now))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(
+        after.len() == 1 && after[0].0 == before[0].0 && after[0].1 == before[0].1,
+        "the slice was not updated in place: {before:?} became {after:?}\n{}",
+        agent.log_tail()
+    );
     ensure!(!agent.log_text().contains("forbidden"), "the agent was refused something:\n{}", agent.log_tail());
     let status = agent.terminate()?;
     ensure!(status.success(), "agent exited with {status}");

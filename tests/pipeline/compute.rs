@@ -8,6 +8,7 @@ use k8s_openapi::api::resource::v1::ResourceClaim;
 use kube::api::{Api, DeleteParams, PostParams};
 use serde_json::{Value, json};
 
+use super::support::node::DRIVER;
 use super::support::{self, TestContext, objects};
 use super::{PREPARE_TIMEOUT, SharedGpuNode, allocation_results, pod_using};
 
@@ -64,6 +65,47 @@ pub(super) async fn inference_pods_share_one_gpu_by_compute(ctx: TestContext) ->
     ensure!(search == [("gpu-0".into(), "20Gi".into(), "60".into())], "search consumed {search:?}");
     ensure!(dirs.cdi_specs()?.len() == 3, "a CDI spec per share: {:?}", dirs.cdi_specs()?);
     eprintln!("60 % + 40 % + none of gpu-0's compute shared; a second 60 % waited ({why}) until the first was gone");
+    Ok(())
+}
+
+/// NVIDIA's MPS example on a node whose GPU is shared by memory: a claim naming no memory, in NVIDIA's spelling and
+/// shared by two pods, gets all of the GPU's memory (the request policy's default) and with it the GPU whole, so its
+/// MPS daemon runs for both; a pod asking a share of the memory waits while it is held. Before 1.36 the GPU is whole
+/// anyway (no share ID).
+pub(super) async fn an_mps_claim_naming_no_memory_holds_a_shared_gpu_whole(ctx: TestContext) -> anyhow::Result<()> {
+    let SharedGpuNode { node, dirs, agent, kubelet, _controller } = SharedGpuNode::start(&ctx, "mps").await?;
+    let ns = ctx.namespace.as_str();
+    let claim: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "inference"},
+        "spec": {"devices": {
+            "requests": [{"name": "gpu", "exactly": {"deviceClassName": ns}}],
+            "config": [{"opaque": {"driver": DRIVER, "parameters": {
+                "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+                "sharing": {"strategy": "MPS", "mpsConfig": {"defaultActiveThreadPercentage": 50}}}}}]}}
+    }))?;
+    let claim = objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+    let uid = claim.metadata.uid.unwrap_or_default();
+    let pods = Api::<Pod>::namespaced(ctx.client.clone(), ns);
+    for name in ["server-a", "server-b"] {
+        pods.create(&PostParams::default(), &pod_using(name, &node, "inference")?).await?;
+    }
+    for name in ["server-a", "server-b"] {
+        let prepared = kubelet.wait_for("prepared", &format!("{ns}/{name}"), PREPARE_TIMEOUT).await;
+        prepared.map_err(|e| anyhow::anyhow!("{e:#}\n{}", agent.log_tail()))?;
+    }
+    ensure!(dirs.mps().join(&uid).is_dir(), "no MPS daemon for the claim:\n{}", agent.log_tail());
+    let results = allocation_results(&ctx, ns, "inference").await?;
+    ensure!(results.len() == 1 && results[0].device == "gpu-0", "allocated {results:?}");
+    if support::cluster::kubernetes_minor()? >= 36 {
+        // An H100 80GB has 81,559 MiB: all of it, under the share ID the scheduler gives every allocation of a
+        // shared device.
+        let memory = super::consumed(&results[0], "memory");
+        ensure!(results[0].share_id.is_some() && memory == "81559Mi", "a share of {memory:?}: {results:?}");
+    }
+    pod_asking(&ctx, "notebook", &node, json!({"memory": "8Gi"})).await?;
+    let why = objects::unschedulable(&ctx.client, ns, "notebook", PREPARE_TIMEOUT).await?;
+    ensure!(why.contains("cannot allocate all claims"), "the notebook waits for another reason: {why}");
+    eprintln!("MPS on gpu-0 shared by memory, held whole by a claim naming no memory; a share waited ({why})");
     Ok(())
 }
 
