@@ -114,7 +114,9 @@ pub fn plan(
                 inventory.keys().cloned().collect::<Vec<_>>().join(", ")
             ));
         };
-        let kind = if device.is_mig() { DeviceKind::Mig } else { DeviceKind::Gpu };
+        // As published: a dynamic-MIG GPU's whole partition is type `gpu` (the whole-GPU class finds it).
+        let whole_partition = device.partition.as_ref().is_some_and(|p| p.whole);
+        let kind = if device.is_mig() && !whole_partition { DeviceKind::Mig } else { DeviceKind::Gpu };
         let config =
             effective_config(driver, &result.request, kind, &configs).map_err(|e| format!("claim {wanted}: {e}"))?;
         let interval = config.sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default();

@@ -187,6 +187,26 @@ impl Checkpoint {
             .map(|(uid, held)| (uid, held.device.as_str()))
     }
 
+    /// Another claim (not `claim_uid`) holding a share of `wanted`'s device when the two shares cannot be side by
+    /// side: shares of one GPU never conflict ([`Self::conflicting_owner`]), unless MPS runs there, whose daemon sets
+    /// the GPU to `EXCLUSIVE_PROCESS` and so locks every other share's processes out. A share asking MPS (one of all
+    /// the memory, which the scheduler gives no company; another share here is a force-deleted pod's, still
+    /// prepared) waits for the others to be unprepared, and a share waits while one with an MPS daemon holds the GPU.
+    /// As (its UID, the device).
+    pub fn share_beside_mps(&self, claim_uid: &str, wanted: &PreparedDevice, wants_mps: bool) -> Option<(&str, &str)> {
+        wanted.share_id.as_ref()?;
+        self.claims
+            .iter()
+            .filter(|(uid, entry)| *uid != claim_uid && !entry.recovered && (wants_mps || entry.mps.is_some()))
+            .find_map(|(uid, entry)| {
+                let held = entry
+                    .devices
+                    .iter()
+                    .find(|held| held.pool == wanted.pool && held.device == wanted.device && !held.admin_access)?;
+                Some((uid.as_str(), held.device.as_str()))
+            })
+    }
+
     /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it); never a
     /// recovered entry, whose answer is unknown.
     pub fn completed(&self, uid: &str) -> Option<&ClaimEntry> {
@@ -799,6 +819,30 @@ mod tests {
             Loaded { checkpoint: Checkpoint::new("boot-2"), outcome: LoadOutcome::Loaded }
         );
         Ok(())
+    }
+
+    /// Shares of one GPU go side by side, unless one of them runs MPS (its daemon makes the GPU exclusive to it).
+    #[test]
+    fn no_share_beside_an_mps_share() {
+        let mut checkpoint = Checkpoint::new("boot-1");
+        let share = |id: &str| device("node1", "gpu-0", Some(id));
+        checkpoint.claims.insert("uid-a".to_owned(), entry("a", PrepareState::PrepareCompleted, vec![share("s1")]));
+        // A plain share beside a plain share: fine; an MPS share beside it waits.
+        assert_eq!(checkpoint.share_beside_mps("uid-c", &share("s2"), false), None);
+        assert_eq!(checkpoint.share_beside_mps("uid-c", &share("s2"), true), Some(("uid-a", "gpu-0")));
+        // A share beside one that runs MPS waits; a whole GPU is [`Checkpoint::conflicting_owner`]'s to judge.
+        let daemon = super::super::mps::MpsDaemon {
+            uuids: vec!["GPU-0".into()],
+            active_thread_percentage: None,
+            pinned_mib: BTreeMap::new(),
+        };
+        if let Some(a) = checkpoint.claims.get_mut("uid-a") {
+            a.mps = Some(daemon);
+        }
+        assert_eq!(checkpoint.share_beside_mps("uid-c", &share("s2"), false), Some(("uid-a", "gpu-0")));
+        assert_eq!(checkpoint.share_beside_mps("uid-c", &device("node1", "gpu-0", None), false), None);
+        assert_eq!(checkpoint.share_beside_mps("uid-a", &share("s1"), true), None, "its own share");
+        assert_eq!(checkpoint.share_beside_mps("uid-c", &device("node1", "gpu-1", Some("s3")), true), None);
     }
 
     #[test]

@@ -407,7 +407,9 @@ pub enum DeviceKind {
 /// `kind`: the last entry of this driver that applies wins, so a claim's entry overrides its class's. Entries of
 /// other drivers are not ours to read. As NVIDIA's driver does, an NVIDIA-spelt entry naming no request applies only
 /// to devices of its kind (a claim's `GpuConfig` and `MigDeviceConfig` each configure their own devices), and one
-/// naming the request with the other kind is an error.
+/// naming the request exactly with the other kind is an error if it wins. One naming the main request of a
+/// subrequest applies to the alternatives of its kind only (a `GpuConfig` for `req` configures `req/h100`, not the
+/// MIG fallback `req/mig`).
 pub fn effective_config(
     driver: &str,
     request: &str,
@@ -415,31 +417,36 @@ pub fn effective_config(
     entries: &[ConfigEntry<'_>],
 ) -> Result<GpuConfig, String> {
     let base = request.split('/').next().unwrap_or(request);
-    let mut effective = GpuConfig::default();
+    let mut effective = Ok(GpuConfig::default());
     for (position, entry) in entries.iter().enumerate() {
-        let named = entry.requests.iter().any(|r| r == request || r == base);
-        if entry.driver != driver || !(named || entry.requests.is_empty()) {
+        // Named exactly (`req`, or `req/sub` for a subrequest), or through its main request (`req` for `req/sub`).
+        let exact = entry.requests.iter().any(|r| r == request);
+        let applies = exact || entry.requests.is_empty() || entry.requests.iter().any(|r| r == base);
+        if entry.driver != driver || !applies {
             continue;
         }
         let at = || format!("config #{} ({})", position + 1, entry.source);
         match nvidia_kind(entry.parameters) {
-            Some(only) if only != kind && named => {
+            // Refused only if it would win: a later entry may still configure the request.
+            Some(only) if only != kind && exact => {
                 let (document, device, instead) = match only {
                     DeviceKind::Gpu => (GPU_CONFIG_KIND, "a MIG device", NVIDIA_MIG_CONFIG_KIND),
                     DeviceKind::Mig => (NVIDIA_MIG_CONFIG_KIND, "a whole GPU", GPU_CONFIG_KIND),
                 };
-                return Err(format!(
+                effective = Err(format!(
                     "{}: NVIDIA's {document} cannot configure request {request:?}, which was allocated {device}; use \
                      kind {instead} for it",
                     at()
                 ));
+                continue;
             }
+            // For another kind of device (one alternative of a request with subrequests, say): not this one's.
             Some(only) if only != kind => continue,
             _ => {}
         }
-        effective = GpuConfig::decode(driver, entry.parameters).map_err(|e| format!("{}: {e}", at()))?;
+        effective = Ok(GpuConfig::decode(driver, entry.parameters).map_err(|e| format!("{}: {e}", at()))?);
     }
-    Ok(effective)
+    effective
 }
 
 #[cfg(test)]
@@ -711,5 +718,13 @@ mod tests {
                 && error.contains("use kind MigDeviceConfig"),
             "{error}"
         );
+        // Overridden by a later entry for the request: not an error.
+        let overridden = [entry(&gpu, &names), entry(&mig, &names)];
+        assert_eq!(strategy(&overridden, "mig", DeviceKind::Mig), Ok(SharingStrategy::Mps));
+        // Named through the main request of a subrequest: the alternatives of its kind only.
+        let main = ["gpu".to_string()];
+        let through_main = [entry(&gpu, &main)];
+        assert_eq!(strategy(&through_main, "gpu/h100", DeviceKind::Gpu), Ok(SharingStrategy::TimeSlicing));
+        assert_eq!(strategy(&through_main, "gpu/mig", DeviceKind::Mig), Ok(SharingStrategy::Exclusive));
     }
 }

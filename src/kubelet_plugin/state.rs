@@ -60,7 +60,7 @@ pub enum StateError {
         #[source]
         source: cdi::CdiError,
     },
-    #[error("adopt the CDI specs in {dir} to rebuild the corrupt checkpoint: {source}")]
+    #[error("adopt the CDI specs in {dir} to rebuild the lost checkpoint: {source}")]
     AdoptSpecs {
         dir: PathBuf,
         #[source]
@@ -78,7 +78,6 @@ pub struct Rewrites {
     pub failed: Vec<(String, String)>,
 }
 
-/// What start-up found and did, for the log and Events.
 /// How the record of prepared claims was lost, when it was.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Lost {
@@ -88,6 +87,7 @@ enum Lost {
     Missing,
 }
 
+/// What start-up found and did, for the log and Events.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
     /// The checkpoint was unreadable: where it was kept aside and why.
@@ -771,8 +771,16 @@ impl DriverState {
     /// corrupt file was kept). A missing checkpoint with no spec on disk is a first start: nothing is written.
     fn adopt_specs(&self, lost: Lost) -> Result<(usize, Option<PathBuf>), StateError> {
         let mut checkpoint = self.lock();
-        let uids = cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind)
-            .map_err(|source| StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source })?;
+        let uids = match cdi::list_claim_specs(&self.cdi_dir, &self.cdi_kind) {
+            Ok(uids) => uids,
+            // Start-up's clean-up cannot list them either, so it removes none: nothing is lost by going on.
+            Err(e) if lost == Lost::Missing => {
+                warn!(error = %e, "no checkpoint, and the CDI specs cannot be listed to tell a lost one from a first \
+                      start: taken for a first start");
+                return Ok((0, None));
+            }
+            Err(source) => return Err(StateError::AdoptSpecs { dir: self.cdi_dir.clone(), source }),
+        };
         if lost == Lost::Missing && uids.is_empty() {
             // A first start.
             return Ok((0, None));
@@ -1091,8 +1099,11 @@ fn conflict(
     planned: &[PlannedDevice],
     devices: &[PreparedDevice],
 ) -> Option<String> {
-    planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(_, device)| {
-        let (owner, held) = checkpoint.conflicting_owner(&claim.uid, device)?;
+    planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(planned, device)| {
+        let wants_mps = planned.config.sharing.strategy == super::config::SharingStrategy::Mps;
+        let (owner, held) = checkpoint
+            .conflicting_owner(&claim.uid, device)
+            .or_else(|| checkpoint.share_beside_mps(&claim.uid, device, wants_mps))?;
         let holder = checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name)).unwrap_or_default();
         let what = if held == device.device { String::new() } else { format!(" (as part of {held:?})") };
         Some(format!(

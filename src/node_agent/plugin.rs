@@ -270,12 +270,12 @@ fn warn_unregistered(
         }
         let dir = socket.parent().unwrap_or(&socket).display().to_string();
         let note = format!(
-            "The kubelet has not registered the plugin {}s after its socket {} appeared: the kubelet watches \
+            "The kubelet has not registered the plugin {} after its socket {} appeared: the kubelet watches \
              <its root directory>/plugins_registry, so if its root directory is not the one {dir} is under, set the \
              chart's nodeAgent.kubeletDir to it (--kubelet-registry-dir and --kubelet-plugins-dir). Until then pods \
              allocated this node's GPUs fail to start. (A kubelet that found it and refused it: the agent's log \
              says why.)",
-            timeout.as_secs(),
+            humantime::format_duration(timeout),
             socket.display()
         );
         tracing::error!(socket = %socket.display(), "the kubelet has not registered the plugin");

@@ -329,6 +329,42 @@ async fn node_agent_under_its_account(ctx: &TestContext, applied: &[Value], clas
         agent.log_tail()
     );
     ensure!(!agent.log_text().contains("forbidden"), "the agent was refused something:\n{}", agent.log_tail());
+
+    // An older ClusterRole without `update` (a newer image beside an older chart's RBAC): the next change still
+    // reaches the scheduler, as a new generation, and the agent names the verb to grant.
+    let role_name = object(applied, "ClusterRole", Some("node-agent"))?["metadata"]["name"]
+        .as_str()
+        .context("ClusterRole name")?
+        .to_string();
+    let roles = Api::<k8s_openapi::api::rbac::v1::ClusterRole>::all(ctx.client.clone());
+    let mut role = roles.get(&role_name).await?;
+    for rule in role.rules.iter_mut().flatten() {
+        rule.verbs.retain(|verb| verb != "update");
+    }
+    roles.replace(&role_name, &PostParams::default(), &role).await?;
+    // In force once the agent's own credentials are refused an update (dry run).
+    let as_agent = Api::<ResourceSlice>::all(client.clone());
+    let dry_run = PostParams { dry_run: true, ..Default::default() };
+    wait::until("update to be refused to the agent", SETTLE, || async {
+        let current = slices.get(&after[0].0).await?;
+        match as_agent.replace(&after[0].0, &dry_run, &current).await {
+            Err(kube::Error::Api(status)) if status.code == 403 => Ok(Some(())),
+            _ => Ok(None),
+        }
+    })
+    .await?;
+    support::node::inject_fault(&dirs.state(), "gpu-0 xid 48")?;
+    let republished = wait::until("the next change, as a new generation", SETTLE, || async {
+        let now = pool(slices.list(&ListParams::default().fields(&selector)).await?.items);
+        Ok((now != after && now.len() == 1 && now[0].1 > after[0].1).then_some(now))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(
+        agent.log_text().contains("may not update ResourceSlices in place (grant the verb update"),
+        "the agent did not say what to grant ({republished:?}):\n{}",
+        agent.log_tail()
+    );
     let status = agent.terminate()?;
     ensure!(status.success(), "agent exited with {status}");
     Ok(())

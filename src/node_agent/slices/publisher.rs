@@ -78,10 +78,10 @@ pub struct Publisher {
     /// Whether the API server was seen to keep the devices' `consumesCounters` (a dry-run create, once per agent
     /// start, before the first pool with counters is written).
     counters_kept: Arc<AtomicBool>,
-    /// Whether the API server refused an in-place update (403: a ClusterRole without `update` on resourceslices,
-    /// such as an older chart's beside a newer image): the agent then publishes every change as a new generation,
-    /// as it did before in-place updates, and says so once.
-    update_forbidden: Arc<AtomicBool>,
+    /// Whether the API server refused the last in-place update (403: a ClusterRole without `update` on
+    /// resourceslices, such as an older chart's beside a newer image): each such change is published as a new
+    /// generation instead, as before in-place updates; the refusal is logged once until an update is allowed again.
+    update_refused: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -105,7 +105,7 @@ impl Publisher {
             node: node.into(),
             last_generation: Arc::default(),
             checked_dropped: Arc::default(),
-            update_forbidden: Arc::default(),
+            update_refused: Arc::default(),
             counters_dropped: Arc::default(),
             counters_kept: Arc::default(),
         }
@@ -275,10 +275,7 @@ impl Publisher {
         existing: &[ResourceSlice],
         generation: i64,
     ) -> Result<Option<Outcome>, PublishError> {
-        if self.update_forbidden.load(Ordering::Relaxed)
-            || existing.len() != slices.len()
-            || existing.iter().any(|s| s.spec.pool.generation != generation)
-        {
+        if existing.len() != slices.len() || existing.iter().any(|s| s.spec.pool.generation != generation) {
             return Ok(None);
         }
         let Some((index, old)) = one_changed(hashes, existing) else { return Ok(None) };
@@ -299,15 +296,19 @@ impl Publisher {
             Err(kube::Error::Api(status)) if status.code == 403 => {
                 // Creating and deleting are allowed (they are how the pool was written): the change still reaches
                 // the scheduler, as a new generation, and the operator learns what to grant.
-                self.update_forbidden.store(true, Ordering::Relaxed);
-                warn!(node = %self.node, slice = %name, reason = %status.message,
-                      "may not update ResourceSlices in place (grant the verb update on resource.k8s.io \
-                       resourceslices to the agent's ServiceAccount; the chart does): publishing each change as a \
-                       new generation, during which the node's GPUs cannot be allocated");
+                if !self.update_refused.swap(true, Ordering::Relaxed) {
+                    warn!(node = %self.node, slice = %name, reason = %status.message,
+                          "may not update ResourceSlices in place (grant the verb update on resource.k8s.io \
+                           resourceslices to the agent's ServiceAccount; the chart does): publishing each change \
+                           as a new generation, during which the node's GPUs cannot be allocated");
+                }
                 return Ok(None);
             }
             Err(source) => return Err(PublishError::UpdateSlice { slice: name, source }),
         };
+        if self.update_refused.swap(false, Ordering::Relaxed) {
+            info!(node = %self.node, "ResourceSlices may be updated in place again");
+        }
         let dropped = dropped_fields(content.devices(), &stored);
         if dropped.contains(&DroppedField::ConsumesCounters) {
             self.counters_dropped.store(true, Ordering::Relaxed);
