@@ -552,6 +552,15 @@ async fn two_prepared_claims_agent_stopped(
     Ok((a, b))
 }
 
+/// Waits for a Warning Event `reason` on Node `node` whose note contains `note`.
+async fn node_warning(ctx: &TestContext, node: &str, reason: &str, note: &str) -> anyhow::Result<()> {
+    wait::until(&format!("a {reason} Warning on the Node"), Duration::from_secs(20), || async {
+        let events = support::objects::events_in(ctx, "default", node).await?;
+        Ok(events.iter().any(|(type_, r, n)| type_ == "Warning" && r == reason && n.contains(note)).then_some(()))
+    })
+    .await
+}
+
 /// The files the corrupt checkpoint was kept as.
 fn kept_aside(dirs: &NodeDirs) -> anyhow::Result<Vec<PathBuf>> {
     Ok(std::fs::read_dir(dirs.state())?
@@ -583,20 +592,7 @@ async fn a_corrupt_checkpoint_is_rebuilt_from_the_specs_and_kept_aside(ctx: Test
     let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
     ensure!(agent.metric("gpu_dra_kubelet_plugin_checkpoint_corruptions_total", &[]).await? == 1.0, "metric");
     ensure!(kept_aside(&dirs)?.len() == 1, "the corrupt file was not kept aside");
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
-    wait::until("a CheckpointCorrupt event on the Node", Duration::from_secs(20), || async {
-        let list = events.list(&ListParams::default()).await?;
-        Ok(list
-            .items
-            .into_iter()
-            .find(|e| {
-                e.reason.as_deref() == Some("CheckpointCorrupt")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str())
-                    && e.type_.as_deref() == Some("Warning")
-            })
-            .map(|_| ()))
-    })
-    .await?;
+    node_warning(&ctx, &node, "CheckpointCorrupt", "").await?;
     // Both specs adopted untouched, both claims recorded again.
     ensure!(std::fs::read(dirs.cdi_spec(&a))? == written && dirs.cdi_spec(&b).exists(), "a spec changed or went");
     let state = checkpoint(&dirs, "boot-1")?;
@@ -632,21 +628,7 @@ async fn a_lost_checkpoint_keeps_the_specs_of_prepared_claims(ctx: TestContext) 
     let state = checkpoint(&dirs, "boot-1")?;
     ensure!(state.claims.contains_key(&a) && state.claims.contains_key(&b), "adopted entries: {:?}", state.claims);
     ensure!(kept_aside(&dirs)?.is_empty(), "a missing file is not corrupt");
-    let events: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(ctx.client.clone(), "default");
-    wait::until("a CheckpointMissing event on the Node", Duration::from_secs(20), || async {
-        let list = events.list(&ListParams::default()).await?;
-        Ok(list
-            .items
-            .into_iter()
-            .find(|e| {
-                e.reason.as_deref() == Some("CheckpointMissing")
-                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(node.as_str())
-                    && e.note.as_deref().is_some_and(|n| n.contains("2 CDI specs"))
-            })
-            .map(|_| ()))
-    })
-    .await
-    .with_context(|| agent.log_tail())?;
+    node_warning(&ctx, &node, "CheckpointMissing", "2 CDI specs").await.with_context(|| agent.log_tail())?;
     // A container of `a` restarting finds its devices; the kubelet's unprepares remove both specs.
     prepares_fully(&dirs, ns, "a", &a, "gpu-0").await?;
     let unprepared = Kubelet::register(&dirs).await?.unprepare(&[(ns, "a", &a), (ns, "b", &b)]).await?;
