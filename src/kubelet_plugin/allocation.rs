@@ -291,4 +291,23 @@ mod tests {
         assert_eq!(intervals, [("gpu", Some(TimeSliceInterval::Long)), ("mig", None)]);
         Ok(())
     }
+
+    /// On a dynamic-MIG node a GPU's whole partition is published as a GPU (type `gpu`), so NVIDIA's `GpuConfig`
+    /// naming no request configures it, as it would in NVIDIA's driver, which decides by the published type.
+    #[test]
+    fn nvidia_gpu_config_configures_a_dynamic_mig_gpus_whole() -> Result<(), String> {
+        let mut gpu = test_gpu(5, "0000:05:00.0");
+        gpu.mig_enabled = true;
+        let devices = crate::node_agent::device::devices(&[gpu], crate::node_agent::device::MigLayout::Dynamic);
+        let whole = devices.into_iter().find(|d| d.partition.as_ref().is_some_and(|p| p.whole)).ok_or("no whole")?;
+        let mut inventory = inventory();
+        inventory.insert(whole.name(), whole);
+        let gpu_config = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing"}}}}]);
+        let claim = allocated(json!([result("gpu", "node-a", "gpu-5")]), gpu_config);
+        let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory)?;
+        assert_eq!(planned.len(), 1);
+        assert_eq!(planned[0].config.sharing.strategy, SharingStrategy::TimeSlicing);
+        Ok(())
+    }
 }
