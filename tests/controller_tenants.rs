@@ -59,8 +59,8 @@ async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str
     // 2. Forged evidence through the controller itself: a real pod of the tenant whose template does not exist
     //    (so no claim is created for it), and a claim the tenant made for it, which the controller adopts and
     //    records in the pod's status: a pod status naming a claim another manager created, written by gpu-dra.
-    let pod = tenant_pod(&tenant, tenant_ns, "bait").await?;
-    let owner = json!({"name": "bait", "uid": pod.uid().context("pod without uid")?});
+    let bait_pod = tenant_pod(&tenant, tenant_ns, "bait").await?;
+    let owner = json!({"name": "bait", "uid": bait_pod.uid().context("pod without uid")?});
     forge_claim(&tenant_claims, "bait-gpu-forged", &owner, "kube-controller-manager").await?;
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), tenant_ns);
     wait::until("the forged claim of the tenant's pod to be adopted", SETTLE, || async {
@@ -70,13 +70,48 @@ async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str
     .await
     .with_context(|| controller.log_tail())?;
     // The premise: the tenant cannot write a pod status itself.
-    let tenant_pods: Api<Pod> = Api::namespaced(tenant.clone(), tenant_ns);
     let status = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "ghost-1-gpu"}]}});
-    match tenant_pods.patch_status("bait", &PatchParams::default(), &Patch::Merge(&status)).await {
+    let bait: Api<Pod> = Api::namespaced(tenant.clone(), tenant_ns);
+    match bait.patch_status("bait", &PatchParams::default(), &Patch::Merge(&status)).await {
         Err(kube::Error::Api(err)) if err.code == 403 => {}
         other => anyhow::bail!("the tenant could write pods/status: {other:?}"),
     }
     victim_pod_gets_its_claim(ctx, &controller, victim_ns, "after-adoption").await?;
+
+    // 3. The claim gpu-dra created and recorded for a tenant's pod, its managed fields rewritten by the tenant
+    //    (`[{}]` clears them; the tenant's patch is then their only entry): gpu-dra no longer among its writers.
+    let tenant_templates =
+        Api::<kube::api::DynamicObject>::namespaced_with(tenant.clone(), tenant_ns, &template_resource());
+    for name in ["tenant-gpu", "tenant-gpu-2"] {
+        let template: kube::api::DynamicObject = serde_json::from_value(json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": name}, "spec": one_gpu()
+        }))?;
+        tenant_templates.create(&PostParams::default(), &template).await?;
+    }
+    let tenant_pods: Api<Pod> = Api::namespaced(tenant.clone(), tenant_ns);
+    tenant_pods.create(&PostParams::default(), &pod("stripped", "tenant-gpu")?).await?;
+    let stripped = recorded_claim(&pods, "stripped").await.with_context(|| controller.log_tail())?;
+    let clear = json!({"metadata": {"managedFields": [{}]}});
+    tenant_claims.patch(&stripped, &PatchParams::default(), &Patch::Merge(&clear)).await?;
+    let managers: Vec<String> =
+        tenant_claims.get(&stripped).await?.managed_fields().iter().filter_map(|m| m.manager.clone()).collect();
+    ensure!(!managers.iter().any(|m| m == "gpu-dra-controller"), "the tenant's patch kept gpu-dra: {managers:?}");
+    victim_pod_gets_its_claim(ctx, &controller, victim_ns, "after-stripping").await?;
+
+    // 4. The claim gpu-dra created and recorded, deleted by the tenant with its template (so none replaces it) and
+    //    made again under the same name, owner and annotation by the tenant, as kube-controller-manager.
+    tenant_pods.create(&PostParams::default(), &pod("swapped", "tenant-gpu-2")?).await?;
+    let swapped = recorded_claim(&pods, "swapped").await.with_context(|| controller.log_tail())?;
+    tenant_templates.delete("tenant-gpu-2", &DeleteParams::default()).await?;
+    tenant_claims.delete(&swapped, &DeleteParams::default()).await?;
+    wait::until("the tenant's deletion of the recorded claim", SETTLE, || async {
+        Ok(tenant_claims.get_opt(&swapped).await?.is_none().then_some(()))
+    })
+    .await?;
+    let owner = json!({"name": "swapped", "uid": pods.get("swapped").await?.uid().context("pod without uid")?});
+    forge_claim(&tenant_claims, &swapped, &owner, "kube-controller-manager").await?;
+    victim_pod_gets_its_claim(ctx, &controller, victim_ns, "after-swapping").await?;
 
     let (_, body) = controller.get("/metrics").await?;
     for (metric, value) in
@@ -100,6 +135,14 @@ async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str
     let log = controller.log_text();
     ensure!(!log.contains("OBSERVE-ONLY"), "turned observe-only:\n{}", controller.log_tail());
     Ok(())
+}
+
+/// The claim the pod's status records, once it does.
+async fn recorded_claim(pods: &Api<Pod>, name: &str) -> anyhow::Result<String> {
+    wait::until(&format!("pod {name} to record its claim"), SETTLE, || async {
+        Ok(claim_statuses(&pods.get(name).await?).first().and_then(|s| s.1.clone()))
+    })
+    .await
 }
 
 /// A claim that looks generated for a pod: the pod-claim-name annotation and a Pod as controlling owner, created

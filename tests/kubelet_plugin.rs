@@ -655,9 +655,8 @@ async fn a_corrupt_checkpoint_with_the_api_unreachable_deletes_no_spec(ctx: Test
     let mut offline = start_agent_with(&kubeconfig, &format!("{ns}-offline-agent"), &node, &dirs, &args)?;
     // The plugin serves (so the kubelet can unprepare) once start-up recovery is done; give a failed start time to
     // be retried (1 s back-off) before looking at the specs.
-    let socket = dirs.registration_socket();
     wait::until("the plugin to serve without the API", Duration::from_secs(30), || async {
-        Ok(socket.exists().then_some(()))
+        Ok(dirs.registration_socket().exists().then_some(()))
     })
     .await
     .with_context(|| offline.log_tail())?;

@@ -13,6 +13,7 @@ use k8s_openapi::api::resource::v1::{DeviceClass, ResourceSlice};
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
+use support::harness::KubeletHarness;
 use support::node::{DRIVER, Kubelet, NodeAgent, NodeDirs, start_agent};
 use support::objects::{self, create_pod_on};
 use support::{TestContext, wait};
@@ -34,6 +35,7 @@ fn main() {
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
             test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
             test!(an_agent_the_kubelet_never_registers_says_so_on_its_node),
+            test!(a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_once),
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
         ],
     )
@@ -748,5 +750,44 @@ async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestConte
         registry.display()
     );
     ensure!(watched.metric("gpu_dra_kubelet_plugin_registered", &[]).await? == 1.0, "registered metric not set");
+    Ok(())
+}
+
+/// A machine back from a crash (or a kubelet restarted while the agent was down): the kubelet starts before the
+/// agent and finds the registration socket the last agent left. The kubelet's plugin manager fails there 10 s a
+/// try and backs off, per socket path, up to 2 min 2 s, removal and re-creation of the file notwithstanding. The
+/// real plugin manager (in the kubelet harness) is let back off to 16 s before the agent starts: the agent, at a
+/// socket of its own, is registered within seconds, and the stale socket is gone (at the old path it waited out
+/// the back-off).
+async fn a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_once(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    std::fs::create_dir_all(dirs.registry())?;
+    // What a killed agent leaves: a socket file nobody listens on (the name of the versions before instance names,
+    // which upgraded nodes have).
+    let stale = dirs.registry().join(format!("{DRIVER}-reg.sock"));
+    drop(std::os::unix::net::UnixListener::bind(&stale)?);
+    let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;
+    let backed_off = format!("\"{}\" failed. No retries permitted until", stale.display());
+    wait::until("the kubelet backing off 16 s at the stale socket", Duration::from_secs(150), || async {
+        let log = std::fs::read_to_string(&kubelet.log).unwrap_or_default();
+        Ok(log.lines().any(|l| l.contains(&backed_off) && l.contains("(durationBeforeRetry 16s)")).then_some(()))
+    })
+    .await
+    .with_context(|| kubelet.log_tail())?;
+
+    let started = Instant::now();
+    let agent = start_agent(&ctx, &node, &dirs, &["--gpu-backend", "simulated", "--simulated-gpus", "1xL4-24GB"])?;
+    kubelet
+        .wait_for("registered", "", Duration::from_secs(8))
+        .await
+        .with_context(|| format!("agent log:\n{}", agent.log_tail()))?;
+    eprintln!("registered {:?} after the agent started", started.elapsed());
+    ensure!(!stale.exists(), "the stale registration socket is still there");
+    let current = dirs.registration_socket();
+    ensure!(current.exists() && current != stale, "registration socket {}", current.display());
     Ok(())
 }

@@ -420,6 +420,9 @@ fn pod_shown(ctx: &Context, pod: &Pod) {
 /// (as upstream's `enqueuePod`): the set is bounded, and a namespace of claimless pods must not crowd out the pods
 /// whose reservations it answers for.
 fn pod_deleted(ctx: &Context, pod: &Pod) {
+    if let Some(uid) = pod.metadata.uid.as_deref() {
+        ctx.foreign.pod_gone(uid);
+    }
     if decide::has_claims(pod)
         && let Some(uid) = pod.metadata.uid.as_deref()
     {

@@ -2,20 +2,25 @@
 //!
 //! kube-controller-manager runs its own `resourceclaim-controller` by default since 1.34. Two controllers that
 //! both create claims race: a pod gets two claims. Anyone who may create ResourceClaims can make a claim that
-//! *looks* generated (the pod-claim-name annotation, a Pod as controlling owner, any field manager name), so
-//! neither the claim nor its managed fields prove anything. What a tenant cannot write is a pod's
-//! **status**: `pods/status` is granted to the kubelet, the scheduler and controllers, never by the `edit` or
-//! `admin` roles, and a pod's status is reset when the pod is created. The evidence is therefore the pair:
+//! *looks* generated (the pod-claim-name annotation, a Pod as controlling owner, any field manager name), and may
+//! rewrite the managed fields of any claim in their namespace, gpu-dra's included, so neither a claim nor its
+//! managed fields prove anything. What a tenant cannot write is a pod's **status**: `pods/status` is granted to the
+//! kubelet, the scheduler and controllers, never by the `edit` or `admin` roles, and a pod's status is reset when
+//! the pod is created. The evidence is therefore:
 //!
-//! - a pod's `status.resourceClaimStatuses` records claim C for its pod claim N, and
+//! - a pod's `status.resourceClaimStatuses` came to record claim C for its pod claim N while this replica led and
+//!   watched the pod (the record was not there when it last saw the pod), and this replica did not write that
+//!   record: another writer of pod status wrote it; and
 //! - C is owned by that pod (its UID), annotated with N, created by a field manager other than this controller's,
-//!   after this replica began to lead, and not adopted by this replica (adoption is the one way this controller
-//!   records a claim it did not create, and a tenant can make it adopt a forged claim).
+//!   after this replica began to lead.
 //!
-//! Only another writer of pod status that generates claims, i.e. another claim controller, produces that.
-//! "After this replica began to lead" keeps out claims that a previous leader adopted: with leader election
-//! the window opens [`CLOCK_SKEW`] after leadership began (a previous leader stopped writing before that);
-//! without it, [`CLOCK_SKEW`] before the process started, as claims of that age cannot be a predecessor's.
+//! Only another writer of pod status that generates claims, i.e. another claim controller, produces that. A record
+//! this replica wrote never counts, whatever a tenant then does to its claim (strips gpu-dra from its managed
+//! fields, or deletes it and makes one of the same name), nor does a claim it adopted; nor does a record already
+//! there when this replica first saw the pod, as it cannot tell who wrote it (a previous leader). "After this
+//! replica began to lead" keeps out claims that a previous leader made: with leader election the window opens
+//! [`CLOCK_SKEW`] after leadership began (a previous leader stopped writing before that); without it,
+//! [`CLOCK_SKEW`] before the process started, as claims of that age cannot be a predecessor's.
 //!
 //! On the first evidence the controller says so (a Warning event on the claim, an error log line with the fix,
 //! `gpu_dra_controller_another_claim_controller_detected` = 1). What it does then is the operator's explicit
@@ -24,7 +29,7 @@
 //! reserving and recording anything cluster-wide for the rest of its life
 //! (`gpu_dra_controller_observe_only` = 1).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock, PoisonError};
 
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
@@ -72,20 +77,42 @@ pub struct ForeignControllerDetector {
     /// Claims created from then on count; unset (nothing counts) until this replica leads.
     since: OnceLock<Timestamp>,
     detection: OnceLock<Detection>,
-    /// UIDs of claims another manager created that this replica adopted: their record in the pod status is ours.
-    adopted: Mutex<Adopted>,
+    /// What the statuses of pods with claims recorded when this replica last saw them, by pod UID; a pod's entry
+    /// goes with the pod.
+    seen: Mutex<HashMap<String, Vec<Record>>>,
 }
 
-#[derive(Debug, Default)]
-struct Adopted {
-    uids: HashSet<String>,
-    /// Size after the last pruning; the set is pruned again when it has doubled.
-    pruned_at: usize,
+/// A claim a pod's status records for one of its pod claims, as the detector saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub pod_claim: String,
+    pub claim: String,
+    /// Came to be recorded while this replica led and watched the pod, and not by this replica.
+    pub foreign: bool,
+}
+
+/// The records a pod's status shows now (`current`: pod claim, claim), given those seen before (`before`; `None` on
+/// the first sight of the pod) and whether this replica leads. A record seen before keeps what was known of it; one
+/// there at first sight is of unknown origin; one that appeared since, while this replica led, is another writer's
+/// (this replica's own records are known before they appear, see [`ForeignControllerDetector::writing`]).
+pub fn observe(before: Option<&[Record]>, current: &[(&str, &str)], leading: bool) -> Vec<Record> {
+    current
+        .iter()
+        .map(|&(pod_claim, claim)| {
+            let known = before.and_then(|b| b.iter().find(|r| r.pod_claim == pod_claim && r.claim == claim));
+            let foreign = match (before, known) {
+                (_, Some(record)) => record.foreign,
+                (None, None) => false,
+                (Some(_), None) => leading,
+            };
+            Record { pod_claim: pod_claim.to_string(), claim: claim.to_string(), foreign }
+        })
+        .collect()
 }
 
 impl ForeignControllerDetector {
     pub fn new(mode: OnAnotherController) -> Self {
-        Self { mode, since: OnceLock::new(), detection: OnceLock::new(), adopted: Mutex::default() }
+        Self { mode, since: OnceLock::new(), detection: OnceLock::new(), seen: Mutex::default() }
     }
 
     /// Opens the evidence window when this replica starts to lead (`now`). `elected`: leadership came from an
@@ -104,20 +131,32 @@ impl ForeignControllerDetector {
         self.detection.get()
     }
 
-    /// Records that this replica is about to record `claim`, which it did not create, in its pod's status.
-    /// Claims in `caches` no longer are forgotten from time to time, so the set holds at most the live claims.
-    pub fn adopting(&self, caches: &super::cache::Caches, claim: &ResourceClaim) {
-        if claim.writers.iter().any(|w| w == CLAIM_FIELD_MANAGER) {
+    /// Records that this replica is about to record `entries` (pod claim, claim) in `pod`'s status (claims it
+    /// created or adopted): known as its own before the pod watch can show them.
+    pub fn writing(&self, pod: &Pod, entries: &[(String, String)]) {
+        let Some(uid) = pod.metadata.uid.as_deref() else { return };
+        if self.detection.get().is_some() {
             return;
         }
-        let Some(uid) = claim.metadata.uid.clone() else { return };
-        let mut adopted = self.adopted.lock().unwrap_or_else(PoisonError::into_inner);
-        adopted.uids.insert(uid);
-        if adopted.uids.len() >= (2 * adopted.pruned_at).max(64) {
-            let live: HashSet<String> = caches.claims.state().iter().filter_map(|c| c.metadata.uid.clone()).collect();
-            adopted.uids.retain(|uid| live.contains(uid));
-            adopted.pruned_at = adopted.uids.len();
+        let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        let records = seen.entry(uid.to_string()).or_default();
+        for (pod_claim, claim) in entries {
+            records.retain(|r| &r.pod_claim != pod_claim);
+            records.push(Record { pod_claim: pod_claim.clone(), claim: claim.clone(), foreign: false });
         }
+    }
+
+    /// A pod is gone: what its status recorded is forgotten.
+    pub fn pod_gone(&self, pod_uid: &str) {
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).remove(pod_uid);
+    }
+
+    /// Whether `pod`'s status came to record `claim` for `pod_claim` by another writer (see [`observe`]).
+    fn foreign_record(&self, pod: &Pod, pod_claim: &str, claim: &str) -> bool {
+        let Some(uid) = pod.metadata.uid.as_deref() else { return false };
+        let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+        seen.get(uid)
+            .is_some_and(|records| records.iter().any(|r| r.foreign && r.pod_claim == pod_claim && r.claim == claim))
     }
 
     /// Checks a claim from the claim watch against the pod it names as owner (from the cache).
@@ -132,15 +171,28 @@ impl ForeignControllerDetector {
         }
     }
 
-    /// Checks the claims a pod's status records (from the cache) against the pod from the pod watch.
+    /// Notes what `pod`'s status records (from the pod watch), and checks the claims that came to be recorded by
+    /// another writer against the cache.
     pub fn inspect_pod(&self, ctx: &Context, pod: &Pod) {
-        if self.detection.get().is_some() || self.since.get().is_none() {
+        if self.detection.get().is_some() || decide::pod_claims(pod).is_empty() {
             return;
         }
-        let namespace = pod.namespace().unwrap_or_default();
+        let Some(uid) = pod.metadata.uid.as_deref() else { return };
         let statuses = pod.status.as_ref().and_then(|s| s.resource_claim_statuses.as_deref()).unwrap_or_default();
-        for name in statuses.iter().filter_map(|s| s.resource_claim_name.as_deref()) {
-            if let Some(claim) = ctx.caches.claim(&namespace, name) {
+        let current: Vec<(&str, &str)> = statuses
+            .iter()
+            .filter_map(|s| s.resource_claim_name.as_deref().map(|claim| (s.name.as_str(), claim)))
+            .collect();
+        let foreign: Vec<String> = {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            let records = observe(seen.get(uid).map(Vec::as_slice), &current, self.since.get().is_some());
+            let foreign = records.iter().filter(|r| r.foreign).map(|r| r.claim.clone()).collect();
+            seen.insert(uid.to_string(), records);
+            foreign
+        };
+        let namespace = pod.namespace().unwrap_or_default();
+        for name in foreign {
+            if let Some(claim) = ctx.caches.claim(&namespace, &name) {
                 self.check(ctx, pod, &claim);
             }
         }
@@ -149,14 +201,12 @@ impl ForeignControllerDetector {
     fn check(&self, ctx: &Context, pod: &Pod, claim: &ResourceClaim) {
         let Some(since) = self.since.get() else { return };
         let Some(detection) = evidence(pod, claim, *since) else { return };
-        let adopted = claim
-            .metadata
-            .uid
-            .as_ref()
-            .is_some_and(|uid| self.adopted.lock().unwrap_or_else(PoisonError::into_inner).uids.contains(uid));
-        if adopted || self.detection.set(detection.clone()).is_err() {
+        let pod_claim = decide::pod_claim_name_annotation(claim).unwrap_or_default();
+        if !self.foreign_record(pod, pod_claim, &claim.name_any()) || self.detection.set(detection.clone()).is_err() {
             return;
         }
+        // Nothing more to find: what was seen is of no further use.
+        self.seen.lock().unwrap_or_else(PoisonError::into_inner).clear();
         ctx.metrics.set_another_controller_detected(true);
         let consequence = match self.mode {
             OnAnotherController::ObserveOnly => {
@@ -187,9 +237,9 @@ impl ForeignControllerDetector {
     }
 }
 
-/// The evidence `pod` and `claim` give of another claim controller (see the module docs), adoption aside: the
-/// pod's status records the claim for the pod claim it is annotated with, the claim is the pod's (UID), and it
-/// was created at or after `since` by a manager other than this controller.
+/// The evidence `claim` gives of another claim controller (see the module docs), who wrote the pod's record
+/// aside: the pod's status records the claim for the pod claim it is annotated with, the claim is the pod's (UID),
+/// and it was created at or after `since` by a manager other than this controller.
 pub fn evidence(pod: &Pod, claim: &ResourceClaim, since: Timestamp) -> Option<Detection> {
     if !decide::is_owned_by(claim, pod) {
         return None;
@@ -270,6 +320,30 @@ mod tests {
         for (pod, claim, why) in cases {
             assert_eq!(evidence(&pod, &claim, since), None, "{why}");
         }
+    }
+
+    #[test]
+    fn only_a_record_another_writer_made_while_this_replica_led_is_foreign() {
+        let r = |pod_claim: &str, claim: &str, foreign| Record {
+            pod_claim: pod_claim.to_string(),
+            claim: claim.to_string(),
+            foreign,
+        };
+        let foreign_of = |records: Vec<Record>| records.into_iter().map(|r| r.foreign).collect::<Vec<_>>();
+        let now = [("gpu", "c1")];
+        // First sight of the pod: whoever wrote it, it is of unknown origin (a previous leader's).
+        assert_eq!(foreign_of(observe(None, &now, true)), [false]);
+        // Appeared since the last sight: another writer's while leading, of no account while standing by.
+        assert_eq!(foreign_of(observe(Some(&[]), &now, true)), [true]);
+        assert_eq!(foreign_of(observe(Some(&[]), &now, false)), [false]);
+        // Written by this replica (known before it appeared): not foreign, and stays so.
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", false)]), &now, true)), [false]);
+        // Once foreign, foreign while it stays; another claim for the same pod claim is a new record.
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", true)]), &now, true)), [true]);
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c0", false)]), &now, true)), [true]);
+        // Several pod claims, each on its own.
+        let two = [("gpu", "c1"), ("nic", "n1")];
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", false)]), &two, true)), [false, true]);
     }
 
     #[test]

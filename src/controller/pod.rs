@@ -123,7 +123,6 @@ async fn handle_claim(
     }
     if let Some(orphan) = ctx.caches.orphan_for(pod, &pod_claim.name) {
         let name = orphan.name_any();
-        ctx.foreign.adopting(&ctx.caches, &orphan);
         info!(claim = %name, pod_claim = %pod_claim.name, "adopting claim generated earlier for this pod");
         let note = format!("Adopted ResourceClaim {name} (from template {template}) for pod claim {}", pod_claim.name);
         ctx.events.pod_claim_normal(pod, &orphan, Reason::ResourceClaimAdopted, note);
@@ -242,6 +241,8 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
         "metadata": {"name": key.name, "namespace": key.namespace, "uid": pod.metadata.uid},
         "status": {"resourceClaimStatuses": statuses},
     });
+    // Known as this replica's records before the pod watch can show them, whatever becomes of the apply.
+    ctx.foreign.writing(pod, new);
     let params = PatchParams::apply(POD_STATUS_FIELD_MANAGER).force();
     // The answer (the whole pod, managed fields and all) is left undecoded: nothing here reads it, and the
     // informer brings the pod anyway. (A failure's Status is still decoded into `kube::Error::Api`.)

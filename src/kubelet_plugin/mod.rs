@@ -2,7 +2,7 @@
 //! allocated GPUs as CDI devices.
 //!
 //! ```text
-//!  kubelet ──dial──▶ <registry dir>/<driver>-reg.sock  (registration: GetInfo, NotifyRegistrationStatus)
+//!  kubelet ──dial──▶ <registry dir>/<driver>-<instance>-reg.sock  (registration: GetInfo, NotifyRegistrationStatus)
 //!     │                         │ endpoint
 //!     └──────dial──▶ <plugins dir>/<driver>/dra.sock   (v1 + v1beta1 DRAPlugin, v1 + v1alpha1 DRAResourceHealth)
 //!                               │
@@ -46,7 +46,7 @@ use proto::v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Se
 use proto::v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
 use registration::RegistrationService;
 use service::DraService;
-pub use socket::{SocketError, SocketPaths};
+pub use socket::{SocketError, SocketPaths, is_registration_of};
 use state::DriverState;
 
 /// Serves the plugin until `stop`; the returned task removes both sockets before it ends. Every connection on
@@ -70,7 +70,8 @@ pub fn serve(
     let dra = tokio::spawn(dra);
     info!(socket = %paths.dra.display(), "serving the DRA service");
 
-    // Only now may the kubelet find us.
+    // Only now may the kubelet find us, and no longer at a socket an earlier agent left.
+    socket::remove_stale_registrations(&paths.registration, &driver);
     let registration_listener = match socket::bind(&paths.registration) {
         Ok(listener) => listener,
         Err(e) => {

@@ -43,17 +43,33 @@ pub enum SocketError {
 /// Where the kubelet looks for the plugin.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SocketPaths {
-    /// `<registry dir>/<driver>-reg.sock`: the kubelet's plugin watcher finds the plugin here.
+    /// `<registry dir>/<driver>-<instance>-reg.sock`: the kubelet's plugin watcher finds the plugin here. A name of
+    /// its own for each start of the agent, because the kubelet's plugin manager keeps its registration back-off
+    /// per socket path, across the socket being removed and created again: a kubelet that started before the agent
+    /// (a reboot, a kubelet restart while the agent was down) fails at the socket the last agent left, 10 s a try,
+    /// and waits up to 2 min 2 s between tries (`pluginmanager/operationexecutor`, `goroutinemap`). At the same
+    /// path the new agent would wait out that back-off unregistered; at a new one it is registered within a second.
     pub registration: PathBuf,
     /// `<plugins dir>/<driver>/dra.sock`: the DRA service, announced through registration.
     pub dra: PathBuf,
 }
 
 impl SocketPaths {
-    /// The kubelet's conventional locations for `driver`; refuses paths too long for a unix socket up front.
+    /// The kubelet's conventional locations for `driver`, the registration socket named for this start (see
+    /// [`SocketPaths::registration`]); refuses paths too long for a unix socket up front.
     pub fn new(registry_dir: &Path, plugins_dir: &Path, driver: &str) -> Result<Self, SocketError> {
+        Self::for_instance(registry_dir, plugins_dir, driver, instance_token())
+    }
+
+    /// [`SocketPaths::new`] with the registration socket of start `instance`.
+    pub fn for_instance(
+        registry_dir: &Path,
+        plugins_dir: &Path,
+        driver: &str,
+        instance: u32,
+    ) -> Result<Self, SocketError> {
         let paths = Self {
-            registration: registry_dir.join(format!("{driver}-reg.sock")),
+            registration: registry_dir.join(registration_file_name(driver, instance)),
             dra: plugins_dir.join(driver).join("dra.sock"),
         };
         for path in [&paths.registration, &paths.dra] {
@@ -63,6 +79,62 @@ impl SocketPaths {
             }
         }
         Ok(paths)
+    }
+}
+
+/// The registration socket's file name for start `instance` of `driver`'s agent.
+pub fn registration_file_name(driver: &str, instance: u32) -> String {
+    format!("{driver}-{instance:08x}-reg.sock")
+}
+
+/// Whether `file_name` is the registration socket of some start of `driver`'s agent: this version's
+/// `<driver>-<8 hex digits>-reg.sock`, or `<driver>-reg.sock` of the versions before it. Only these are ever
+/// removed as stale: the registry directory may be the kubelet's own, shared with every other plugin.
+pub fn is_registration_of(file_name: &str, driver: &str) -> bool {
+    let Some(rest) = file_name.strip_prefix(driver).and_then(|r| r.strip_prefix('-')) else {
+        return false;
+    };
+    rest == "reg.sock"
+        || rest.strip_suffix("-reg.sock").is_some_and(|instance| {
+            instance.len() == 8 && instance.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+}
+
+/// A token for this start: the clock's nanoseconds, which differ from any earlier start's.
+fn instance_token() -> u32 {
+    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    since_epoch.subsec_nanos() ^ (since_epoch.as_secs() as u32).rotate_left(7)
+}
+
+/// Removes the registration sockets earlier starts of `driver`'s agent left beside `current` (a killed agent, or
+/// the machine's last boot), so the kubelet stops dialing them. Only ever called by the one agent of the node (it
+/// holds the instance lock). A socket that cannot be removed is only logged: the kubelet retries it in vain, with
+/// back-off, while it registers `current`.
+pub fn remove_stale_registrations(current: &Path, driver: &str) {
+    let Some(dir) = current.parent() else { return };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return,
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot list the registry directory for stale sockets");
+            return;
+        }
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let is_socket = entry.file_type().is_ok_and(|t| {
+            use std::os::unix::fs::FileTypeExt;
+            t.is_socket()
+        });
+        let ours = entry.file_name().to_str().is_some_and(|name| is_registration_of(name, driver));
+        if !ours || !is_socket || path == current {
+            continue;
+        }
+        match std::fs::remove_file(&path) {
+            Ok(()) => tracing::info!(socket = %path.display(), "removed the registration socket an earlier agent left"),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => tracing::warn!(socket = %path.display(), error = %e, "cannot remove a stale registration socket"),
+        }
     }
 }
 
@@ -113,20 +185,66 @@ mod tests {
 
     #[test]
     fn conventional_paths_and_the_length_limit() {
-        let paths = SocketPaths::new(
+        let paths = SocketPaths::for_instance(
             Path::new("/var/lib/kubelet/plugins_registry"),
             Path::new("/var/lib/kubelet/plugins"),
             "gpu.gpu-dra.dev",
+            0x0a1b_2c3d,
         );
         assert_eq!(
             paths.ok(),
             Some(SocketPaths {
-                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev-reg.sock".into(),
+                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev-0a1b2c3d-reg.sock".into(),
                 dra: "/var/lib/kubelet/plugins/gpu.gpu-dra.dev/dra.sock".into(),
             })
         );
         let long = Path::new("/tmp").join("d".repeat(100));
         assert!(matches!(SocketPaths::new(&long, Path::new("/p"), "x"), Err(SocketError::PathTooLong { .. })));
+    }
+
+    #[test]
+    fn registration_sockets_of_a_driver() {
+        let driver = "gpu.gpu-dra.dev";
+        let table = [
+            ("gpu.gpu-dra.dev-0a1b2c3d-reg.sock", true),
+            ("gpu.gpu-dra.dev-reg.sock", true),
+            // Another driver whose name begins with ours, and names not of this form.
+            ("gpu.gpu-dra.dev-mig-reg.sock", false),
+            ("gpu.gpu-dra.dev-mig1234-reg.sock", false),
+            ("gpu.gpu-dra.dev-0A1B2C3D-reg.sock", false),
+            ("gpu.gpu-dra.dev-0a1b2c3-reg.sock", false),
+            ("gpu.gpu-dra.devx-0a1b2c3d-reg.sock", false),
+            ("other.dev-0a1b2c3d-reg.sock", false),
+            ("gpu.gpu-dra.dev-0a1b2c3d-reg.sock.tmp", false),
+        ];
+        for (name, ours) in table {
+            assert_eq!(is_registration_of(name, driver), ours, "{name}");
+        }
+        assert!(is_registration_of(&registration_file_name(driver, u32::MAX), driver));
+        assert!(is_registration_of(&registration_file_name(driver, 0), driver));
+    }
+
+    #[tokio::test]
+    async fn removes_only_the_stale_registration_sockets_of_its_driver() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let driver = "gpu.gpu-dra.dev";
+        let at = |name: &str| dir.path().join(name);
+        let current = at(&registration_file_name(driver, 2));
+        let stale = [at("gpu.gpu-dra.dev-reg.sock"), at(&registration_file_name(driver, 1))];
+        let kept = [at("gpu.gpu-dra.dev-mig-reg.sock"), at("csi.example.com-reg.sock")];
+        for path in stale.iter().chain(&kept).chain([&current]) {
+            drop(bind(path)?);
+        }
+        let not_a_socket = at(&registration_file_name(driver, 3));
+        std::fs::write(&not_a_socket, "keep")?;
+        remove_stale_registrations(&current, driver);
+        for path in &stale {
+            assert!(!path.exists(), "{} left", path.display());
+        }
+        for path in kept.iter().chain([&current, &not_a_socket]) {
+            assert!(path.exists(), "{} removed", path.display());
+        }
+        Ok(())
     }
 
     #[tokio::test]

@@ -80,8 +80,13 @@ async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -
 
     // Everything the agent made lies inside a mount: the sockets, the CDI spec, the checkpoint, the device metadata.
     let made = files_under(host.path())?;
-    let registration = on_host(&format!("/var/lib/kubelet/plugins_registry/{DRIVER}/{DRIVER}-reg.sock"));
-    ensure!(made.contains(&registration), "no registration socket at {}: {made:?}", registration.display());
+    let registry = on_host(&format!("/var/lib/kubelet/plugins_registry/{DRIVER}"));
+    let registration = support::node::registration_socket_in(&registry);
+    ensure!(
+        registration.is_some_and(|r| made.contains(&r)),
+        "no registration socket in {}: {made:?}",
+        registry.display()
+    );
     ensure!(made.iter().any(|f| f.starts_with(on_host("/var/run/cdi"))), "no CDI spec: {made:?}");
     let metadata = on_host("/var/lib/gpu-dra/device-metadata");
     ensure!(made.iter().any(|f| f.starts_with(&metadata)), "no device metadata file: {made:?}");

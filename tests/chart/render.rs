@@ -65,6 +65,24 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         "a driver name too long for the agent's socket paths is not refused: {}",
         text(&refused.stderr)
     );
+    // At the limit the chart and the agent agree: the longest driver name the chart takes is one the agent can bind
+    // (its registration socket, <kubeletDir>/plugins_registry/<driver>/<driver>-<instance>-reg.sock, is the longer).
+    for (length, fits) in [(27, true), (28, false)] {
+        let driver = format!("{}.example.com", "d".repeat(length - ".example.com".len()));
+        let rendered = helm(&["template", "gpu-dra", chart, "--set", &format!("driverName={driver}")])?;
+        let registry = format!("/var/lib/kubelet/plugins_registry/{driver}");
+        let bindable = gpu_dra::kubelet_plugin::SocketPaths::new(
+            Path::new(&registry),
+            Path::new("/var/lib/kubelet/plugins"),
+            &driver,
+        );
+        ensure!(
+            rendered.status.success() == fits && bindable.is_ok() == fits,
+            "a driver name of {length} characters: chart renders {}, agent binds {bindable:?}: {}",
+            rendered.status.success(),
+            text(&rendered.stderr)
+        );
+    }
     // The Kubernetes floor of Chart.yaml.
     let old = helm(&["template", "gpu-dra", chart, "--kube-version", "1.33.5"])?;
     ensure!(

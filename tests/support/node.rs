@@ -77,8 +77,10 @@ impl NodeDirs {
     pub fn boot_id_file(&self) -> PathBuf {
         self.root.path().join("boot_id")
     }
+    /// The agent's registration socket now in the registry directory (its name differs with each start of the
+    /// agent); a path that does not exist when there is none.
     pub fn registration_socket(&self) -> PathBuf {
-        self.registry().join(format!("{DRIVER}-reg.sock"))
+        registration_socket_in(&self.registry()).unwrap_or_else(|| self.registry().join(format!("{DRIVER}-reg.sock")))
     }
     pub fn dra_socket(&self) -> PathBuf {
         self.plugins().join(DRIVER).join("dra.sock")
@@ -161,9 +163,10 @@ impl Kubelet {
     /// Registers the plugin as the kubelet does: waits for the registration socket, GetInfo, checks the answer,
     /// dials the announced endpoint, reports success.
     pub async fn register(dirs: &NodeDirs) -> anyhow::Result<Self> {
-        let socket = dirs.registration_socket();
-        wait::until("the registration socket", Duration::from_secs(30), || async { Ok(socket.exists().then_some(())) })
-            .await?;
+        let socket = wait::until("the registration socket", Duration::from_secs(30), || async {
+            Ok(registration_socket_in(&dirs.registry()))
+        })
+        .await?;
         let mut registration = RegistrationClient::new(dial(&socket).await?);
         let info = registration.get_info(InfoRequest {}).await?.into_inner();
         ensure!(info.r#type == "DRAPlugin" && info.name == DRIVER, "plugin info {info:?}");
@@ -277,4 +280,13 @@ pub fn gpu_in_two_specs(cdi_dir: &Path) -> anyhow::Result<Option<String>> {
         }
     }
     Ok(None)
+}
+
+/// The registration socket of the driver's agent in `registry`, if there is one.
+pub fn registration_socket_in(registry: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(registry).ok()?;
+    entries
+        .flatten()
+        .find(|e| e.file_name().to_str().is_some_and(|n| gpu_dra::kubelet_plugin::is_registration_of(n, DRIVER)))
+        .map(|e| e.path())
 }
