@@ -78,6 +78,21 @@ async fn one_leader_writes_and_a_killed_leader_hands_over(ctx: TestContext) -> a
     ensure!(shown.is_empty(), "the follower exports {shown:?}");
     ensure!(leader.metric("dynamic_resource_allocation_resource_claims", &[]).await? > 0.0, "the leader's claims");
 
+    // Churn the standby must not hoard (Job pods come and go): pods created, given claims by the leader, deleted.
+    const CHURNED: usize = 40;
+    for i in 0..CHURNED {
+        create_pod(&ctx, &format!("job-{i}"), json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    }
+    wait_claims_recorded(&ctx, 5 + CHURNED, Duration::from_secs(60)).await?;
+    let pods = objects::pods(&ctx);
+    for i in 0..CHURNED {
+        pods.delete(&format!("job-{i}"), &Default::default()).await?;
+    }
+    wait::until("the churned pods' claims to go", Duration::from_secs(60), || async {
+        Ok((list_claims(&ctx).await?.len() == 5).then_some(()))
+    })
+    .await?;
+
     // The leader dies without releasing the Lease: the follower takes over once it expires (4 s).
     leader.kill()?;
     let killed = Instant::now();
@@ -88,6 +103,9 @@ async fn one_leader_writes_and_a_killed_leader_hands_over(ctx: TestContext) -> a
     let handover = killed.elapsed();
     eprintln!("handover after SIGKILL of the leader: {handover:?} (lease duration 4 s)");
     ensure!(handover < Duration::from_secs(10), "handover took {handover:?}");
+    // The new leader's queue began with what its caches show (5 pods, 5 claims), not every key it saw standing by.
+    let adds = follower.metric("workqueue_adds_total", &[("name", "resource_claim")]).await?;
+    ensure!(adds < CHURNED as f64, "the new leader's queue took {adds} keys: the standby kept the churned pods'");
     create_pod(&ctx, "after", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     wait_claims_recorded(&ctx, 6, Duration::from_secs(30)).await?;
     ensure!(list_claims(&ctx).await?.len() == 6, "duplicate claims after handover");

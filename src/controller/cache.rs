@@ -408,6 +408,23 @@ fn on_pod_event(ctx: &Context, change: &Change<Pod>) {
     }
 }
 
+/// Queues what the informers' handlers would queue for every object the caches show: a replica that begins to lead
+/// kept no queue while it stood by ([`super::queue::WorkQueue::stand_by`]), as kube-controller-manager starts its
+/// informers, whose first list queues everything, only once it leads. Pods deleted meanwhile are not in the caches;
+/// their claims are, and a claim's sync drops the reservations of pods that are gone.
+pub fn enqueue_everything(ctx: &Context) {
+    for claim in ctx.caches.claims.state() {
+        ctx.queue.add(WorkKey::Claim(object_key(claim.as_ref())));
+    }
+    for pod in ctx.caches.pods.state() {
+        enqueue_unrecorded_claims(ctx, &pod);
+        enqueue_pod(ctx, &pod, false);
+    }
+    for group in ctx.caches.pod_groups.state() {
+        super::podgroup::group_shown(ctx, &group);
+    }
+}
+
 /// A pod as the store now shows it: its claims may need work.
 fn pod_shown(ctx: &Context, pod: &Pod) {
     ctx.foreign.inspect_pod(ctx, pod);

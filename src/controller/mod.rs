@@ -272,6 +272,9 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     }
     caches.set_groups_served(groups == group_api::Availability::Served);
     ctx.group_api.started_with(groups);
+    if args.leader_elect {
+        queue.stand_by();
+    }
     tokio::spawn(cache::run_informers(client.clone(), args.namespace.clone(), writers, ctx.clone()));
     tokio::spawn(quota::watch(client.clone(), args.namespace.clone(), ctx.clone()));
 
@@ -312,6 +315,10 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
             Role::Leader => {
                 readiness.set(Ok(()));
                 if workers.is_empty() {
+                    queue.lead();
+                    if args.leader_elect {
+                        cache::enqueue_everything(&ctx);
+                    }
                     queue.restart_clocks();
                     ctx.metrics.set_leader(true);
                     ctx.foreign.start_leading(Timestamp::now(), args.leader_elect);

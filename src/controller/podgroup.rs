@@ -62,7 +62,7 @@ fn on_event(ctx: &Context, change: &Change<PodGroup>) {
 }
 
 /// A PodGroup as the store now shows it: it may need its claims, its members may need them recorded.
-fn group_shown(ctx: &Context, group: &PodGroup) {
+pub(super) fn group_shown(ctx: &Context, group: &PodGroup) {
     let (needed, reason) = decide_group::pod_group_needs_work(group, |name| {
         ctx.caches.claim(&group.namespace().unwrap_or_default(), name).is_some()
     });

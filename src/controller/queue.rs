@@ -149,6 +149,9 @@ struct State {
     delayed: HashMap<WorkKey, Instant>,
     retries: RetryBucket,
     shut_down: bool,
+    /// A standby replica's queue: keys are dropped, as no worker takes them (kube-controller-manager builds its
+    /// queue only once it leads). The new leader queues what its caches show (`cache::enqueue_everything`).
+    standing_by: bool,
 }
 
 /// A cloneable handle to one shared queue.
@@ -183,7 +186,7 @@ impl WorkQueue {
     /// Queues `key` unless it is already waiting.
     pub fn add(&self, key: WorkKey) {
         let mut state = self.lock();
-        if state.shut_down || state.dirty.contains_key(&key) {
+        if state.shut_down || state.standing_by || state.dirty.contains_key(&key) {
             return;
         }
         let key = Arc::new(key);
@@ -224,6 +227,22 @@ impl WorkQueue {
 
     /// Starts the queue-time clock of every waiting key again: on becoming leader, keys a standby queued long ago
     /// count from now, as they would in kube-controller-manager, which queues them only once it leads.
+    /// Drops every key added from now until [`WorkQueue::lead`]: on a replica that stands by, nothing would take
+    /// them, and a queue of every pod and claim ever seen grows without bound (Jobs, rolling Deployments).
+    pub fn stand_by(&self) {
+        let mut state = self.lock();
+        state.standing_by = true;
+        state.queue.clear();
+        state.dirty.clear();
+        state.delayed.clear();
+        state.failures.clear();
+    }
+
+    /// Keeps keys again (see [`WorkQueue::stand_by`]).
+    pub fn lead(&self) {
+        self.lock().standing_by = false;
+    }
+
     pub fn restart_clocks(&self) {
         let now = Instant::now();
         self.lock().dirty.values_mut().for_each(|added| *added = now);
@@ -267,7 +286,7 @@ impl WorkQueue {
         let due = Instant::now() + delay;
         {
             let mut state = self.lock();
-            if state.shut_down {
+            if state.shut_down || state.standing_by {
                 return;
             }
             self.metrics.retries.inc();
@@ -371,6 +390,20 @@ mod tests {
         assert_eq!(queue.next().await, Some(pod("a")));
         assert_eq!(queue.next().await, Some(pod("b")));
         assert_eq!(queue.depth(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_standby_queue_keeps_nothing_until_it_leads() {
+        let queue = WorkQueue::new();
+        queue.stand_by();
+        queue.add(pod("a"));
+        queue.add_after(pod("b"), Duration::from_millis(1));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(queue.depth(), 0);
+        queue.lead();
+        queue.add(pod("c"));
+        assert_eq!(queue.depth(), 1);
+        assert_eq!(queue.next().await, Some(pod("c")));
     }
 
     #[tokio::test]
