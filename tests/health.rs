@@ -27,6 +27,7 @@ fn main() {
             test!(a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset),
             test!(the_pod_of_a_lost_gpu_is_evicted_by_kubernetes),
             test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
+            test!(a_reboot_ends_a_fault_only_a_reset_clears),
             test!(the_kubelet_writes_device_health_into_the_pod_status),
             test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
             test!(an_unreadable_health_state_is_kept_aside_and_reported),
@@ -274,6 +275,38 @@ async fn a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it(ctx: Test
     let healed_after = tainted_at.elapsed();
     ensure!(healed_after >= Duration::from_secs(6), "untainted after {healed_after:?}, before the 8 s window");
     eprintln!("gpu-0 untainted {healed_after:?} after the fault (healthy window 8 s)");
+    Ok(())
+}
+
+/// A needs-reset fault where only a reset untaints (`--health-healthy-window 0s`): a restart of the agent keeps it,
+/// the machine's reboot (a new boot ID), which reset the GPU, ends it. Before, it outlived the reboot, for good on
+/// nodes where nothing else resets a GPU.
+async fn a_reboot_ends_a_fault_only_a_reset_clears(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--health-healthy-window", "0s"];
+    let mut agent = NodeAgent::start(&ctx, &node, &args)?;
+    agent.wait_ready().await?;
+    inject(&agent.dirs.state(), "gpu-1 ecc-dbe")?;
+    let key = format!("{DRIVER}/needs-reset");
+    wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(10)).await?;
+
+    agent.process.terminate()?;
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &args)?;
+    agent.wait_ready().await?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(5)).await.context("kept across a restart")?;
+
+    agent.process.terminate()?;
+    std::fs::write(agent.dirs.boot_id_file(), "boot-2\n")?;
+    agent.process = start_agent(&ctx, &node, &agent.dirs, &args)?;
+    agent.wait_ready().await?;
+    wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(10)).await.with_context(|| agent.log_tail())?;
+    ensure!(
+        agent.log_text().contains("GPU faults of the machine's previous boot forgotten"),
+        "the log does not say why:\n{}",
+        agent.log_tail()
+    );
     Ok(())
 }
 

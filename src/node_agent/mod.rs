@@ -135,7 +135,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             action: args.stale_claims,
             interval: args.stale_claim_check_interval,
         },
-        boot_id,
+        boot_id: boot_id.clone(),
     };
     let config = crate::kube_client::infer_config().await.map_err(NodeAgentError::Client)?;
     let client =
@@ -161,8 +161,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     registry.register("gpu_dra_node_agent_publishes", "Discover-and-publish rounds, by result", publishes.clone());
     let plugin_metrics = PluginMetrics::register(&mut registry);
     let (policy, effects) = args.health.policy();
-    let monitor =
-        Arc::new(health::Monitor::new(&gpu.driver_name, &node, args.state_dir.clone(), policy, effects, &mut registry));
+    let monitor = Arc::new(health::Monitor::new(
+        &gpu.driver_name,
+        &node,
+        (args.state_dir.clone(), &boot_id),
+        policy,
+        effects,
+        &mut registry,
+    ));
     let mut device_plugins = device_plugin::DevicePluginGuard::new(
         args.refuse_with_device_plugin,
         args.device_plugin_resources.clone(),

@@ -106,7 +106,7 @@ impl Monitor {
     pub fn new(
         driver: &str,
         node: &str,
-        state_dir: PathBuf,
+        (state_dir, boot_id): (PathBuf, &str),
         policy: Policy,
         effects: Effects,
         registry: &mut Registry,
@@ -117,6 +117,13 @@ impl Monitor {
             unreadable = Some(error.to_string());
             HealthBook::default()
         });
+        let (book, forgotten) = book.carried_into(boot_id);
+        if !forgotten.is_empty() {
+            info!(?forgotten, "GPU faults of the machine's previous boot forgotten: the reboot reset the GPUs");
+            if let Err(error) = store::save(&state_dir, &book) {
+                warn!(%error, "GPU health state not saved; a restart now would forget the faults again");
+            }
+        }
         if !book.faulted.is_empty() {
             info!(faulted = ?book.faulted.keys().collect::<Vec<_>>(), "GPU faults restored from the state directory");
         }
@@ -421,7 +428,7 @@ mod tests {
         Monitor::new(
             "gpu.example.com",
             "node-a",
-            dir.to_path_buf(),
+            (dir.to_path_buf(), "boot-1"),
             Policy::default(),
             Effects::default(),
             &mut registry,

@@ -63,9 +63,25 @@ impl Transition {
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HealthBook {
     pub faulted: BTreeMap<String, Faulted>,
+    /// The machine's boot the faults were seen in (empty: unknown, as in files of versions before it was kept).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub boot_id: String,
 }
 
 impl HealthBook {
+    /// The book as this boot (`boot_id`; empty: unreadable) takes it over, and the GPUs whose faults it forgot: a
+    /// reboot resets every GPU, which ends every fault of the boot before (a GPU still lost is found so again by
+    /// discovery, one still failing reports its errors again). Without it, a needs-reset fault outlived the reboot
+    /// that reset the GPU, for good where only a reset untaints (`--health-healthy-window 0s`), since nothing but a
+    /// reboot resets a GPU on most nodes. A book of an unknown boot is kept: it cannot be told from this boot's.
+    pub fn carried_into(mut self, boot_id: &str) -> (Self, Vec<String>) {
+        let earlier = !self.boot_id.is_empty() && !boot_id.is_empty() && self.boot_id != boot_id;
+        let forgotten = if earlier { std::mem::take(&mut self.faulted).into_keys().collect() } else { Vec::new() };
+        if !boot_id.is_empty() {
+            self.boot_id = boot_id.to_string();
+        }
+        (self, forgotten)
+    }
     /// The state of the GPU with `uuid`: `None` when healthy.
     pub fn get(&self, uuid: &str) -> Option<&Faulted> {
         self.faulted.get(uuid)
@@ -140,6 +156,26 @@ mod tests {
 
     fn policy(window: Option<u64>) -> Policy {
         Policy { ignore_xids: BTreeSet::from([48]), healthy_window: window.map(Duration::from_secs) }
+    }
+
+    #[test]
+    fn a_reboot_ends_the_faults_of_the_boot_before() {
+        let faulted = |boot: &str| {
+            let mut book = HealthBook { boot_id: boot.to_string(), ..HealthBook::default() };
+            book.record("GPU-1", Fault::EccDoubleBit, 100, &policy(None));
+            book
+        };
+        let kept = |book: &HealthBook| book.faulted.keys().cloned().collect::<Vec<_>>();
+        let (same, forgotten) = faulted("boot-1").carried_into("boot-1");
+        assert_eq!((kept(&same), forgotten.len()), (vec!["GPU-1".to_string()], 0), "a restart in the same boot");
+        let (rebooted, forgotten) = faulted("boot-1").carried_into("boot-2");
+        assert_eq!((kept(&rebooted), forgotten), (Vec::<String>::new(), vec!["GPU-1".to_string()]));
+        assert_eq!(rebooted.boot_id, "boot-2", "saved as this boot's");
+        // Unknown on either side: kept, as it cannot be told from this boot's.
+        let (older_file, _) = faulted("").carried_into("boot-2");
+        assert_eq!((kept(&older_file), older_file.boot_id.as_str()), (vec!["GPU-1".to_string()], "boot-2"));
+        let (unreadable_boot, _) = faulted("boot-1").carried_into("");
+        assert_eq!((kept(&unreadable_boot), unreadable_boot.boot_id.as_str()), (vec!["GPU-1".to_string()], "boot-1"));
     }
 
     #[test]
