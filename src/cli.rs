@@ -185,8 +185,9 @@ pub struct NodeAgentArgs {
     /// Event on the Node, `gpu_dra_kubelet_plugin_stale_claims`); `unprepare` also frees its GPUs.
     #[arg(long, env = "GPU_DRA_STALE_CLAIMS", value_enum, default_value_t = crate::node_agent::stale_claims::StaleClaimAction::Warn)]
     pub stale_claims: crate::node_agent::stale_claims::StaleClaimAction,
-    /// How often prepared claims are checked against the API for `--stale-claims`.
-    #[arg(long, env = "GPU_DRA_STALE_CLAIM_CHECK_INTERVAL", default_value = "5m", value_parser = humantime::parse_duration)]
+    /// How often prepared claims are checked against the API for `--stale-claims` (1s to 24h: a claim is stale
+    /// only after two checks this far apart, the kubelet's time to stop a force-deleted pod's containers).
+    #[arg(long, env = "GPU_DRA_STALE_CLAIM_CHECK_INTERVAL", default_value = "5m", value_parser = parse_stale_claim_check_interval)]
     pub stale_claim_check_interval: Duration,
     /// The file holding this boot's ID: checkpoint entries of an earlier boot are dropped (their device state is
     /// gone). Only tests point it elsewhere.
@@ -344,9 +345,30 @@ fn parse_resync_period(text: &str) -> Result<Duration, String> {
     Ok(period)
 }
 
+/// A stale-claim check interval: at least a second (`0s` would check in a hot loop and call a claim stale at two
+/// checks in a row, before the kubelet could stop anything) and at most a day.
+fn parse_stale_claim_check_interval(text: &str) -> Result<Duration, String> {
+    let interval = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(24 * 3600)).contains(&interval) {
+        return Err(format!("{text} is outside 1s..24h"));
+    }
+    Ok(interval)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stale_claim_check_intervals_between_a_second_and_a_day() {
+        assert_eq!(parse_stale_claim_check_interval("1s"), Ok(Duration::from_secs(1)));
+        assert_eq!(parse_stale_claim_check_interval("5m"), Ok(Duration::from_secs(300)));
+        for bad in ["0s", "1ms", "25h"] {
+            let err = parse_stale_claim_check_interval(bad).expect_err(bad);
+            assert!(err.contains("outside 1s..24h"), "{bad}: {err}");
+        }
+        assert!(parse_stale_claim_check_interval("often").is_err());
+    }
 
     #[test]
     fn controller_threads_default_to_one_and_stay_between_1_and_256() {

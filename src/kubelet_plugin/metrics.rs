@@ -85,7 +85,8 @@ impl PluginMetrics {
         );
         sub.register(
             "specs_rewritten",
-            "CDI specs of prepared claims found missing while the agent ran (deleted on the host) and written again",
+            "CDI specs of prepared claims written again while the agent ran: found missing (deleted on the host), or \
+             naming driver files an in-place driver upgrade replaced",
             metrics.specs_rewritten.clone(),
         );
         sub.register(

@@ -117,7 +117,13 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         ("nodeAgent.nodeSelector.gpu=yes", &["with the labels {\"gpu\":\"yes\"}\n     and matching one of"][..]),
         (
             "nodeAgent.affinity=null,nodeAgent.devicePluginNodeLabel=example.com/device-plugin",
-            &["only runs on nodes\n     not labeled example.com/device-plugin=true"][..],
+            &["only runs on nodes\n     not labeled example.com/device-plugin=true", "operator: NotIn"][..],
+        ),
+        // The label keeps the agent off those nodes also where the agent only warns beside a device plugin.
+        (
+            "nodeAgent.affinity=null,nodeAgent.refuseWithDevicePlugin=false,\
+             nodeAgent.devicePluginNodeLabel=example.com/device-plugin",
+            &["only runs on nodes\n     not labeled example.com/device-plugin=true", "operator: NotIn"][..],
         ),
         ("nodeAgent.affinity=null", &["the DaemonSet runs on every node"][..]),
     ] {
@@ -154,6 +160,15 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("deviceClasses.mig.name=MIG_class", "at '/deviceClasses/mig/name'"),
         ("deviceClasses.mig.profile=1g.10gb", "at '/deviceClasses/mig': additional properties 'profile' not allowed"),
         ("deviceClasses.mig.profiles={1g.10gb+me}", "at '/deviceClasses/mig/profiles/0'"),
+        // With maxSurge 0 the API server refuses maxUnavailable 0 at apply: refused at install instead.
+        (
+            "nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0",
+            "at '/nodeAgent/updateStrategy/rollingUpdate/maxUnavailable'",
+        ),
+        (
+            "nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0%",
+            "at '/nodeAgent/updateStrategy/rollingUpdate/maxUnavailable'",
+        ),
     ] {
         let output = helm(&["template", "gpu-dra", chart, "--set", set])?;
         let stderr = text(&output.stderr);

@@ -241,19 +241,44 @@ fn truncate_note(mut note: String) -> String {
     note
 }
 
+/// Logs an Event the API server did not take; names the permission only when the refusal is one (a namespace being
+/// deleted, a webhook, a timeout are not, and the error says what they are).
 fn log_failure(queued: &Queued, err: &kube::Error) {
-    warn!(
-        reason = queued.reason.as_str(),
-        object = ?queued.regarding.name,
-        related = ?queued.related.as_ref().and_then(|r| r.name.as_deref()),
-        error = %err,
-        "could not publish event (does the controller's role allow create/patch on events.k8s.io events?)"
-    );
+    let (reason, object) = (queued.reason.as_str(), &queued.regarding.name);
+    let related = queued.related.as_ref().and_then(|r| r.name.as_deref());
+    if missing_permission(err) {
+        warn!(reason, ?object, ?related, error = %err,
+            "could not publish event: grant the controller's role create and patch on events.k8s.io events");
+    } else {
+        warn!(reason, ?object, ?related, error = %err, "could not publish event");
+    }
+}
+
+fn missing_permission(err: &kube::Error) -> bool {
+    use crate::controller::decide::quota::{Refusal, refusal};
+    matches!(err, kube::Error::Api(status) if refusal(status.code, &status.message) == Refusal::Permission)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_permission_refusal_is_called_one() {
+        let api = |code: u16, message: &str| {
+            let status: kube::core::Status =
+                serde_json::from_value(json!({"code": code, "message": message, "reason": "", "status": "Failure"}))
+                    .expect("status");
+            kube::Error::Api(Box::new(status))
+        };
+        let rbac = "events.events.k8s.io is forbidden: User \"system:serviceaccount:gpu-dra:controller\" cannot \
+                    create resource \"events\" in API group \"events.k8s.io\" in the namespace \"team-a\"";
+        assert!(missing_permission(&api(403, rbac)));
+        let terminating = "events.events.k8s.io \"p.1\" is forbidden: unable to create new content in namespace team-a \
+                           because it is being terminated";
+        assert!(!missing_permission(&api(403, terminating)));
+        assert!(!missing_permission(&api(422, "Event.events.k8s.io \"p.1\" is invalid")));
+    }
 
     #[test]
     fn names_made_from_one_clock_reading_differ() {
