@@ -77,9 +77,19 @@ pub struct ForeignControllerDetector {
     /// Claims created from then on count; unset (nothing counts) until this replica leads.
     since: OnceLock<Timestamp>,
     detection: OnceLock<Detection>,
-    /// What the statuses of pods with claims recorded when this replica last saw them, by pod UID; a pod's entry
-    /// goes with the pod.
-    seen: Mutex<HashMap<String, Vec<Record>>>,
+    /// What the statuses of pods with claims recorded when this replica last saw them, and the records this replica
+    /// wrote, by pod UID; a pod's entry goes with the pod.
+    seen: Mutex<HashMap<String, Seen>>,
+}
+
+/// What the detector knows of one pod's records.
+#[derive(Debug, Default)]
+struct Seen {
+    /// As its status showed them when last seen.
+    shown: Vec<Record>,
+    /// (pod claim, claim) this replica wrote, shown yet or not: a pod event between the write and its echo (a
+    /// condition, a label a tenant sets) must not make the echo look like another writer's.
+    ours: Vec<(String, String)>,
 }
 
 /// A claim a pod's status records for one of its pod claims, as the detector saw it.
@@ -92,18 +102,24 @@ pub struct Record {
 }
 
 /// The records a pod's status shows now (`current`: pod claim, claim), given those seen before (`before`; `None` on
-/// the first sight of the pod) and whether this replica leads. A record seen before keeps what was known of it; one
-/// there at first sight is of unknown origin; one that appeared since, while this replica led, is another writer's
-/// (this replica's own records are known before they appear, see [`ForeignControllerDetector::writing`]).
-pub fn observe(before: Option<&[Record]>, current: &[(&str, &str)], leading: bool) -> Vec<Record> {
+/// the first sight of the pod), the ones this replica wrote (`ours`) and whether this replica leads. A record seen
+/// before keeps what was known of it; one there at first sight is of unknown origin; one that appeared since, while
+/// this replica led, is another writer's unless this replica wrote it.
+pub fn observe(
+    before: Option<&[Record]>,
+    ours: &[(String, String)],
+    current: &[(&str, &str)],
+    leading: bool,
+) -> Vec<Record> {
     current
         .iter()
         .map(|&(pod_claim, claim)| {
             let known = before.and_then(|b| b.iter().find(|r| r.pod_claim == pod_claim && r.claim == claim));
+            let written = ours.iter().any(|(p, c)| p == pod_claim && c == claim);
             let foreign = match (before, known) {
                 (_, Some(record)) => record.foreign,
                 (None, None) => false,
-                (Some(_), None) => leading,
+                (Some(_), None) => leading && !written,
             };
             Record { pod_claim: pod_claim.to_string(), claim: claim.to_string(), foreign }
         })
@@ -133,16 +149,16 @@ impl ForeignControllerDetector {
 
     /// Records that this replica is about to record `entries` (pod claim, claim) in `pod`'s status (claims it
     /// created or adopted): known as its own before the pod watch can show them.
+    /// A pod without an entry is gone (the pod watch notes every pod with claims before it can be synced): nothing
+    /// is kept for it.
     pub fn writing(&self, pod: &Pod, entries: &[(String, String)]) {
         let Some(uid) = pod.metadata.uid.as_deref() else { return };
-        if self.detection.get().is_some() {
-            return;
-        }
         let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-        let records = seen.entry(uid.to_string()).or_default();
-        for (pod_claim, claim) in entries {
-            records.retain(|r| &r.pod_claim != pod_claim);
-            records.push(Record { pod_claim: pod_claim.clone(), claim: claim.clone(), foreign: false });
+        let Some(known) = seen.get_mut(uid) else { return };
+        for entry in entries {
+            if !known.ours.contains(entry) {
+                known.ours.push(entry.clone());
+            }
         }
     }
 
@@ -156,7 +172,7 @@ impl ForeignControllerDetector {
         let Some(uid) = pod.metadata.uid.as_deref() else { return false };
         let seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
         seen.get(uid)
-            .is_some_and(|records| records.iter().any(|r| r.foreign && r.pod_claim == pod_claim && r.claim == claim))
+            .is_some_and(|known| known.shown.iter().any(|r| r.foreign && r.pod_claim == pod_claim && r.claim == claim))
     }
 
     /// Checks a claim from the claim watch against the pod it names as owner (from the cache).
@@ -185,9 +201,12 @@ impl ForeignControllerDetector {
             .collect();
         let foreign: Vec<String> = {
             let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-            let records = observe(seen.get(uid).map(Vec::as_slice), &current, self.since.get().is_some());
-            let foreign = records.iter().filter(|r| r.foreign).map(|r| r.claim.clone()).collect();
-            seen.insert(uid.to_string(), records);
+            let first_sight = !seen.contains_key(uid);
+            let known = seen.entry(uid.to_string()).or_default();
+            let before = (!first_sight).then_some(known.shown.as_slice());
+            let shown = observe(before, &known.ours, &current, self.since.get().is_some());
+            let foreign = shown.iter().filter(|r| r.foreign).map(|r| r.claim.clone()).collect();
+            known.shown = shown;
             foreign
         };
         let namespace = pod.namespace().unwrap_or_default();
@@ -331,19 +350,22 @@ mod tests {
         };
         let foreign_of = |records: Vec<Record>| records.into_iter().map(|r| r.foreign).collect::<Vec<_>>();
         let now = [("gpu", "c1")];
+        let none: &[(String, String)] = &[];
+        let ours = [("gpu".to_string(), "c1".to_string())];
         // First sight of the pod: whoever wrote it, it is of unknown origin (a previous leader's).
-        assert_eq!(foreign_of(observe(None, &now, true)), [false]);
+        assert_eq!(foreign_of(observe(None, none, &now, true)), [false]);
         // Appeared since the last sight: another writer's while leading, of no account while standing by.
-        assert_eq!(foreign_of(observe(Some(&[]), &now, true)), [true]);
-        assert_eq!(foreign_of(observe(Some(&[]), &now, false)), [false]);
-        // Written by this replica (known before it appeared): not foreign, and stays so.
-        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", false)]), &now, true)), [false]);
+        assert_eq!(foreign_of(observe(Some(&[]), none, &now, true)), [true]);
+        assert_eq!(foreign_of(observe(Some(&[]), none, &now, false)), [false]);
+        // Written by this replica: not foreign when it appears, also after pod events in between showed it not yet.
+        let between = observe(Some(&[]), &ours, &[], true);
+        assert_eq!(foreign_of(observe(Some(&between), &ours, &now, true)), [false]);
         // Once foreign, foreign while it stays; another claim for the same pod claim is a new record.
-        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", true)]), &now, true)), [true]);
-        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c0", false)]), &now, true)), [true]);
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", true)]), none, &now, true)), [true]);
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c0", false)]), &ours[..0], &now, true)), [true]);
         // Several pod claims, each on its own.
         let two = [("gpu", "c1"), ("nic", "n1")];
-        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", false)]), &two, true)), [false, true]);
+        assert_eq!(foreign_of(observe(Some(&[r("gpu", "c1", false)]), &ours, &two, true)), [false, true]);
     }
 
     #[test]

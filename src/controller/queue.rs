@@ -225,8 +225,6 @@ impl WorkQueue {
         }
     }
 
-    /// Starts the queue-time clock of every waiting key again: on becoming leader, keys a standby queued long ago
-    /// count from now, as they would in kube-controller-manager, which queues them only once it leads.
     /// Drops every key added from now until [`WorkQueue::lead`]: on a replica that stands by, nothing would take
     /// them, and a queue of every pod and claim ever seen grows without bound (Jobs, rolling Deployments).
     pub fn stand_by(&self) {
@@ -243,6 +241,9 @@ impl WorkQueue {
         self.lock().standing_by = false;
     }
 
+    /// Starts the queue-time clock of every waiting key again: on becoming leader, keys queued before (without
+    /// leader election, while the caches synced) count from now, as they would in kube-controller-manager, which
+    /// queues them only once it leads.
     pub fn restart_clocks(&self) {
         let now = Instant::now();
         self.lock().dirty.values_mut().for_each(|added| *added = now);

@@ -117,7 +117,9 @@ pub async fn run(
                             // Still prepared: said on the Node as `warn` says it (once), so alerts on it fire.
                             if reported.insert(uid.clone()) {
                                 let note = format!(
-                                    "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}.                                      Unpreparing it failed ({error}); tried again at each check, its GPUs refused to                                      other claims meanwhile."
+                                    "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}. \
+                                     Unpreparing it failed ({error}); tried again at each check, its GPUs refused to \
+                                     other claims meanwhile."
                                 );
                                 super::plugin::node_warning(
                                     client.clone(),

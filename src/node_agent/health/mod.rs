@@ -117,12 +117,17 @@ impl Monitor {
             unreadable = Some(error.to_string());
             HealthBook::default()
         });
+        let unstamped = book.boot_id.is_empty() && !book.faulted.is_empty();
         let (book, forgotten) = book.carried_into(boot_id);
         if !forgotten.is_empty() {
             info!(?forgotten, "GPU faults of the machine's previous boot forgotten: the reboot reset the GPUs");
-            if let Err(error) = store::save(&state_dir, &book) {
-                warn!(%error, "GPU health state not saved; a restart now would forget the faults again");
-            }
+        }
+        // Saved at once when it changed, also when only stamped with this boot (a file of an earlier version): a
+        // fault that sees no transition is never saved otherwise, and the next reboot could not tell its boot.
+        if (!forgotten.is_empty() || (unstamped && !book.boot_id.is_empty()))
+            && let Err(error) = store::save(&state_dir, &book)
+        {
+            warn!(%error, "GPU health state not saved at start");
         }
         if !book.faulted.is_empty() {
             info!(faulted = ?book.faulted.keys().collect::<Vec<_>>(), "GPU faults restored from the state directory");
@@ -433,6 +438,31 @@ mod tests {
             Effects::default(),
             &mut registry,
         )
+    }
+
+    /// A state of a version that kept no boot ID is stamped with this boot at start, so the next reboot ends its
+    /// faults.
+    #[test]
+    fn a_state_without_a_boot_is_stamped_at_start_and_a_reboot_then_ends_it() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let older = json!({"version": 1, "faulted": {"GPU-1": {"class": "needs-reset", "fault": {"kind": "xid", "xid": 79},
+                                                               "since": 100, "lastSeen": 100}}});
+        std::fs::write(store::path(dir.path()), serde_json::to_vec(&older)?)?;
+        drop(monitor(dir.path()));
+        let stamped = store::load(dir.path())?;
+        assert_eq!((stamped.boot_id.as_str(), stamped.faulted.len()), ("boot-1", 1), "{stamped:?}");
+        let mut registry = Registry::default();
+        let rebooted = Monitor::new(
+            "gpu.example.com",
+            "node-a",
+            (dir.path().to_path_buf(), "boot-2"),
+            Policy::default(),
+            Effects::default(),
+            &mut registry,
+        );
+        assert!(rebooted.book().faulted.is_empty());
+        assert!(store::load(dir.path())?.faulted.is_empty(), "the forgetting is saved");
+        Ok(())
     }
 
     /// An unreadable state stays where it is, and the read-back pending, until the faults read back are saved: a

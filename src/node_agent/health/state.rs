@@ -64,7 +64,7 @@ impl Transition {
 pub struct HealthBook {
     pub faulted: BTreeMap<String, Faulted>,
     /// The machine's boot the faults were seen in (empty: unknown, as in files of versions before it was kept).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    #[serde(default, rename = "bootId", skip_serializing_if = "String::is_empty")]
     pub boot_id: String,
 }
 
