@@ -322,6 +322,9 @@ cmd_up() {
     mkdir -p "$META" "$RUN" "$LOGS" "$CDI_DIR" "$AGENT_STATE_DIR" "$KUBELET_DIR"
     : >"$META/pids"
     trap 'rc=$?; [[ $rc -eq 0 ]] || cmd_down "$NAME" >/dev/null 2>&1 || true' EXIT
+    # The node's directories are a shared mount, as everything is on a systemd host (its / is shared): a container's
+    # mountPropagation: Bidirectional (the agent's MPS tmpfs) needs one, and this machine's / may be private.
+    mount --bind "$RUN" "$RUN" && mount --make-rshared "$RUN" || die "could not make $RUN a shared mount (root needed)"
     record_host
     write_containerd_config
     write_cni_config

@@ -43,30 +43,33 @@ pub enum SocketError {
 /// Where the kubelet looks for the plugin.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SocketPaths {
-    /// `<registry dir>/<driver>-<instance>-reg.sock`: the kubelet's plugin watcher finds the plugin here. A name of
-    /// its own for each start of the agent, because the kubelet's plugin manager keeps its registration back-off
-    /// per socket path, across the socket being removed and created again: a kubelet that started before the agent
-    /// (a reboot, a kubelet restart while the agent was down) fails at the socket the last agent left, 10 s a try,
-    /// and waits up to 2 min 2 s between tries (`pluginmanager/operationexecutor`, `goroutinemap`). At the same
-    /// path the new agent would wait out that back-off unregistered; at a new one it is registered within a second.
+    /// `<registry dir>/<driver>-<n>-reg.sock`, `n` a digit no socket left in the directory has: the kubelet's plugin
+    /// watcher finds the plugin here. Not the path an earlier agent left a socket at, because the kubelet's plugin
+    /// manager keeps its registration back-off per socket path, across the socket being removed and created again: a
+    /// kubelet that started before the agent (a reboot, a kubelet restart while the agent was down) fails at the
+    /// socket the last agent left, 10 s a try, and waits up to 2 min 2 s between tries
+    /// (`pluginmanager/operationexecutor`, `goroutinemap`). At the same path the new agent would wait out that
+    /// back-off unregistered; at another it is registered within a second. One digit, so that the path stays short
+    /// (unix sockets allow 107 bytes, and some distributions' kubelet directories are long).
     pub registration: PathBuf,
     /// `<plugins dir>/<driver>/dra.sock`: the DRA service, announced through registration.
     pub dra: PathBuf,
 }
 
 impl SocketPaths {
-    /// The kubelet's conventional locations for `driver`, the registration socket named for this start (see
-    /// [`SocketPaths::registration`]); refuses paths too long for a unix socket up front.
+    /// The kubelet's conventional locations for `driver`, the registration socket at a path no earlier agent left a
+    /// socket at (see [`SocketPaths::registration`]); refuses paths too long for a unix socket up front. Called by
+    /// the node's one agent (it holds the instance lock).
     pub fn new(registry_dir: &Path, plugins_dir: &Path, driver: &str) -> Result<Self, SocketError> {
-        Self::for_instance(registry_dir, plugins_dir, driver, instance_token())
+        Self::for_instance(registry_dir, plugins_dir, driver, free_instance(registry_dir, driver))
     }
 
-    /// [`SocketPaths::new`] with the registration socket of start `instance`.
+    /// [`SocketPaths::new`] with registration socket `instance` (0 to 9).
     pub fn for_instance(
         registry_dir: &Path,
         plugins_dir: &Path,
         driver: &str,
-        instance: u32,
+        instance: u8,
     ) -> Result<Self, SocketError> {
         let paths = Self {
             registration: registry_dir.join(registration_file_name(driver, instance)),
@@ -82,28 +85,27 @@ impl SocketPaths {
     }
 }
 
-/// The registration socket's file name for start `instance` of `driver`'s agent.
-pub fn registration_file_name(driver: &str, instance: u32) -> String {
-    format!("{driver}-{instance:08x}-reg.sock")
+/// The registration socket's file name `instance` (a digit) of `driver`'s agent.
+pub fn registration_file_name(driver: &str, instance: u8) -> String {
+    format!("{driver}-{}-reg.sock", instance % 10)
 }
 
-/// Whether `file_name` is the registration socket of some start of `driver`'s agent: this version's
-/// `<driver>-<8 hex digits>-reg.sock`, or `<driver>-reg.sock` of the versions before it. Only these are ever
-/// removed as stale: the registry directory may be the kubelet's own, shared with every other plugin.
+/// The first instance with nothing at its registration path in `registry_dir` (0 when all ten are taken).
+fn free_instance(registry_dir: &Path, driver: &str) -> u8 {
+    (0..=9)
+        .find(|&n| std::fs::symlink_metadata(registry_dir.join(registration_file_name(driver, n))).is_err())
+        .unwrap_or(0)
+}
+
+/// Whether `file_name` is a registration socket of `driver`'s agent: this version's `<driver>-<digit>-reg.sock`, or
+/// `<driver>-reg.sock` of the versions before it. Only these are ever removed as stale: the registry directory may
+/// be the kubelet's own, shared with every other plugin.
 pub fn is_registration_of(file_name: &str, driver: &str) -> bool {
     let Some(rest) = file_name.strip_prefix(driver).and_then(|r| r.strip_prefix('-')) else {
         return false;
     };
     rest == "reg.sock"
-        || rest.strip_suffix("-reg.sock").is_some_and(|instance| {
-            instance.len() == 8 && instance.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-        })
-}
-
-/// A token for this start: the clock's nanoseconds, which differ from any earlier start's.
-fn instance_token() -> u32 {
-    let since_epoch = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    since_epoch.subsec_nanos() ^ (since_epoch.as_secs() as u32).rotate_left(7)
+        || rest.strip_suffix("-reg.sock").is_some_and(|n| n.len() == 1 && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Removes the registration sockets earlier starts of `driver`'s agent left beside `current` (a killed agent, or
@@ -189,12 +191,12 @@ mod tests {
             Path::new("/var/lib/kubelet/plugins_registry"),
             Path::new("/var/lib/kubelet/plugins"),
             "gpu.gpu-dra.dev",
-            0x0a1b_2c3d,
+            3,
         );
         assert_eq!(
             paths.ok(),
             Some(SocketPaths {
-                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev-0a1b2c3d-reg.sock".into(),
+                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev-3-reg.sock".into(),
                 dra: "/var/lib/kubelet/plugins/gpu.gpu-dra.dev/dra.sock".into(),
             })
         );
@@ -206,22 +208,38 @@ mod tests {
     fn registration_sockets_of_a_driver() {
         let driver = "gpu.gpu-dra.dev";
         let table = [
-            ("gpu.gpu-dra.dev-0a1b2c3d-reg.sock", true),
+            ("gpu.gpu-dra.dev-0-reg.sock", true),
+            ("gpu.gpu-dra.dev-9-reg.sock", true),
             ("gpu.gpu-dra.dev-reg.sock", true),
             // Another driver whose name begins with ours, and names not of this form.
             ("gpu.gpu-dra.dev-mig-reg.sock", false),
-            ("gpu.gpu-dra.dev-mig1234-reg.sock", false),
-            ("gpu.gpu-dra.dev-0A1B2C3D-reg.sock", false),
-            ("gpu.gpu-dra.dev-0a1b2c3-reg.sock", false),
-            ("gpu.gpu-dra.devx-0a1b2c3d-reg.sock", false),
-            ("other.dev-0a1b2c3d-reg.sock", false),
-            ("gpu.gpu-dra.dev-0a1b2c3d-reg.sock.tmp", false),
+            ("gpu.gpu-dra.dev-10-reg.sock", false),
+            ("gpu.gpu-dra.dev-a-reg.sock", false),
+            ("gpu.gpu-dra.devx-0-reg.sock", false),
+            ("other.dev-0-reg.sock", false),
+            ("gpu.gpu-dra.dev-0-reg.sock.tmp", false),
         ];
         for (name, ours) in table {
             assert_eq!(is_registration_of(name, driver), ours, "{name}");
         }
-        assert!(is_registration_of(&registration_file_name(driver, u32::MAX), driver));
-        assert!(is_registration_of(&registration_file_name(driver, 0), driver));
+        for instance in 0..=9 {
+            assert!(is_registration_of(&registration_file_name(driver, instance), driver));
+        }
+    }
+
+    #[test]
+    fn a_start_takes_a_name_no_socket_left_behind_has() -> Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let driver = "gpu.gpu-dra.dev";
+        assert_eq!(free_instance(dir.path(), driver), 0);
+        std::fs::write(dir.path().join(registration_file_name(driver, 0)), "")?;
+        std::fs::write(dir.path().join(registration_file_name(driver, 1)), "")?;
+        assert_eq!(free_instance(dir.path(), driver), 2);
+        for instance in 2..=9 {
+            std::fs::write(dir.path().join(registration_file_name(driver, instance)), "")?;
+        }
+        assert_eq!(free_instance(dir.path(), driver), 0, "all taken (nothing removes them): the first");
+        Ok(())
     }
 
     #[tokio::test]

@@ -6,8 +6,11 @@
 //!   exists (clients connect there); a daemon that does not come up fails the prepare with its log's last lines.
 //! - **Its own `/dev/shm`**: the daemon runs in a mount namespace of its own where the claim's `shm` directory is
 //!   bind-mounted at `/dev/shm`; the claim's containers get the same directory there, so the MPS server and its
-//!   clients share memory without anything being mounted on the node (the agent needs `CAP_SYS_ADMIN`: the chart's
-//!   privileged agent has it). Put the root on a tmpfs (the default is under `/run`).
+//!   clients share memory. The claim's directory is a tmpfs of its own (half the memory at most, as NVIDIA's
+//!   driver mounts for its daemons), so what a workload writes there never fills the filesystem the MPS root is on
+//!   (the node's `/run` by default, where the CDI specs and the runtime's state are); unmounted at unprepare (the
+//!   agent needs `CAP_SYS_ADMIN`: the chart's privileged agent has it, and mounts the root with `Bidirectional`
+//!   propagation so the runtime sees the tmpfs).
 //! - **Supervised**: a daemon that exits while its claim is prepared is started again (1 s back-off, doubling to
 //!   30 s), counted in `gpu_dra_kubelet_plugin_mps_daemon_restarts_total`. The MPS servers it started, left in its
 //!   process group, are killed first and reaped: the agent is their reaper (as its container's PID 1, and made one
@@ -83,6 +86,16 @@ pub enum MpsError {
     Control {
         claim_uid: String,
         command: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "mount a tmpfs of claim {claim_uid}'s own at {dir} (its MPS pipes and shared memory, kept off the node's \
+         filesystem): {source}. Does the agent have CAP_SYS_ADMIN (privileged)?"
+    )]
+    Tmpfs {
+        claim_uid: String,
+        dir: PathBuf,
         #[source]
         source: std::io::Error,
     },
@@ -214,6 +227,16 @@ impl MpsDaemons {
         let running = self.running().get(claim_uid).map(|s| s.pid.clone());
         if let Some(pid) = running {
             return wait_ready(claim_uid, &dirs, &pid, START_TIMEOUT).map(|()| false);
+        }
+        // The claim's directory is a tmpfs of its own (see `mps_sys::mount_tmpfs`), kept across agent restarts.
+        let claim_dir = std::fs::create_dir_all(&dirs.claim);
+        claim_dir.map_err(|source| MpsError::Dirs { claim_uid: claim_uid.into(), dir: dirs.claim.clone(), source })?;
+        if !mps_sys::is_mount_point(&dirs.claim) {
+            mps_sys::mount_tmpfs(&dirs.claim).map_err(|source| MpsError::Tmpfs {
+                claim_uid: claim_uid.into(),
+                dir: dirs.claim.clone(),
+                source,
+            })?;
         }
         // Writable by all, as a container's own /dev/shm is: the claim's processes (any uid) and the MPS server they
         // start (running as its first client's uid) write here. The claim's directory above them can be passed
@@ -526,6 +549,13 @@ fn boot_id() -> String {
 }
 
 fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {
+    if mps_sys::is_mount_point(&dirs.claim) {
+        mps_sys::unmount(&dirs.claim).map_err(|source| MpsError::Remove {
+            claim_uid: claim_uid.into(),
+            dir: dirs.claim.clone(),
+            source,
+        })?;
+    }
     match std::fs::remove_dir_all(&dirs.claim) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),

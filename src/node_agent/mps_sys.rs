@@ -36,6 +36,46 @@ fn in_child(shm: &CStr) -> std::io::Result<()> {
     }
 }
 
+/// Mounts a tmpfs of its own at `dir` (mode 0711, at most half the machine's memory, no devices, set-uid programs or
+/// executables), as NVIDIA's driver does for a daemon's shared memory: what the claim's containers and its MPS server
+/// write there (pipes, logs, `/dev/shm`, which a container otherwise gets at 64 MiB) is kept off the filesystem
+/// `dir` is on, the node's `/run` by default, where a full disk would fail every other claim's CDI spec and the
+/// runtime's own state. Needs `CAP_SYS_ADMIN`.
+pub(super) fn mount_tmpfs(dir: &Path) -> std::io::Result<()> {
+    let target = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    let flags = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    // SAFETY: a plain system call on NUL-terminated strings that outlive it.
+    let result = unsafe {
+        libc::mount(
+            c"gpu-dra-mps".as_ptr(),
+            target.as_ptr(),
+            c"tmpfs".as_ptr(),
+            flags,
+            c"mode=0711,size=50%".as_ptr().cast(),
+        )
+    };
+    if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+/// Unmounts what is mounted at `dir`, lazily: a container still holding a bind mount of a directory in it keeps
+/// that, and the memory goes with the last user.
+pub(super) fn unmount(dir: &Path) -> std::io::Result<()> {
+    let target = CString::new(dir.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: a plain system call on a NUL-terminated string that outlives it.
+    let result = unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) };
+    if result == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+/// Whether a filesystem is mounted at `dir` (it is on another device than its parent).
+pub(super) fn is_mount_point(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let device = |path: &Path| std::fs::metadata(path).map(|m| m.dev()).ok();
+    match (device(dir), dir.parent().and_then(device)) {
+        (Some(own), Some(parent)) => own != parent,
+        _ => false,
+    }
+}
+
 /// Sends SIGKILL to the process group `pid` leads (a daemon is spawned as one, so the MPS servers it started go with
 /// it); 0 and pids beyond `i32` are ignored.
 pub(super) fn kill_group(pid: u32) {

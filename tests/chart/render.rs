@@ -66,8 +66,8 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         text(&refused.stderr)
     );
     // At the limit the chart and the agent agree: the longest driver name the chart takes is one the agent can bind
-    // (its registration socket, <kubeletDir>/plugins_registry/<driver>/<driver>-<instance>-reg.sock, is the longer).
-    for (length, fits) in [(27, true), (28, false)] {
+    // (its registration socket, <kubeletDir>/plugins_registry/<driver>/<driver>-<digit>-reg.sock, is the longer).
+    for (length, fits) in [(30, true), (31, false)] {
         let driver = format!("{}.example.com", "d".repeat(length - ".example.com".len()));
         let rendered = helm(&["template", "gpu-dra", chart, "--set", &format!("driverName={driver}")])?;
         let registry = format!("/var/lib/kubelet/plugins_registry/{driver}");
@@ -259,6 +259,18 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
     let container = &pod["containers"][0];
     ensure!(daemonset["spec"]["updateStrategy"]["type"] == "RollingUpdate", "{}", daemonset["spec"]);
     check_probes(container, 8081)?;
+    // The agent outlives the GPU pods a node's drain evicts, so that the kubelet can finish them: it tolerates every
+    // NoExecute taint (a maintenance taint), and the cluster autoscaler leaves it to the node's deletion.
+    let tolerations = pod["tolerations"].as_array().cloned().unwrap_or_default();
+    ensure!(
+        tolerations.iter().any(|t| t["operator"] == "Exists" && t["effect"] == "NoExecute" && t.get("key").is_none()),
+        "the agent does not tolerate NoExecute taints: {tolerations:?}"
+    );
+    let annotations = &daemonset["spec"]["template"]["metadata"]["annotations"];
+    ensure!(
+        annotations["cluster-autoscaler.kubernetes.io/enable-ds-eviction"] == "false",
+        "the cluster autoscaler would evict the agent with the workloads: {annotations}"
+    );
     ensure!(
         container["startupProbe"]["httpGet"]["path"] == "/healthz"
             && container["startupProbe"]["periodSeconds"].as_u64().unwrap_or(0)
@@ -382,12 +394,14 @@ pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> 
         .collect();
     let registry = format!("/var/lib/kubelet/plugins_registry/{driver}");
     let plugin = format!("/var/lib/kubelet/plugins/{driver}");
+    let privileged = pod["containers"][0]["securityContext"]["privileged"] == true;
     let mut expected = vec![
         (registry.as_str(), registry.as_str(), false, ""),
         (plugin.as_str(), plugin.as_str(), false, ""),
         ("/var/run/cdi", "/var/run/cdi", false, ""),
         ("/var/lib/gpu-dra", "/var/lib/gpu-dra", false, ""),
-        ("/run/gpu-dra/mps", "/run/gpu-dra/mps", false, ""),
+        // Bidirectional for a privileged agent: the tmpfs it mounts for an MPS claim must reach the runtime.
+        ("/run/gpu-dra/mps", "/run/gpu-dra/mps", false, if privileged { "Bidirectional" } else { "" }),
     ];
     if nvml {
         // HostToContainer: a driver root mounted later (GPU Operator) or upgraded in place is seen.

@@ -100,6 +100,12 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     let exclusive = BTreeMap::from([("gpu-0", "ExclusiveProcess"), ("gpu-1", "ExclusiveProcess")]);
     let exclusive: BTreeMap<String, String> = exclusive.into_iter().map(|(d, m)| (d.into(), m.into())).collect();
     ensure!(dirs.compute_modes()? == exclusive, "compute modes while prepared: {:?}", dirs.compute_modes()?);
+    // The claim's directory is a tmpfs of its own: what its workload writes there cannot fill the filesystem the
+    // MPS root (and beside it the CDI specs) is on.
+    let tmpfs = super::support::node::mounts_under(&dirs.mps());
+    ensure!(tmpfs == [claim_dir.clone()], "mounts under the MPS root: {tmpfs:?}");
+    let statfs = std::process::Command::new("stat").args(["-f", "-c", "%T"]).arg(&claim_dir).output()?;
+    ensure!(String::from_utf8_lossy(&statfs.stdout).trim() == "tmpfs", "{} is not a tmpfs", claim_dir.display());
     // Its /dev/shm is the claim's shm directory, which the containers get at /dev/shm.
     let marker = std::fs::read_to_string(claim_dir.join("shm/gpu-dra-mps-stand-in"))?;
     ensure!(marker == first.to_string(), "the daemon's /dev/shm is not the claim's: {marker:?}");
@@ -182,6 +188,8 @@ pub(super) async fn a_claim_asking_mps_gets_its_own_daemon_while_prepared(ctx: T
     ensure!(!alive(fourth), "daemon {fourth} still runs after unprepare");
     reaped("the quit daemon's server to go", fourth_server, fourth_server_start).await?;
     ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
+    let left = super::support::node::mounts_under(&dirs.mps());
+    ensure!(left.is_empty(), "mounts left under the MPS root after unprepare: {left:?}");
     ensure!(dirs.compute_modes()?.is_empty(), "compute modes after unprepare: {:?}", dirs.compute_modes()?);
     let listed = checkpoint(&dirs, "boot-1")?.exclusive_process;
     ensure!(listed.is_empty(), "the checkpoint still lists {listed:?} as set to EXCLUSIVE_PROCESS");

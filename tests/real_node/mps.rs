@@ -120,6 +120,9 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     }
     let claim_dir = mps_dir.join(&uid);
     ensure!(claim_dir.join("shm/from-b").exists(), "the containers' /dev/shm is not {}", claim_dir.display());
+    // On the host (through the agent's Bidirectional mount) a tmpfs of the claim's own, off the node's filesystem.
+    let statfs = std::process::Command::new("stat").args(["-f", "-c", "%T"]).arg(&claim_dir).output()?;
+    ensure!(String::from_utf8_lossy(&statfs.stdout).trim() == "tmpfs", "{} is not a tmpfs", claim_dir.display());
     let pipe = claim_dir.join("pipe");
     let daemons = daemons_serving(&pipe);
     ensure!(daemons.len() == 1, "daemons serving the claim: {daemons:?}");
@@ -159,6 +162,8 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
         .await?;
     let left = daemons_serving(&claim_dir.join("pipe"));
     ensure!(left.is_empty(), "the daemon still runs after its pod went: {left:?}");
+    let mounts = super::support::node::mounts_under(&mps_dir);
+    ensure!(mounts.is_empty(), "the claim's tmpfs is still mounted on the host: {mounts:?}");
     let set_back = wait::until("the GPU's compute mode to be set back", WAIT, || async {
         Ok((modes() == "{}" || modes().is_empty()).then_some(()))
     })

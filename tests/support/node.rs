@@ -47,6 +47,26 @@ pub struct NodeDirs {
     root: tempfile::TempDir,
 }
 
+/// The MPS claims' tmpfs mounts a killed agent left (the directories could not be removed under them).
+impl Drop for NodeDirs {
+    fn drop(&mut self) {
+        for mount in mounts_under(self.root.path()).into_iter().rev() {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&mount).status();
+        }
+    }
+}
+
+/// The mount points under `dir` (in mount order), from `/proc/self/mountinfo`.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    mountinfo
+        .lines()
+        .filter_map(|line| line.split(' ').nth(4))
+        .map(PathBuf::from)
+        .filter(|mount| mount.starts_with(dir) && mount != dir)
+        .collect()
+}
+
 impl NodeDirs {
     pub fn new() -> anyhow::Result<Self> {
         Ok(Self { root: tempfile::Builder::new().prefix("gd-").tempdir_in("/tmp")? })
