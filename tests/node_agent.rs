@@ -37,6 +37,7 @@ fn main() {
             test!(an_agent_the_kubelet_never_registers_says_so_on_its_node),
             test!(a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_once),
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
+            test!(old_slices_a_policy_keeps_hold_back_new_generations),
         ],
     )
 }
@@ -789,5 +790,78 @@ async fn a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_onc
     ensure!(!stale.exists(), "the stale registration socket is still there");
     let current = dirs.registration_socket();
     ensure!(current.exists() && current != stale, "registration socket {}", current.display());
+    Ok(())
+}
+
+/// An admission policy (or a verb taken from the agent's role) refuses updates and deletions of the node's slices:
+/// a GPU's fault is then published as a new generation whose predecessor cannot be deleted. The agent goes no further
+/// than that one extra generation: it deletes the old one first at each retry (as upstream's resourceslice controller
+/// does), and creates nothing while it stays (before, each retry, 1 s doubling, added a whole generation). Once the
+/// policy goes, the old generation is deleted.
+async fn old_slices_a_policy_keeps_hold_back_new_generations(ctx: TestContext) -> anyhow::Result<()> {
+    use k8s_openapi::api::admissionregistration::v1::{ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding};
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"]).await?;
+    agent.wait_ready().await?;
+    let first = wait_devices(&ctx, &node, 2).await?;
+    ensure!(first.len() == 1, "{} slices", first.len());
+
+    let name = format!("keep-slices-of-{node}");
+    let policy: ValidatingAdmissionPolicy = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"],
+                "operations": ["UPDATE", "DELETE"], "resources": ["resourceslices"]}]},
+            "validations": [{"expression": format!("oldObject.spec.nodeName != '{node}'"),
+                             "reason": "Forbidden", "message": "this node's slices are kept (test policy)"}]
+        }
+    }))?;
+    let binding: ValidatingAdmissionPolicyBinding = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"policyName": name, "validationActions": ["Deny"]}
+    }))?;
+    let policies = Api::<ValidatingAdmissionPolicy>::all(ctx.client.clone());
+    let bindings = Api::<ValidatingAdmissionPolicyBinding>::all(ctx.client.clone());
+    policies.create(&PostParams::default(), &policy).await?;
+    bindings.create(&PostParams::default(), &binding).await?;
+    let result = async {
+        let slices = Api::<ResourceSlice>::all(ctx.client.clone());
+        let dry_run = DeleteParams { dry_run: true, ..Default::default() };
+        wait::until("the policy in force", Duration::from_secs(30), || async {
+            Ok(slices.delete(&first[0].name_any(), &dry_run).await.is_err().then_some(()))
+        })
+        .await?;
+
+        support::node::inject_fault(&agent.dirs.state(), "gpu-1 xid 79")?;
+        let taints_served = support::cluster::kubernetes_minor()? >= 36;
+        if !taints_served {
+            // Before 1.36 a fault changes no slice: nothing more to see.
+            return Ok(());
+        }
+        wait::until("a new generation beside the kept one", Duration::from_secs(20), || async {
+            Ok((slices_of(&ctx, &node).await?.len() == 2).then_some(()))
+        })
+        .await
+        .with_context(|| agent.log_tail())?;
+        // Retries at 1, 2, 4, 8 s: each would have added a generation.
+        tokio::time::sleep(Duration::from_secs(16)).await;
+        let kept = slices_of(&ctx, &node).await?;
+        ensure!(kept.len() == 2, "{} slices of the node with deletions refused:\n{}", kept.len(), agent.log_tail());
+        ensure!(agent.log_text().contains("this node's slices are kept"), "the log does not say what refused");
+        Ok(())
+    }
+    .await;
+    let _ = bindings.delete(&name, &DeleteParams::default()).await;
+    let _ = policies.delete(&name, &DeleteParams::default()).await;
+    result?;
+    if support::cluster::kubernetes_minor()? >= 36 {
+        let one = wait::until("the kept generation deleted once the policy went", Duration::from_secs(60), || async {
+            Ok((slices_of(&ctx, &node).await?.len() == 1).then_some(()))
+        })
+        .await;
+        one.with_context(|| agent.log_tail())?;
+    }
     Ok(())
 }

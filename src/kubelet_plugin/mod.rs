@@ -2,7 +2,7 @@
 //! allocated GPUs as CDI devices.
 //!
 //! ```text
-//!  kubelet ──dial──▶ <registry dir>/<driver>-<digit>-reg.sock  (registration: GetInfo, NotifyRegistrationStatus)
+//!  kubelet ──dial──▶ <registry dir>/<driver>-reg.sock  (registration: GetInfo, NotifyRegistrationStatus)
 //!     │                         │ endpoint
 //!     └──────dial──▶ <plugins dir>/<driver>/dra.sock   (v1 + v1beta1 DRAPlugin, v1 + v1alpha1 DRAResourceHealth)
 //!                               │

@@ -43,14 +43,14 @@ pub enum SocketError {
 /// Where the kubelet looks for the plugin.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SocketPaths {
-    /// `<registry dir>/<driver>-<n>-reg.sock`, `n` a digit no socket left in the directory has: the kubelet's plugin
-    /// watcher finds the plugin here. Not the path an earlier agent left a socket at, because the kubelet's plugin
-    /// manager keeps its registration back-off per socket path, across the socket being removed and created again: a
-    /// kubelet that started before the agent (a reboot, a kubelet restart while the agent was down) fails at the
-    /// socket the last agent left, 10 s a try, and waits up to 2 min 2 s between tries
+    /// `<registry dir>/<driver>-reg.sock`, or `<driver>.reg.sock` where an earlier agent left a socket at the first:
+    /// the kubelet's plugin watcher finds the plugin here. Not the path an earlier agent left a socket at, because the
+    /// kubelet's plugin manager keeps its registration back-off per socket path, across the socket being removed and
+    /// created again: a kubelet that started before the agent (a reboot, a kubelet restart while the agent was down)
+    /// fails at the socket the last agent left, 10 s a try, and waits up to 2 min 2 s between tries
     /// (`pluginmanager/operationexecutor`, `goroutinemap`). At the same path the new agent would wait out that
-    /// back-off unregistered; at another it is registered within a second. One digit, so that the path stays short
-    /// (unix sockets allow 107 bytes, and some distributions' kubelet directories are long).
+    /// back-off unregistered; at the other it is registered within a second. Two names of one length, so that the
+    /// path is never longer than before (unix sockets allow 107 bytes, and some kubelet directories are long).
     pub registration: PathBuf,
     /// `<plugins dir>/<driver>/dra.sock`: the DRA service, announced through registration.
     pub dra: PathBuf,
@@ -64,7 +64,7 @@ impl SocketPaths {
         Self::for_instance(registry_dir, plugins_dir, driver, free_instance(registry_dir, driver))
     }
 
-    /// [`SocketPaths::new`] with registration socket `instance` (0 to 9).
+    /// [`SocketPaths::new`] with registration socket `instance` (0 or 1).
     pub fn for_instance(
         registry_dir: &Path,
         plugins_dir: &Path,
@@ -85,27 +85,23 @@ impl SocketPaths {
     }
 }
 
-/// The registration socket's file name `instance` (a digit) of `driver`'s agent.
+/// The registration socket's file name `instance` (0: `<driver>-reg.sock`, as before; 1: `<driver>.reg.sock`).
 pub fn registration_file_name(driver: &str, instance: u8) -> String {
-    format!("{driver}-{}-reg.sock", instance % 10)
+    if instance == 0 { format!("{driver}-reg.sock") } else { format!("{driver}.reg.sock") }
 }
 
-/// The first instance with nothing at its registration path in `registry_dir` (0 when all ten are taken).
+/// The first instance with nothing at its registration path in `registry_dir` (0 when both are taken).
 fn free_instance(registry_dir: &Path, driver: &str) -> u8 {
-    (0..=9)
+    [0, 1]
+        .into_iter()
         .find(|&n| std::fs::symlink_metadata(registry_dir.join(registration_file_name(driver, n))).is_err())
         .unwrap_or(0)
 }
 
-/// Whether `file_name` is a registration socket of `driver`'s agent: this version's `<driver>-<digit>-reg.sock`, or
-/// `<driver>-reg.sock` of the versions before it. Only these are ever removed as stale: the registry directory may
-/// be the kubelet's own, shared with every other plugin.
+/// Whether `file_name` is a registration socket of `driver`'s agent (either name). Only these are ever removed as
+/// stale: the registry directory may be the kubelet's own, shared with every other plugin.
 pub fn is_registration_of(file_name: &str, driver: &str) -> bool {
-    let Some(rest) = file_name.strip_prefix(driver).and_then(|r| r.strip_prefix('-')) else {
-        return false;
-    };
-    rest == "reg.sock"
-        || rest.strip_suffix("-reg.sock").is_some_and(|n| n.len() == 1 && n.bytes().all(|b| b.is_ascii_digit()))
+    file_name.strip_prefix(driver).is_some_and(|rest| rest == "-reg.sock" || rest == ".reg.sock")
 }
 
 /// Removes the registration sockets earlier starts of `driver`'s agent left beside `current` (a killed agent, or
@@ -191,12 +187,12 @@ mod tests {
             Path::new("/var/lib/kubelet/plugins_registry"),
             Path::new("/var/lib/kubelet/plugins"),
             "gpu.gpu-dra.dev",
-            3,
+            1,
         );
         assert_eq!(
             paths.ok(),
             Some(SocketPaths {
-                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev-3-reg.sock".into(),
+                registration: "/var/lib/kubelet/plugins_registry/gpu.gpu-dra.dev.reg.sock".into(),
                 dra: "/var/lib/kubelet/plugins/gpu.gpu-dra.dev/dra.sock".into(),
             })
         );
@@ -208,22 +204,22 @@ mod tests {
     fn registration_sockets_of_a_driver() {
         let driver = "gpu.gpu-dra.dev";
         let table = [
-            ("gpu.gpu-dra.dev-0-reg.sock", true),
-            ("gpu.gpu-dra.dev-9-reg.sock", true),
             ("gpu.gpu-dra.dev-reg.sock", true),
-            // Another driver whose name begins with ours, and names not of this form.
+            ("gpu.gpu-dra.dev.reg.sock", true),
+            // Other drivers whose names begin with ours, and names not of this form.
             ("gpu.gpu-dra.dev-mig-reg.sock", false),
-            ("gpu.gpu-dra.dev-10-reg.sock", false),
-            ("gpu.gpu-dra.dev-a-reg.sock", false),
-            ("gpu.gpu-dra.devx-0-reg.sock", false),
-            ("other.dev-0-reg.sock", false),
-            ("gpu.gpu-dra.dev-0-reg.sock.tmp", false),
+            ("gpu.gpu-dra.dev.reg-reg.sock", false),
+            ("gpu.gpu-dra.devx-reg.sock", false),
+            ("other.dev-reg.sock", false),
+            ("gpu.gpu-dra.dev-reg.sock.tmp", false),
         ];
         for (name, ours) in table {
             assert_eq!(is_registration_of(name, driver), ours, "{name}");
         }
-        for instance in 0..=9 {
-            assert!(is_registration_of(&registration_file_name(driver, instance), driver));
+        for instance in [0, 1] {
+            let name = registration_file_name(driver, instance);
+            assert!(is_registration_of(&name, driver));
+            assert_eq!(name.len(), "gpu.gpu-dra.dev-reg.sock".len(), "never longer than before");
         }
     }
 
@@ -233,12 +229,12 @@ mod tests {
         let driver = "gpu.gpu-dra.dev";
         assert_eq!(free_instance(dir.path(), driver), 0);
         std::fs::write(dir.path().join(registration_file_name(driver, 0)), "")?;
+        assert_eq!(free_instance(dir.path(), driver), 1);
+        std::fs::remove_file(dir.path().join(registration_file_name(driver, 0)))?;
         std::fs::write(dir.path().join(registration_file_name(driver, 1)), "")?;
-        assert_eq!(free_instance(dir.path(), driver), 2);
-        for instance in 2..=9 {
-            std::fs::write(dir.path().join(registration_file_name(driver, instance)), "")?;
-        }
-        assert_eq!(free_instance(dir.path(), driver), 0, "all taken (nothing removes them): the first");
+        assert_eq!(free_instance(dir.path(), driver), 0);
+        std::fs::write(dir.path().join(registration_file_name(driver, 0)), "")?;
+        assert_eq!(free_instance(dir.path(), driver), 0, "both taken (nothing removes them): the first");
         Ok(())
     }
 
@@ -247,21 +243,24 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let driver = "gpu.gpu-dra.dev";
         let at = |name: &str| dir.path().join(name);
-        let current = at(&registration_file_name(driver, 2));
-        let stale = [at("gpu.gpu-dra.dev-reg.sock"), at(&registration_file_name(driver, 1))];
+        let current = at(&registration_file_name(driver, 1));
+        let stale = [at(&registration_file_name(driver, 0))];
         let kept = [at("gpu.gpu-dra.dev-mig-reg.sock"), at("csi.example.com-reg.sock")];
         for path in stale.iter().chain(&kept).chain([&current]) {
             drop(bind(path)?);
         }
-        let not_a_socket = at(&registration_file_name(driver, 3));
-        std::fs::write(&not_a_socket, "keep")?;
         remove_stale_registrations(&current, driver);
         for path in &stale {
             assert!(!path.exists(), "{} left", path.display());
         }
-        for path in kept.iter().chain([&current, &not_a_socket]) {
+        for path in kept.iter().chain([&current]) {
             assert!(path.exists(), "{} removed", path.display());
         }
+        // A file of the other name that is no socket is not the kubelet's to dial: left alone.
+        let not_a_socket = at(&registration_file_name(driver, 0));
+        std::fs::write(&not_a_socket, "keep")?;
+        remove_stale_registrations(&current, driver);
+        assert!(not_a_socket.exists(), "a file that is no socket was removed");
         Ok(())
     }
 

@@ -66,8 +66,8 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         text(&refused.stderr)
     );
     // At the limit the chart and the agent agree: the longest driver name the chart takes is one the agent can bind
-    // (its registration socket, <kubeletDir>/plugins_registry/<driver>/<driver>-<digit>-reg.sock, is the longer).
-    for (length, fits) in [(30, true), (31, false)] {
+    // (its registration socket, <kubeletDir>/plugins_registry/<driver>/<driver>-reg.sock, is the longer).
+    for (length, fits) in [(31, true), (32, false)] {
         let driver = format!("{}.example.com", "d".repeat(length - ".example.com".len()));
         let rendered = helm(&["template", "gpu-dra", chart, "--set", &format!("driverName={driver}")])?;
         let registry = format!("/var/lib/kubelet/plugins_registry/{driver}");

@@ -181,6 +181,12 @@ impl Publisher {
             return Ok(outcome);
         }
 
+        // Slices of older generations that a refused delete left (an admission policy, a verb missing): deleted
+        // first, as upstream's resourceslice controller does, and nothing created while they stay, or every retry
+        // would add a whole generation beside them.
+        for old in existing.iter().filter(|s| s.spec.pool.generation < generation) {
+            self.delete_slice(old).await?;
+        }
         let node_uid = self.node_uid().await?;
         let generation = generation.max(self.last_generation.load(Ordering::Relaxed)) + 1;
         let slice = |content: &SliceContent, hash: &str| -> Result<ResourceSlice, PublishError> {
@@ -242,17 +248,7 @@ impl Publisher {
             self.warn_dropped(&dropped, &stored.name_any());
         }
         for old in &existing {
-            let name = old.name_any();
-            let params = DeleteParams {
-                preconditions: Some(Preconditions { uid: old.uid(), resource_version: old.resource_version() }),
-                ..Default::default()
-            };
-            match self.api().delete(&name, &params).await {
-                Ok(_) => {}
-                // Gone already, or changed meanwhile: the next publish looks again.
-                Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => {}
-                Err(source) => return Err(PublishError::DeleteSlice { slice: name, source }),
-            }
+            self.delete_slice(old).await?;
         }
         self.last_generation.store(generation, Ordering::Relaxed);
         // Just written and checked (the warnings above): the pool counts as checked for dropped fields.
@@ -260,6 +256,21 @@ impl Publisher {
         let devices: usize = slices.iter().map(|s| s.devices().len()).sum();
         info!(node = %self.node, generation, slices = slices.len(), devices, "published ResourceSlices");
         Ok(Outcome::Published { generation, slices: slices.len() })
+    }
+
+    /// Deletes `old` as listed (its UID and resource version); one gone already, or changed meanwhile, is left to
+    /// the next publish.
+    async fn delete_slice(&self, old: &ResourceSlice) -> Result<(), PublishError> {
+        let name = old.name_any();
+        let params = DeleteParams {
+            preconditions: Some(Preconditions { uid: old.uid(), resource_version: old.resource_version() }),
+            ..Default::default()
+        };
+        match self.api().delete(&name, &params).await {
+            Ok(_) => Ok(()),
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(()),
+            Err(source) => Err(PublishError::DeleteSlice { slice: name, source }),
+        }
     }
 
     /// When one slice of a complete pool changed (a GPU's taint in a pool of several slices: dynamic MIG), updates
