@@ -94,6 +94,19 @@ pub fn document(driver: &str, claim: &ClaimIdentity, request: &str, devices: &[M
     out
 }
 
+/// The pod claim a claim was generated for, from its `resource.kubernetes.io/pod-claim-name` annotation: only a
+/// DNS label, which a pod's `spec.resourceClaims[].name` must be. Anyone who may create claims may set the annotation;
+/// any other value (`/etc`, `../..`, empty, kilobytes) would move the file's path in the container or swell the
+/// checkpoint, so the claim counts as one made by hand.
+pub fn pod_claim_name(annotation: Option<&String>) -> Option<String> {
+    let name = annotation?;
+    let label = name.len() <= 63
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name.ends_with(|c: char| c.is_ascii_alphanumeric());
+    label.then(|| name.clone())
+}
+
 /// Where a container finds the file of `request` (a base request name) of a claim.
 pub fn container_path(driver: &str, claim: &ClaimIdentity, request: &str) -> PathBuf {
     let (subdir, name) = match claim.pod_claim_name {
@@ -161,6 +174,17 @@ pub fn claims_with_files(state_dir: &Path) -> io::Result<Vec<String>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_dns_label_is_a_pod_claim_name() {
+        for good in ["gpu", "gpu-0", "a", &"a".repeat(63)] {
+            assert_eq!(pod_claim_name(Some(&good.to_string())).as_deref(), Some(good), "{good}");
+        }
+        for bad in ["", "/etc", "../..", "a/b", "GPU", "-gpu", "gpu-", "gpu.0", &"a".repeat(64)] {
+            assert_eq!(pod_claim_name(Some(&bad.to_string())), None, "{bad:?}");
+        }
+        assert_eq!(pod_claim_name(None), None);
+    }
 
     const DRIVER: &str = "gpu.gpu-dra.dev";
 

@@ -384,8 +384,9 @@ impl DriverState {
                 let (plan, pod_claim_name) = match self.read_claim(&claim).await {
                     Ok(object) => {
                         let annotations = object.metadata.annotations.as_ref();
-                        let pod_claim_name =
-                            annotations.and_then(|a| a.get(super::device_metadata::POD_CLAIM_NAME_ANNOTATION)).cloned();
+                        let pod_claim_name = super::device_metadata::pod_claim_name(
+                            annotations.and_then(|a| a.get(super::device_metadata::POD_CLAIM_NAME_ANNOTATION)),
+                        );
                         (allocation::plan(&claim, &object, &self.driver, &self.pool, &inventory), pod_claim_name)
                     }
                     Err(error) => (Err(error), None),

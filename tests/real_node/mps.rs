@@ -122,7 +122,13 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     ensure!(claim_dir.join("shm/from-b").exists(), "the containers' /dev/shm is not {}", claim_dir.display());
     // On the host (through the agent's Bidirectional mount) a tmpfs of the claim's own, off the node's filesystem.
     let statfs = std::process::Command::new("stat").args(["-f", "-c", "%T"]).arg(&claim_dir).output()?;
-    ensure!(String::from_utf8_lossy(&statfs.stdout).trim() == "tmpfs", "{} is not a tmpfs", claim_dir.display());
+    let mounts = super::support::node::mounts_under(&mps_dir);
+    ensure!(
+        String::from_utf8_lossy(&statfs.stdout).trim() == "tmpfs",
+        "{} is not a tmpfs ({:?}; mounts under the MPS root: {mounts:?})",
+        claim_dir.display(),
+        String::from_utf8_lossy(&statfs.stdout)
+    );
     let pipe = claim_dir.join("pipe");
     let daemons = daemons_serving(&pipe);
     ensure!(daemons.len() == 1, "daemons serving the claim: {daemons:?}");
