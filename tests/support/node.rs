@@ -97,8 +97,8 @@ impl NodeDirs {
     pub fn boot_id_file(&self) -> PathBuf {
         self.root.path().join("boot_id")
     }
-    /// The agent's registration socket now in the registry directory (its name differs with each start of the
-    /// agent); a path that does not exist when there is none.
+    /// The agent's registration socket now in the registry directory (`<driver>-reg.sock`, or `<driver>.reg.sock`
+    /// where an earlier agent left the first); a path that does not exist when there is none.
     pub fn registration_socket(&self) -> PathBuf {
         registration_socket_in(&self.registry()).unwrap_or_else(|| self.registry().join(format!("{DRIVER}-reg.sock")))
     }
