@@ -757,8 +757,8 @@ async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestConte
 /// A machine back from a crash (or a kubelet restarted while the agent was down): the kubelet starts before the
 /// agent and finds the registration socket the last agent left. The kubelet's plugin manager fails there 10 s a
 /// try and backs off, per socket path, up to 2 min 2 s, removal and re-creation of the file notwithstanding. The
-/// real plugin manager (in the kubelet harness) is let back off to 16 s before the agent starts: the agent, at a
-/// socket of its own, is registered within seconds, and the stale socket is gone (at the old path it waited out
+/// real plugin manager (in the kubelet harness) is let back off to 16 s before the agent starts: the agent, at the
+/// other of its two socket names, is registered within seconds, and the stale socket is gone (at the old path it waited out
 /// the back-off).
 async fn a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_once(
     ctx: TestContext,
@@ -767,8 +767,8 @@ async fn a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_onc
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
     std::fs::create_dir_all(dirs.registry())?;
-    // What a killed agent leaves: a socket file nobody listens on (the name of the versions before instance names,
-    // which upgraded nodes have).
+    // What a killed agent leaves: a socket file nobody listens on, at the first name (every earlier version's, which
+    // upgraded nodes have).
     let stale = dirs.registry().join(format!("{DRIVER}-reg.sock"));
     drop(std::os::unix::net::UnixListener::bind(&stale)?);
     let kubelet = KubeletHarness::start(&ctx, &node, &dirs)?;

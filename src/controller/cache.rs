@@ -417,8 +417,7 @@ pub fn enqueue_everything(ctx: &Context) {
         ctx.queue.add(WorkKey::Claim(object_key(claim.as_ref())));
     }
     for pod in ctx.caches.pods.state() {
-        enqueue_unrecorded_claims(ctx, &pod);
-        enqueue_pod(ctx, &pod, false);
+        enqueue_pod_work(ctx, &pod);
     }
     for group in ctx.caches.pod_groups.state() {
         super::podgroup::group_shown(ctx, &group);
@@ -429,6 +428,11 @@ pub fn enqueue_everything(ctx: &Context) {
 fn pod_shown(ctx: &Context, pod: &Pod) {
     ctx.foreign.inspect_pod(ctx, pod);
     ctx.caches.observed_pod(pod);
+    enqueue_pod_work(ctx, pod);
+}
+
+/// Queues what a pod shown needs: its leftover claims, and the pod itself when it needs work.
+fn enqueue_pod_work(ctx: &Context, pod: &Pod) {
     enqueue_unrecorded_claims(ctx, pod);
     enqueue_pod(ctx, pod, false);
 }
@@ -439,11 +443,9 @@ fn pod_shown(ctx: &Context, pod: &Pod) {
 fn pod_deleted(ctx: &Context, pod: &Pod) {
     if let Some(uid) = pod.metadata.uid.as_deref() {
         ctx.foreign.pod_gone(uid);
-    }
-    if decide::has_claims(pod)
-        && let Some(uid) = pod.metadata.uid.as_deref()
-    {
-        ctx.caches.pod_gone(uid);
+        if decide::has_claims(pod) {
+            ctx.caches.pod_gone(uid);
+        }
     }
     enqueue_pod(ctx, pod, true);
 }

@@ -64,12 +64,12 @@ impl SocketPaths {
         Self::for_instance(registry_dir, plugins_dir, driver, free_instance(registry_dir, driver))
     }
 
-    /// [`SocketPaths::new`] with registration socket `instance` (0 or 1).
+    /// [`SocketPaths::new`] with registration socket `instance` (an index of [`REGISTRATION_SUFFIXES`]).
     pub fn for_instance(
         registry_dir: &Path,
         plugins_dir: &Path,
         driver: &str,
-        instance: u8,
+        instance: usize,
     ) -> Result<Self, SocketError> {
         let paths = Self {
             registration: registry_dir.join(registration_file_name(driver, instance)),
@@ -85,15 +85,18 @@ impl SocketPaths {
     }
 }
 
-/// The registration socket's file name `instance` (0: `<driver>-reg.sock`, as before; 1: `<driver>.reg.sock`).
-pub fn registration_file_name(driver: &str, instance: u8) -> String {
-    if instance == 0 { format!("{driver}-reg.sock") } else { format!("{driver}.reg.sock") }
+/// What follows the driver name in the registration socket's two names, of one length: `<driver>-reg.sock` (the
+/// name of every version before) and `<driver>.reg.sock`.
+pub const REGISTRATION_SUFFIXES: [&str; 2] = ["-reg.sock", ".reg.sock"];
+
+/// The registration socket's file name `instance` (an index of [`REGISTRATION_SUFFIXES`]; past it, the last).
+pub fn registration_file_name(driver: &str, instance: usize) -> String {
+    format!("{driver}{}", REGISTRATION_SUFFIXES[instance.min(REGISTRATION_SUFFIXES.len() - 1)])
 }
 
 /// The first instance with nothing at its registration path in `registry_dir` (0 when both are taken).
-fn free_instance(registry_dir: &Path, driver: &str) -> u8 {
-    [0, 1]
-        .into_iter()
+fn free_instance(registry_dir: &Path, driver: &str) -> usize {
+    (0..REGISTRATION_SUFFIXES.len())
         .find(|&n| std::fs::symlink_metadata(registry_dir.join(registration_file_name(driver, n))).is_err())
         .unwrap_or(0)
 }
@@ -101,7 +104,7 @@ fn free_instance(registry_dir: &Path, driver: &str) -> u8 {
 /// Whether `file_name` is a registration socket of `driver`'s agent (either name). Only these are ever removed as
 /// stale: the registry directory may be the kubelet's own, shared with every other plugin.
 pub fn is_registration_of(file_name: &str, driver: &str) -> bool {
-    file_name.strip_prefix(driver).is_some_and(|rest| rest == "-reg.sock" || rest == ".reg.sock")
+    file_name.strip_prefix(driver).is_some_and(|rest| REGISTRATION_SUFFIXES.contains(&rest))
 }
 
 /// Removes the registration sockets earlier starts of `driver`'s agent left beside `current` (a killed agent, or
