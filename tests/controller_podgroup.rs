@@ -35,7 +35,11 @@ fn main() {
             "controller_podgroup",
             false,
             &support::cluster::PODGROUP_CLUSTER_ENV,
-            &[test!(a_pod_groups_pods_share_one_claim), test!(a_pod_group_whose_claim_cannot_be_created_says_why)],
+            &[
+                test!(a_pod_groups_pods_share_one_claim),
+                test!(a_pod_group_whose_claim_cannot_be_created_says_why),
+                test!(a_claim_a_pod_group_names_stays_reserved_for_the_group_alone),
+            ],
         )
     }
     support::run_with_env(
@@ -189,5 +193,58 @@ async fn a_pod_group_whose_claim_cannot_be_created_says_why(ctx: TestContext) ->
     .await
     .with_context(|| controller.log_tail())?;
     objects::claims(&ctx).get(&claim).await.with_context(|| format!("the recorded claim {claim}"))?;
+    Ok(())
+}
+
+/// A training job whose PodGroup and workers all name one claim created beforehand (`resourceClaimName`, e.g. a
+/// device shared by the gang): the scheduler reserves it for the PodGroup once, for every member. The controller
+/// leaves it so, as kube-controller-manager does (upstream `IsReservedForPod` counts the group's reservation for
+/// each member, `BindTo` names the group). Before, it added each scheduled member too: one conflicting write per
+/// member, and `reservedFor` filling toward its limit of 256, after which no other consumer could be added.
+async fn a_claim_a_pod_group_names_stays_reserved_for_the_group_alone(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &[]).await?;
+    let node = objects::fake_gpu_node(&ctx, 1).await?;
+    let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "fabric"},
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": node.class}}]}}
+    }))?;
+    let claims = objects::claims(&ctx);
+    claims.create(&PostParams::default(), &claim).await?;
+    let named = json!([{"name": "gpu", "resourceClaimName": "fabric"}]);
+    let mut group = podgroup::group_object("trainers", "unused")?;
+    group.data["spec"]["resourceClaims"] = named.clone();
+    podgroup::pod_groups(&ctx).create(&PostParams::default(), &group).await.context("create the PodGroup")?;
+    let workers = ["worker-0", "worker-1", "worker-2"];
+    let pods = podgroup::raw_pods(&ctx);
+    for worker in workers {
+        let mut pod = podgroup::member_object(worker, "trainers", "unused", Some(&node.name))?;
+        pod.data["spec"]["resourceClaims"] = named.clone();
+        pods.create(&PostParams::default(), &pod).await.with_context(|| format!("create {worker}"))?;
+    }
+    wait::until("every worker scheduled", SETTLE, || async {
+        for worker in workers {
+            if !pods.get(worker).await?.data["spec"]["nodeName"].is_string() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    // The controller syncs each scheduled worker: time for every sync to have written what it would.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let claim = claims.get("fabric").await?;
+    let reserved: Vec<(Option<String>, String, String)> = claim
+        .status
+        .and_then(|s| s.reserved_for)
+        .unwrap_or_default()
+        .into_iter()
+        .map(|r| (r.api_group, r.resource, r.name))
+        .collect();
+    ensure!(
+        reserved == [(Some("scheduling.k8s.io".to_string()), "podgroups".to_string(), "trainers".to_string())],
+        "the claim must stay reserved for the PodGroup alone: {reserved:?}\n{}",
+        controller.log_tail()
+    );
     Ok(())
 }

@@ -151,12 +151,12 @@ async fn a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset(
     .await?;
     ensure!(allocated(&ctx, "two").await?.is_none(), "a tainted GPU was allocated");
 
-    let node_events = node_events(&ctx, &node).await?;
+    let events = node_events(&ctx, &node).await?;
     ensure!(
-        node_events
+        events
             .iter()
             .any(|(t, r, n)| t == "Warning" && r == "GpuFault" && n.contains("gpu-1") && n.contains("double-bit")),
-        "{node_events:?}"
+        "{events:?}"
     );
     let faulted = [("device", "gpu-1")];
     ensure!(agent.metric("gpu_dra_node_agent_gpu_healthy", &faulted).await? == 0.0, "health gauge");
@@ -166,6 +166,16 @@ async fn a_faulted_gpu_is_tainted_within_a_second_and_gets_no_claim_until_reset(
     inject(&agent.dirs.state(), "gpu-1 clear")?;
     let (_, took) = wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(5)).await?;
     eprintln!("gpu-1 untainted {took:?} after the reset");
+    // A fault of the other GPU within minutes is an Event of its own, naming it (not gpu-1's counted again).
+    inject(&agent.dirs.state(), "gpu-0 ecc-dbe")?;
+    wait::until("a GpuFault Event on the Node naming gpu-0", Duration::from_secs(10), || async {
+        let events = node_events(&ctx, &node).await?;
+        Ok(events.iter().any(|(t, r, n)| t == "Warning" && r == "GpuFault" && n.contains("gpu-0")).then_some(()))
+    })
+    .await
+    .with_context(|| format!("{:?}", agent.log_tail()))?;
+    inject(&agent.dirs.state(), "gpu-0 clear")?;
+    wait_taints(&ctx, &node, "gpu-0", &[], Duration::from_secs(5)).await?;
     let devices =
         wait::until("the pod's claim to be allocated", Duration::from_secs(60), || allocated(&ctx, "two")).await?;
     ensure!(devices.len() == 2, "{devices:?}");

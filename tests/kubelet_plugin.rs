@@ -9,6 +9,8 @@
 mod mps;
 #[path = "kubelet_plugin/node_disks.rs"]
 mod node_disks;
+#[path = "kubelet_plugin/shares.rs"]
+mod shares;
 #[path = "kubelet_plugin/stale_claims.rs"]
 mod stale_claims;
 mod support;
@@ -25,15 +27,17 @@ use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
-    a_claim_asking_mps_gets_its_own_daemon_while_prepared, an_admin_access_claim_beside_an_mps_claim_changes_nothing,
+    a_claim_asking_mps_gets_its_own_daemon_while_prepared, a_hung_mps_daemon_holds_back_no_other_claim,
+    an_admin_access_claim_beside_an_mps_claim_changes_nothing,
     an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back,
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
 };
 use node_disks::{
-    a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing,
+    a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing, a_reboot_onto_a_full_state_disk_still_serves,
     a_spec_directory_deleted_on_the_host_fails_the_liveness_check,
 };
 use serde_json::{Value, json};
+use shares::a_share_beside_a_force_deleted_pods_share_waits_for_its_memory;
 use stale_claims::{
     a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more,
     with_warn_a_forgotten_claim_is_reported_and_kept,
@@ -58,6 +62,7 @@ fn main() {
             test!(a_lost_checkpoint_keeps_the_specs_of_prepared_claims),
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
             test!(a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing),
+            test!(a_reboot_onto_a_full_state_disk_still_serves),
             test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
@@ -70,6 +75,8 @@ fn main() {
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
+            test!(a_hung_mps_daemon_holds_back_no_other_claim),
+            test!(a_share_beside_a_force_deleted_pods_share_waits_for_its_memory),
             test!(an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back),
             test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
             test!(a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more),

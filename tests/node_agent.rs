@@ -38,6 +38,7 @@ fn main() {
             test!(a_kubelet_up_before_the_agent_beside_a_stale_socket_registers_it_at_once),
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
             test!(old_slices_a_policy_keeps_hold_back_new_generations),
+            test!(a_slice_someone_edits_gets_the_agents_devices_back),
         ],
     )
 }
@@ -614,7 +615,8 @@ async fn a_restarted_agent_republishes_only_a_pool_the_server_stored_short(ctx: 
     let args = [&args[..], &["--resync-period", "1s"]].concat();
     let mut agent = start_agent(&ctx, &node, &dirs, &args)?;
     agent.wait_ready().await?;
-    let first = wait_devices(&ctx, &node, 1).await?[0].spec.pool.generation;
+    let before = wait_devices(&ctx, &node, 1).await?;
+    let first = before[0].spec.pool.generation;
     agent.kill()?;
     let agent = start_agent(&ctx, &node, &dirs, &args)?;
     agent.wait_ready().await?;
@@ -636,6 +638,16 @@ async fn a_restarted_agent_republishes_only_a_pool_the_server_stored_short(ctx: 
     ensure!(now == Some(expected), "generation {now:?} after the resyncs, {expected} expected:\n{}", agent.log_tail());
     let republished = agent.log_text().contains("publishing them again once");
     ensure!(republished == dropped, "republished once: {republished}, fields dropped: {dropped}");
+    if !dropped {
+        // The restarted agent checks its slices by writing its content again: the API server stores nothing.
+        let after = slices_of(&ctx, &node).await?;
+        ensure!(
+            after.len() == 1 && after[0].resource_version() == before[0].resource_version(),
+            "the unchanged slice was written again: {:?} -> {:?}",
+            before[0].resource_version(),
+            after.iter().map(|s| s.resource_version()).collect::<Vec<_>>()
+        );
+    }
     Ok(())
 }
 
@@ -863,5 +875,62 @@ async fn old_slices_a_policy_keeps_hold_back_new_generations(ctx: TestContext) -
         .await;
         one.with_context(|| agent.log_tail())?;
     }
+    Ok(())
+}
+
+/// An administrator removes a faulted GPU's taint from the node's slice with `kubectl edit` (or a tool rewrites a
+/// device's attributes): the slice keeps its content-hash annotation, so a hash alone says nothing changed, and the
+/// scheduler would hand out the failing GPU until the next fault transition. The agent puts its devices back in
+/// place (the same generation), as upstream's resourceslice controller does for a slice that differs from what it
+/// wants; the taint goes only when the fault does.
+async fn a_slice_someone_edits_gets_the_agents_devices_back(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB"]).await?;
+    agent.wait_ready().await?;
+    wait_devices(&ctx, &node, 2).await?;
+    let taints_served = support::cluster::kubernetes_minor()? >= 36;
+    let tainted = |slices: &[ResourceSlice]| {
+        let devices = slices.iter().flat_map(|s| s.spec.devices.clone().unwrap_or_default());
+        devices.filter(|d| d.taints.as_ref().is_some_and(|t| !t.is_empty())).count()
+    };
+    if taints_served {
+        support::node::inject_fault(&agent.dirs.state(), "gpu-1 xid 79")?;
+        wait::until("the faulted GPU tainted", Duration::from_secs(20), || async {
+            Ok((tainted(&slices_of(&ctx, &node).await?) == 1).then_some(()))
+        })
+        .await
+        .with_context(|| agent.log_tail())?;
+    }
+    let published = slices_of(&ctx, &node).await?;
+    ensure!(published.len() == 1, "{} slices", published.len());
+    let product = |slice: &ResourceSlice| -> Vec<Option<String>> {
+        let devices = slice.spec.devices.clone().unwrap_or_default();
+        devices.iter().map(|d| d.attributes.as_ref()?.get("productName")?.string.clone()).collect()
+    };
+    let mut edited = published[0].clone();
+    for device in edited.spec.devices.iter_mut().flatten() {
+        device.taints = None;
+        if let Some(name) = device.attributes.as_mut().and_then(|a| a.get_mut("productName")) {
+            name.string = Some("edited by hand".into());
+        }
+    }
+    let api = Api::<ResourceSlice>::all(ctx.client.clone());
+    let edited = api.replace(&edited.name_any(), &PostParams::default(), &edited).await?;
+    ensure!(tainted(std::slice::from_ref(&edited)) == 0 && product(&edited)[0].as_deref() == Some("edited by hand"));
+
+    let restored = wait::until("the agent's devices back in the slice", Duration::from_secs(20), || async {
+        let slices = slices_of(&ctx, &node).await?;
+        Ok((slices.len() == 1 && product(&slices[0]) == product(&published[0])).then_some(slices))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(tainted(&restored) == usize::from(taints_served), "taints after the restore: {}", tainted(&restored));
+    ensure!(
+        restored[0].uid() == published[0].uid()
+            && restored[0].spec.pool.generation == published[0].spec.pool.generation,
+        "restored as a new slice or generation, not in place"
+    );
+    ensure!(agent.log_text().contains("changed by someone else"), "the log does not say so:\n{}", agent.log_tail());
     Ok(())
 }

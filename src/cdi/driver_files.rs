@@ -399,6 +399,18 @@ fn steps(path: &Path) -> impl DoubleEndedIterator<Item = Step> + '_ {
     })
 }
 
+/// `relative` under `root`, as this process can open it: as it is where it resolves here, else with its symlinks
+/// followed inside `root` ([`resolve_in_root`]). A host's driver file may be an absolute symlink (Debian's
+/// `/etc/alternatives`), which dangles in a container that mounts the host at `root`. `None`: not there either way.
+pub fn existing_in_root(root: &Path, relative: &Path) -> Option<PathBuf> {
+    let plain = root.join(relative);
+    if plain.exists() {
+        return Some(plain);
+    }
+    let resolved = root.join(resolve_in_root(root, relative).ok()?);
+    resolved.exists().then_some(resolved)
+}
+
 /// Resolves `path` (relative to `root`) with every symlink followed as if `root` were `/`: absolute targets start
 /// over at the root, `..` stops at the root. Returns the resolved path relative to the root, free of symlinks.
 /// Fails when a component is missing or the links loop.

@@ -19,12 +19,14 @@ use std::fmt;
 use std::io;
 use std::path::PathBuf;
 
-pub use driver_files::{DriverFiles, DriverMount};
+pub use driver_files::{DriverFiles, DriverMount, existing_in_root};
 pub use files::{
     claim_spec_devices, claim_spec_env, claim_spec_exists, list_claim_specs, remove_abandoned_spec_temporaries,
     remove_claim_spec, spec_file_name, write_claim_spec,
 };
-pub use spec::{ClaimEdits, FileDevice, build_claim_spec, build_claim_spec_with, validate_claim_spec};
+pub use spec::{
+    ClaimEdits, FileDevice, OPTIONAL_DEVICE_NODES, build_claim_spec, build_claim_spec_with, validate_claim_spec,
+};
 
 /// Why a CDI spec could not be built, written or removed. Every message starts with the operation and names the
 /// path or claim it concerns, because these errors end up in kubelet events where nothing else gives context.

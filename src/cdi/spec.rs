@@ -46,7 +46,7 @@ const SHARED_DEVICE_NODES: [(&str, u32, u32); 3] =
 /// and a freshly booted node has neither until something loads the `nvidia-uvm` module (`nvidia-modprobe -u -c=0`).
 /// A spec naming a node the host lacks fails the container's creation ("failed to stat CDI host device"), so a real
 /// GPU's spec leaves a missing one out, as NVIDIA's container toolkit does, and the agent warns.
-const OPTIONAL_DEVICE_NODES: [&str; 2] = ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
+pub const OPTIONAL_DEVICE_NODES: [&str; 2] = ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"];
 
 /// The character-device major of `/dev/nvidia<minor>` and `/dev/nvidiactl`, fixed by the NVIDIA driver.
 const NVIDIA_MAJOR: u32 = 195;

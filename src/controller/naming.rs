@@ -16,7 +16,10 @@ pub fn claim_generate_name(pod: &str, claim: &str) -> String {
     }
     let pod_len = pod.len() * MAX_GENERATE_NAME_LEN / full_len;
     let claim_len = claim.len() * MAX_GENERATE_NAME_LEN / full_len;
-    format!("{}-{}", prefix(pod, pod_len), prefix(claim, claim_len))
+    // A pod or PodGroup name is a DNS subdomain: cut after a dot (`train.v2.exp42` to `train.`), it would make
+    // `train.-gp…`, which the API server refuses, for ever. kube-controller-manager sends that name and retries it;
+    // here the dot goes.
+    format!("{}-{}", prefix(pod, pod_len).trim_end_matches('.'), prefix(claim, claim_len))
 }
 
 /// The first `len` bytes of `s`, backing off to a character boundary (object names are ASCII once validated, but
@@ -53,6 +56,22 @@ mod tests {
             assert_eq!(&got, want, "pod {pod:?} claim {claim:?}");
             assert!(got.len() <= MAX_GENERATE_NAME_LEN, "{got} too long");
         }
+    }
+
+    #[test]
+    fn a_name_cut_after_a_dot_is_still_a_valid_claim_name() {
+        // A 1.37 Job's PodGroup: `<job>-<hash>-<job>-pgt-0-<hash>`, its name cut after a dot.
+        let group = "gpt.oss.120b.grpo.exp42-4f8c9d2b7a-gpt.oss.120b.grpo.exp42-pgt-0-7d9c";
+        for claim in ["gpu", "fabric", "g"] {
+            // Every prefix that is itself a valid name (not ending in a dot or hyphen).
+            for cut in (1..=group.len()).filter(|cut| !group[..*cut].ends_with(['.', '-'])) {
+                let name = format!("{}abcde", claim_generate_name(&group[..cut], claim));
+                assert!(crate::node_agent::is_dns_subdomain(&name), "{name} is not a valid claim name");
+            }
+        }
+        // 80*57/85 = 53 characters of the pod name, the last a dot, dropped.
+        let pod = format!("{}.{}", "x".repeat(52), "y".repeat(27));
+        assert_eq!(claim_generate_name(&pod, "gpu"), format!("{}-gp", "x".repeat(52)));
     }
 
     #[test]

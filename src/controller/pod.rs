@@ -265,7 +265,9 @@ async fn apply_claim_statuses(ctx: &Context, pod: &Pod, new: &[(String, String)]
 
 /// Adds the scheduled pod to `reservedFor` of each of its allocated claims that is not reserved for it yet.
 /// (The scheduler normally reserves before binding; this covers claims allocated some other way.) A generated
-/// claim is reserved only for the pod that owns it (upstream `IsForPod`), whatever the pod status names.
+/// claim is reserved only for the pod that owns it (upstream `IsForPod`), whatever the pod status names. A claim
+/// bound to the pod's PodGroup (the group's own, or one the group names as the pod does) is reserved for the
+/// PodGroup (upstream `BindTo`), which must be known by UID.
 async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, String)]) -> Result<(), SyncError> {
     let namespace = pod.namespace().unwrap_or_default();
     let (Some(uid), pod_name) = (pod.metadata.uid.clone(), pod.name_any()) else {
@@ -286,9 +288,13 @@ async fn reserve_claims(ctx: &Context, pod: &Pod, just_recorded: &[(String, Stri
         if !decide::should_reserve(&claim, pod) {
             continue;
         }
-        let consumer = if decide::podgroup::is_group_claim_of(&claim, pod) {
-            // Upstream `BindTo`: the group's claim is reserved for the PodGroup, which must be known by UID.
-            let group = decide::podgroup::pod_group_name(pod).and_then(|g| ctx.caches.pod_group(&namespace, g));
+        let group_name = decide::podgroup::pod_group_name(pod);
+        let group = group_name.and_then(|g| ctx.caches.pod_group(&namespace, g));
+        let named_for_group = !must_check_owner
+            && group_name.is_some()
+            && group.as_ref().is_none_or(|g| decide::podgroup::named_claim_binds_to_group(pod, &name, g));
+        let consumer = if decide::podgroup::is_group_claim_of(&claim, pod) || named_for_group {
+            // Not known yet (the informer lags behind a new PodGroup): left to the scheduler, or a later sync.
             let Some(group) = group else { continue };
             decide::podgroup::group_consumer(&group)
         } else {

@@ -44,6 +44,8 @@ pub struct PlannedDevice {
     /// A share (`share_id`) of all of its GPU's memory, as a claim naming no memory gets on a GPU shared by memory
     /// (the request policy's default): no other share fits beside it, so it holds the GPU whole.
     pub all_memory: bool,
+    /// The memory a share (`share_id`) consumed of its GPU, as the scheduler recorded it.
+    pub memory_bytes: Option<u64>,
     pub admin_access: bool,
     pub config: GpuConfig,
 }
@@ -136,7 +138,9 @@ pub fn plan(
             pool: result.pool.clone(),
             device: device.clone(),
             share_id: result.share_id.clone(),
-            all_memory: result.share_id.is_some() && consumes_all_memory(result, device.gpu.memory_bytes),
+            all_memory: result.share_id.is_some()
+                && consumed_memory(result).is_some_and(|bytes| bytes >= device.gpu.memory_bytes),
+            memory_bytes: result.share_id.as_ref().and(consumed_memory(result)),
             admin_access: result.admin_access.unwrap_or(false),
             config,
         });
@@ -144,11 +148,11 @@ pub fn plan(
     Ok(planned)
 }
 
-/// Whether `result` consumed at least `memory_bytes` of its device's `memory` capacity (the scheduler records what
-/// each share of a device with `allowMultipleAllocations` consumes).
-fn consumes_all_memory(result: &DeviceRequestAllocationResult, memory_bytes: u64) -> bool {
-    let consumed = result.consumed_capacity.as_ref().and_then(|c| c.get("memory"));
-    consumed.and_then(|q| memory_bytes_of(&q.0).ok()).is_some_and(|bytes| bytes >= memory_bytes)
+/// What `result` consumed of its device's `memory` capacity (the scheduler records what each share of a device with
+/// `allowMultipleAllocations` consumes).
+fn consumed_memory(result: &DeviceRequestAllocationResult) -> Option<u64> {
+    let consumed = result.consumed_capacity.as_ref()?.get("memory")?;
+    memory_bytes_of(&consumed.0).ok()
 }
 
 #[cfg(test)]

@@ -138,6 +138,11 @@ pub struct PreparedDevice {
     /// at with admin access, or one whose making is not known (a recovered entry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub made_mig: Option<String>,
+    /// The GPU memory a share (`share_id`) consumed, as the scheduler recorded it: what a new share of the GPU is
+    /// counted beside ([`Checkpoint::memory_taken`]). Absent in files written before it was recorded (counted as
+    /// none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory_bytes: Option<u64>,
 }
 
 impl Checkpoint {
@@ -205,6 +210,26 @@ impl Checkpoint {
                     .find(|held| held.pool == wanted.pool && held.device == wanted.device && !held.admin_access)?;
                 Some((uid.as_str(), held.device.as_str()))
             })
+    }
+
+    /// Another claim (not `claim_uid`) holding a share of `wanted`'s device whose memory, with the shares of it
+    /// prepared here, leaves less than `wanted` consumes of the GPU's `capacity`: the scheduler never allocates
+    /// more than the GPU has, so the other share is a pod's that is gone from the API (force-deleted) while its
+    /// containers may still run on the GPU. The new share waits until it is unprepared, as a whole GPU does
+    /// ([`Self::conflicting_owner`]). As (its UID, the memory the prepared shares hold).
+    pub fn memory_taken(&self, claim_uid: &str, wanted: &PreparedDevice, capacity: u64) -> Option<(&str, u64)> {
+        let (_, wants) = (wanted.share_id.as_ref()?, wanted.memory_bytes?);
+        let holders: Vec<(&str, u64)> = self
+            .claims
+            .iter()
+            .filter(|(uid, entry)| *uid != claim_uid && !entry.recovered)
+            .flat_map(|(uid, entry)| entry.devices.iter().map(move |held| (uid.as_str(), held)))
+            .filter(|(_, held)| held.pool == wanted.pool && held.device == wanted.device && !held.admin_access)
+            .filter_map(|(uid, held)| Some((uid, held.share_id.as_ref().and(held.memory_bytes)?)))
+            .collect();
+        let taken: u64 = holders.iter().map(|(_, bytes)| bytes).sum();
+        let first = holders.first()?.0;
+        (taken.saturating_add(wants) > capacity).then_some((first, taken))
     }
 
     /// The entry of claim `uid` when its prepare completed (a repeated prepare may answer from it); never a
@@ -493,6 +518,7 @@ mod tests {
             admin_access: false,
             time_slice: None,
             made_mig: None,
+            memory_bytes: None,
         }
     }
 

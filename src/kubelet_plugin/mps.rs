@@ -261,6 +261,7 @@ mod tests {
             device: Device::whole(&test_gpu(minor, "0000:01:00.0")),
             share_id: None,
             all_memory: false,
+            memory_bytes: None,
             admin_access: false,
             config: GpuConfig { sharing },
         }
@@ -415,6 +416,7 @@ mod tests {
                     admin_access: *admin_access,
                     time_slice: None,
                     made_mig: None,
+                    memory_bytes: None,
                 })
                 .collect(),
             recovered: false,

@@ -45,6 +45,7 @@ use crate::node_agent::mps_control::{MpsDaemons, MpsProgram};
 
 mod metadata;
 mod sharing;
+mod unprepare;
 
 /// A claim's outcome: its devices, or why it was refused.
 pub type ClaimResult<T> = (String, Result<T, String>);
@@ -148,6 +149,9 @@ pub struct DriverState {
     mig_control: Arc<dyn Discovery>,
     /// The MPS control daemons of prepared claims that asked MPS ([`super::mps`]).
     mps: MpsDaemons,
+    /// The claims whose MPS daemons an unprepare is stopping, with the state lock let go: their prepares and
+    /// other unprepares are refused until it is done.
+    mps_stopping: Mutex<BTreeSet<String>>,
     store: CheckpointStore,
     checkpoint: Mutex<Checkpoint>,
     prepares: Queue<Asked, Vec<PreparedDevice>>,
@@ -203,6 +207,7 @@ impl DriverState {
             gpu_settings: config.gpu_settings,
             mig_control: config.mig_control,
             mps: MpsDaemons::new(config.mps_program, config.mps_dir, metrics.mps_daemon_restarts.clone()),
+            mps_stopping: Mutex::default(),
             store,
             checkpoint: Mutex::new(loaded.checkpoint),
             prepares: Queue::new(metrics.waiting(Operation::Prepare)),
@@ -243,9 +248,8 @@ impl DriverState {
             }
         }
         let this = state.clone();
-        let cleanup = tokio::task::spawn_blocking(move || this.clean_up())
-            .await
-            .map_err(|e| StateError::Task(e.to_string()))??;
+        let cleanup =
+            tokio::task::spawn_blocking(move || this.clean_up()).await.map_err(|e| StateError::Task(e.to_string()))?;
         recovery.half_done = cleanup.0;
         recovery.rewritten = cleanup.1;
         recovery.orphans = cleanup.2;
@@ -265,7 +269,7 @@ impl DriverState {
             this.clean_up()
         })
         .await
-        .map_err(|e| StateError::Task(e.to_string()))??;
+        .map_err(|e| StateError::Task(e.to_string()))?;
         info!(half_done, rewritten, orphans, "checkpoint recovered again now that the GPUs are discovered");
         Ok(())
     }
@@ -458,14 +462,6 @@ impl DriverState {
         }
     }
 
-    /// Does every unprepare queued by the time the lock is free, in one batch.
-    fn commit_unprepares(&self) {
-        let mut checkpoint = self.lock();
-        if let Some((batch, replies)) = self.unprepares.take() {
-            replies.answer(self.unprepare_claims(&mut checkpoint, batch));
-        }
-    }
-
     /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
     /// then one save records them completed.
     fn prepare_planned(&self, checkpoint: &mut Checkpoint, reads: Vec<Asked>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
@@ -480,6 +476,11 @@ impl DriverState {
                     "claim {claim} was unprepared after this prepare was asked; not prepared (ask again to prepare it)"
                 );
                 warn!(claim = %claim, uid = %claim.uid, "refusing a prepare its claim's unprepare overtook");
+                results.push((claim.uid, Err(reason)));
+                continue;
+            }
+            if self.mps_stopping.lock().unwrap_or_else(PoisonError::into_inner).contains(&claim.uid) {
+                let reason = format!("claim {claim} is being unprepared (its MPS daemon is stopping); retry");
                 results.push((claim.uid, Err(reason)));
                 continue;
             }
@@ -671,81 +672,6 @@ impl DriverState {
         results
     }
 
-    /// Unprepares a batch of claims (each once): their specs removed (then their MIG devices destroyed and MPS daemons
-    /// stopped), then one save drops their entries.
-    fn unprepare_claims(&self, checkpoint: &mut Checkpoint, claims: Vec<ClaimRef>) -> Vec<ClaimResult<()>> {
-        let mut results = Vec::with_capacity(claims.len());
-        let mut removed: Vec<(ClaimRef, ClaimEntry)> = Vec::new();
-        let mut marked = false;
-        for claim in claims {
-            // Whatever comes of it: a prepare asked before it must not be done after it (see `call_order`).
-            self.order.unprepared(&claim.uid);
-            if !checkpoint.claims.contains_key(&claim.uid) {
-                results.push((claim.uid, Ok(())));
-                continue;
-            }
-            // Its MIG devices go before its entry: a crash in between leaves them listed, to be destroyed by the
-            // kubelet's next unprepare (the spec is gone already: no container starts with them).
-            // Its MPS daemon goes once no container can start with the spec (asked of every claim: one whose entry
-            // lost the record, e.g. a recovered one, still has its daemon and directories stopped and removed).
-            let destroyed = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
-                .map_err(|e| e.to_string())
-                .and_then(|()| self.remove_metadata(&claim.uid))
-                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)))
-                .and_then(|()| self.mps.stop(&claim.uid).map_err(|e| e.to_string()));
-            match destroyed {
-                Ok(()) => {
-                    if let Some(entry) = checkpoint.claims.remove(&claim.uid) {
-                        removed.push((claim, entry));
-                    }
-                }
-                Err(e) => {
-                    warn!(claim = %claim, uid = %claim.uid, error = %e, "unpreparing the claim failed");
-                    undoing(checkpoint.claims.get_mut(&claim.uid));
-                    marked = true;
-                    results.push((claim.uid, Err(e)));
-                }
-            }
-        }
-        if removed.is_empty() {
-            // Only failures: their entries, now started, are saved so, where the disk allows, so that a restart
-            // does not write their specs again (the kubelet's retry finishes them either way).
-            if marked && let Err(e) = self.save(checkpoint) {
-                warn!(error = %e, "recording failed unprepares as unfinished failed");
-            }
-            self.update_gauges(checkpoint);
-            return results;
-        }
-        let saved = self.save(checkpoint);
-        if saved.is_ok() {
-            // After the save, the GPUs still listed: a crash or failure here leaves them for the next try. Every
-            // listed GPU nobody asks for any more, so a set-back that failed earlier is tried again.
-            if self.reset_idle_gpus(checkpoint)
-                && let Err(e) = self.save(checkpoint)
-            {
-                // Still listed on disk: the next save, or start-up, records it (setting Default again is harmless).
-                warn!(error = %e, "recording GPUs set back to their default time slice and compute mode failed");
-            }
-        }
-        for (claim, entry) in removed {
-            match &saved {
-                Ok(()) => {
-                    info!(claim = %claim, uid = %claim.uid, "unprepared claim");
-                    results.push((claim.uid, Ok(())));
-                }
-                Err(e) => {
-                    // Keep the entry (its spec is gone): the kubelet retries and the next save drops it.
-                    results.push((claim.uid.clone(), Err(format!("record the unprepare in the checkpoint: {e}"))));
-                    let mut entry = entry;
-                    undoing(Some(&mut entry));
-                    checkpoint.claims.insert(claim.uid, entry);
-                }
-            }
-        }
-        self.update_gauges(checkpoint);
-        results
-    }
-
     /// The answer for each planned device: CDI id, base request name, pool and device.
     fn prepared_devices(&self, claim: &ClaimRef, planned: &[PlannedDevice]) -> Vec<PreparedDevice> {
         let mut devices: Vec<PreparedDevice> = planned
@@ -759,6 +685,7 @@ impl DriverState {
                 admin_access: p.admin_access,
                 time_slice: time_slice::asked(p),
                 made_mig: None,
+                memory_bytes: p.memory_bytes,
             })
             .collect();
         if self.device_metadata {
@@ -822,7 +749,7 @@ impl DriverState {
 
     /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
     /// records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten, orphans).
-    fn clean_up(&self) -> Result<(usize, usize, usize), CheckpointError> {
+    fn clean_up(&self) -> (usize, usize, usize) {
         let mut checkpoint = self.lock();
         let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
         for uid in &half_done {
@@ -872,11 +799,21 @@ impl DriverState {
             Err(e) => warn!(error = %e, "listing CDI specs failed; stale specs stay until the next start"),
         }
         orphans += self.remove_orphaned_metadata(&checkpoint);
-        if self.store.save_if_changed(&checkpoint)? {
-            self.metrics.checkpoint_saves.inc();
+        // Unsaved (a full or read-only disk), what it undid is found and undone again at the next start; serving
+        // meanwhile, the kubelet can unprepare (claims of a previous boot are unknown here: done at once) and
+        // prepares fail with the reason until the checkpoint can be saved. Not serving would leave the node's pods
+        // Terminating and its slices unpublished.
+        match self.store.save_if_changed(&checkpoint) {
+            Ok(saved) => {
+                if saved {
+                    self.metrics.checkpoint_saves.inc();
+                }
+            }
+            Err(e) => warn!(error = %e, "recording the start-up clean-up in the checkpoint failed; serving, prepares \
+                            fail until it can be saved"),
         }
         self.update_gauges(&checkpoint);
-        Ok((half_done.len(), rewritten, orphans))
+        (half_done.len(), rewritten, orphans)
     }
 
     /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
@@ -1100,17 +1037,30 @@ fn conflict(
     planned: &[PlannedDevice],
     devices: &[PreparedDevice],
 ) -> Option<String> {
+    let holder = |owner: &str| checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name));
     planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(planned, device)| {
         let wants_mps = planned.config.sharing.strategy == super::config::SharingStrategy::Mps;
-        let (owner, held) = checkpoint
+        let held = checkpoint
             .conflicting_owner(&claim.uid, device)
-            .or_else(|| checkpoint.share_beside_mps(&claim.uid, device, wants_mps))?;
-        let holder = checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name)).unwrap_or_default();
-        let what = if held == device.device { String::new() } else { format!(" (as part of {held:?})") };
+            .or_else(|| checkpoint.share_beside_mps(&claim.uid, device, wants_mps));
+        if let Some((owner, held)) = held {
+            let what = if held == device.device { String::new() } else { format!(" (as part of {held:?})") };
+            return Some(format!(
+                "claim {claim}: device {:?} is already prepared{what} for claim {} (UID {owner}); it must be \
+                 unprepared first",
+                device.device,
+                holder(owner).unwrap_or_default()
+            ));
+        }
+        let (owner, taken) = checkpoint.memory_taken(&claim.uid, device, planned.device.gpu.memory_bytes)?;
         Some(format!(
-            "claim {claim}: device {:?} is already prepared{what} for claim {holder} (UID {owner}); it must be \
-             unprepared first",
-            device.device
+            "claim {claim}: the shares of device {:?} prepared on this node hold {taken} bytes of its memory, too \
+             much to add this share of {} bytes beside them: one is no longer allocated (its pod deleted by force, \
+             its containers perhaps still running), e.g. claim {} (UID {owner}); retried until the kubelet \
+             unprepares it",
+            device.device,
+            device.memory_bytes.unwrap_or_default(),
+            holder(owner).unwrap_or_default()
         ))
     })
 }
@@ -1134,6 +1084,7 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             admin_access: false,
             time_slice: None,
             made_mig: None,
+            memory_bytes: None,
         })
         .collect()
 }

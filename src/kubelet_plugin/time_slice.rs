@@ -164,6 +164,7 @@ mod tests {
             device: crate::node_agent::device::Device::whole(&test_gpu(minor, "0000:01:00.0")),
             share_id: None,
             all_memory: false,
+            memory_bytes: None,
             admin_access,
             config: GpuConfig { sharing },
         }
@@ -194,6 +195,7 @@ mod tests {
                 admin_access: false,
                 time_slice: *time_slice,
                 made_mig: None,
+                memory_bytes: None,
             });
         }
         checkpoint

@@ -250,7 +250,7 @@ impl DevicePluginGuard {
             warn!(file = %self.record.display(), "unreadable record of when a device plugin last served GPUs: ignored");
             return None;
         };
-        let ago = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(served)).ok()?;
+        let ago = served_ago(SystemTime::now(), served);
         (ago < self.grace).then(|| now.checked_sub(ago).unwrap_or(now))
     }
 
@@ -265,11 +265,27 @@ impl DevicePluginGuard {
     }
 }
 
+/// How long before `now` the record's `lastServedMillis` was. A time after `now` (the clock stepped back since it
+/// was written: NTP correcting a fast clock, a reboot with a real-time clock behind) counts as just now, so the GPUs
+/// are held back the whole grace period; read as "not remembered", they would be published while the device plugin
+/// registers again, both handing out the same GPUs.
+fn served_ago(now: SystemTime, served_millis: u64) -> Duration {
+    now.duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(served_millis)).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeMap;
 
     use super::*;
+
+    #[test]
+    fn a_record_from_the_future_counts_as_just_now() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        assert_eq!(served_ago(now, 999_990_000), Duration::from_secs(10));
+        assert_eq!(served_ago(now, 1_000_000_000), Duration::ZERO);
+        assert_eq!(served_ago(now, 1_000_600_000), Duration::ZERO, "ten minutes ahead");
+    }
 
     #[test]
     fn the_resources_a_device_plugin_serves_gpus_as_are_read_from_the_node() {

@@ -20,8 +20,7 @@ impl DriverTool {
     pub fn find(driver_root: &Path, name: &str, nvml_library: &OsStr) -> Self {
         let program = ["usr/bin", "bin"]
             .iter()
-            .map(|dir| driver_root.join(dir).join(name))
-            .find(|path| path.exists())
+            .find_map(|dir| crate::cdi::existing_in_root(driver_root, &Path::new(dir).join(name)))
             .unwrap_or_else(|| PathBuf::from(name));
         let library_dir = Path::new(nvml_library).parent().filter(|dir| dir.is_absolute()).map(Path::to_path_buf);
         Self { program, library_dir }

@@ -51,6 +51,13 @@ pub enum GpuCheckError {
     MpsProgram(#[source] std::io::Error),
     #[error("start, ask or stop an MPS control daemon: {0} (run without --check-mps to skip)")]
     Mps(#[source] crate::node_agent::mps_control::MpsError),
+    #[error(
+        "device node(s) {} missing on this machine: a container given the GPUs would fail to start (\"failed to \
+         stat CDI host device\"). Is the NVIDIA driver loaded (nvidia-smi), and are its device nodes created \
+         (nvidia-modprobe -c=<minor>)? In a container, is the host's /dev mounted?",
+        nodes.join(", ")
+    )]
+    MissingDeviceNodes { nodes: Vec<String> },
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
     HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
@@ -113,9 +120,29 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let edits = loaded.edits().map(|e| e.container_edits);
     let env = edits.as_ref().and_then(|e| e.env.clone()).unwrap_or_default();
     println!("  environment: {}", env.join(" "));
+    let mut missing = Vec::new();
     for node in device_nodes(&claim) {
         let state = if Path::new(&node).exists() { "present" } else { "MISSING on this machine" };
         println!("  device node {node}: {state}");
+        if !Path::new(&node).exists() {
+            missing.push(node);
+        }
+    }
+    // Simulated GPUs have none. A real GPU's spec names its nodes and the control device, and the runtime fails
+    // the container without them ("failed to stat CDI host device"); the unified-memory nodes are left out of the
+    // spec until they exist, and CUDA fails without them: said, not failed (nvidia-smi works).
+    if !simulated {
+        let (optional, required) = required_missing(missing);
+        if !optional.is_empty() {
+            println!(
+                "  WARNING: {} missing: CUDA fails in containers until the nvidia-uvm module is loaded \
+                      (nvidia-modprobe -u -c=0 on the node)",
+                optional.join(", ")
+            );
+        }
+        if !required.is_empty() {
+            return Err(GpuCheckError::MissingDeviceNodes { nodes: required });
+        }
     }
     mig_profiles(args, &gpus)?;
     if args.check_time_slice {
@@ -384,6 +411,12 @@ fn watch_health(args: &GpuCheckArgs, gpus: &[Gpu]) -> Result<(), GpuCheckError> 
     Ok(())
 }
 
+/// `missing` device nodes split into (optional, required): the unified-memory nodes a spec leaves out until they
+/// exist ([`cdi::OPTIONAL_DEVICE_NODES`]), and the rest.
+fn required_missing(missing: Vec<String>) -> (Vec<String>, Vec<String>) {
+    missing.into_iter().partition(|node| cdi::OPTIONAL_DEVICE_NODES.contains(&node.as_str()))
+}
+
 fn device_nodes(devices: &[Device]) -> Vec<String> {
     let mut nodes: Vec<String> = Vec::new();
     for d in devices {
@@ -428,4 +461,18 @@ fn gpu_table(gpus: &[Gpu]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_unified_memory_nodes_may_be_missing() {
+        let missing = ["/dev/nvidia0", "/dev/nvidia-uvm", "/dev/nvidiactl", "/dev/nvidia-uvm-tools"];
+        let (optional, required) = required_missing(missing.map(String::from).to_vec());
+        assert_eq!(optional, ["/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]);
+        assert_eq!(required, ["/dev/nvidia0", "/dev/nvidiactl"]);
+        assert_eq!(required_missing(Vec::new()), (Vec::new(), Vec::new()));
+    }
 }

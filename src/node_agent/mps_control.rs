@@ -297,13 +297,22 @@ impl MpsDaemons {
         let supervised = self.running().remove(claim_uid);
         if let Some(supervised) = supervised {
             supervised.stop.store(true, Ordering::SeqCst);
-            quit(&self.program, &dirs);
+            // Within STOP_TIMEOUT of asking, however long the asking took. One that cannot be asked (its control
+            // pipe removed by a tenant's container, which shares the pipe directory) is killed at once.
             let deadline = Instant::now() + STOP_TIMEOUT;
-            while !supervised.thread.is_finished() && Instant::now() < deadline {
+            let asked = send(&self.program, &dirs, "quit");
+            while asked.is_ok() && !supervised.thread.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
             if !supervised.thread.is_finished() {
-                warn!(claim_uid, "the MPS control daemon did not quit within {STOP_TIMEOUT:?}; killing it");
+                match &asked {
+                    Ok(_) => {
+                        warn!(claim_uid, "the MPS control daemon did not quit within {STOP_TIMEOUT:?}; killing it")
+                    }
+                    Err(error) => {
+                        warn!(claim_uid, %error, "the MPS control daemon could not be asked to quit; killing it")
+                    }
+                }
                 kill_group(supervised.pid.load(Ordering::SeqCst));
                 // A process stuck in the kernel may not die at once: the supervisor is left to end on its own.
                 let deadline = Instant::now() + Duration::from_secs(2);
@@ -467,11 +476,6 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
         warn!(claim_uid, error = %e, "recording the MPS daemon's pid failed");
     }
     Ok(child)
-}
-
-/// Tells the daemon to quit (`echo quit | nvidia-cuda-mps-control`).
-fn quit(program: &MpsProgram, dirs: &MpsDirs) {
-    let _ = send(program, dirs, "quit");
 }
 
 /// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`

@@ -57,6 +57,14 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
     )?);
     ensure!(off.is_empty(), "everything off still renders {off:?}");
 
+    // A release name of 37 characters or more still names every Service within 63 (a DNS label): the longest
+    // suffix, "-controller-metrics", is 19 characters after the 44 of the prefix.
+    let long = "team-ml-platform-production-eu-west-1-gpus";
+    for (kind, doc) in documents(&render(long, "gpu-dra", true, &[])?).into_iter().filter(|(k, _)| k == "Service") {
+        let name = doc.lines().find_map(|l| l.strip_prefix("  name: ")).unwrap_or_default().trim().trim_matches('"');
+        ensure!(name.len() <= 63, "the {kind} {name} has {} characters, more than 63", name.len());
+    }
+
     // A driver name whose sockets the agent could not bind (sun_path: 107 bytes) is refused at install.
     let long = format!("driverName={}.example.com", "d".repeat(40));
     let refused = helm(&["template", "gpu-dra", chart, "--set", &long])?;
@@ -468,12 +476,21 @@ pub(super) async fn an_upgrade_reusing_the_values_of_0_1_0_renders_and_applies(c
     let output = helm(&args)?;
     ensure!(output.status.success(), "the chart does not render with 0.1.0's values:\n{}", text(&output.stderr));
     let rendered = text(&output.stdout);
-    for empty in ["value: \"\"", "value: null", "path: \n", "path: null"] {
+    for empty in ["value: \"\"", "value: null", "value: \n", "path: \n", "path: null"] {
         ensure!(!rendered.contains(empty), "an empty {empty:?} rendered with 0.1.0's values:\n{rendered}");
     }
     for absent in ["GPU_DRA_STALE_CLAIMS", "GPU_DRA_DEVICE_METADATA", "GPU_DRA_CONTROLLER_THREADS"] {
         ensure!(!rendered.contains(absent), "{absent} rendered though 0.1.0's values do not have it");
     }
+    // One new value set with the upgrade (`--reuse-values --set ...`): the others of its group stay unset, not empty.
+    let lost = ["--set", "nodeAgent.health.lostEffect=NoSchedule"];
+    let output = helm(&[&args[..], &lost[..]].concat())?;
+    ensure!(output.status.success(), "0.1.0's values and one health value:\n{}", text(&output.stderr));
+    let one_set = text(&output.stdout);
+    for empty in ["value: \"\"", "value: null", "value: \n"] {
+        ensure!(!one_set.contains(empty), "an empty {empty:?} rendered with one health value set:\n{one_set}");
+    }
+    ensure!(one_set.contains("GPU_DRA_HEALTH_LOST_EFFECT\n              value: \"NoSchedule\""), "{one_set}");
     ensure!(rendered.contains("path: /run/gpu-dra/mps"), "the MPS directory is not the agent's default");
     let documents = documents(&rendered);
     let classes = documents.iter().filter(|(kind, _)| kind == "DeviceClass").count();

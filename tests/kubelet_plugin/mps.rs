@@ -351,3 +351,53 @@ pub(super) async fn an_admin_access_claim_beside_an_mps_claim_changes_nothing(ct
     }
     Ok(())
 }
+
+/// A claim's MPS daemon hangs (stuck in the driver on a faulted GPU; here stopped with SIGSTOP): its unprepare
+/// asks it to quit, waits out the stop timeout and kills it. Meanwhile another tenant's claim on the node's other
+/// GPU prepares as ever: the daemon is stopped with the node's state lock let go (before, every prepare and
+/// unprepare of the node waited the 10 s with it). The hung claim's GPU stays listed until its daemon is gone.
+pub(super) async fn a_hung_mps_daemon_holds_back_no_other_claim(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let mps_uid = allocated_claim(&ctx, "mps", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
+    let other_uid = allocated_claim(&ctx, "other", &node, &["gpu-1"], json!([])).await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(ns, "mps", mps_uid.as_str())]).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    let claim_dir = dirs.mps().join(&mps_uid);
+    let daemon = next_daemon(&claim_dir, 0).await?;
+    std::process::Command::new("kill").args(["-STOP", &daemon.to_string()]).status()?;
+
+    let (namespace, uid) = (ns.to_string(), mps_uid.clone());
+    let unprepare = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let answer = kubelet.unprepare(&[(namespace.as_str(), "mps", uid.as_str())]).await;
+        (answer, started.elapsed())
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut other_kubelet = Kubelet::register(&dirs).await?;
+    let started = std::time::Instant::now();
+    let answers = other_kubelet.prepare(&[(ns, "other", other_uid.as_str())]).await?;
+    let waited = started.elapsed();
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    ensure!(
+        waited < Duration::from_secs(3),
+        "the other claim's prepare waited {waited:?} for the hung daemon:\n{}",
+        agent.log_tail()
+    );
+    let listed = checkpoint(&dirs, "boot-1")?.claims;
+    ensure!(listed.contains_key(&mps_uid), "the hung claim's entry went before its daemon");
+
+    let (answer, took) = unprepare.await?;
+    let answer = answer?;
+    ensure!(answer.values().all(String::is_empty), "{answer:?}");
+    ensure!(took >= Duration::from_secs(5), "the unprepare took {took:?}: the daemon did not hang");
+    ensure!(!alive(daemon), "the hung daemon {daemon} still runs after its unprepare");
+    ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
+    ensure!(agent.log_text().contains("did not quit within"), "the log does not say why it was killed");
+    ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&mps_uid), "the entry is left");
+    Ok(())
+}

@@ -232,3 +232,37 @@ pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_chec
     ensure!(code == 200, "/healthz of the restarted agent: {code} {body}");
     Ok(())
 }
+
+/// A node rebooted with its state disk full (container logs filled `/var/lib`): the checkpoint lists claims of the
+/// previous boot, which start-up drops and cannot record dropping. The agent serves anyway (before, its plugin did
+/// not start, so the kubelet could unprepare nothing and the node published no GPUs): the kubelet's unprepare of a
+/// previous boot's claim is done at once, a new prepare fails naming the full disk, and once space is freed the
+/// kubelet's retry prepares it.
+pub(super) async fn a_reboot_onto_a_full_state_disk_still_serves(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let state = Tmpfs::mount(&dirs.state())?;
+    // Without device metadata files, whose removal would free the page the new record needs.
+    let agent = ready_agent_with(&ctx, &node, &dirs, "2xH100-80GB", &["--device-metadata=false"]).await?;
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], serde_json::json!([])).await?;
+    let ns = ctx.namespace.clone();
+    prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
+    drop(agent);
+
+    std::fs::write(dirs.boot_id_file(), "boot-2\n")?;
+    state.fill()?;
+    let _agent = ready_agent_with(&ctx, &node, &dirs, "2xH100-80GB", &["--device-metadata=false"]).await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let unprepared = kubelet.unprepare(&[(&ns, "a", &a)]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "the previous boot's claim: {unprepared:?}");
+    let answers = kubelet.prepare(&[(&ns, "b", &b)]).await?;
+    let error = &answers.get(&b).context("no answer for b")?.error;
+    let named = format!("the filesystem holding {} is full; free space there", dirs.state().display());
+    ensure!(error.contains(&named), "b's prepare on the full disk: {error:?}");
+    state.free()?;
+    prepares_fully(&dirs, &ns, "b", &b, "gpu-1").await?;
+    ensure!(checkpoint(&dirs, "boot-2")?.claims.keys().eq([&b]), "b alone is prepared");
+    Ok(())
+}

@@ -4,18 +4,18 @@
 {{- end }}
 
 {{/*
-The prefix of every object name. Kept to 45 characters so that "<fullname>-node-agent-metrics" and similar names
-stay within 63.
+The prefix of every object name. Kept to 44 characters so that "<fullname>-controller-metrics" (19 more, the
+longest suffix) and the other names stay within 63, as a Service's name must.
 */}}
 {{- define "gpu-dra.fullname" -}}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 45 | trimSuffix "-" }}
+{{- .Values.fullnameOverride | trunc 44 | trimSuffix "-" }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 45 | trimSuffix "-" }}
+{{- .Release.Name | trunc 44 | trimSuffix "-" }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 45 | trimSuffix "-" }}
+{{- printf "%s-%s" .Release.Name $name | trunc 44 | trimSuffix "-" }}
 {{- end }}
 {{- end }}
 {{- end }}

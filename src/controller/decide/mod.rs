@@ -187,18 +187,18 @@ pub fn is_reserved_for(claim: &ResourceClaim, pod_uid: &str) -> bool {
         .any(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty() && r.uid == pod_uid)
 }
 
-/// Whether the controller should add `pod` to the claim's `reservedFor`: the claim is allocated, not reserved for
-/// it yet, has room, and the pod is scheduled and still going to run (a terminal pod is never re-reserved).
+/// Whether the controller should add `pod` (or its PodGroup) to the claim's `reservedFor`: the claim is allocated,
+/// not reserved for it yet, has room, and the pod is scheduled and still going to run (a terminal pod is never
+/// re-reserved).
 ///
-/// A claim of the pod's PodGroup is reserved for the PodGroup instead (upstream `BindTo`), once.
+/// Upstream `IsReservedForPod`: reserved for the pod's PodGroup (by name) counts as reserved for the pod, whatever
+/// claim it is: the group's own, or one the group and its pods name (`resourceClaimName`), which the scheduler
+/// reserves for the PodGroup once for all its members (upstream `BindTo`).
 pub fn should_reserve(claim: &ResourceClaim, pod: &Pod) -> bool {
-    if podgroup::is_group_claim_of(claim, pod) {
-        return may_reserve(claim, pod) && !podgroup::is_reserved_for_group_of(claim, pod);
-    }
     let Some(uid) = pod.metadata.uid.as_deref() else {
         return false;
     };
-    may_reserve(claim, pod) && !is_reserved_for(claim, uid)
+    may_reserve(claim, pod) && !is_reserved_for(claim, uid) && !podgroup::is_reserved_for_group_of(claim, pod)
 }
 
 /// The claim is allocated and has room left in `reservedFor`, and the pod is scheduled and still going to run.

@@ -78,6 +78,15 @@ pub fn binds_to_group(pod: &Pod, pod_claim: &PodResourceClaim, group: &PodGroup)
         })
 }
 
+/// Upstream `BindTo` for a claim the pod names (`resourceClaimName`): whether the pod's PodGroup `group` lists the
+/// same entry, so that the claim is reserved for the PodGroup, not the pod.
+pub fn named_claim_binds_to_group(pod: &Pod, claim_name: &str, group: &PodGroup) -> bool {
+    super::pod_claims(pod)
+        .iter()
+        .filter(|pc| pc.resource_claim_name.as_deref() == Some(claim_name))
+        .any(|pc| binds_to_group(pod, pc, group))
+}
+
 /// The `reservedFor` entry of a PodGroup.
 pub fn group_consumer(group: &PodGroup) -> ResourceClaimConsumerReference {
     ResourceClaimConsumerReference {

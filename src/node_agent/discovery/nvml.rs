@@ -21,14 +21,13 @@ pub struct NvmlDiscovery {
 }
 
 impl NvmlDiscovery {
-    /// Looks for `libnvidia-ml.so.1` under `driver_root` first (GPU Operator and similar put the driver there),
-    /// then lets the dynamic loader search.
+    /// Looks for `libnvidia-ml.so.1` under `driver_root` first (GPU Operator and similar put the driver there; a
+    /// symlink is followed inside it), then lets the dynamic loader search.
     pub fn new(driver_root: &Path, sysfs: &Path) -> Self {
         let candidates = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib", "lib64"];
         let library = candidates
             .iter()
-            .map(|dir| driver_root.join(dir).join("libnvidia-ml.so.1"))
-            .find(|path| path.exists())
+            .find_map(|dir| crate::cdi::existing_in_root(driver_root, &Path::new(dir).join("libnvidia-ml.so.1")))
             .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string());
         Self { library, sysfs: sysfs.to_path_buf() }
     }
@@ -189,5 +188,39 @@ impl NvmlDiscovery {
             });
         }
         Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A host whose `libnvidia-ml.so.1` is an absolute symlink (Debian's alternatives), mounted at a driver root:
+    /// the link dangles here, and is followed inside the root instead.
+    #[test]
+    fn the_library_behind_an_absolute_symlink_is_found_inside_the_driver_root() {
+        let root = tempfile::tempdir().expect("tempdir");
+        let real = root.path().join("usr/lib/x86_64-linux-gnu/nvidia/current");
+        std::fs::create_dir_all(&real).expect("mkdir");
+        std::fs::write(real.join("libnvidia-ml.so.580.95.05"), b"").expect("write");
+        std::os::unix::fs::symlink("libnvidia-ml.so.580.95.05", real.join("libnvidia-ml.so.1")).expect("link");
+        let alternatives = root.path().join("etc/alternatives");
+        std::fs::create_dir_all(&alternatives).expect("mkdir");
+        let alternative = alternatives.join("nvidia--libnvidia-ml.so.1-x86_64-linux-gnu");
+        std::os::unix::fs::symlink("/usr/lib/x86_64-linux-gnu/nvidia/current/libnvidia-ml.so.1", &alternative)
+            .expect("link");
+        let lib = root.path().join("usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1");
+        std::os::unix::fs::symlink("/etc/alternatives/nvidia--libnvidia-ml.so.1-x86_64-linux-gnu", &lib).expect("link");
+        assert!(!lib.exists(), "the link dangles outside the root");
+
+        let discovery = NvmlDiscovery::new(root.path(), Path::new("/sys"));
+        let found = Path::new(discovery.library());
+        assert_eq!(found, real.join("libnvidia-ml.so.580.95.05"), "{}", found.display());
+    }
+
+    #[test]
+    fn without_the_library_in_the_driver_root_the_loader_searches() {
+        let root = tempfile::tempdir().expect("tempdir");
+        assert_eq!(NvmlDiscovery::new(root.path(), Path::new("/sys")).library(), "libnvidia-ml.so.1");
     }
 }

@@ -1,7 +1,8 @@
 //! Events about the node's GPUs: Warning `GpuFault` (on the Node, naming the claims and pods that hold the GPU, and
 //! on each of those pods), Normal `GpuRecovered` (on the Node).
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use k8s_openapi::api::resource::v1::ResourceClaim;
@@ -17,6 +18,8 @@ const NOTE_LIMIT: usize = 1024;
 
 /// At most this many pods get an Event of their own per fault (the Node's Event counts them all).
 const POD_EVENTS_MAX: usize = 32;
+/// The distinct messages whose Events are counted up when repeated ([`NodeEvents::recorder`]).
+const RECORDERS_MAX: usize = 64;
 
 /// A claim holding a faulted GPU and the pods it is reserved for.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -73,7 +76,11 @@ fn truncate(mut note: String) -> String {
 /// Events about this node, sent in the background so that a slow API server never delays a taint.
 #[derive(Clone)]
 pub(super) struct NodeEvents {
-    recorder: Recorder,
+    /// A recorder per message: kube-runtime's counts an event up under its object, reason and action, sending the
+    /// first one's note again, so a fault of gpu-5 after one of gpu-2 would show as gpu-2's, counted twice. Each
+    /// distinct message is an Event of its own, as client-go's recorder (`tools/record`) keys them; a repeated one
+    /// is counted. Bounded: beyond [`RECORDERS_MAX`] messages the map starts again.
+    recorders: Arc<Mutex<HashMap<u64, Recorder>>>,
     client: Client,
     node: String,
     /// The kubelet plugin's prepared claims, once it serves: who holds a faulted GPU.
@@ -82,9 +89,19 @@ pub(super) struct NodeEvents {
 
 impl NodeEvents {
     pub(super) fn new(client: Client, node: &str, holders: Arc<OnceLock<Arc<DriverState>>>) -> Self {
-        let recorder =
-            Recorder::new(client.clone(), Reporter { controller: "gpu-dra-node-agent".into(), instance: None });
-        Self { recorder, client, node: node.into(), holders }
+        Self { recorders: Arc::default(), client, node: node.into(), holders }
+    }
+
+    /// The recorder of `event`'s reason and note.
+    fn recorder(&self, event: &Event) -> Recorder {
+        let key = format!("{}\n{}", event.reason, event.note.as_deref().unwrap_or_default());
+        let key = crate::node_agent::gpu::stable_hash(key.as_bytes());
+        let mut recorders = self.recorders.lock().unwrap_or_else(PoisonError::into_inner);
+        if recorders.len() >= RECORDERS_MAX && !recorders.contains_key(&key) {
+            recorders.clear();
+        }
+        let reporter = || Reporter { controller: "gpu-dra-node-agent".into(), instance: None };
+        recorders.entry(key).or_insert_with(|| Recorder::new(self.client.clone(), reporter())).clone()
     }
 
     pub(super) fn send(&self, type_: EventType, reason: &str, note: String) {
@@ -118,7 +135,7 @@ impl NodeEvents {
                     ..Default::default()
                 };
                 let event = event(EventType::Warning, "GpuFault", note);
-                if let Err(error) = this.recorder.publish(&event, &pod).await {
+                if let Err(error) = this.recorder(&event).publish(&event, &pod).await {
                     warn!(%error, pod = %format!("{namespace}/{name}"), "publishing a GPU fault event on a pod failed");
                 }
             }
@@ -162,7 +179,7 @@ impl NodeEvents {
                 ObjectReference { kind: Some("Node".into()), name: Some(self.node.clone()), ..Default::default() }
             }
         };
-        if let Err(error) = self.recorder.publish(&event, &reference).await {
+        if let Err(error) = self.recorder(&event).publish(&event, &reference).await {
             warn!(%error, reason = %event.reason, "publishing a GPU health event failed");
         }
     }

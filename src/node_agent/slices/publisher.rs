@@ -3,10 +3,12 @@
 //! obsolete slices deleted with UID and resourceVersion preconditions.
 //!
 //! Idempotent: each slice carries a hash of its devices, so publishing what is already there writes nothing.
+//! A slice someone else changed (a taint removed with `kubectl edit`) gets this agent's content back.
 //! A device field the API server did not store (its feature gate off) is reported ([`super::dropped`]).
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
@@ -82,6 +84,10 @@ pub struct Publisher {
     /// resourceslices, such as an older chart's beside a newer image): each such change is published as a new
     /// generation instead, as before in-place updates; the refusal is logged once until an update is allowed again.
     update_refused: Arc<AtomicBool>,
+    /// The resource version at which this agent last wrote or checked each of its slices, by UID. A slice listed
+    /// at another one was changed by someone else, or not checked since this agent started: its content is written
+    /// again (see [`Publisher::restore_edited`]).
+    checked: Arc<Mutex<HashMap<String, String>>>,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -108,6 +114,7 @@ impl Publisher {
             update_refused: Arc::default(),
             counters_dropped: Arc::default(),
             counters_kept: Arc::default(),
+            checked: Arc::default(),
         }
     }
 
@@ -152,6 +159,9 @@ impl Publisher {
     /// Publishes `slices` (from [`super::pool_slices`]) as the node's pool.
     pub async fn publish(&self, slices: &[SliceContent]) -> Result<Outcome, PublishError> {
         let existing = self.list_own().await?;
+        if let Ok(mut checked) = self.checked.lock() {
+            checked.retain(|uid, _| existing.iter().any(|s| s.metadata.uid.as_ref() == Some(uid)));
+        }
         let hashes: Vec<String> = slices.iter().map(content_hash).collect();
         let generation = existing.iter().map(|s| s.spec.pool.generation).max().unwrap_or(0);
         let current: Vec<&ResourceSlice> =
@@ -166,6 +176,7 @@ impl Publisher {
             let lacking =
                 !self.checked_dropped.swap(true, Ordering::Relaxed) && stored_lack_fields(slices, &hashes, &current);
             if !lacking {
+                self.restore_edited(slices, &hashes, &current).await?;
                 return Ok(Outcome::Unchanged);
             }
             info!(node = %self.node, "the stored slices lack fields this agent publishes (written while a feature gate \
@@ -196,12 +207,7 @@ impl Publisher {
                     "annotations": {DEVICES_HASH_ANNOTATION: hash},
                     "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid, "controller": true}]
                 },
-                "spec": {
-                    "driver": self.driver,
-                    "nodeName": self.node,
-                    "pool": {"name": self.node, "generation": generation, "resourceSliceCount": slices.len()},
-                    content.field(): content.items()
-                }
+                "spec": self.spec(content, generation, slices.len())
             }))
             .map_err(PublishError::Encode)
         };
@@ -229,7 +235,10 @@ impl Publisher {
         }
         for (content, hash) in slices.iter().zip(&hashes) {
             let stored = match self.api().create(&PostParams::default(), &slice(content, hash)?).await {
-                Ok(stored) => stored,
+                Ok(stored) => {
+                    self.remember(&stored);
+                    stored
+                }
                 Err(source) => {
                     self.remove_generation(generation).await;
                     return Err(PublishError::CreateSlice { node: self.node.clone(), source });
@@ -295,31 +304,22 @@ impl Publisher {
         if old.spec.shared_counters.is_some() != matches!(content, SliceContent::Counters(_)) {
             return Ok(None);
         }
-        let mut slice = serde_json::to_value(old).map_err(PublishError::Encode)?;
-        slice["metadata"]["annotations"][DEVICES_HASH_ANNOTATION] = json!(hashes[index]);
-        slice["spec"][content.field()] = json!(content.items());
-        let slice: ResourceSlice = serde_json::from_value(slice).map_err(PublishError::Encode)?;
         let name = old.name_any();
-        // The update carries the resource version listed: a slice changed or deleted meanwhile is not overwritten.
-        let stored = match self.api().replace(&name, &PostParams::default(), &slice).await {
-            Ok(stored) => stored,
-            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => return Ok(None),
-            Err(kube::Error::Api(status)) if status.code == 403 => {
+        let stored = match self.rewrite(old, content, &hashes[index], slices.len()).await? {
+            Rewritten::Stored(stored) => stored,
+            Rewritten::Changed => return Ok(None),
+            Rewritten::Refused(reason) => {
                 // Creating and deleting are allowed (they are how the pool was written): the change still reaches
                 // the scheduler, as a new generation, and the operator learns what to grant.
-                if !self.update_refused.swap(true, Ordering::Relaxed) {
-                    warn!(node = %self.node, slice = %name, reason = %status.message,
-                          "may not update ResourceSlices in place (grant the verb update on resource.k8s.io \
-                           resourceslices to the agent's ServiceAccount; the chart does): publishing each change \
-                           as a new generation, during which the node's GPUs cannot be allocated");
-                }
+                self.say_update_refused(
+                    &name,
+                    &reason,
+                    "publishing each change as a new generation, during which \
+                                                        the node's GPUs cannot be allocated",
+                );
                 return Ok(None);
             }
-            Err(source) => return Err(PublishError::UpdateSlice { slice: name, source }),
         };
-        if self.update_refused.swap(false, Ordering::Relaxed) {
-            info!(node = %self.node, "ResourceSlices may be updated in place again");
-        }
         let dropped = dropped_fields(content.devices(), &stored);
         if dropped.contains(&DroppedField::ConsumesCounters) {
             self.counters_dropped.store(true, Ordering::Relaxed);
@@ -330,6 +330,98 @@ impl Publisher {
         info!(node = %self.node, generation, slice = %name, devices = content.devices().len(),
               "updated one ResourceSlice in place");
         Ok(Some(Outcome::Published { generation, slices: slices.len() }))
+    }
+
+    /// Writes this agent's content again into each slice of `current` (the complete pool, each slice's content
+    /// hash one of `hashes`) listed at a resource version this agent did not write or check: someone changed it
+    /// (a taint removed with `kubectl edit`, a device's attributes), or it was written before this agent started.
+    /// Upstream's resourceslice controller compares each slice with what it wants and updates one that differs;
+    /// here the API server compares: an update that changes nothing is not stored and keeps the resource version,
+    /// so a field it defaulted or dropped (a gate off) does not pass for someone's edit, and a restart writes
+    /// nothing. A slice changed again meanwhile is left to the round its watch event starts.
+    async fn restore_edited(
+        &self,
+        slices: &[SliceContent],
+        hashes: &[String],
+        current: &[&ResourceSlice],
+    ) -> Result<(), PublishError> {
+        for stored in current {
+            let (Some(uid), Some(version)) = (stored.uid(), stored.resource_version()) else { continue };
+            if self.checked.lock().is_ok_and(|checked| checked.get(&uid) == Some(&version)) {
+                continue;
+            }
+            let hash = stored.annotations().get(DEVICES_HASH_ANNOTATION);
+            let Some(index) = hashes.iter().position(|wanted| Some(wanted) == hash) else { continue };
+            let name = stored.name_any();
+            match self.rewrite(stored, &slices[index], &hashes[index], slices.len()).await? {
+                Rewritten::Stored(written) if written.resource_version().as_ref() != Some(&version) => {
+                    warn!(node = %self.node, slice = %name, "a ResourceSlice of this node was changed by someone \
+                          else: its devices are published as they are again");
+                }
+                Rewritten::Stored(_) | Rewritten::Changed => {}
+                Rewritten::Refused(reason) => {
+                    self.say_update_refused(&name, &reason, "a slice someone else changed keeps their change");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Updates `old` to hold `content` (its hash `hash`, in a pool of `count` slices), keeping its generation and
+    /// metadata. The update carries the resource version listed: a slice changed or deleted meanwhile is not
+    /// overwritten ([`Rewritten::Changed`]).
+    async fn rewrite(
+        &self,
+        old: &ResourceSlice,
+        content: &SliceContent,
+        hash: &str,
+        count: usize,
+    ) -> Result<Rewritten, PublishError> {
+        let mut slice = serde_json::to_value(old).map_err(PublishError::Encode)?;
+        slice["metadata"]["annotations"][DEVICES_HASH_ANNOTATION] = json!(hash);
+        slice["spec"] = self.spec(content, old.spec.pool.generation, count);
+        let slice: ResourceSlice = serde_json::from_value(slice).map_err(PublishError::Encode)?;
+        let name = old.name_any();
+        match self.api().replace(&name, &PostParams::default(), &slice).await {
+            Ok(stored) => {
+                if self.update_refused.swap(false, Ordering::Relaxed) {
+                    info!(node = %self.node, "ResourceSlices may be updated in place again");
+                }
+                self.remember(&stored);
+                Ok(Rewritten::Stored(Box::new(stored)))
+            }
+            Err(kube::Error::Api(status)) if status.code == 404 || status.code == 409 => Ok(Rewritten::Changed),
+            Err(kube::Error::Api(status)) if status.code == 403 => Ok(Rewritten::Refused(status.message)),
+            Err(source) => Err(PublishError::UpdateSlice { slice: name, source }),
+        }
+    }
+
+    /// Says once, until an update is allowed again, that updates of the node's slices are refused, and `meaning`
+    /// what that does.
+    fn say_update_refused(&self, slice: &str, reason: &str, meaning: &str) {
+        if !self.update_refused.swap(true, Ordering::Relaxed) {
+            warn!(node = %self.node, slice, reason, "may not update ResourceSlices in place (grant the verb update \
+                  on resource.k8s.io resourceslices to the agent's ServiceAccount; the chart does): {meaning}");
+        }
+    }
+
+    /// Records `slice` as this agent wrote or checked it.
+    fn remember(&self, slice: &ResourceSlice) {
+        if let (Some(uid), Some(version), Ok(mut checked)) =
+            (slice.uid(), slice.resource_version(), self.checked.lock())
+        {
+            checked.insert(uid, version);
+        }
+    }
+
+    /// The spec of a slice of this node's pool holding `content`, in generation `generation` of `count` slices.
+    fn spec(&self, content: &SliceContent, generation: i64, count: usize) -> Value {
+        json!({
+            "driver": self.driver,
+            "nodeName": self.node,
+            "pool": {"name": self.node, "generation": generation, "resourceSliceCount": count},
+            content.field(): content.items()
+        })
     }
 
     /// Says which of the devices' fields the API server dropped from `slice` (a name, or that it was a dry run).
@@ -381,6 +473,16 @@ impl Publisher {
             .ok_or_else(|| PublishError::NodeNotFound { node: self.node.clone() })?;
         Ok(node.uid().unwrap_or_default())
     }
+}
+
+/// What an update of one slice came to.
+enum Rewritten {
+    /// Stored as this: the new resource version, or the one before where nothing changed.
+    Stored(Box<ResourceSlice>),
+    /// Changed or deleted since it was listed: not overwritten.
+    Changed,
+    /// The API server refused the update (403), for this reason.
+    Refused(String),
 }
 
 /// Whether some stored slice of `current` lacks a field its devices (in `slices`, matched by their content hash in

@@ -161,3 +161,32 @@ fn the_group_claim_is_owned_by_the_group_and_named_after_it() -> Result<(), Temp
     assert_eq!(got["spec"], json!({"devices": {"requests": [{"name": "gpu"}]}}));
     Ok(())
 }
+
+/// A claim the PodGroup and its pods name (`resourceClaimName`): the scheduler reserves it for the PodGroup once;
+/// each member counts as reserved (upstream `IsReservedForPod`), so none adds itself (before, each member was
+/// added, filling `reservedFor` to its limit), and a member reserves it for the group (upstream `BindTo`).
+#[test]
+fn a_named_claim_of_the_group_reserved_for_it_is_reserved_for_each_member() {
+    let member: Pod = serde_json::from_value(json!({
+        "metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"},
+        "spec": {"nodeName": "n", "schedulingGroup": {"podGroupName": "g"},
+                 "resourceClaims": [{"name": "fabric", "resourceClaimName": "shared"}]}
+    }))
+    .expect("pod");
+    let reserved_for_group = json!([{"apiGroup": GROUP, "resource": RESOURCE, "name": "g", "uid": "g-uid"}]);
+    let shared: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "shared", "namespace": "ns"},
+        "spec": {"devices": {"requests": []}},
+        "status": {"reservedFor": reserved_for_group, "allocation": {"devices": {"results": []}}}
+    }))
+    .expect("claim");
+    assert!(!super::super::should_reserve(&shared, &member));
+    let lookup = |_: &str| Some(std::sync::Arc::new(shared.clone()));
+    assert_eq!(super::super::pod_needs_work(&member, &[], lookup), (false, "nothing to do"));
+
+    let named = group(json!([{"name": "fabric", "resourceClaimName": "shared"}]), json!([]));
+    assert!(named_claim_binds_to_group(&member, "shared", &named));
+    assert!(!named_claim_binds_to_group(&member, "other", &named));
+    let elsewhere = group(json!([{"name": "fabric", "resourceClaimName": "another"}]), json!([]));
+    assert!(!named_claim_binds_to_group(&member, "shared", &elsewhere), "the pod's own claim, not the group's");
+}
