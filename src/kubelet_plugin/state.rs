@@ -259,7 +259,8 @@ impl DriverState {
     /// Start-up's clean-up again, once the GPUs are discovered after the plugin started without them (the driver
     /// unusable then): what needed them could not be done at start (the MIG devices of interrupted prepares
     /// destroyed, time slices and compute modes set back, missing specs written). Safe while serving: prepares and
-    /// unprepares hold the state lock for their whole batch, so nothing it finds started is in progress.
+    /// unprepares hold the state lock for their whole batch, so nothing it finds started is in progress (an unprepare
+    /// stopping an MPS daemon with the lock let go is waited for).
     pub async fn recover_with_gpus(self: &Arc<Self>) -> Result<(), StateError> {
         let this = self.clone();
         let (half_done, rewritten, orphans) = tokio::task::spawn_blocking(move || {
@@ -444,6 +445,11 @@ impl DriverState {
             .map_err(|e| format!("read claim {claim}: {e}"))
     }
 
+    /// Whether an unprepare is stopping the claim's MPS daemon with the state lock let go ([`Self::mps_stopping`]).
+    fn mps_stopping(&self, uid: &str) -> bool {
+        self.mps_stopping.lock().unwrap_or_else(PoisonError::into_inner).contains(uid)
+    }
+
     fn lock(&self) -> MutexGuard<'_, Checkpoint> {
         self.checkpoint.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -479,7 +485,7 @@ impl DriverState {
                 results.push((claim.uid, Err(reason)));
                 continue;
             }
-            if self.mps_stopping.lock().unwrap_or_else(PoisonError::into_inner).contains(&claim.uid) {
+            if self.mps_stopping(&claim.uid) {
                 let reason = format!("claim {claim} is being unprepared (its MPS daemon is stopping); retry");
                 results.push((claim.uid, Err(reason)));
                 continue;
@@ -750,7 +756,16 @@ impl DriverState {
     /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
     /// records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten, orphans).
     fn clean_up(&self) -> (usize, usize, usize) {
-        let mut checkpoint = self.lock();
+        // Once no unprepare is stopping an MPS daemon with the lock let go: its claim, marked unfinished, would pass for
+        // a half-done prepare here, and its daemon for one nobody needs.
+        let mut checkpoint = loop {
+            let checkpoint = self.lock();
+            if self.mps_stopping.lock().unwrap_or_else(PoisonError::into_inner).is_empty() {
+                break checkpoint;
+            }
+            drop(checkpoint);
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        };
         let half_done: Vec<String> = checkpoint.half_prepared().map(|(uid, _)| uid.to_string()).collect();
         for uid in &half_done {
             self.remove_spec_logged(uid);

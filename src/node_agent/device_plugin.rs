@@ -250,7 +250,11 @@ impl DevicePluginGuard {
             warn!(file = %self.record.display(), "unreadable record of when a device plugin last served GPUs: ignored");
             return None;
         };
-        let ago = served_ago(SystemTime::now(), served);
+        let Some(ago) = served_ago(SystemTime::now(), served) else {
+            warn!(file = %self.record.display(), "the record of when a device plugin last served GPUs is from more \
+                  than a day ahead of this clock: ignored");
+            return None;
+        };
         (ago < self.grace).then(|| now.checked_sub(ago).unwrap_or(now))
     }
 
@@ -268,9 +272,13 @@ impl DevicePluginGuard {
 /// How long before `now` the record's `lastServedMillis` was. A time after `now` (the clock stepped back since it
 /// was written: NTP correcting a fast clock, a reboot with a real-time clock behind) counts as just now, so the GPUs
 /// are held back the whole grace period; read as "not remembered", they would be published while the device plugin
-/// registers again, both handing out the same GPUs.
-fn served_ago(now: SystemTime, served_millis: u64) -> Duration {
-    now.duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(served_millis)).unwrap_or_default()
+/// registers again, both handing out the same GPUs. `None` beyond a day ahead: a record written under a clock that
+/// wrong would hold the GPUs back at every start until that day.
+fn served_ago(now: SystemTime, served_millis: u64) -> Option<Duration> {
+    match now.duration_since(SystemTime::UNIX_EPOCH + Duration::from_millis(served_millis)) {
+        Ok(ago) => Some(ago),
+        Err(ahead) => (ahead.duration() <= Duration::from_secs(24 * 3600)).then_some(Duration::ZERO),
+    }
 }
 
 #[cfg(test)]
@@ -282,9 +290,10 @@ mod tests {
     #[test]
     fn a_record_from_the_future_counts_as_just_now() {
         let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
-        assert_eq!(served_ago(now, 999_990_000), Duration::from_secs(10));
-        assert_eq!(served_ago(now, 1_000_000_000), Duration::ZERO);
-        assert_eq!(served_ago(now, 1_000_600_000), Duration::ZERO, "ten minutes ahead");
+        assert_eq!(served_ago(now, 999_990_000), Some(Duration::from_secs(10)));
+        assert_eq!(served_ago(now, 1_000_000_000), Some(Duration::ZERO));
+        assert_eq!(served_ago(now, 1_000_600_000), Some(Duration::ZERO), "ten minutes ahead");
+        assert_eq!(served_ago(now, 1_090_000_000), None, "a day and more ahead");
     }
 
     #[test]

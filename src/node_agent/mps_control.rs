@@ -298,10 +298,12 @@ impl MpsDaemons {
         if let Some(supervised) = supervised {
             supervised.stop.store(true, Ordering::SeqCst);
             // Within STOP_TIMEOUT of asking, however long the asking took. One that cannot be asked (its control
-            // pipe removed by a tenant's container, which shares the pipe directory) is killed at once.
+            // pipe removed by a tenant's container, which shares the pipe directory) is killed at once; one whose
+            // client failed with the pipe there may still be quitting, and gets the rest of the time.
             let deadline = Instant::now() + STOP_TIMEOUT;
             let asked = send(&self.program, &dirs, "quit");
-            while asked.is_ok() && !supervised.thread.is_finished() && Instant::now() < deadline {
+            let may_quit = asked.is_ok() || dirs.pipe.join(CONTROL_PIPE).exists();
+            while may_quit && !supervised.thread.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
             if !supervised.thread.is_finished() {

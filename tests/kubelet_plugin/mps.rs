@@ -355,26 +355,30 @@ pub(super) async fn an_admin_access_claim_beside_an_mps_claim_changes_nothing(ct
 /// A claim's MPS daemon hangs (stuck in the driver on a faulted GPU; here stopped with SIGSTOP): its unprepare
 /// asks it to quit, waits out the stop timeout and kills it. Meanwhile another tenant's claim on the node's other
 /// GPU prepares as ever: the daemon is stopped with the node's state lock let go (before, every prepare and
-/// unprepare of the node waited the 10 s with it). The hung claim's GPU stays listed until its daemon is gone.
+/// unprepare of the node waited the 10 s with it). The hung claim's GPU stays listed until its daemon is gone; a
+/// claim unprepared in the same batch (the pod's other claim) is done and recorded before the lock is let go, so
+/// the look for lost specs does not write its spec again meanwhile.
 pub(super) async fn a_hung_mps_daemon_holds_back_no_other_claim(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
-    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
     let ns = ctx.namespace.as_str();
     let mps_uid = allocated_claim(&ctx, "mps", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
     let other_uid = allocated_claim(&ctx, "other", &node, &["gpu-1"], json!([])).await?;
+    let beside_uid = allocated_claim(&ctx, "beside", &node, &["gpu-2"], json!([])).await?;
     let mut kubelet = Kubelet::register(&dirs).await?;
-    let answers = kubelet.prepare(&[(ns, "mps", mps_uid.as_str())]).await?;
+    let answers = kubelet.prepare(&[(ns, "mps", mps_uid.as_str()), (ns, "beside", beside_uid.as_str())]).await?;
     ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
     let claim_dir = dirs.mps().join(&mps_uid);
     let daemon = next_daemon(&claim_dir, 0).await?;
     std::process::Command::new("kill").args(["-STOP", &daemon.to_string()]).status()?;
 
-    let (namespace, uid) = (ns.to_string(), mps_uid.clone());
+    let (namespace, uid, beside) = (ns.to_string(), mps_uid.clone(), beside_uid.clone());
     let unprepare = tokio::spawn(async move {
         let started = std::time::Instant::now();
-        let answer = kubelet.unprepare(&[(namespace.as_str(), "mps", uid.as_str())]).await;
+        let both = [(namespace.as_str(), "mps", uid.as_str()), (namespace.as_str(), "beside", beside.as_str())];
+        let answer = kubelet.unprepare(&both).await;
         (answer, started.elapsed())
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -390,6 +394,7 @@ pub(super) async fn a_hung_mps_daemon_holds_back_no_other_claim(ctx: TestContext
     );
     let listed = checkpoint(&dirs, "boot-1")?.claims;
     ensure!(listed.contains_key(&mps_uid), "the hung claim's entry went before its daemon");
+    ensure!(!listed.contains_key(&beside_uid), "the batch's other claim is not recorded done while the daemon stops");
 
     let (answer, took) = unprepare.await?;
     let answer = answer?;
@@ -399,5 +404,6 @@ pub(super) async fn a_hung_mps_daemon_holds_back_no_other_claim(ctx: TestContext
     ensure!(!claim_dir.exists(), "{} is left", claim_dir.display());
     ensure!(agent.log_text().contains("did not quit within"), "the log does not say why it was killed");
     ensure!(!checkpoint(&dirs, "boot-1")?.claims.contains_key(&mps_uid), "the entry is left");
+    ensure!(!dirs.cdi_spec(&beside_uid).exists(), "the other claim's spec is back");
     Ok(())
 }

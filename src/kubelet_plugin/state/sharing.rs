@@ -147,7 +147,9 @@ impl DriverState {
     /// devices that could not be, with why.
     fn set_back_compute_modes(&self, checkpoint: &mut Checkpoint, devices: &BTreeSet<String>) -> Vec<(String, String)> {
         let inventory = self.inventory.borrow().clone();
-        let idle = mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory), |uid| self.mps.supervises(uid));
+        // A daemon an unprepare is stopping (no longer supervised, its entry unfinished) still serves its GPUs.
+        let serving = |uid: &str| self.mps.supervises(uid) || self.mps_stopping(uid);
+        let idle = mps::exclusive_to_set_back(checkpoint, whole_gpu_uuid(&inventory), serving);
         let mut failed = Vec::new();
         for device in idle.iter().filter(|d| devices.contains(*d)) {
             if device::is_mig_device_name(device) || inventory.get(device).is_some_and(Device::is_mig) {

@@ -25,18 +25,24 @@ impl DriverState {
     pub(super) fn commit_unprepares(&self) {
         let mut checkpoint = self.lock();
         let Some((batch, replies)) = self.unprepares.take() else { return };
-        let Removed { mut answered, mut done, stopping } = self.remove_files(&mut checkpoint, batch);
+        let Removed { mut answered, done, stopping } = self.remove_files(&mut checkpoint, batch);
+        // The batch's other claims are done and recorded first: with the lock let go, an entry still completed
+        // without its spec would have the spec written again by the look for lost specs.
+        answered.extend(self.drop_entries(&mut checkpoint, done));
         if !stopping.is_empty() {
             drop(checkpoint);
-            for claim in stopping {
-                let stopped = self.mps.stop(&claim.uid).map_err(|e| e.to_string());
-                done.push((claim, stopped));
-            }
-            checkpoint = self.lock();
+            let stopped: Vec<(ClaimRef, Result<(), String>)> = stopping
+                .into_iter()
+                .map(|claim| {
+                    let stopped = self.mps.stop(&claim.uid).map_err(|e| e.to_string());
+                    (claim, stopped)
+                })
+                .collect();
+            let mut checkpoint = self.lock();
+            answered.extend(self.drop_entries(&mut checkpoint, stopped.clone()));
             let mut marked = self.mps_stopping.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            marked.retain(|uid| done.iter().all(|(claim, _)| &claim.uid != uid));
+            marked.retain(|uid| stopped.iter().all(|(claim, _)| &claim.uid != uid));
         }
-        answered.extend(self.drop_entries(&mut checkpoint, done));
         replies.answer(answered);
     }
 

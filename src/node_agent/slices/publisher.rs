@@ -176,7 +176,10 @@ impl Publisher {
             let lacking =
                 !self.checked_dropped.swap(true, Ordering::Relaxed) && stored_lack_fields(slices, &hashes, &current);
             if !lacking {
-                self.restore_edited(slices, &hashes, &current).await?;
+                // A failure is the next round's to retry: the pool is as wanted, as far as the publish goes.
+                if let Err(error) = self.restore_edited(slices, &hashes, &current).await {
+                    warn!(node = %self.node, %error, "writing back a ResourceSlice someone else changed failed");
+                }
                 return Ok(Outcome::Unchanged);
             }
             info!(node = %self.node, "the stored slices lack fields this agent publishes (written while a feature gate \
@@ -360,6 +363,8 @@ impl Publisher {
                 }
                 Rewritten::Stored(_) | Rewritten::Changed => {}
                 Rewritten::Refused(reason) => {
+                    // Not asked again until the slice changes: every round would be refused alike.
+                    self.remember(stored);
                     self.say_update_refused(&name, &reason, "a slice someone else changed keeps their change");
                 }
             }
