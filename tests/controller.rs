@@ -64,6 +64,7 @@ fn main() {
             test!(allocated_claim_is_reserved_for_its_scheduled_pod),
             test!(pod_status_naming_another_pods_claim_gets_no_reservation),
             test!(gone_pod_reservation_is_dropped_and_other_consumers_kept),
+            test!(many_gone_pods_reservations_go_over_several_syncs),
             test!(deleted_claim_is_deallocated_and_released),
             test!(a_namespace_deleted_while_no_controller_runs_goes_once_one_does),
             test!(rejected_claim_warns_once_and_backs_off),
@@ -683,6 +684,30 @@ async fn gone_pod_reservation_is_dropped_and_other_consumers_kept(ctx: TestConte
     })
     .await?;
     ensure!(allocated(&claim) && !claim.finalizers().is_empty(), "allocation/finalizer must stay while in use");
+    Ok(())
+}
+
+/// A Job's 150 workers force-deleted while the controller was down: the claim they shared is reserved for 150 pods
+/// its cache never saw, each to be asked about (one GET), and at `--kube-api-qps 2` that takes 75 s, past a sync's
+/// 60 s limit. Each sync writes what it found within its budget and checks the rest in the next, so the
+/// reservations go (before, every sync was cut before it wrote anything, and none ever went).
+async fn many_gone_pods_reservations_go_over_several_syncs(ctx: TestContext) -> anyhow::Result<()> {
+    let controller = Component::controller(&ctx, &["--kube-api-qps", "2", "--kube-api-burst", "2"]).await?;
+    objects::create_claim(&ctx, "c").await?;
+    let workers: Vec<serde_json::Value> = (0..150)
+        .map(|i| json!({"resource": "pods", "name": format!("worker-{i}"), "uid": format!("00000000-0000-4000-8000-{i:012}")}))
+        .collect();
+    objects::allocate(&ctx, "c", json!(workers), true).await?;
+    let claims = objects::claims(&ctx);
+    let started = std::time::Instant::now();
+    let left = wait::until("the first gone workers' reservations to be dropped", Duration::from_secs(75), || async {
+        let left = reserved(&claims.get("c").await?).len();
+        Ok((left < 150).then_some(left))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    eprintln!("{} of 150 reservations dropped {:?} after they were written", 150 - left, started.elapsed());
+    ensure!(controller.log_text().contains("checking the rest in another sync"), "{}", controller.log_tail());
     Ok(())
 }
 

@@ -19,6 +19,11 @@ use super::slim_pod::Pod;
 /// How old an unrecorded duplicate must be before it is deleted: its creator may be between creating it and
 /// recording it in the pod status.
 const DUPLICATE_GRACE: Duration = Duration::from_secs(5);
+/// How long one sync spends asking the API server about reserved pods its cache lacks (one GET each, throttled by
+/// `--kube-api-qps`): what it found by then is written and the claim queued again, so that a claim reserved for
+/// many pods gone (a Job's 200 workers force-deleted) is cleaned up over several syncs instead of none, each cut by
+/// the sync timeout before it wrote anything. kube-controller-manager has no per-sync deadline to meet.
+const RESERVATION_CHECK_BUDGET: Duration = Duration::from_secs(super::SYNC_TIMEOUT.as_secs() * 2 / 3);
 use super::decide::{self, DELETE_PROTECTION_FINALIZER};
 use super::error::SyncError;
 use super::events::Reason;
@@ -43,7 +48,21 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
 
     let reserved = decide::reserved_for(&claim);
     let mut valid: Vec<ResourceClaimConsumerReference> = Vec::with_capacity(reserved.len());
-    for consumer in reserved {
+    let started = tokio::time::Instant::now();
+    let mut unchecked = false;
+    for (index, consumer) in reserved.iter().enumerate() {
+        if started.elapsed() > RESERVATION_CHECK_BUDGET {
+            // The rest is kept as it is for now (a consumer is dropped only when known gone).
+            valid.extend(reserved[index..].iter().cloned());
+            unchecked = true;
+            info!(
+                checked = index,
+                left = reserved.len() - index,
+                "checking the claim's reservations takes long; \
+                  writing what was found and checking the rest in another sync"
+            );
+            break;
+        }
         let is_pod = consumer.resource == "pods" && consumer.api_group.as_deref().unwrap_or_default().is_empty();
         if decide::podgroup::is_group_consumer(consumer) {
             if super::podgroup::keep_group_reservation(ctx, &key.namespace, consumer).await? {
@@ -96,7 +115,10 @@ pub async fn sync_claim(ctx: &Context, key: &ObjectKey) -> Result<(), SyncError>
         }
     }
 
-    if valid.is_empty() && !deleting {
+    if unchecked {
+        // After the informer shows the write (a sync of the cached claim would check the same pods again).
+        ctx.queue.add_after(WorkKey::Claim(key.clone()), Duration::from_secs(1));
+    } else if valid.is_empty() && !deleting {
         delete_if_pod_finished(ctx, key, &claim).await?;
     }
     Ok(())

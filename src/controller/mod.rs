@@ -179,7 +179,7 @@ pub const CLAIM_FIELD_MANAGER: &str = "gpu-dra-controller";
 /// entries the other wrote.
 pub const POD_STATUS_FIELD_MANAGER: &str = "ResourceClaimController";
 /// Longest one sync may take; a hung API call must not hold a worker (and its key) forever.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const SYNC_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long shutdown waits for in-flight syncs to finish.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(10);
 
