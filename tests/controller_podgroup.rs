@@ -39,6 +39,7 @@ fn main() {
                 test!(a_pod_groups_pods_share_one_claim),
                 test!(a_pod_group_whose_claim_cannot_be_created_says_why),
                 test!(a_claim_a_pod_group_names_stays_reserved_for_the_group_alone),
+                test!(members_record_the_claim_their_pod_group_records_of_two),
             ],
         )
     }
@@ -246,5 +247,38 @@ async fn a_claim_a_pod_group_names_stays_reserved_for_the_group_alone(ctx: TestC
         "the claim must stay reserved for the PodGroup alone: {reserved:?}\n{}",
         controller.log_tail()
     );
+    Ok(())
+}
+
+/// Two claims of one PodGroup claim exist (a create whose answer was lost under load, made again before the first
+/// showed): the group records the newer. A member records the claim its group records, as every other member does;
+/// before, a member took the oldest, and members recording different claims of one shared claim get two allocations.
+async fn members_record_the_claim_their_pod_group_records_of_two(ctx: TestContext) -> anyhow::Result<()> {
+    create_template(&ctx, "shared-gpu", objects::one_gpu()).await?;
+    let groups = podgroup::pod_groups(&ctx);
+    let group = groups.create(&PostParams::default(), &podgroup::group_object("trainers", "shared-gpu")?).await?;
+    let uid = group.uid().context("PodGroup without uid")?;
+    let claims = objects::claims(&ctx);
+    for name in ["trainers-gpu-aaaaa", "trainers-gpu-zzzzz"] {
+        let claim: k8s_openapi::api::resource::v1::ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"name": name, "annotations": {ANNOTATION: "gpu"},
+                "ownerReferences": [{"apiVersion": "scheduling.k8s.io/v1beta1", "kind": "PodGroup",
+                    "name": "trainers", "uid": uid, "controller": true}]},
+            "spec": objects::one_gpu()["spec"].clone()
+        }))?;
+        claims.create(&PostParams::default(), &claim).await?;
+    }
+    let status =
+        json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "trainers-gpu-zzzzz"}]}});
+    groups.patch_status("trainers", &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&status)).await?;
+    let controller = Component::controller(&ctx, &[]).await?;
+    let pod = podgroup::member_object("worker-0", "trainers", "shared-gpu", None)?;
+    podgroup::raw_pods(&ctx).create(&PostParams::default(), &pod).await.context("create the member pod")?;
+    let recorded = wait::until("the member to record a claim", SETTLE, || async {
+        Ok(podgroup::recorded(&podgroup::raw_pods(&ctx).get("worker-0").await?))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    ensure!(recorded == "trainers-gpu-zzzzz", "the member recorded {recorded}, not the claim its PodGroup records");
     Ok(())
 }

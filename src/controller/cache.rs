@@ -149,6 +149,15 @@ impl Caches {
         })
     }
 
+    /// The claim `name` when it is `group`'s: from the informer, or created and not observed yet.
+    pub fn claim_of_group(&self, group: &PodGroup, name: &str) -> Option<Arc<ResourceClaim>> {
+        let namespace = group.metadata.namespace.as_deref().unwrap_or_default();
+        let uid = group.metadata.uid.as_deref()?;
+        self.claim(namespace, name)
+            .or_else(|| lock(&self.created).by_pod.get(uid)?.iter().find(|c| c.name_any() == name).cloned())
+            .filter(|c| decide::podgroup::is_for_pod_group(c, group))
+    }
+
     pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
         self.pods.get(&key.namespace, &key.name)
     }

@@ -280,7 +280,14 @@ pub fn member_claim(
     if !decide_group::binds_to_group(pod, pod_claim, &group) {
         return Membership::Own;
     }
-    Membership::Group(ctx.caches.group_claim(&group, &pod_claim.name))
+    // The claim the PodGroup records, where it is the group's: every member records the same one even where two
+    // exist (a create whose answer was lost, made again before the first showed), not the oldest for some and the
+    // recorded one for others: one claim shared is two allocations split.
+    let recorded = match decide_group::group_recorded(&group, &pod_claim.name) {
+        Recorded::Claim(name) => ctx.caches.claim_of_group(&group, name),
+        Recorded::Missing | Recorded::NoClaimNeeded => None,
+    };
+    Membership::Group(recorded.or_else(|| ctx.caches.group_claim(&group, &pod_claim.name)))
 }
 
 /// syncClaim's rule for a PodGroup in `reservedFor`: whether to keep it (upstream: known deleted → drop; in the
