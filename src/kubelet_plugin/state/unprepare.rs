@@ -1,5 +1,6 @@
-//! Unpreparing claims in batches: under the state lock each claim's spec and device metadata are removed and its MIG
-//! devices destroyed; its MPS daemon is stopped with the lock let go; then one save drops the entries.
+//! Unpreparing claims in batches: under the state lock each claim's spec and device metadata are removed, its MIG
+//! devices destroyed, and one save drops the entries of those done; a claim whose MPS daemon is supervised has it
+//! stopped with the lock let go, and a second save drops its entry.
 
 use super::super::allocation::ClaimRef;
 use super::super::checkpoint::{Checkpoint, ClaimEntry};
@@ -31,6 +32,7 @@ impl DriverState {
         answered.extend(self.drop_entries(&mut checkpoint, done));
         if !stopping.is_empty() {
             drop(checkpoint);
+            let uids: Vec<String> = stopping.iter().map(|claim| claim.uid.clone()).collect();
             let stopped: Vec<(ClaimRef, Result<(), String>)> = stopping
                 .into_iter()
                 .map(|claim| {
@@ -39,9 +41,9 @@ impl DriverState {
                 })
                 .collect();
             let mut checkpoint = self.lock();
-            answered.extend(self.drop_entries(&mut checkpoint, stopped.clone()));
+            answered.extend(self.drop_entries(&mut checkpoint, stopped));
             let mut marked = self.mps_stopping.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-            marked.retain(|uid| stopped.iter().all(|(claim, _)| &claim.uid != uid));
+            marked.retain(|uid| !uids.contains(uid));
         }
         replies.answer(answered);
     }

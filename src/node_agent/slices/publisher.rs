@@ -314,12 +314,9 @@ impl Publisher {
             Rewritten::Refused(reason) => {
                 // Creating and deleting are allowed (they are how the pool was written): the change still reaches
                 // the scheduler, as a new generation, and the operator learns what to grant.
-                self.say_update_refused(
-                    &name,
-                    &reason,
-                    "publishing each change as a new generation, during which \
-                                                        the node's GPUs cannot be allocated",
-                );
+                let meaning =
+                    "publishing each change as a new generation, during which the node's GPUs cannot be allocated";
+                self.say_update_refused(&name, &reason, meaning);
                 return Ok(None);
             }
         };
