@@ -334,6 +334,10 @@ pub struct GpuCheckArgs {
     /// back to DEFAULT (not on a node running claims).
     #[arg(long)]
     pub check_mps: bool,
+    /// The node agent's state directory: the checks that change GPUs (`--check-time-slice`, `--check-mig-device`,
+    /// `--check-mps`) are refused while an agent holds its lock there, as they would change GPUs under its claims.
+    #[arg(long, default_value = "/var/lib/gpu-dra")]
+    pub state_dir: PathBuf,
 }
 
 /// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.

@@ -149,3 +149,24 @@ fn a_mig_device_is_made_and_destroyed_where_there_is_room() {
         );
     }
 }
+
+/// An operator runs the GPU-changing checks on a node whose agent serves claims: they would set its GPUs' time slice
+/// and compute mode back under the claims. Refused, naming the agent, while it holds its lock; done once it is gone.
+#[test]
+fn the_checks_that_change_gpus_are_refused_while_an_agent_runs() {
+    let state = tempfile::tempdir().expect("tempdir");
+    let lock = std::fs::File::create(state.path().join("agent.lock")).expect("lock file");
+    std::fs::write(state.path().join("agent.lock"), "pid 4242 on gpu-node-7\n").expect("record");
+    lock.try_lock().expect("take the lock, as a running agent holds it");
+    let dir = state.path().to_str().expect("path");
+    let simulated = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--watch-health", "0s"];
+    let (ok, out) = gpu_check(&[&simulated[..], &["--check-time-slice", "--state-dir", dir]].concat());
+    assert!(!ok, "{out}");
+    assert!(out.contains("a node agent runs on this machine (pid 4242 on gpu-node-7"), "{out}");
+    // The read-only report goes on beside it.
+    let (ok, out) = gpu_check(&[&simulated[..], &["--state-dir", dir]].concat());
+    assert!(ok, "{out}");
+    drop(lock);
+    let (ok, out) = gpu_check(&[&simulated[..], &["--check-time-slice", "--state-dir", dir]].concat());
+    assert!(ok, "{out}");
+}

@@ -58,6 +58,12 @@ pub enum GpuCheckError {
         nodes.join(", ")
     )]
     MissingDeviceNodes { nodes: Vec<String> },
+    #[error(
+        "a node agent runs on this machine ({holder}, holding the lock in {state_dir}): --check-time-slice, \
+         --check-mig-device and --check-mps change GPU settings its prepared claims depend on. Run them where no \
+         agent runs (drain the node and stop its agent), or without those flags"
+    )]
+    AgentRunning { state_dir: String, holder: String },
     #[error("watch NVML's health events: {0} (run with --watch-health 0s to skip)")]
     HealthEvents(#[source] nvml_wrapper::error::NvmlError),
 }
@@ -69,6 +75,11 @@ const SAMPLE_MIG_CLAIM_UID: &str = "0c4ec4ec-0000-4000-8000-000000000002";
 
 /// Runs the check and prints the report to stdout.
 pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
+    if (args.check_time_slice || args.check_mig_device || args.check_mps)
+        && let Some(holder) = super::instance_lock::holder(&args.state_dir)
+    {
+        return Err(GpuCheckError::AgentRunning { state_dir: args.state_dir.display().to_string(), holder });
+    }
     let gpu = &args.gpu;
     let backend = discovery::backend(gpu, &args.node_name, None)?;
     let found = backend.discover_all()?;

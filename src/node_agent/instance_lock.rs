@@ -84,6 +84,21 @@ pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Optio
 }
 
 /// The holder's pid as it recorded it, for the log.
+/// Who holds the lock in `state_dir` now (its file's record), if a node agent does: for a one-shot tool about to
+/// change GPU settings that a running agent's prepared claims depend on. Takes nothing; a lock file that is not there
+/// or not held is no agent.
+pub fn holder(state_dir: &Path) -> Option<String> {
+    let mut file = File::open(state_dir.join(LOCK_FILE)).ok()?;
+    match file.try_lock() {
+        Ok(()) => {
+            let _ = file.unlock();
+            None
+        }
+        Err(TryLockError::WouldBlock) => Some(holder_of(&mut file)),
+        Err(TryLockError::Error(_)) => None,
+    }
+}
+
 fn holder_of(file: &mut File) -> String {
     let mut text = String::new();
     match file.rewind().and_then(|()| file.read_to_string(&mut text)) {
