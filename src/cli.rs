@@ -248,6 +248,11 @@ pub struct GpuArgs {
     /// Simulated GPUs: `<count>x<model>[,…]` (e.g. `4xH100-80GB`) or `@<file>` holding such a list.
     #[arg(long, env = "GPU_DRA_SIMULATED_GPUS")]
     pub simulated_gpus: Option<String>,
+    /// Simulated GPUs: a directory in which their optional device nodes (`dev/nvidia-uvm`, `dev/nvidia-uvm-tools`)
+    /// are looked for, as a real GPU's are under `/`, so that a node booted without them can be played (by default
+    /// simulated GPUs have them all).
+    #[arg(long, env = "GPU_DRA_SIMULATED_DEV_ROOT")]
+    pub simulated_dev_root: Option<PathBuf>,
     /// Root of the NVIDIA driver installation (default for `nvml`: `/`; e.g. `/run/nvidia/driver` with the GPU
     /// Operator). With `simulated` GPUs only when given: their CDI specs then mount this tree's driver files too.
     #[arg(long, env = "GPU_DRA_DRIVER_ROOT")]

@@ -63,6 +63,7 @@ fn main() {
             test!(health_answers_while_a_prepare_hangs_on_the_disk),
             test!(a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing),
             test!(a_reboot_onto_a_full_state_disk_still_serves),
+            test!(a_spec_written_before_the_unified_memory_nodes_gets_them_once_they_appear),
             test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
@@ -1077,5 +1078,41 @@ async fn an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start(ctx: Tes
         .list(&ListParams::default().fields(&format!("spec.nodeName={node}")))
         .await?;
     ensure!(!slices.items.is_empty(), "no slices published");
+    Ok(())
+}
+
+/// A node booted without the unified-memory device nodes (nothing ran `nvidia-modprobe -u` yet): the first GPU pod's
+/// spec leaves them out (the runtime refuses a spec naming nodes the host lacks), and CUDA fails in its containers.
+/// Once the nodes appear the agent writes the prepared claims' specs again within its 10 s look for lost specs, so the
+/// containers' next start has them (before, the spec stayed without them for the pod's life).
+async fn a_spec_written_before_the_unified_memory_nodes_gets_them_once_they_appear(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let dev = tempfile::tempdir()?;
+    let dev_root = dev.path().to_str().context("dev root")?;
+    let agent = ready_agent_with(&ctx, &node, &dirs, "1xH100-80GB", &["--simulated-dev-root", dev_root]).await?;
+    let uid = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    prepares_fully(&dirs, &ctx.namespace, "a", &uid, "gpu-0").await?;
+    let shared_nodes = || -> anyhow::Result<Vec<String>> {
+        let spec: Value = serde_json::from_slice(&std::fs::read(dirs.cdi_spec(&uid))?)?;
+        let nodes = spec["containerEdits"]["deviceNodes"].as_array().cloned().unwrap_or_default();
+        Ok(nodes.iter().filter_map(|n| n["path"].as_str().map(str::to_string)).collect())
+    };
+    ensure!(shared_nodes()? == ["/dev/nvidiactl"], "before the nodes exist: {:?}", shared_nodes()?);
+
+    std::fs::create_dir_all(dev.path().join("dev"))?;
+    for name in ["nvidia-uvm", "nvidia-uvm-tools"] {
+        std::fs::write(dev.path().join("dev").join(name), b"")?;
+    }
+    let took = Instant::now();
+    wait::until("the spec to name the unified-memory nodes", Duration::from_secs(25), || async {
+        Ok((shared_nodes()? == ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    eprintln!("the spec named the unified-memory nodes {:?} after they appeared", took.elapsed());
     Ok(())
 }

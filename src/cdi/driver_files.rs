@@ -149,11 +149,16 @@ impl DriverFiles {
     }
 
     /// Whether the host has the device node `path` (`/dev/…`), looked up where the agent sees the host's `/dev`.
+    /// Simulated GPUs have every node, unless a root to look them up under was given ([`Self::with_dev_root`]).
     pub fn has_device_node(&self, path: &str) -> bool {
-        self.dev_root.as_deref().unwrap_or(Path::new("/")).join(path.trim_start_matches('/')).exists()
+        match &self.dev_root {
+            None if self.simulated => true,
+            root => root.as_deref().unwrap_or(Path::new("/")).join(path.trim_start_matches('/')).exists(),
+        }
     }
 
-    /// Device nodes are looked up under `root` instead of `/` ([`Self::has_device_node`]): for tests.
+    /// Device nodes are looked up under `root` instead of `/` ([`Self::has_device_node`]): for simulated GPUs
+    /// (`--simulated-dev-root`) and tests.
     pub fn with_dev_root(mut self, root: &Path) -> Self {
         self.dev_root = Some(root.to_path_buf());
         self

@@ -25,7 +25,8 @@ pub use files::{
     remove_claim_spec, spec_file_name, write_claim_spec,
 };
 pub use spec::{
-    ClaimEdits, FileDevice, OPTIONAL_DEVICE_NODES, build_claim_spec, build_claim_spec_with, validate_claim_spec,
+    ClaimEdits, FileDevice, OPTIONAL_DEVICE_NODES, build_claim_spec, build_claim_spec_with, optional_nodes_present,
+    validate_claim_spec,
 };
 
 /// Why a CDI spec could not be built, written or removed. Every message starts with the operation and names the

@@ -183,15 +183,20 @@ pub(super) fn device_env_name(device: &str) -> String {
     format!("GPU_DRA_DEVICE_{}", device.to_ascii_uppercase().replace('-', "_"))
 }
 
-/// The shared device nodes of a claim's spec: all of them for simulated GPUs, those the host has of the optional
-/// ones for real GPUs ([`OPTIONAL_DEVICE_NODES`]).
+/// The optional shared device nodes ([`OPTIONAL_DEVICE_NODES`]) the host has now: a claim's spec names those. The
+/// specs written before one appeared (a freshly booted node, `nvidia-modprobe -u` run later) lack it, and CUDA fails
+/// in their containers at every restart: a change of this set has the specs written again.
+pub fn optional_nodes_present(driver_files: &DriverFiles) -> Vec<&'static str> {
+    OPTIONAL_DEVICE_NODES.into_iter().filter(|path| driver_files.has_device_node(path)).collect()
+}
+
+/// The shared device nodes of a claim's spec: the control device, and those the host has of the optional ones
+/// ([`OPTIONAL_DEVICE_NODES`]; simulated GPUs have all unless `--simulated-dev-root` says otherwise).
 fn shared_device_nodes(claim_uid: &str, driver_files: &DriverFiles) -> Vec<Value> {
     SHARED_DEVICE_NODES
         .iter()
         .filter(|(path, ..)| {
-            let keep = driver_files.is_simulated()
-                || !OPTIONAL_DEVICE_NODES.contains(path)
-                || driver_files.has_device_node(path);
+            let keep = !OPTIONAL_DEVICE_NODES.contains(path) || driver_files.has_device_node(path);
             if !keep {
                 warn!(
                     claim_uid,

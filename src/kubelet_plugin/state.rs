@@ -141,10 +141,10 @@ pub struct DriverState {
     state_dir: PathBuf,
     device_metadata: bool,
     driver_files: DriverFiles,
-    /// The [`DriverFiles::changes`] the specs on disk were written for, and the claims whose specs are still to be
-    /// written again since the driver's files last changed (a driver upgraded in place): see
+    /// What on the host the specs on disk were written for, and the claims whose specs are still to be written
+    /// again since it last changed (a driver upgraded in place, the unified-memory nodes appearing): see
     /// [`Self::restore_lost_specs`].
-    stale_specs: Mutex<(u64, BTreeSet<String>)>,
+    stale_specs: Mutex<(SpecInputs, BTreeSet<String>)>,
     gpu_settings: Arc<dyn GpuSettings>,
     mig_control: Arc<dyn Discovery>,
     /// The MPS control daemons of prepared claims that asked MPS ([`super::mps`]).
@@ -202,7 +202,7 @@ impl DriverState {
             cdi_dir: config.cdi_dir,
             state_dir,
             device_metadata: config.device_metadata,
-            stale_specs: Mutex::new((config.driver_files.changes(), BTreeSet::new())),
+            stale_specs: Mutex::new((SpecInputs::of(&config.driver_files), BTreeSet::new())),
             driver_files: config.driver_files,
             gpu_settings: config.gpu_settings,
             mig_control: config.mig_control,
@@ -878,13 +878,15 @@ impl DriverState {
     /// a claim it prepared, but the runtime reads its spec at every container start (a restart after a crash, the
     /// next init container). So a spec lost while the pod runs is written again, and after the driver's files
     /// changed (a driver upgraded in place: the old versioned libraries and firmware removed) every spec is, so
-    /// that none names files that are gone (those that cannot be written are tried again every pass). Takes the
+    /// that none names files that are gone, and after the unified-memory device nodes appeared (a node booted
+    /// without them) or went, so that each names those there are (those that cannot be written are tried again
+    /// every pass). Takes the
     /// file lock: call it off the async threads.
     pub fn restore_lost_specs(&self) -> Rewrites {
         let checkpoint = self.lock();
         // Looks at the driver's files (a failure, the driver half-installed, leaves them as they were).
         let _ = self.driver_files.mounts();
-        let changes = self.driver_files.changes();
+        let changes = SpecInputs::of(&self.driver_files);
         let mut stale = self.stale_specs.lock().unwrap_or_else(PoisonError::into_inner);
         if stale.0 != changes {
             // Not those adopted from their specs after a corrupt checkpoint: what their specs hold beyond their
@@ -1112,6 +1114,21 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
 fn undoing(entry: Option<&mut ClaimEntry>) {
     if let Some(entry) = entry {
         entry.state = PrepareState::PrepareStarted;
+    }
+}
+
+/// What on the host a claim's spec is written from, beyond the claim: the driver's files (their
+/// [`DriverFiles::changes`]) and the optional device nodes there ([`cdi::optional_nodes_present`]). A spec written
+/// before either changed is written again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SpecInputs {
+    driver_changes: u64,
+    optional_nodes: Vec<&'static str>,
+}
+
+impl SpecInputs {
+    fn of(driver_files: &DriverFiles) -> Self {
+        Self { driver_changes: driver_files.changes(), optional_nodes: cdi::optional_nodes_present(driver_files) }
     }
 }
 

@@ -127,6 +127,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         mps_program: mps_control::MpsProgram::of(gpu).map_err(NodeAgentError::MpsProgram)?,
         driver_root: gpu.driver_root_to_read().map(std::path::Path::to_path_buf),
         simulated_gpus: gpu.gpu_backend == GpuBackend::Simulated,
+        simulated_dev_root: gpu.simulated_dev_root.clone(),
         host_driver_root: args.host_driver_root.clone(),
         gpu_settings: gpu_settings::backend(gpu, &args.state_dir, &boot_id),
         mig_control: discovery.clone(),

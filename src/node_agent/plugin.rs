@@ -41,6 +41,8 @@ pub(super) struct PluginSettings {
     pub(super) driver_root: Option<PathBuf>,
     /// Simulated GPUs: specs describe their device nodes in full (see `DriverFiles::simulated`).
     pub(super) simulated_gpus: bool,
+    /// Simulated GPUs: where their optional device nodes are looked for (`--simulated-dev-root`).
+    pub(super) simulated_dev_root: Option<PathBuf>,
     /// Where the host sees `driver_root` when it differs (see `--host-driver-root`).
     pub(super) host_driver_root: Option<PathBuf>,
     pub(super) boot_id: String,
@@ -77,6 +79,10 @@ pub(super) async fn start(
             as_seen(DriverFiles::awaiting(root), host_root, settings.simulated_gpus)
         }
         (Err(error), _) => return Err(error.to_string()),
+    };
+    let driver_files = match &settings.simulated_dev_root {
+        Some(dev_root) if settings.simulated_gpus => driver_files.with_dev_root(dev_root),
+        _ => driver_files,
     };
     let config = StateConfig {
         driver: settings.driver.clone(),
