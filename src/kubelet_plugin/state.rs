@@ -880,8 +880,7 @@ impl DriverState {
     /// changed (a driver upgraded in place: the old versioned libraries and firmware removed) every spec is, so
     /// that none names files that are gone, and after the unified-memory device nodes appeared (a node booted
     /// without them) or went, so that each names those there are (those that cannot be written are tried again
-    /// every pass). Takes the
-    /// file lock: call it off the async threads.
+    /// every pass). Takes the file lock: call it off the async threads.
     pub fn restore_lost_specs(&self) -> Rewrites {
         let checkpoint = self.lock();
         // Looks at the driver's files (a failure, the driver half-installed, leaves them as they were).
