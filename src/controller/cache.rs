@@ -152,10 +152,15 @@ impl Caches {
     /// The claim `name` when it is `group`'s: from the informer, or created and not observed yet.
     pub fn claim_of_group(&self, group: &PodGroup, name: &str) -> Option<Arc<ResourceClaim>> {
         let namespace = group.metadata.namespace.as_deref().unwrap_or_default();
-        let uid = group.metadata.uid.as_deref()?;
-        self.claim(namespace, name)
-            .or_else(|| lock(&self.created).by_pod.get(uid)?.iter().find(|c| c.name_any() == name).cloned())
+        self.claim_of_owner(namespace, group.metadata.uid.as_deref(), name)
             .filter(|c| decide::podgroup::is_for_pod_group(c, group))
+    }
+
+    /// A claim of `namespace` by name: from the informer, or created by us for the owner with UID `owner_uid` and
+    /// not observed yet.
+    fn claim_of_owner(&self, namespace: &str, owner_uid: Option<&str>, name: &str) -> Option<Arc<ResourceClaim>> {
+        self.claim(namespace, name)
+            .or_else(|| lock(&self.created).by_pod.get(owner_uid?)?.iter().find(|c| c.name_any() == name).cloned())
     }
 
     pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
@@ -172,11 +177,7 @@ impl Caches {
 
     /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet.
     pub fn claim_for_pod(&self, pod: &Pod, name: &str) -> Option<Arc<ResourceClaim>> {
-        let namespace = pod.namespace().unwrap_or_default();
-        self.claim(&namespace, name).or_else(|| {
-            let uid = pod.metadata.uid.as_deref()?;
-            lock(&self.created).by_pod.get(uid)?.iter().find(|c| c.name_any() == name).cloned()
-        })
+        self.claim_of_owner(&pod.namespace().unwrap_or_default(), pod.metadata.uid.as_deref(), name)
     }
 
     /// A claim generated earlier for pod claim `pod_claim` of `pod` that the pod's status does not record (the

@@ -133,9 +133,9 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     println!("  environment: {}", env.join(" "));
     let mut missing = Vec::new();
     for node in device_nodes(&claim) {
-        let state = if Path::new(&node).exists() { "present" } else { "MISSING on this machine" };
-        println!("  device node {node}: {state}");
-        if !Path::new(&node).exists() {
+        let present = Path::new(&node).exists();
+        println!("  device node {node}: {}", if present { "present" } else { "MISSING on this machine" });
+        if !present {
             missing.push(node);
         }
     }
