@@ -363,7 +363,11 @@ async fn raw_controller(client: Client) -> anyhow::Result<()> {
 /// A client without a rate limit.
 async fn unlimited_client(cluster: &Cluster) -> anyhow::Result<Client> {
     let config = cluster.client_config().await?;
-    let unlimited = gpu_dra::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: 0 };
+    let unlimited = gpu_dra::kube_client::ClientArgs {
+        kube_api_qps: 0.0,
+        kube_api_burst: 0,
+        kube_api_timeout: std::time::Duration::from_secs(70),
+    };
     Ok(gpu_dra::kube_client::client_from_config(config, &unlimited)?)
 }
 

@@ -2,6 +2,7 @@
 //! client-side rate limit, as client-go's `--kube-api-qps`/`--kube-api-burst`, so a burst of work never floods
 //! the API server.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll, ready};
@@ -21,6 +22,20 @@ pub struct ClientArgs {
     /// Requests allowed at once above the average.
     #[arg(long, env = "GPU_DRA_KUBE_API_BURST", default_value_t = 100)]
     pub kube_api_burst: u32,
+    /// How long a request (not a watch) may wait for the API server's answer before it fails and its connection is
+    /// dropped: a connection to an API server that vanished (its machine off, its address black-holed) gets no
+    /// answer and no reset for up to 15 minutes. Longer than kube-apiserver's own 60 s `--request-timeout`, so a
+    /// request it would still answer is never cut.
+    #[arg(long, env = "GPU_DRA_KUBE_API_TIMEOUT", default_value = "70s", value_parser = humantime::parse_duration)]
+    pub kube_api_timeout: Duration,
+}
+
+impl ClientArgs {
+    /// These arguments without a rate limit: for a client that paces itself, or that must not wait behind another's
+    /// budget. Its requests keep the deadline.
+    pub fn unlimited(&self, burst: u32) -> Self {
+        Self { kube_api_qps: 0.0, kube_api_burst: burst, ..self.clone() }
+    }
 }
 
 /// Builds a client from the inferred configuration, rate limited by `args`.
@@ -52,11 +67,12 @@ pub fn install_crypto_provider() {
 pub fn client_from_config(config: kube::Config, args: &ClientArgs) -> Result<kube::Client, kube::Error> {
     install_crypto_provider();
     let builder = ClientBuilder::try_from(config)?;
+    let deadline = DeadlineLayer { timeout: args.kube_api_timeout };
     if args.kube_api_qps <= 0.0 {
-        return Ok(builder.build());
+        return Ok(builder.with_layer(&deadline).build());
     }
     let bucket = Arc::new(TokenBucket::new(args.kube_api_qps, args.kube_api_burst.max(1)));
-    Ok(builder.with_layer(&RateLimitLayer { bucket }).build())
+    Ok(builder.with_layer(&RateLimitLayer { bucket }).with_layer(&deadline).build())
 }
 
 /// A token bucket: `burst` tokens, refilled at `qps` per second.
@@ -173,6 +189,80 @@ where
     fn call(&mut self, request: R) -> Self::Future {
         self.permitted = false;
         self.inner.call(request)
+    }
+}
+
+/// A request the API server did not answer within the deadline.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "no answer from the API server within {0:?} (--kube-api-timeout); the connection is dropped and the request \
+     failed, to be retried"
+)]
+pub struct NoAnswer(Duration);
+
+#[derive(Debug, Clone)]
+struct DeadlineLayer {
+    timeout: Duration,
+}
+
+impl<S> Layer<S> for DeadlineLayer {
+    type Service = Deadline<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Deadline { inner, timeout: self.timeout }
+    }
+}
+
+/// Fails a request whose answer has not begun within the deadline. Dropping it drops its connection (an HTTP/1.1
+/// connection with a request unanswered is not reused), so the retry dials again, where kube's client would
+/// otherwise wait on a dead connection until the kernel gives up on it: kube 5.0 sets no read timeout in a
+/// cluster and no TCP keepalive, and speaks HTTP/1.1, so there are no HTTP/2 pings (client-go's answer to this).
+/// Watches are exempt: they are meant to stay open, and kube's watcher ends one that stays silent for 295 s.
+struct Deadline<S> {
+    inner: S,
+    timeout: Duration,
+}
+
+impl<S, B> Service<http::Request<B>> for Deadline<S>
+where
+    S: Service<http::Request<B>>,
+    S::Error: Into<tower::BoxError>,
+{
+    type Response = S::Response;
+    type Error = tower::BoxError;
+    type Future = DeadlineFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let watch = request.uri().query().is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"));
+        let deadline = (!watch).then(|| (Box::pin(tokio::time::sleep(self.timeout)), self.timeout));
+        DeadlineFuture { inner: Box::pin(self.inner.call(request)), deadline }
+    }
+}
+
+/// The answer of [`Deadline`]'s request, or [`NoAnswer`].
+struct DeadlineFuture<F> {
+    inner: Pin<Box<F>>,
+    deadline: Option<(Pin<Box<tokio::time::Sleep>>, Duration)>,
+}
+
+impl<F, T, E> Future for DeadlineFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<tower::BoxError>,
+{
+    type Output = Result<T, tower::BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Poll::Ready(answer) = self.inner.as_mut().poll(cx) {
+            return Poll::Ready(answer.map_err(Into::into));
+        }
+        let Some((sleep, timeout)) = self.deadline.as_mut() else { return Poll::Pending };
+        ready!(sleep.as_mut().poll(cx));
+        Poll::Ready(Err(NoAnswer(*timeout).into()))
     }
 }
 

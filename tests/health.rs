@@ -31,6 +31,7 @@ fn main() {
             test!(the_kubelet_writes_device_health_into_the_pod_status),
             test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
             test!(an_unreadable_health_state_is_kept_aside_and_reported),
+            test!(a_fault_during_a_request_the_api_server_never_answers_is_published_after_the_deadline),
         ]
     } else {
         vec![
@@ -513,5 +514,42 @@ async fn an_open_health_stream_does_not_hold_up_the_agents_shutdown(ctx: TestCon
     let (dra, registration) = (agent.dirs.dra_socket(), agent.dirs.registration_socket());
     ensure!(!dra.exists() && !registration.exists(), "sockets left after shutdown: {dra:?} {registration:?}");
     eprintln!("agent exited {:?} after SIGTERM with a health stream open", started.elapsed());
+    Ok(())
+}
+
+/// An API server that vanished under an open connection (its machine off, its address black-holed behind the
+/// `kubernetes` Service) answers nothing and resets nothing: kube's client has no read timeout in a cluster and no
+/// TCP keepalive, so the request waits until the kernel gives up on the connection, up to 15 minutes. The publish
+/// round a fault starts lists the node's slices first: a proxy holds that list unanswered. The request fails at the
+/// agent's deadline (`--kube-api-timeout`, 3 s here), the connection is dropped, and the next round's list, on a new
+/// connection, passes: the fault's taint is published. Before, the round waited for the answer for good, and no
+/// fault of the node was published again.
+async fn a_fault_during_a_request_the_api_server_never_answers_is_published_after_the_deadline(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = support::node::NodeDirs::new()?;
+    let proxy = support::api_proxy::ApiProxy::start(ctx.cluster.client().await?).await?;
+    let extra = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--kube-api-timeout", "3s"];
+    let log_name = format!("{}-agent", ctx.namespace);
+    let agent = support::node::start_agent_with(proxy.kubeconfig(), &log_name, &node, &dirs, &extra)?;
+    agent.wait_ready().await?;
+    wait_taints(&ctx, &node, "gpu-1", &[], Duration::from_secs(30)).await?;
+
+    proxy.hold_next(http::Method::GET, "/resourceslices", 1);
+    let faulted = Instant::now();
+    inject(&dirs.state(), "gpu-1 ecc-dbe")?;
+    wait::until("the round's list to be held", Duration::from_secs(10), || async {
+        Ok((proxy.held() == 1).then_some(()))
+    })
+    .await?;
+    let key = format!("{DRIVER}/needs-reset");
+    let (_, _) =
+        wait_taints(&ctx, &node, "gpu-1", &[&key], Duration::from_secs(20)).await.with_context(|| agent.log_tail())?;
+    let took = faulted.elapsed();
+    eprintln!("gpu-1 tainted {took:?} after the fault, its round's list held unanswered");
+    ensure!(took >= Duration::from_secs(3), "published {took:?} after the fault: the list was not held");
+    ensure!(agent.log_text().contains("no answer from the API server within 3s"), "{}", agent.log_tail());
     Ok(())
 }

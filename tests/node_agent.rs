@@ -39,6 +39,7 @@ fn main() {
             test!(a_failed_publish_leaves_no_partial_pool_and_backs_off),
             test!(old_slices_a_policy_keeps_hold_back_new_generations),
             test!(a_slice_someone_edits_gets_the_agents_devices_back),
+            test!(dynamic_mig_publishes_a_pool_wherever_partitionable_devices_are_on),
         ],
     )
 }
@@ -932,5 +933,62 @@ async fn a_slice_someone_edits_gets_the_agents_devices_back(ctx: TestContext) ->
         "restored as a new slice or generation, not in place"
     );
     ensure!(agent.log_text().contains("changed by someone else"), "the log does not say so:\n{}", agent.log_tail());
+    Ok(())
+}
+
+/// `--mig-layout dynamic` on a control plane with DRAPartitionableDevices on: by default from 1.36, turned on here in
+/// a cluster of the test's own on older versions, as an operator trying the alpha does. Kubernetes 1.34's alpha
+/// validation wants each slice's counter sets in the slices that consume them and at most 32 counters a slice, so it
+/// refuses the dynamic layout's slices (422) rather than dropping their counters: the agent publishes the MIG devices
+/// that exist (static) and says why. Before, the dry run's refusal failed every round, and the node's pool, its GPU
+/// outside MIG too, was never published. From 1.35 the partitions are published.
+async fn dynamic_mig_publishes_a_pool_wherever_partitionable_devices_are_on(ctx: TestContext) -> anyhow::Result<()> {
+    let minor = support::cluster::kubernetes_minor()?;
+    let own = if minor < 36 {
+        let gates = [("GPU_DRA_E2E_FEATURE_GATES", "DRAPartitionableDevices=true")];
+        let binary = format!("node_agent-partitionable-{minor}");
+        Some(tokio::task::spawn_blocking(move || support::cluster::Cluster::start_own(&binary, false, &gates)).await??)
+    } else {
+        None
+    };
+    let cluster = own.as_ref().unwrap_or(&ctx.cluster);
+    let published = dynamic_mig_pool(&ctx, cluster, minor).await;
+    if let Some(own) = own {
+        tokio::task::spawn_blocking(move || own.stop()).await??;
+    }
+    published
+}
+
+async fn dynamic_mig_pool(ctx: &TestContext, cluster: &support::cluster::Cluster, minor: u32) -> anyhow::Result<()> {
+    let node = node_name(ctx);
+    cluster.add_node(&node)?;
+    let client = cluster.client().await?;
+    let dirs = NodeDirs::new()?;
+    // gpu-0 in MIG mode with no MIG device yet, gpu-1 an L4 outside MIG.
+    let gpus = "1xH100-80GB/mig=,1xL4-24GB";
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", gpus, "--mig-layout", "dynamic"];
+    let agent = support::node::start_agent_with(
+        &cluster.kubeconfig(),
+        &format!("{}-agent", ctx.namespace),
+        &node,
+        &dirs,
+        &args,
+    )?;
+    let selector = format!("spec.nodeName={node},spec.driver={DRIVER}");
+    let slices = Api::<ResourceSlice>::all(client);
+    let names = wait::until("the node's pool to list gpu-1", Duration::from_secs(30), || async {
+        let names = device_names(&slices.list(&ListParams::default().fields(&selector)).await?.items);
+        Ok(names.iter().any(|n| n == "gpu-1").then_some(names))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    let partitions = names.iter().filter(|n| n.starts_with("gpu-0-mig-")).count();
+    let refused = agent.log_text().contains("refuses the dynamic MIG layout");
+    if minor == 34 {
+        ensure!(refused && partitions == 0, "1.34 with the gate on: {names:?}\n{}", agent.log_tail());
+    } else {
+        ensure!(!refused && partitions == 25, "partitions of gpu-0 published: {names:?}\n{}", agent.log_tail());
+    }
+    eprintln!("Kubernetes 1.{minor}, DRAPartitionableDevices on: published {names:?}");
     Ok(())
 }

@@ -230,7 +230,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     }
     let client = crate::kube_client::client(&args.client).await.map_err(ControllerError::Client)?;
     // The Event sender keeps `--events-qps` itself (it sends in batches), so its client has no limit of its own.
-    let unlimited = crate::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: args.events_burst };
+    let unlimited = args.client.unlimited(args.events_burst);
     let events_client = crate::kube_client::client(&unlimited).await.map_err(ControllerError::Client)?;
     let events_pace = (args.events_qps > 0.0)
         .then(|| Arc::new(crate::kube_client::TokenBucket::new(args.events_qps, args.events_burst.max(1))));
@@ -394,11 +394,9 @@ async fn worker(ctx: Arc<Context>) {
                     warn!(%message, "forbidden: grant the controller's ServiceAccount this permission");
                 }
                 if matches!(refused, Some((decide::quota::Refusal::Quota, _))) {
-                    // Woken by the quota's change; this retry is the net under a missed one, and refusals do not
-                    // build up the back-off a failure of another kind would start from.
-                    ctx.queue.forget(&key);
-                    ctx.queue.add_after(key.clone(), quota::QUOTA_RETRY);
-                    debug!(%key, error = %err, retry_in = ?quota::QUOTA_RETRY, "sync refused for quota");
+                    // Woken by the quota's change; this retry is the net under a missed one.
+                    let delay = ctx.queue.retry_refused(key.clone(), quota::QUOTA_RETRY);
+                    debug!(%key, error = %err, retry_in = ?delay, "sync refused for quota");
                 } else {
                     // Whatever held it back now, it is not a quota (its claims got in, or never got that far),
                     // unless a quota refused one of its claims before the failure returned.

@@ -143,6 +143,8 @@ struct State {
     /// Keys being processed, with the time they were handed out.
     processing: HashMap<Arc<WorkKey>, Instant>,
     failures: HashMap<WorkKey, u32>,
+    /// Refusals in a row of each key a quota refused ([`WorkQueue::retry_refused`]), apart from `failures`.
+    refusals: HashMap<WorkKey, u32>,
     /// The one pending delayed add of each key: when it is due. A later delayed add of a key is dropped while an
     /// earlier one is pending, an earlier one replaces it (client-go's delaying queue keeps one entry per key), so
     /// a key that fails often never piles up timers.
@@ -234,6 +236,7 @@ impl WorkQueue {
         state.dirty.clear();
         state.delayed.clear();
         state.failures.clear();
+        state.refusals.clear();
     }
 
     /// Keeps keys again (see [`WorkQueue::stand_by`]).
@@ -263,9 +266,11 @@ impl WorkQueue {
         }
     }
 
-    /// Clears the failure count of `key` after a successful sync.
+    /// Clears the failure and refusal counts of `key` after a successful sync.
     pub fn forget(&self, key: &WorkKey) {
-        self.lock().failures.remove(key);
+        let mut state = self.lock();
+        state.failures.remove(key);
+        state.refusals.remove(key);
     }
 
     /// Re-adds `key` after its back-off delay; returns the delay.
@@ -275,6 +280,25 @@ impl WorkQueue {
             let failures = state.failures.entry(key.clone()).or_insert(0);
             *failures = failures.saturating_add(1);
             let own = backoff(*failures);
+            own.max(state.retries.reserve(Instant::now()))
+        };
+        self.add_after(key, delay);
+        delay
+    }
+
+    /// Re-adds `key`, refused (a quota), after `first` doubled with each refusal in a row before this one, capped at
+    /// 1,000 s, or later when retries of all keys together pass 10 a second (the bucket [`WorkQueue::retry`] takes
+    /// from); returns the delay. Its failure count is cleared: refusals do not build up the back-off a failure of
+    /// another kind starts from. Without the doubling and the bucket, every waiting pod of a Job a quota holds back
+    /// was retried each `first` on its own: 3,000 of them took 50 refused creates a second, the whole default
+    /// client limit, from the claims of every other namespace.
+    pub fn retry_refused(&self, key: WorkKey, first: Duration) -> Duration {
+        let delay = {
+            let mut state = self.lock();
+            state.failures.remove(&key);
+            let refusals = state.refusals.entry(key.clone()).or_insert(0);
+            *refusals = refusals.saturating_add(1);
+            let own = first.saturating_mul(1u32 << refusals.saturating_sub(1).min(31)).min(MAX_DELAY);
             own.max(state.retries.reserve(Instant::now()))
         };
         self.add_after(key, delay);
@@ -473,6 +497,27 @@ mod tests {
         tokio::time::sleep(Duration::from_secs(61)).await;
         assert_eq!(queue.depth(), 0, "the later ones were dropped, not fired as well");
         assert!(queue.lock().delayed.is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn refused_keys_wait_longer_each_time_and_take_from_the_overall_bucket() {
+        let queue = WorkQueue::new();
+        let minute = Duration::from_secs(60);
+        let delays: Vec<u64> = (0..6).map(|_| queue.retry_refused(pod("a"), minute).as_secs()).collect();
+        assert_eq!(delays, [60, 120, 240, 480, 960, 1000], "doubling from the first, capped as every back-off");
+        assert_eq!(queue.retry(pod("a")), Duration::from_millis(5), "refusals build no back-off of failures");
+        assert_eq!(queue.retry_refused(pod("a"), minute).as_secs(), 1000, "a failure between keeps the refusals");
+        queue.forget(&pod("a"));
+        assert_eq!(queue.retry_refused(pod("a"), minute), minute, "a success starts again");
+
+        // A Job of 3,000 pods a quota refused at once: their retries come due at 10 a second at most, as every
+        // retry's, not all a minute later.
+        let queue = WorkQueue::new();
+        let delays: Vec<Duration> = (0..3000).map(|i| queue.retry_refused(pod(&format!("p{i}")), minute)).collect();
+        assert_eq!(delays[0], minute);
+        let last = delays[2999].as_secs_f64();
+        assert!((last - 290.0).abs() < 0.5, "the 3,000th waits for its token: {last} s");
+        assert!(delays.windows(2).all(|w| w[0] <= w[1]));
     }
 
     #[tokio::test(start_paused = true)]

@@ -15,8 +15,11 @@
 //! free, keeps its place and is passed over, so it neither takes a wake that cannot help it nor holds back the pod
 //! behind it that the room fits. Quota writes that leave no room for claims (another claim counted in, a pod's CPU,
 //! a ConfigMap count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not
-//! per write. A refused key is also retried on its own every [`QUOTA_RETRY`], in case a change is missed (its
-//! back-off count is reset: a later failure of another kind starts from 5 ms), and is forgotten once a sync is not
+//! per write. A refused key is also retried on its own, in case a change is missed: after [`QUOTA_RETRY`], doubling
+//! with each refusal in a row up to 1,000 s and taking from the queue's overall retry bucket (10 a second), so a
+//! Job of thousands of waiting pods does not spend the client's limit on refused creates
+//! ([`super::queue::WorkQueue::retry_refused`]; its back-off count is reset: a later failure of another kind starts
+//! from 5 ms). It is forgotten once a sync is not
 //! refused for quota or its pod is deleted or done. A key woken and refused again (the API server's quota admission can lag the watch
 //! by a moment) is looked at once more after [`WOKEN_REFUSED_AGAIN`].
 //!
@@ -43,7 +46,8 @@ use super::decide::quota::{ClaimLimits, Needs, Refusal, asks, claim_limits, free
 use super::error::SyncError;
 use super::queue::WorkKey;
 
-/// How often a key a quota refused is retried on its own: the safety net when the quota's change is missed.
+/// When a key a quota refused is first retried on its own (doubling with each refusal in a row): the safety net
+/// when the quota's change is missed.
 pub const QUOTA_RETRY: Duration = Duration::from_secs(60);
 /// When a key woken by a quota's change and refused again is looked at once more.
 pub const WOKEN_REFUSED_AGAIN: Duration = Duration::from_secs(1);
@@ -312,7 +316,8 @@ pub async fn watch(client: Client, namespace: Option<String>, ctx: Arc<Context>)
                     ctx.quota.set_watching(false);
                     if !reported.swap(true, Ordering::Relaxed) {
                         warn!(error = %err, "cannot list ResourceQuotas (the chart grants list and watch): pods whose \
-                              claims a quota refused are retried every {QUOTA_RETRY:?}, not when quota comes free");
+                              claims a quota refused are retried with a back-off from {QUOTA_RETRY:?}, not when quota comes \
+                              free");
                     }
                 }
                 // A broken watch resumes where it was: what is remembered stays valid.

@@ -143,7 +143,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         crate::kube_client::client_from_config(config.clone(), &args.client).map_err(NodeAgentError::Client)?;
     // The kubelet's prepare calls read their claims through a client of their own, outside --kube-api-qps: a node
     // starting many pods at once must not wait behind the agent's own budget (the kubelet paces those calls).
-    let unlimited = crate::kube_client::ClientArgs { kube_api_qps: 0.0, kube_api_burst: 0 };
+    let unlimited = args.client.unlimited(0);
     let plugin_client = crate::kube_client::client_from_config(config, &unlimited).map_err(NodeAgentError::Client)?;
 
     let mut registry = Registry::default();

@@ -44,14 +44,21 @@ struct Gate {
 struct Shut {
     method: Option<Method>,
     path_suffix: String,
+    /// Holds only this many more (watches passed over), where set: the rest pass.
+    remaining: Option<usize>,
     /// Never given permits: closed when the gate opens, which ends every wait.
     waiting: Arc<tokio::sync::Semaphore>,
 }
 
 impl Gate {
     fn shut(&mut self, method: Option<Method>, path_suffix: &str) {
+        self.shut_for(method, path_suffix, None);
+    }
+
+    fn shut_for(&mut self, method: Option<Method>, path_suffix: &str, remaining: Option<usize>) {
         let waiting = Arc::new(tokio::sync::Semaphore::new(0));
-        *self = Gate { shut: Some(Shut { method, path_suffix: path_suffix.to_string(), waiting }), held: 0 };
+        let shut = Shut { method, path_suffix: path_suffix.to_string(), remaining, waiting };
+        *self = Gate { shut: Some(shut), held: 0 };
     }
 
     /// Lets the held requests, and all later ones, through.
@@ -62,10 +69,16 @@ impl Gate {
     }
 
     /// What a request of `method` on `path` must wait for, if the gate holds it (counted).
-    fn holds(&mut self, method: &Method, path: &str) -> Option<Arc<tokio::sync::Semaphore>> {
-        let shut = self.shut.as_ref()?;
-        if shut.method.as_ref().is_some_and(|m| m != method) || !path.ends_with(&shut.path_suffix) {
+    fn holds(&mut self, method: &Method, uri: &http::Uri) -> Option<Arc<tokio::sync::Semaphore>> {
+        let shut = self.shut.as_mut()?;
+        if shut.method.as_ref().is_some_and(|m| m != method) || !uri.path().ends_with(&shut.path_suffix) {
             return None;
+        }
+        if let Some(remaining) = shut.remaining.as_mut() {
+            if *remaining == 0 || is_watch(uri) {
+                return None;
+            }
+            *remaining -= 1;
         }
         let waiting = shut.waiting.clone();
         self.held += 1;
@@ -74,8 +87,8 @@ impl Gate {
 }
 
 /// Waits at `gate` if it holds the request (the wait ends when the gate opens).
-async fn pass(gate: &Mutex<Gate>, method: &Method, path: &str) -> bool {
-    let waiting = gate.lock().unwrap_or_else(PoisonError::into_inner).holds(method, path);
+async fn pass(gate: &Mutex<Gate>, method: &Method, uri: &http::Uri) -> bool {
+    let waiting = gate.lock().unwrap_or_else(PoisonError::into_inner).holds(method, uri);
     match waiting {
         Some(waiting) => {
             // Closed when the gate opens: the wait ends with an error, which is the signal to go on.
@@ -153,6 +166,12 @@ impl ApiProxy {
     /// until [`Self::release`] (or the proxy's end).
     pub fn hold(&self, method: Method, path_suffix: &str) {
         self.hold.lock().unwrap_or_else(PoisonError::into_inner).shut(Some(method), path_suffix);
+    }
+
+    /// Holds the next `count` requests of `method` (watches aside) whose path ends with `path_suffix`, and no
+    /// later ones, until [`Self::release`]: a request sent on a connection to an API server that vanished.
+    pub fn hold_next(&self, method: Method, path_suffix: &str, count: usize) {
+        self.hold.lock().unwrap_or_else(PoisonError::into_inner).shut_for(Some(method), path_suffix, Some(count));
     }
 
     /// How many requests were held since the last [`Self::hold`] (released ones included).
@@ -252,10 +271,10 @@ fn cuttable(body: Body, path: String, cut: &tokio::sync::watch::Sender<String>) 
 
 async fn forward_request(shared: &Shared, request: Request) -> anyhow::Result<Response> {
     let (parts, body) = request.into_parts();
-    pass(&shared.hold, &parts.method, parts.uri.path()).await;
+    pass(&shared.hold, &parts.method, &parts.uri).await;
     let watch = is_watch(&parts.uri);
     let request_path = parts.uri.path().to_string();
-    if watch && pass(&shared.expire, &parts.method, parts.uri.path()).await {
+    if watch && pass(&shared.expire, &parts.method, &parts.uri).await {
         return Ok(expired_watch());
     }
     let garble = take_garble(&shared.garble, &parts.method, parts.uri.path());

@@ -223,11 +223,24 @@ impl Publisher {
             && !self.counters_kept.load(Ordering::Relaxed)
         {
             let dry_run = PostParams { dry_run: true, ..Default::default() };
-            let would_store = self
-                .api()
-                .create(&dry_run, &slice(content, hash)?)
-                .await
-                .map_err(|source| PublishError::CreateSlice { node: self.node.clone(), source })?;
+            let would_store = match self.api().create(&dry_run, &slice(content, hash)?).await {
+                Ok(would_store) => would_store,
+                // An API server whose partitionable-devices validation predates this layout (1.34 with the alpha
+                // gate on wants the counter sets in the slices that consume them, and at most 32 counters a
+                // slice): no pool of partitions can be stored, and insisting would leave the node's whole pool,
+                // its GPUs outside MIG too, unpublished for good. The MIG devices that exist are published instead.
+                Err(kube::Error::Api(status)) if status.code == 422 => {
+                    self.counters_dropped.store(true, Ordering::Relaxed);
+                    warn!(
+                        node = %self.node,
+                        reason = %status.message,
+                        "the API server refuses the dynamic MIG layout's slices (Kubernetes 1.36+ takes them): \
+                         publishing the MIG devices that exist (static), as with DRAPartitionableDevices off"
+                    );
+                    return Ok(Outcome::Unchanged);
+                }
+                Err(source) => return Err(PublishError::CreateSlice { node: self.node.clone(), source }),
+            };
             let dropped = dropped_fields(content.devices(), &would_store);
             if dropped.contains(&DroppedField::ConsumesCounters) {
                 self.counters_dropped.store(true, Ordering::Relaxed);
