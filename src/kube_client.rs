@@ -22,10 +22,10 @@ pub struct ClientArgs {
     /// Requests allowed at once above the average.
     #[arg(long, env = "GPU_DRA_KUBE_API_BURST", default_value_t = 100)]
     pub kube_api_burst: u32,
-    /// How long a request (not a watch) may wait for the API server's answer before it fails and its connection is
-    /// dropped: a connection to an API server that vanished (its machine off, its address black-holed) gets no
-    /// answer and no reset for up to 15 minutes. Longer than kube-apiserver's own 60 s `--request-timeout`, so a
-    /// request it would still answer is never cut.
+    /// How long a request may wait for the API server's answer to begin (a watch: its headers, sent at once) before
+    /// it fails and its connection is dropped (0: for ever): a connection to an API server that vanished (its
+    /// machine off, its address black-holed) gets no answer and no reset for up to 15 minutes. Longer than
+    /// kube-apiserver's own 60 s `--request-timeout`, so an answer it would still give is not cut.
     #[arg(long, env = "GPU_DRA_KUBE_API_TIMEOUT", default_value = "70s", value_parser = humantime::parse_duration)]
     pub kube_api_timeout: Duration,
 }
@@ -192,11 +192,11 @@ where
     }
 }
 
-/// A request the API server did not answer within the deadline.
+/// A request whose answer did not begin within the deadline.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "no answer from the API server within {0:?} (--kube-api-timeout); the connection is dropped and the request \
-     failed, to be retried"
+    "no answer from the API server within {0:?} (--kube-api-timeout; kube's own retries of 429 and 503 answers \
+     included): request failed, connection dropped"
 )]
 pub struct NoAnswer(Duration);
 
@@ -217,7 +217,8 @@ impl<S> Layer<S> for DeadlineLayer {
 /// connection with a request unanswered is not reused), so the retry dials again, where kube's client would
 /// otherwise wait on a dead connection until the kernel gives up on it: kube 5.0 sets no read timeout in a
 /// cluster and no TCP keepalive, and speaks HTTP/1.1, so there are no HTTP/2 pings (client-go's answer to this).
-/// Watches are exempt: they are meant to stay open, and kube's watcher ends one that stays silent for 295 s.
+/// Only the answer's beginning is timed: a watch's headers come at once and its events may be minutes apart (kube's
+/// watcher ends one silent for 295 s); a body is read after the headers, by the caller.
 struct Deadline<S> {
     inner: S,
     timeout: Duration,
@@ -237,8 +238,7 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
-        let watch = request.uri().query().is_some_and(|q| q.split('&').any(|p| p == "watch=true" || p == "watch=1"));
-        let deadline = (!watch).then(|| (Box::pin(tokio::time::sleep(self.timeout)), self.timeout));
+        let deadline = (!self.timeout.is_zero()).then(|| (Box::pin(tokio::time::sleep(self.timeout)), self.timeout));
         DeadlineFuture { inner: Box::pin(self.inner.call(request)), deadline }
     }
 }

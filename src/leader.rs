@@ -13,7 +13,7 @@
 //!   attempts share one context that times out at the renew deadline; we count from the start of the last
 //!   renewal rather than one retry period after it, which only ever stops earlier.
 //! - A candidate's attempt is bounded by `renew_deadline` too (kube-controller-manager gives its election client
-//!   that timeout), so a hung request never delays the next try by the client's five-minute read timeout.
+//!   that timeout), so a hung request never delays the next try by however long it hangs.
 //! - On shutdown a leader releases the Lease, so a successor takes over at once instead of after a lease duration.
 //!
 //! ```text

@@ -29,28 +29,48 @@ const MAX_DELAY: Duration = Duration::from_secs(1000);
 /// Retries of all keys together: 10 a second, 100 at once (client-go's overall `BucketRateLimiter`).
 const RETRIES_PER_SECOND: f64 = 10.0;
 const RETRY_BURST: f64 = 100.0;
+/// Retries of refused keys ([`WorkQueue::retry_refused`]) as they come due: 10 a second, 10 at once.
+const REFUSED_PER_SECOND: f64 = 10.0;
+const REFUSED_BURST: f64 = 10.0;
 
-/// The overall retry bucket: each retry takes a token, and waits for it when there is none (a reservation, as
+/// A retry bucket: each retry takes a token, and waits for it when there is none (a reservation, as
 /// `rate.Limiter.Reserve`: the wait grows with the retries already waiting).
 #[derive(Debug)]
 struct RetryBucket {
+    rate: f64,
+    burst: f64,
     tokens: f64,
     at: Instant,
 }
 
+/// The overall bucket of failures' retries.
 impl Default for RetryBucket {
     fn default() -> Self {
-        Self { tokens: RETRY_BURST, at: Instant::now() }
+        Self::new(RETRIES_PER_SECOND, RETRY_BURST)
+    }
+}
+
+/// The bucket of refused keys' retries ([`WorkQueue::retry_refused`]).
+#[derive(Debug)]
+struct RefusedRetries(RetryBucket);
+
+impl Default for RefusedRetries {
+    fn default() -> Self {
+        Self(RetryBucket::new(REFUSED_PER_SECOND, REFUSED_BURST))
     }
 }
 
 impl RetryBucket {
+    fn new(rate: f64, burst: f64) -> Self {
+        Self { rate, burst, tokens: burst, at: Instant::now() }
+    }
+
     /// Takes a token at `now`; returns how long the retry waits for it.
     fn reserve(&mut self, now: Instant) -> Duration {
-        let refill = now.saturating_duration_since(self.at).as_secs_f64() * RETRIES_PER_SECOND;
-        self.tokens = (self.tokens + refill).min(RETRY_BURST) - 1.0;
+        let refill = now.saturating_duration_since(self.at).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.burst) - 1.0;
         self.at = self.at.max(now);
-        if self.tokens >= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(-self.tokens / RETRIES_PER_SECOND) }
+        if self.tokens >= 0.0 { Duration::ZERO } else { Duration::from_secs_f64(-self.tokens / self.rate) }
     }
 }
 
@@ -150,6 +170,8 @@ struct State {
     /// a key that fails often never piles up timers.
     delayed: HashMap<WorkKey, Instant>,
     retries: RetryBucket,
+    /// Paces refused keys as their retries come due, apart from `retries`.
+    refused_retries: RefusedRetries,
     shut_down: bool,
     /// A standby replica's queue: keys are dropped, as no worker takes them (kube-controller-manager builds its
     /// queue only once it leads). The new leader queues what its caches show (`cache::enqueue_everything`).
@@ -286,28 +308,32 @@ impl WorkQueue {
         delay
     }
 
-    /// Re-adds `key`, refused (a quota), after `first` doubled with each refusal in a row before this one, capped at
-    /// 1,000 s, or later when retries of all keys together pass 10 a second (the bucket [`WorkQueue::retry`] takes
-    /// from); returns the delay. Its failure count is cleared: refusals do not build up the back-off a failure of
-    /// another kind starts from. Without the doubling and the bucket, every waiting pod of a Job a quota holds back
-    /// was retried each `first` on its own: 3,000 of them took 50 refused creates a second, the whole default
-    /// client limit, from the claims of every other namespace.
+    /// Re-adds `key`, refused (a quota), after `first` doubled with each refusal since its last successful sync,
+    /// capped at 1,000 s, and then once refused keys coming due together are within 10 a second (a bucket of their
+    /// own, so they never hold back the retries of failures); returns the delay before that pacing. Its failure
+    /// count is cleared: refusals do not build up the back-off a failure of another kind starts from. Before, every
+    /// waiting pod of a Job a quota holds back was retried each `first` on its own: 3,000 of them took 50 refused
+    /// creates a second, the whole default client limit.
     pub fn retry_refused(&self, key: WorkKey, first: Duration) -> Duration {
-        let delay = {
+        let own = {
             let mut state = self.lock();
             state.failures.remove(&key);
             let refusals = state.refusals.entry(key.clone()).or_insert(0);
             *refusals = refusals.saturating_add(1);
-            let own = first.saturating_mul(1u32 << refusals.saturating_sub(1).min(31)).min(MAX_DELAY);
-            own.max(state.retries.reserve(Instant::now()))
+            first.saturating_mul(1u32 << refusals.saturating_sub(1).min(31)).min(MAX_DELAY)
         };
-        self.add_after(key, delay);
-        delay
+        self.add_after_paced(key, own, true);
+        own
     }
 
     /// Adds `key` after `delay` (a planned second look, not a failure: the back-off is untouched), unless an add of
     /// it is already due sooner.
     pub fn add_after(&self, key: WorkKey, delay: Duration) {
+        self.add_after_paced(key, delay, false);
+    }
+
+    /// [`WorkQueue::add_after`]; `paced`: when due, it also waits for its turn among refused keys (10 a second).
+    fn add_after_paced(&self, key: WorkKey, delay: Duration, paced: bool) {
         let due = Instant::now() + delay;
         {
             let mut state = self.lock();
@@ -323,18 +349,20 @@ impl WorkQueue {
         let queue = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep_until(due.into()).await;
-            let current = {
+            let turn = {
                 let mut state = queue.lock();
                 // Replaced by an earlier add that already fired, or by a newer one: that one adds the key.
-                let current = state.delayed.get(&key) == Some(&due);
-                if current {
-                    state.delayed.remove(&key);
+                if state.delayed.get(&key) != Some(&due) {
+                    return;
                 }
-                current
+                state.delayed.remove(&key);
+                // Its turn is taken only now that it is due; a delayed add of the key meanwhile is one of its own.
+                if paced { state.refused_retries.0.reserve(Instant::now()) } else { Duration::ZERO }
             };
-            if current {
-                queue.add(key);
+            if !turn.is_zero() {
+                tokio::time::sleep(turn).await;
             }
+            queue.add(key);
         });
     }
 
@@ -378,7 +406,7 @@ mod tests {
     #[test]
     fn retries_of_all_keys_together_wait_for_the_bucket() {
         let start = Instant::now();
-        let mut bucket = RetryBucket { tokens: RETRY_BURST, at: start };
+        let mut bucket = RetryBucket { at: start, ..RetryBucket::default() };
         for _ in 0..100 {
             assert_eq!(bucket.reserve(start), Duration::ZERO);
         }
@@ -500,7 +528,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn refused_keys_wait_longer_each_time_and_take_from_the_overall_bucket() {
+    async fn refused_keys_wait_longer_each_time_and_come_due_ten_a_second() {
         let queue = WorkQueue::new();
         let minute = Duration::from_secs(60);
         let delays: Vec<u64> = (0..6).map(|_| queue.retry_refused(pod("a"), minute).as_secs()).collect();
@@ -510,14 +538,23 @@ mod tests {
         queue.forget(&pod("a"));
         assert_eq!(queue.retry_refused(pod("a"), minute), minute, "a success starts again");
 
-        // A Job of 3,000 pods a quota refused at once: their retries come due at 10 a second at most, as every
-        // retry's, not all a minute later.
+        // A Job of 3,000 pods a quota refused at once: when their retries come due, they are let into the queue 10 a
+        // second (10 at once), not all together, and the failures' bucket is left whole.
         let queue = WorkQueue::new();
-        let delays: Vec<Duration> = (0..3000).map(|i| queue.retry_refused(pod(&format!("p{i}")), minute)).collect();
-        assert_eq!(delays[0], minute);
-        let last = delays[2999].as_secs_f64();
-        assert!((last - 290.0).abs() < 0.5, "the 3,000th waits for its token: {last} s");
-        assert!(delays.windows(2).all(|w| w[0] <= w[1]));
+        for i in 0..3000 {
+            queue.retry_refused(pod(&format!("p{i}")), minute);
+        }
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        assert_eq!(queue.depth(), 0);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let first = queue.depth();
+        assert!((10..=26).contains(&first), "{first} let in within 0.5 s of coming due");
+        tokio::time::sleep(Duration::from_secs(100)).await;
+        let later = queue.depth();
+        assert!((1000..=1030).contains(&later), "{later} let in 100 s later");
+        tokio::time::sleep(Duration::from_secs(200)).await;
+        assert_eq!(queue.depth(), 3000);
+        assert_eq!(queue.retry(pod("other")), Duration::from_millis(5), "a failure's retry waits for no refused key");
     }
 
     #[tokio::test(start_paused = true)]

@@ -16,8 +16,8 @@
 //! behind it that the room fits. Quota writes that leave no room for claims (another claim counted in, a pod's CPU,
 //! a ConfigMap count) wake nobody, so a namespace over its quota costs about a refused create per freed unit, not
 //! per write. A refused key is also retried on its own, in case a change is missed: after [`QUOTA_RETRY`], doubling
-//! with each refusal in a row up to 1,000 s and taking from the queue's overall retry bucket (10 a second), so a
-//! Job of thousands of waiting pods does not spend the client's limit on refused creates
+//! with each refusal up to 1,000 s, and refused keys coming due together are let in 10 a second, so a Job of
+//! thousands of waiting pods does not spend the client's limit on refused creates
 //! ([`super::queue::WorkQueue::retry_refused`]; its back-off count is reset: a later failure of another kind starts
 //! from 5 ms). It is forgotten once a sync is not
 //! refused for quota or its pod is deleted or done. A key woken and refused again (the API server's quota admission can lag the watch
@@ -26,7 +26,7 @@
 //! A change that lands between the API server's refusal and the key being remembered would be missed: changes that
 //! left room are numbered (one sequence for all namespaces, read before each sync with one atomic load), and a key
 //! refused after a change in its namespace numbered above what its sync read is queued again at once. Without
-//! permission to list ResourceQuotas (the chart grants it) nothing is remembered and refused keys keep to the 60 s
+//! permission to list ResourceQuotas (the chart grants it) nothing is remembered and refused keys keep to their own
 //! retries.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -55,7 +55,7 @@ pub const WOKEN_REFUSED_AGAIN: Duration = Duration::from_secs(1);
 /// What to do with a key just refused for quota.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AfterRefusal {
-    /// Wait for a quota's change (or the 60 s retry).
+    /// Wait for a quota's change (or the retry of its own).
     Wait,
     /// Look again now: room was left while its sync ran.
     Now,
@@ -269,7 +269,7 @@ pub fn after_failure(ctx: &Context, namespace: &str, key: &WorkKey, seen: u64, e
 }
 
 /// Watches ResourceQuotas and queues the refused keys of a namespace when one of its quotas leaves room for claims.
-/// Without permission to list them the controller works on, refused keys retried every minute alone; that is said
+/// Without permission to list them the controller works on, refused keys retried on their own alone; that is said
 /// once. A watch that breaks and resumes loses nothing (kube's watcher resumes from the last resourceVersion, or
 /// lists again: quotas missing from that list were deleted meanwhile).
 pub async fn watch(client: Client, namespace: Option<String>, ctx: Arc<Context>) {

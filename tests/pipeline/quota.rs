@@ -158,7 +158,7 @@ async fn other_quota_writes_wake_nobody(ctx: &TestContext, bed: &Testbed) -> any
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
     let refused = failed().await? - before;
-    // Two waiting pods retried every minute: none of these writes leaves room (woken by each, they would be
+    // Two waiting pods retried on their own from a minute on: none of these writes leaves room (woken by each, they would be
     // refused twice per write).
     ensure!(
         refused <= 4.0,

@@ -229,13 +229,14 @@ impl Publisher {
                 // gate on wants the counter sets in the slices that consume them, and at most 32 counters a
                 // slice): no pool of partitions can be stored, and insisting would leave the node's whole pool,
                 // its GPUs outside MIG too, unpublished for good. The MIG devices that exist are published instead.
-                Err(kube::Error::Api(status)) if status.code == 422 => {
+                Err(kube::Error::Api(status)) if refuses_counter_layout(status.code, &status.message) => {
                     self.counters_dropped.store(true, Ordering::Relaxed);
                     warn!(
                         node = %self.node,
                         reason = %status.message,
-                        "the API server refuses the dynamic MIG layout's slices (Kubernetes 1.36+ takes them): \
-                         publishing the MIG devices that exist (static), as with DRAPartitionableDevices off"
+                        "the API server refuses the dynamic MIG layout's slices (Kubernetes 1.35 and later take them \
+                         with DRAPartitionableDevices on): publishing the MIG devices that exist (static) until the \
+                         agent restarts, as with the gate off"
                     );
                     return Ok(Outcome::Unchanged);
                 }
@@ -548,4 +549,32 @@ fn content_hash(content: &SliceContent) -> String {
 fn devices_hash(devices: &[Value]) -> String {
     let text = Value::Array(devices.to_vec()).to_string();
     format!("{:016x}", crate::node_agent::gpu::stable_hash(text.as_bytes()))
+}
+
+/// Whether a refused create is Kubernetes 1.34's alpha validation of partitionable devices refusing the layout this
+/// agent publishes (counter sets in slices of their own, more than 32 counters in one): its two messages. Any other
+/// refusal (an admission policy's 422 among them) stays an error, so it is seen rather than silently turned static.
+fn refuses_counter_layout(code: u16, message: &str) -> bool {
+    code == 422
+        && (message.contains("must reference a counterSet defined in the ResourceSlice sharedCounters")
+            || message.contains("the total number of shared counters must not exceed"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::refuses_counter_layout;
+
+    #[test]
+    fn only_the_1_34_layout_refusals_switch_to_static() {
+        let dangling = "ResourceSlice.resource.k8s.io \"n-gpu-x\" is invalid: [spec.devices[0].consumesCounters[0].\
+                        counterSet: Invalid value: \"gpu-0-counter-set\": must reference a counterSet defined in the \
+                        ResourceSlice sharedCounters]";
+        let too_many = "spec.sharedCounters: Invalid value: 80: the total number of shared counters must not exceed 32";
+        let policy = "resourceslices.resource.k8s.io \"n-gpu-x\" is forbidden: ValidatingAdmissionPolicy 'slices' \
+                      with binding 'slices' denied request: failed expression: object.spec.devices.size() < 8";
+        assert!(refuses_counter_layout(422, dangling));
+        assert!(refuses_counter_layout(422, too_many));
+        assert!(!refuses_counter_layout(422, policy), "an admission policy's refusal stays an error");
+        assert!(!refuses_counter_layout(403, dangling));
+    }
 }
