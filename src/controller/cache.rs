@@ -175,9 +175,55 @@ impl Caches {
         self.templates.get(namespace, name)
     }
 
-    /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet.
+    /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet (unless a
+    /// relist did not show it since: then none, so that the pod's sync asks the API server).
     pub fn claim_for_pod(&self, pod: &Pod, name: &str) -> Option<Arc<ResourceClaim>> {
-        self.claim_of_owner(&pod.namespace().unwrap_or_default(), pod.metadata.uid.as_deref(), name)
+        let claim = self.claim_of_owner(&pod.namespace().unwrap_or_default(), pod.metadata.uid.as_deref(), name)?;
+        let unconfirmed = claim.metadata.uid.as_ref().is_some_and(|uid| lock(&self.created).unconfirmed.contains(uid));
+        (!unconfirmed).then_some(claim)
+    }
+
+    /// The claims' relist is complete: the claims created for pods and not observed that it does not show were
+    /// deleted while the watch was down, or created after the list was taken (their watch event is to come). Both
+    /// stay remembered, so no orphan lookup can miss one and create a second, but pod lookups pass over them
+    /// ([`Self::claim_for_pod`]) and the pods are returned to be synced: a recorded claim that a pod lookup does
+    /// not find is read from the API server, and replaced when it is gone ([`Self::forget_created`]). Before, such a
+    /// claim was taken for existing as long as its pod lived, and the pod never got another.
+    pub fn claims_relisted(&self) -> Vec<ObjectKey> {
+        let mut created = lock(&self.created);
+        let created = &mut *created;
+        let mut pods = Vec::new();
+        for claim in created.by_pod.values().flatten() {
+            let (Some(uid), Some((owner, _))) = (claim.metadata.uid.as_ref(), decide::owning_pod(claim)) else {
+                continue;
+            };
+            let namespace = claim.namespace().unwrap_or_default();
+            let listed =
+                self.claim(&namespace, &claim.name_any()).is_some_and(|c| c.metadata.uid.as_ref() == Some(uid));
+            if !listed && created.unconfirmed.insert(uid.clone()) {
+                pods.push(ObjectKey::new(namespace, owner));
+            }
+        }
+        pods
+    }
+
+    /// The API server says the claim `name` created for the pod with UID `pod_uid` is gone: it is no longer
+    /// remembered (an orphan lookup would adopt it again).
+    pub fn forget_created(&self, pod_uid: &str, name: &str) {
+        let mut created = lock(&self.created);
+        let created = &mut *created;
+        if let Some(list) = created.by_pod.get_mut(pod_uid) {
+            list.retain(|c| {
+                let keep = c.name_any() != name;
+                if !keep && let Some(uid) = c.metadata.uid.as_ref() {
+                    created.unconfirmed.remove(uid);
+                }
+                keep
+            });
+            if list.is_empty() {
+                created.by_pod.remove(pod_uid);
+            }
+        }
     }
 
     /// A claim generated earlier for pod claim `pod_claim` of `pod` that the pod's status does not record (the
@@ -213,8 +259,9 @@ impl Caches {
     }
 
     /// Remembers a claim this controller created until the claim informer shows it. Unbounded on purpose: an
-    /// entry leaves only when the informer has the claim or the pod is gone, so no eviction can ever make a
-    /// retry create a duplicate (kube-controller-manager's bounded cache did, at 6–10k pods).
+    /// entry leaves only when the informer has the claim, the API server says it is gone or the pod is gone, so no
+    /// eviction can ever make a retry create a duplicate (kube-controller-manager's bounded cache did, at 6–10k
+    /// pods).
     ///
     /// The watch event may arrive before the create call returns: the store is checked under the same lock the
     /// claim handler takes after the store has the claim, so the entry is either never added or removed again.
@@ -290,6 +337,7 @@ impl Caches {
             return;
         };
         let mut created = lock(&self.created);
+        created.unconfirmed.remove(uid);
         if let Some(list) = created.by_pod.get_mut(owner) {
             list.retain(|c| c.metadata.uid.as_deref() != Some(uid));
             if list.is_empty() {
@@ -301,12 +349,12 @@ impl Caches {
     /// A PodGroup was deleted: its reservations can go without an API call (upstream `deletedObjects`).
     pub(super) fn group_gone(&self, group_uid: &str) {
         lock(&self.deleted_pods).insert(group_uid);
-        lock(&self.created).by_pod.remove(group_uid);
+        lock(&self.created).forget_owner(group_uid);
     }
 
     fn pod_gone(&self, pod_uid: &str) {
         lock(&self.deleted_pods).insert(pod_uid);
-        lock(&self.created).by_pod.remove(pod_uid);
+        lock(&self.created).forget_owner(pod_uid);
         lock(&self.applied).remove(pod_uid);
     }
 }
@@ -323,6 +371,20 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Default)]
 struct CreatedClaims {
     by_pod: HashMap<String, Vec<Arc<ResourceClaim>>>,
+    /// UIDs of claims of pods that a relist of the claims did not show ([`Caches::claims_relisted`]): deleted while
+    /// the watch was down, or created after the list was taken. Pod lookups pass over them, so the API server is
+    /// asked which.
+    unconfirmed: HashSet<String>,
+}
+
+impl CreatedClaims {
+    fn forget_owner(&mut self, owner_uid: &str) {
+        for claim in self.by_pod.remove(owner_uid).unwrap_or_default() {
+            if let Some(uid) = claim.metadata.uid.as_ref() {
+                self.unconfirmed.remove(uid);
+            }
+        }
+    }
 }
 
 /// A bounded set that forgets its oldest members first.
@@ -510,6 +572,12 @@ fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
         match act {
             Act::Shown(claim) => claim_shown(ctx, claim),
             Act::Deleted(claim) => claim_deleted(ctx, claim),
+        }
+    }
+    if change.ends_relist() {
+        for pod in ctx.caches.claims_relisted() {
+            debug!(%pod, "a claim created for the pod is missing from the claims' relist: looking again");
+            ctx.queue.add(WorkKey::Pod(pod));
         }
     }
 }

@@ -152,6 +152,9 @@ async fn recorded_claim_exists(ctx: &Context, pod: &Pod, name: &str) -> Result<b
     match verdict {
         RecordedVerdict::Replace(why) => {
             info!(claim = name, why, "replacing the recorded claim");
+            if let Some(uid) = pod.metadata.uid.as_deref() {
+                ctx.caches.forget_created(uid, name);
+            }
             Ok(false)
         }
         // A server lookup never answers AskServer; were it to, keeping the claim is the answer that cannot duplicate.

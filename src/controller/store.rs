@@ -189,7 +189,8 @@ impl<K: Keyed> CacheWriter<K> {
             }
         };
         let deferred = relist && matches!(event, watcher::Event::InitApply(_));
-        Change { event, previous, gone, listed, deferred }
+        let relisted = relist && matches!(event, watcher::Event::InitDone);
+        Change { event, previous, gone, listed, deferred, relisted }
     }
 
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, Objects<K>> {
@@ -220,6 +221,8 @@ pub struct Change<K> {
     gone: Vec<Arc<K>>,
     listed: Vec<Arc<K>>,
     deferred: bool,
+    /// The `InitDone` of a relist.
+    relisted: bool,
 }
 
 /// One thing a [`Change`] asks its handlers to act on.
@@ -232,6 +235,11 @@ pub enum Act<'a, K> {
 }
 
 impl<K> Change<K> {
+    /// Whether this completes a relist (not the informer's first list): the store now shows what it listed.
+    pub fn ends_relist(&self) -> bool {
+        self.relisted
+    }
+
     /// What to act on, in order: the object an `Apply` shows or a `Delete` removes, an `InitApply` of the first list;
     /// at a relist's end, what it no longer shows, then everything it shows (its `InitApply`s act through these).
     pub fn acts(&self) -> impl Iterator<Item = Act<'_, K>> {
