@@ -40,6 +40,7 @@ fn main() {
                 test!(a_pod_group_whose_claim_cannot_be_created_says_why),
                 test!(a_claim_a_pod_group_names_stays_reserved_for_the_group_alone),
                 test!(members_record_the_claim_their_pod_group_records_of_two),
+                test!(a_pod_groups_claim_deleted_unseen_while_the_watch_was_down_is_replaced),
             ],
         )
     }
@@ -280,5 +281,49 @@ async fn members_record_the_claim_their_pod_group_records_of_two(ctx: TestContex
     .await
     .with_context(|| controller.log_tail())?;
     ensure!(recorded == "trainers-gpu-zzzzz", "the member recorded {recorded}, not the claim its PodGroup records");
+    Ok(())
+}
+
+/// A PodGroup's claim that the controller created while its claim watch was down (an API server restarting), and
+/// that is deleted before the watch resumes: the controller knows it only from its create's answer, and the relist
+/// does not show it. The PodGroup must get a new claim, recorded in its status. Before, the remembered claim was
+/// found again and recorded again on every sync, for as long as the PodGroup lived.
+async fn a_pod_groups_claim_deleted_unseen_while_the_watch_was_down_is_replaced(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let proxy = support::api_proxy::ApiProxy::start(ctx.client.clone()).await?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+    create_template(&ctx, "shared-gpu", objects::one_gpu()).await?;
+    proxy.cut_watches(&format!("/namespaces/{}/resourceclaims", ctx.namespace));
+    wait::until("the controller to watch the claims again (held)", SETTLE, || async {
+        Ok((proxy.held_watches() > 0).then_some(()))
+    })
+    .await?;
+    let groups = podgroup::pod_groups(&ctx);
+    groups.create(&PostParams::default(), &podgroup::group_object("trainers", "shared-gpu")?).await?;
+    let unseen = wait::until("the PodGroup to record its claim", SETTLE, || async {
+        Ok(podgroup::recorded(&groups.get("trainers").await?))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let claims = objects::claims(&ctx);
+    claims.delete(&unseen, &Default::default()).await?;
+    wait::until("the claim to be gone", SETTLE, || async {
+        Ok(claims.get_opt(&unseen).await?.is_none().then_some(()))
+    })
+    .await?;
+    proxy.expire_held_watches();
+    let replaced = wait::until("the PodGroup to record a new claim after the relist", SETTLE, || async {
+        let name = podgroup::recorded(&groups.get("trainers").await?).filter(|n| *n != unseen);
+        Ok(match name {
+            Some(name) => claims.get_opt(&name).await?.map(|_| name),
+            None => None,
+        })
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    eprintln!("the PodGroup's claim {unseen}, never seen by the watch and deleted, replaced by {replaced}");
     Ok(())
 }

@@ -183,36 +183,39 @@ impl Caches {
         (!unconfirmed).then_some(claim)
     }
 
-    /// The claims' relist is complete: the claims created for pods and not observed that it does not show were
-    /// deleted while the watch was down, or created after the list was taken (their watch event is to come). Both
-    /// stay remembered, so no orphan lookup can miss one and create a second, but pod lookups pass over them
-    /// ([`Self::claim_for_pod`]) and the pods are returned to be synced: a recorded claim that a pod lookup does
-    /// not find is read from the API server, and replaced when it is gone ([`Self::forget_created`]). Before, such a
-    /// claim was taken for existing as long as its pod lived, and the pod never got another.
-    pub fn claims_relisted(&self) -> Vec<ObjectKey> {
+    /// The claims' relist is complete: the claims created and not observed that it does not show were deleted while
+    /// the watch was down, or created after the list was taken (their watch event is to come). Both stay
+    /// remembered, so no orphan lookup can miss one and create a second, but pod lookups pass over them
+    /// ([`Self::claim_for_pod`]), and their pods and PodGroups are returned to be synced: a recorded claim the
+    /// informer does not show is read from the API server, and replaced when it is gone ([`Self::forget_created`]).
+    /// Before, such a claim was taken for existing as long as its owner lived, and it never got another.
+    pub fn claims_relisted(&self) -> Vec<WorkKey> {
         let mut created = lock(&self.created);
         let created = &mut *created;
-        let mut pods = Vec::new();
+        let mut owners = Vec::new();
         for claim in created.by_pod.values().flatten() {
-            let (Some(uid), Some((owner, _))) = (claim.metadata.uid.as_ref(), decide::owning_pod(claim)) else {
-                continue;
-            };
+            let Some(uid) = claim.metadata.uid.as_ref() else { continue };
             let namespace = claim.namespace().unwrap_or_default();
             let listed =
                 self.claim(&namespace, &claim.name_any()).is_some_and(|c| c.metadata.uid.as_ref() == Some(uid));
-            if !listed && created.unconfirmed.insert(uid.clone()) {
-                pods.push(ObjectKey::new(namespace, owner));
+            if listed || !created.unconfirmed.insert(uid.clone()) {
+                continue;
+            }
+            if let Some((pod, _)) = decide::owning_pod(claim) {
+                owners.push(WorkKey::Pod(ObjectKey::new(namespace, pod)));
+            } else if let Some((group, _)) = decide::podgroup::owning_pod_group(claim) {
+                owners.push(WorkKey::PodGroup(ObjectKey::new(namespace, group)));
             }
         }
-        pods
+        owners
     }
 
-    /// The API server says the claim `name` created for the pod with UID `pod_uid` is gone: it is no longer
-    /// remembered (an orphan lookup would adopt it again).
-    pub fn forget_created(&self, pod_uid: &str, name: &str) {
+    /// The API server says the claim `name` created for the pod or PodGroup with UID `owner_uid` is gone (or is
+    /// another's): it is no longer remembered (an orphan lookup would adopt it again).
+    pub fn forget_created(&self, owner_uid: &str, name: &str) {
         let mut created = lock(&self.created);
         let created = &mut *created;
-        if let Some(list) = created.by_pod.get_mut(pod_uid) {
+        if let Some(list) = created.by_pod.get_mut(owner_uid) {
             list.retain(|c| {
                 let keep = c.name_any() != name;
                 if !keep && let Some(uid) = c.metadata.uid.as_ref() {
@@ -221,7 +224,7 @@ impl Caches {
                 keep
             });
             if list.is_empty() {
-                created.by_pod.remove(pod_uid);
+                created.by_pod.remove(owner_uid);
             }
         }
     }
@@ -259,9 +262,9 @@ impl Caches {
     }
 
     /// Remembers a claim this controller created until the claim informer shows it. Unbounded on purpose: an
-    /// entry leaves only when the informer has the claim, the API server says it is gone or the pod is gone, so no
-    /// eviction can ever make a retry create a duplicate (kube-controller-manager's bounded cache did, at 6–10k
-    /// pods).
+    /// entry leaves only when the informer has the claim, the API server says it is gone (or another's) or its pod
+    /// is gone, so no eviction can ever make a retry create a duplicate (kube-controller-manager's bounded cache
+    /// did, at 6–10k pods).
     ///
     /// The watch event may arrive before the create call returns: the store is checked under the same lock the
     /// claim handler takes after the store has the claim, so the entry is either never added or removed again.
@@ -575,9 +578,9 @@ fn on_claim_event(ctx: &Context, change: &Change<ResourceClaim>) {
         }
     }
     if change.ends_relist() {
-        for pod in ctx.caches.claims_relisted() {
-            debug!(%pod, "a claim created for the pod is missing from the claims' relist: looking again");
-            ctx.queue.add(WorkKey::Pod(pod));
+        for owner in ctx.caches.claims_relisted() {
+            debug!(%owner, "a claim created for it is missing from the claims' relist: looking again");
+            ctx.queue.add(owner);
         }
     }
 }

@@ -197,6 +197,10 @@ async fn recorded_claim_exists(ctx: &Context, group: &PodGroup, name: &str) -> R
     let exists = claim.is_some_and(|c| decide_group::is_for_pod_group(&c, group));
     if !exists {
         info!(claim = name, "the recorded claim is gone or not the PodGroup's: replacing it");
+        // Remembered as created, it would be found and recorded again (a claim deleted while the watch was down).
+        if let Some(uid) = group.metadata.uid.as_deref() {
+            ctx.caches.forget_created(uid, name);
+        }
     }
     Ok(exists)
 }
