@@ -374,7 +374,7 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[derive(Default)]
 struct CreatedClaims {
     by_pod: HashMap<String, Vec<Arc<ResourceClaim>>>,
-    /// UIDs of claims of pods that a relist of the claims did not show ([`Caches::claims_relisted`]): deleted while
+    /// UIDs of remembered claims that a relist of the claims did not show ([`Caches::claims_relisted`]): deleted while
     /// the watch was down, or created after the list was taken. Pod lookups pass over them, so the API server is
     /// asked which.
     unconfirmed: HashSet<String>,

@@ -163,7 +163,8 @@ struct State {
     /// Keys being processed, with the time they were handed out.
     processing: HashMap<Arc<WorkKey>, Instant>,
     failures: HashMap<WorkKey, u32>,
-    /// Refusals in a row of each key a quota refused ([`WorkQueue::retry_refused`]), apart from `failures`.
+    /// Refusals since its last successful sync of each key a quota refused ([`WorkQueue::retry_refused`]), apart
+    /// from `failures`.
     refusals: HashMap<WorkKey, u32>,
     /// The one pending delayed add of each key: when it is due. A later delayed add of a key is dropped while an
     /// earlier one is pending, an earlier one replaces it (client-go's delaying queue keeps one entry per key), so
