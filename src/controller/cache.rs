@@ -152,15 +152,25 @@ impl Caches {
     /// The claim `name` when it is `group`'s: from the informer, or created and not observed yet.
     pub fn claim_of_group(&self, group: &PodGroup, name: &str) -> Option<Arc<ResourceClaim>> {
         let namespace = group.metadata.namespace.as_deref().unwrap_or_default();
-        self.claim_of_owner(namespace, group.metadata.uid.as_deref(), name)
+        self.claim_of_owner(namespace, group.metadata.uid.as_deref(), name, false)
             .filter(|c| decide::podgroup::is_for_pod_group(c, group))
     }
 
     /// A claim of `namespace` by name: from the informer, or created by us for the owner with UID `owner_uid` and
-    /// not observed yet.
-    fn claim_of_owner(&self, namespace: &str, owner_uid: Option<&str>, name: &str) -> Option<Arc<ResourceClaim>> {
-        self.claim(namespace, name)
-            .or_else(|| lock(&self.created).by_pod.get(owner_uid?)?.iter().find(|c| c.name_any() == name).cloned())
+    /// not observed yet (with `confirmed`, not one a relist has not shown since: see [`Self::claims_relisted`]).
+    fn claim_of_owner(
+        &self,
+        namespace: &str,
+        owner_uid: Option<&str>,
+        name: &str,
+        confirmed: bool,
+    ) -> Option<Arc<ResourceClaim>> {
+        self.claim(namespace, name).or_else(|| {
+            let created = lock(&self.created);
+            let claim = created.by_pod.get(owner_uid?)?.iter().find(|c| c.name_any() == name)?;
+            let unconfirmed = claim.metadata.uid.as_ref().is_some_and(|uid| created.unconfirmed.contains(uid));
+            (!(confirmed && unconfirmed)).then(|| claim.clone())
+        })
     }
 
     pub fn pod(&self, key: &ObjectKey) -> Option<Arc<Pod>> {
@@ -178,9 +188,7 @@ impl Caches {
     /// A claim of `pod`'s namespace by name: from the informer, or created by us and not observed yet (unless a
     /// relist did not show it since: then none, so that the pod's sync asks the API server).
     pub fn claim_for_pod(&self, pod: &Pod, name: &str) -> Option<Arc<ResourceClaim>> {
-        let claim = self.claim_of_owner(&pod.namespace().unwrap_or_default(), pod.metadata.uid.as_deref(), name)?;
-        let unconfirmed = claim.metadata.uid.as_ref().is_some_and(|uid| lock(&self.created).unconfirmed.contains(uid));
-        (!unconfirmed).then_some(claim)
+        self.claim_of_owner(&pod.namespace().unwrap_or_default(), pod.metadata.uid.as_deref(), name, true)
     }
 
     /// The claims' relist is complete: the claims created and not observed that it does not show were deleted while

@@ -108,9 +108,10 @@ pub fn record_id(pod_claim: &str, claim: &str) -> u64 {
 /// A pod UID as the detector's key: the UUID's 128 bits (the API server makes every UID a UUID); another string
 /// (none an API server makes), a 64-bit digest of it.
 fn uid_key(uid: &str) -> u128 {
-    let hex: String = uid.chars().filter(|c| *c != '-').collect();
-    match u128::from_str_radix(&hex, 16) {
-        Ok(bits) if hex.len() == 32 && uid.len() == 36 => bits,
+    let digits = uid.chars().filter(|c| *c != '-').map(|c| c.to_digit(16));
+    let bits = digits.clone().try_fold(0u128, |bits, digit| Some(bits << 4 | u128::from(digit?)));
+    match bits {
+        Some(bits) if uid.len() == 36 && digits.count() == 32 => bits,
         _ => {
             let mut hasher = DefaultHasher::new();
             uid.hash(&mut hasher);

@@ -83,7 +83,6 @@ pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Optio
     Ok(Some(InstanceLock { _file: file }))
 }
 
-/// The holder's pid as it recorded it, for the log.
 /// Who holds the lock in `state_dir` now (its file's record), if a node agent does: for a one-shot tool about to
 /// change GPU settings that a running agent's prepared claims depend on. Takes nothing; a lock file that is not there
 /// or not held is no agent.
@@ -99,6 +98,7 @@ pub fn holder(state_dir: &Path) -> Option<String> {
     }
 }
 
+/// The holder's pid as it recorded it, for the log.
 fn holder_of(file: &mut File) -> String {
     let mut text = String::new();
     match file.rewind().and_then(|()| file.read_to_string(&mut text)) {

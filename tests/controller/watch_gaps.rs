@@ -42,11 +42,7 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
     })
     .await?;
 
-    proxy.cut_watches(&format!("/namespaces/{ns}/pods"));
-    wait::until("the controller to watch the pods again (held)", SETTLE, || async {
-        Ok((proxy.held_watches() > 0).then_some(()))
-    })
-    .await?;
+    cut_watches(&proxy, &format!("/namespaces/{ns}/pods")).await?;
     pods.delete("replica-a", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
     wait::until("replica-a to be gone", SETTLE, || async {
         Ok(pods.get_opt("replica-a").await?.is_none().then_some(()))
@@ -64,58 +60,57 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
     create_pod(&ctx, "trainer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let recorded = wait_recorded(&ctx, "trainer", 1).await?;
     let first = claim_statuses(&recorded)[0].1.clone().context("status entry without a claim name")?;
-    proxy.cut_watches(&format!("/namespaces/{ns}/resourceclaims"));
-    wait::until("the controller to watch the claims again (held)", SETTLE, || async {
-        Ok((proxy.held_watches() > 0).then_some(()))
-    })
-    .await?;
-    claims.delete(&first, &DeleteParams::default()).await?;
-    wait::until("the trainer's claim to be gone", SETTLE, || async {
-        Ok(claims.get_opt(&first).await?.is_none().then_some(()))
-    })
-    .await?;
+    cut_watches(&proxy, &format!("/namespaces/{ns}/resourceclaims")).await?;
+    delete_claim(&ctx, &first).await?;
     proxy.expire_held_watches();
-    let second = wait::until("the trainer to get a new claim after the relist", SETTLE, || async {
-        let pod = pods.get("trainer").await?;
-        let name = claim_statuses(&pod).first().and_then(|s| s.1.clone()).filter(|n| *n != first);
-        Ok(match name {
-            Some(name) => claims.get_opt(&name).await?.map(|_| name),
-            None => None,
-        })
-    })
-    .await
-    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    let second = new_claim_after_relist(&ctx, "trainer", &first).await.with_context(|| controller.log_tail())?;
 
     // A claim the controller creates while its claim watch is down, deleted before the watch resumes: the controller
     // knows it only from its create's answer, and the relist does not show it. Before, it was taken for existing as
     // long as the pod lived, and the pod never got another.
-    proxy.cut_watches(&format!("/namespaces/{ns}/resourceclaims"));
-    wait::until("the controller to watch the claims again (held)", SETTLE, || async {
-        Ok((proxy.held_watches() > 0).then_some(()))
-    })
-    .await?;
+    cut_watches(&proxy, &format!("/namespaces/{ns}/resourceclaims")).await?;
     create_pod(&ctx, "latecomer", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let recorded = wait_recorded(&ctx, "latecomer", 1).await?;
     let unseen = claim_statuses(&recorded)[0].1.clone().context("status entry without a claim name")?;
-    claims.delete(&unseen, &DeleteParams::default()).await?;
-    wait::until("the latecomer's claim to be gone", SETTLE, || async {
-        Ok(claims.get_opt(&unseen).await?.is_none().then_some(()))
-    })
-    .await?;
+    delete_claim(&ctx, &unseen).await?;
     proxy.expire_held_watches();
-    let replaced = wait::until("the latecomer to get a new claim after the relist", SETTLE, || async {
-        let pod = pods.get("latecomer").await?;
-        let name = claim_statuses(&pod).first().and_then(|s| s.1.clone()).filter(|n| *n != unseen);
-        Ok(match name {
-            Some(name) => claims.get_opt(&name).await?.map(|_| name),
-            None => None,
-        })
-    })
-    .await
-    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    let replaced = new_claim_after_relist(&ctx, "latecomer", &unseen).await.with_context(|| controller.log_tail())?;
     eprintln!(
         "after the relists: replica-a's reservation dropped; claim {first} replaced by {second}; {unseen}, never \
          seen by the watch, replaced by {replaced}"
     );
     Ok(())
+}
+
+/// Ends the controller's watches of `path_suffix` and waits until it watches again (held by the proxy).
+async fn cut_watches(proxy: &ApiProxy, path_suffix: &str) -> anyhow::Result<()> {
+    proxy.cut_watches(path_suffix);
+    wait::until(&format!("the controller to watch {path_suffix} again (held)"), SETTLE, || async {
+        Ok((proxy.held_watches() > 0).then_some(()))
+    })
+    .await
+}
+
+/// Deletes the claim `name` and waits until it is gone.
+async fn delete_claim(ctx: &TestContext, name: &str) -> anyhow::Result<()> {
+    let claims = objects::claims(ctx);
+    claims.delete(name, &DeleteParams::default()).await?;
+    wait::until(&format!("claim {name} to be gone"), SETTLE, || async {
+        Ok(claims.get_opt(name).await?.is_none().then_some(()))
+    })
+    .await
+}
+
+/// Waits until pod `pod` records a claim other than `old` that exists; returns its name.
+async fn new_claim_after_relist(ctx: &TestContext, pod: &str, old: &str) -> anyhow::Result<String> {
+    let (claims, pods) = (objects::claims(ctx), objects::pods(ctx));
+    wait::until(&format!("{pod} to get a new claim after the relist"), SETTLE, || async {
+        let recorded = pods.get(pod).await?;
+        let name = claim_statuses(&recorded).first().and_then(|s| s.1.clone()).filter(|n| n != old);
+        Ok(match name {
+            Some(name) => claims.get_opt(&name).await?.map(|_| name),
+            None => None,
+        })
+    })
+    .await
 }
