@@ -128,6 +128,11 @@ pub struct NodeAgentArgs {
     /// touched by someone else starts such a round at once (a health change only republishes)
     #[arg(long, env = "GPU_DRA_RESYNC_PERIOD", default_value = "60s", value_parser = parse_resync_period)]
     pub resync_period: Duration,
+    /// How long the GPU discovery at start may take before the kubelet plugin serves without GPUs (as when it
+    /// fails): claims prepared before this start can then be unprepared while an NVML call hangs; the GPUs are
+    /// prepared once it answers (1s to 1h)
+    #[arg(long, env = "GPU_DRA_DISCOVERY_TIMEOUT", default_value = "60s", value_parser = parse_resync_period)]
+    pub discovery_timeout: Duration,
     #[command(flatten)]
     pub gpu: GpuArgs,
     #[command(flatten)]
@@ -345,7 +350,8 @@ pub struct GpuCheckArgs {
     pub state_dir: PathBuf,
 }
 
-/// A resync period: at least a second (the round talks to NVML and the API server) and at most an hour.
+/// A resync period or discovery timeout: at least a second (the round talks to NVML and the API server) and at most
+/// an hour.
 fn parse_resync_period(text: &str) -> Result<Duration, String> {
     let period = humantime::parse_duration(text).map_err(|e| e.to_string())?;
     if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&period) {

@@ -14,6 +14,7 @@ pub mod kube_client;
 pub mod kubelet_plugin;
 pub mod leader;
 pub mod node_agent;
+pub mod open_files;
 pub mod proc_stat;
 pub mod signals;
 pub mod telemetry;

@@ -25,6 +25,9 @@ fn main() -> anyhow::Result<()> {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     gpu_dra::telemetry::init_logging(&cli.log)?;
+    if matches!(cli.command, Command::Controller(_) | Command::NodeAgent(_)) {
+        raise_open_files_limit();
+    }
     match cli.command {
         Command::Controller(args) => {
             gpu_dra::telemetry::build::log_start("controller");
@@ -40,4 +43,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// See [`gpu_dra::open_files`].
+fn raise_open_files_limit() {
+    match gpu_dra::open_files::raise_to_hard_limit() {
+        Ok((before, after)) if before != after => tracing::info!(before, after, "raised the open-file limit"),
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "could not raise the open-file limit; running with it as it is"),
+    }
 }

@@ -5,6 +5,8 @@
 //! unreachable too), lost specs (also while the agent runs), a reboot, an interrupted prepare and writers killed mid-write, a disk that hangs a
 //! prepare while the liveness probe asks, and the calls queued behind it done together, full disks.
 
+#[path = "kubelet_plugin/hung_discovery.rs"]
+mod hung_discovery;
 #[path = "kubelet_plugin/mps.rs"]
 mod mps;
 #[path = "kubelet_plugin/node_disks.rs"]
@@ -24,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState};
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
+use hung_discovery::a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
@@ -39,6 +42,7 @@ use node_disks::{
 use serde_json::{Value, json};
 use shares::a_share_beside_a_force_deleted_pods_share_waits_for_its_memory;
 use stale_claims::{
+    a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done,
     a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more,
     with_warn_a_forgotten_claim_is_reported_and_kept,
 };
@@ -82,6 +86,8 @@ fn main() {
             test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
             test!(a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more),
             test!(with_warn_a_forgotten_claim_is_reported_and_kept),
+            test!(a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done),
+            test!(a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared),
         ],
     )
 }

@@ -40,6 +40,13 @@ const PRIORITY: u8 = 0x20;
 const MAX_FRAME: usize = 16_384;
 /// A header block larger than this is not a plugin call: refuse rather than buffer without end.
 const MAX_BLOCK: usize = 1 << 20;
+/// The most a header block may decode to (RFC 9113 §6.5.2 size: names, values and 32 bytes per field). A few bytes
+/// of HPACK can stand for kilobytes (each one-byte index repeats a table entry), so a block within [`MAX_BLOCK`]
+/// could otherwise decode to gigabytes.
+const MAX_HEADER_LIST: usize = 1 << 20;
+/// The dynamic table h2 announces (SETTINGS_HEADER_TABLE_SIZE, HPACK's default): a client's size update above it
+/// is refused.
+const MAX_TABLE: usize = 4096;
 /// What h2 accepts as the authority of a call over a unix socket.
 const AUTHORITY: &[u8] = b"localhost";
 
@@ -85,6 +92,11 @@ where
             other => other?,
         };
         let length = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+        // h2 announces no larger frames (SETTINGS_MAX_FRAME_SIZE), and refuses them itself: checked before the
+        // payload is allocated.
+        if length > MAX_FRAME {
+            return Err(invalid("frame larger than SETTINGS_MAX_FRAME_SIZE"));
+        }
         let mut payload = vec![0u8; length];
         from.read_exact(&mut payload).await?;
         let frame = Frame { kind: header[3], flags: header[4], stream: header[5..9].try_into().unwrap_or_default() };
@@ -108,12 +120,19 @@ struct Frame {
 }
 
 /// Collects a header block (HEADERS plus CONTINUATIONs) and re-encodes it once complete.
-#[derive(Default)]
 struct BlockRewriter {
     decoder: Decoder<'static>,
     encoder: Encoder<'static>,
     /// The block being collected: its HEADERS frame's END_STREAM flag, stream, and fragments so far.
     pending: Option<(u8, [u8; 4], Vec<u8>)>,
+}
+
+impl Default for BlockRewriter {
+    fn default() -> Self {
+        let mut decoder = Decoder::new();
+        decoder.set_max_allowed_table_size(MAX_TABLE);
+        Self { decoder, encoder: Encoder::new(), pending: None }
+    }
 }
 
 impl BlockRewriter {
@@ -135,7 +154,19 @@ impl BlockRewriter {
             return Ok(None);
         }
         let Some((end_stream, stream, block)) = self.pending.take() else { return Ok(None) };
-        let headers = self.decoder.decode(&block).map_err(|e| invalid(&format!("HPACK: {e}")))?;
+        let mut headers = Vec::new();
+        let mut size = 0usize;
+        self.decoder
+            .decode_with_cb(&block, |name, value| {
+                size = size.saturating_add(name.len() + value.len() + 32);
+                if size <= MAX_HEADER_LIST {
+                    headers.push((name.into_owned(), value.into_owned()));
+                }
+            })
+            .map_err(|e| invalid(&format!("HPACK: {e:?}")))?;
+        if size > MAX_HEADER_LIST {
+            return Err(invalid("header list larger than 1 MiB decoded"));
+        }
         let headers = headers.iter().map(|(name, value)| {
             let value = if name.as_slice() == b":authority" { AUTHORITY } else { value.as_slice() };
             (name.as_slice(), value)
@@ -289,7 +320,12 @@ mod tests {
         let big = vec![b'x'; 40_000];
         let block = client.encode([(&b":path"[..], &b"/a"[..]), (b"x-big", &big)]);
         let mut input = PREFACE.to_vec();
-        input.extend(frame(HEADERS, END_HEADERS, &block));
+        let mut chunks = block.chunks(MAX_FRAME).peekable();
+        let mut kind = HEADERS;
+        while let Some(chunk) = chunks.next() {
+            input.extend(frame(kind, if chunks.peek().is_none() { END_HEADERS } else { 0 }, chunk));
+            kind = CONTINUATION;
+        }
         let frames = parse(&run(input).await?);
         let kinds: Vec<_> = frames.iter().map(|(k, f, p)| (*k, *f, p.len() <= MAX_FRAME)).collect();
         assert_eq!(
@@ -298,6 +334,33 @@ mod tests {
             "three frames of at most {MAX_FRAME} bytes"
         );
         Ok(())
+    }
+
+    /// A local client (root, or a pod given the kubelet's plugin directories) must not make the agent allocate
+    /// without bound: a frame larger than announced, a table larger than announced, and a block of one-byte
+    /// references to a 4 KiB table entry (8 KiB of HPACK standing for 32 MiB) each end the connection.
+    #[tokio::test]
+    async fn a_header_block_that_decodes_without_bound_ends_the_connection() {
+        let oversized = frame(0x0, 0, &vec![0; MAX_FRAME + 1]);
+        let table = frame(HEADERS, END_HEADERS, &[0x3f, 0xe1, 0xff, 0x03, 0x82]);
+        // A literal with incremental indexing (new name) of 4,000 bytes, then index 62 (that entry) over and over.
+        let mut entry = vec![0x40, 0x01, b'x', 0x7f];
+        let mut rest = 4000 - 127;
+        while rest >= 128 {
+            entry.push(0x80 | (rest % 128) as u8);
+            rest /= 128;
+        }
+        entry.push(rest as u8);
+        entry.extend(vec![b'v'; 4000]);
+        let mut bomb = frame(HEADERS, 0, &entry);
+        for last in [false, true] {
+            bomb.extend(frame(CONTINUATION, if last { END_HEADERS } else { 0 }, &[0xbe; 4096]));
+        }
+        for (what, bad) in [("oversized frame", oversized), ("table size", table), ("decoded size", bomb)] {
+            let mut input = PREFACE.to_vec();
+            input.extend(bad);
+            assert!(run(input).await.is_err(), "{what}");
+        }
     }
 
     #[tokio::test]

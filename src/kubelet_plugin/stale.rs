@@ -16,14 +16,27 @@
 //! stop (a process stuck in the driver after a GPU fault, its pod force-deleted): the kubelet has not forgotten
 //! that claim and unprepares it once the container is gone, and its GPU must not be handed out before. So acting
 //! is the operator's choice (`--stale-claims=unprepare`); by default such claims are only reported.
+//!
+//! The finalizer is no guarantee either: anyone who may update a claim (the built-in `edit` role) may remove it, and
+//! a claim deleted then is gone at once while its pod runs on, its GPU free for the scheduler to give to another
+//! claim. So before unpreparing a claim deleted (or deleted and created again), the agent also looks for pods on
+//! this node that still name it ([`pod_holds_claim`]); while one does, the claim stays prepared, and another claim
+//! for its GPU stays refused. A claim's status (deallocated, allocated other devices) is written only by the
+//! scheduler and the claim controllers, never by a tenant, so those reasons need no such look: the pod naming a
+//! claim allocated other devices is the one waiting for them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use k8s_openapi::api::resource::v1::ResourceClaim;
+use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
 
 /// How many checks in a row must find a claim stale before it is acted on.
 pub const CHECKS: u32 = 2;
+
+/// The claim is gone.
+pub const DELETED: &str = "the claim is deleted";
+/// A claim of the same name with another UID exists.
+pub const CREATED_AGAIN: &str = "the claim was deleted and another created under its name";
 
 /// Why a claim prepared here is stale, from one read of it: `None` when the API still shows it allocated the
 /// devices prepared. `read` is `None` when the claim does not exist.
@@ -34,9 +47,9 @@ pub fn why_stale(
     driver: &str,
     pool: &str,
 ) -> Option<&'static str> {
-    let Some(claim) = read else { return Some("the claim is deleted") };
+    let Some(claim) = read else { return Some(DELETED) };
     if claim.metadata.uid.as_deref() != Some(uid) {
-        return Some("the claim was deleted and another created under its name");
+        return Some(CREATED_AGAIN);
     }
     let Some(allocation) = claim.status.as_ref().and_then(|s| s.allocation.as_ref()) else {
         return Some("the claim is no longer allocated");
@@ -45,6 +58,49 @@ pub fn why_stale(
     let here: BTreeSet<String> =
         results.iter().filter(|r| r.driver == driver && r.pool == pool).map(|r| r.device.clone()).collect();
     (here != *prepared).then_some("the claim is allocated other devices now")
+}
+
+/// Whether pods may still hold a claim found stale for `why`: only where the claim was deleted (its finalizer
+/// removed by hand), not where its status changed (see the module docs).
+pub fn pods_may_hold(why: &str) -> bool {
+    why == DELETED || why == CREATED_AGAIN
+}
+
+/// Whether `pod` (its UID and the object as the API serves it) is not done and names the claim `claim` of its
+/// namespace that was prepared here: in `spec.resourceClaims` (a claim by name), `status.resourceClaimStatuses` (one
+/// made from a template, or a PodGroup's) or `status.extendedResourceClaimStatus` (the scheduler's claim for extended
+/// resources). A pod being deleted still counts: its containers may run until the kubelet has stopped them. A done
+/// pod (`Succeeded`, `Failed`) holds nothing, and neither does one that the claim of that name existing now
+/// (`reserved_now`: its `status.reservedFor`) is reserved for, by the pod's UID or its PodGroup: it names the new
+/// claim.
+pub fn pod_holds_claim(
+    pod_uid: &str,
+    pod: &serde_json::Value,
+    claim: &str,
+    reserved_now: &[ResourceClaimConsumerReference],
+) -> bool {
+    if matches!(pod.pointer("/status/phase").and_then(serde_json::Value::as_str), Some("Succeeded" | "Failed")) {
+        return false;
+    }
+    let group = pod.pointer("/spec/schedulingGroup/podGroupName").and_then(serde_json::Value::as_str);
+    let new_claims = reserved_now.iter().any(|consumer| match consumer.resource.as_str() {
+        "pods" => consumer.uid == pod_uid,
+        "podgroups" => Some(consumer.name.as_str()) == group,
+        _ => false,
+    });
+    if new_claims {
+        return false;
+    }
+    let names = |pointer: &str| -> Vec<&str> {
+        let list = pod.pointer(pointer).and_then(serde_json::Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        list.iter().filter_map(|entry| entry.get("resourceClaimName")?.as_str()).collect()
+    };
+    let extended = pod.pointer("/status/extendedResourceClaimStatus/resourceClaimName").and_then(|n| n.as_str());
+    names("/spec/resourceClaims")
+        .into_iter()
+        .chain(names("/status/resourceClaimStatuses"))
+        .chain(extended)
+        .any(|n| n == claim)
 }
 
 /// Claims found stale by the checks so far, until acted on or found in use again.
@@ -119,6 +175,50 @@ mod tests {
             object["status"] = json!({"allocation": {"devices": {"results": results}}});
         }
         serde_json::from_value(object).unwrap_or_default()
+    }
+
+    #[test]
+    fn a_pod_not_done_that_names_the_claim_holds_it() {
+        let named = json!({"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]}});
+        let recorded = json!({"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "t"}]},
+                              "status": {"phase": "Running", "resourceClaimStatuses": [
+                                  {"name": "other", "resourceClaimName": "x"}, {"name": "gpu", "resourceClaimName": "c"}]}});
+        let extended = json!({"status": {"extendedResourceClaimStatus": {"resourceClaimName": "c"}}});
+        let deleting = json!({"metadata": {"deletionTimestamp": "2026-12-06T10:00:00Z"},
+                              "spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": "c"}]},
+                              "status": {"phase": "Running"}});
+        let in_group = json!({"spec": {"schedulingGroup": {"podGroupName": "g"}},
+                              "status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": "c"}]}});
+        let cases = [
+            (named.clone(), true),
+            (recorded, true),
+            (extended, true),
+            (deleting, true),
+            (in_group.clone(), true),
+            (json!({"spec": {"resourceClaims": [{"name": "gpu", "resourceClaimName": "c2"}]}}), false),
+            (json!({"spec": {"resourceClaims": [{"name": "c", "resourceClaimTemplateName": "c"}]}}), false),
+            (json!({"spec": {"containers": []}}), false),
+            (json!({"spec": named["spec"], "status": {"phase": "Succeeded"}}), false),
+            (json!({"spec": named["spec"], "status": {"phase": "Failed"}}), false),
+        ];
+        for (pod, want) in cases {
+            assert_eq!(pod_holds_claim("pod-uid", &pod, "c", &[]), want, "{pod}");
+        }
+        // The claim of that name now is another, reserved for this pod or its group: the pod names that one.
+        let consumer = |resource: &str, name: &str, uid: &str| ResourceClaimConsumerReference {
+            resource: resource.into(),
+            name: name.into(),
+            uid: uid.into(),
+            ..Default::default()
+        };
+        assert!(!pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "pod-uid")]));
+        assert!(pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "other-uid")]));
+        assert!(!pod_holds_claim("pod-uid", &in_group, "c", &[consumer("podgroups", "g", "g-uid")]));
+        assert!(pod_holds_claim("pod-uid", &in_group, "c", &[consumer("podgroups", "h", "h-uid")]));
+        // Only a deleted claim can still be held; a status change is the scheduler's or a controller's.
+        assert!(pods_may_hold(DELETED) && pods_may_hold(CREATED_AGAIN));
+        assert!(!pods_may_hold("the claim is no longer allocated"));
+        assert!(!pods_may_hold("the claim is allocated other devices now"));
     }
 
     #[test]

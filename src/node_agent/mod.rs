@@ -221,6 +221,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     let mut start_without_gpus_failed = false;
     // Whether emptying the pool while serving without GPUs failed and was said.
     let mut unpublish_failure_said = false;
+    let mut pending_discovery: PendingDiscovery = None;
+    let discovery_timeout = args.discovery_timeout;
     let start_plugin = |without_driver| {
         plugin::start(
             &settings,
@@ -263,7 +265,10 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
-            let found = discover(discovery.clone()).await.inspect_err(|_| discovery_failed = true)?;
+            let patience = plugin_task.is_none().then_some(discovery_timeout);
+            let found = discover(discovery.clone(), &mut pending_discovery, patience)
+                .await
+                .inspect_err(|_| discovery_failed = true)?;
             let discovery::Filled { mut gpus, filled, unknown } =
                 found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
             unreadable_now = Some((filled, unknown));
@@ -291,7 +296,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
                     let discovery::Filled { gpus: found, filled, unknown } =
-                        discover(discovery.clone()).await?.filled_from(Some(&gpus));
+                        discover(discovery.clone(), &mut pending_discovery, None).await?.filled_from(Some(&gpus));
                     gpus = found;
                     unreadable_now = Some((filled, unknown));
                     discovered.send_replace(Arc::new(gpus.clone()));
@@ -534,18 +539,38 @@ async fn made_mig_devices(
     tokio::task::spawn_blocking(move || state.made_mig_devices()).await.unwrap_or_default()
 }
 
-/// Discovers the GPUs, with the blocking NVML calls off the async threads.
-async fn discover(discovery: Arc<dyn discovery::Discovery>) -> Result<discovery::Discovered, RoundFailure> {
-    tokio::task::spawn_blocking(move || discovery.discover_all())
-        .await
-        .map_err(|e| format!("discovery task failed: {e}"))?
-        .map_err(|e| RoundFailure {
-            kind: match e {
-                discovery::DiscoveryError::NvmlUnavailable { .. } => FailureKind::DriverMissing,
-                _ => FailureKind::Other,
-            },
-            reason: e.to_string(),
-        })
+/// A GPU discovery a round started and did not see finish.
+type PendingDiscovery = Option<tokio::task::JoinHandle<Result<discovery::Discovered, discovery::DiscoveryError>>>;
+
+/// Discovers the GPUs, with the blocking NVML calls off the async threads. A discovery an earlier round left running
+/// is awaited rather than another started: an NVML call that hangs (a wedged GPU or driver) must not take one more
+/// blocking thread each round. With `patience` (before the kubelet plugin serves), one that has not answered by
+/// then fails the round and stays pending, so that the plugin serves without GPUs meanwhile: claims prepared before
+/// this start can be unprepared, and their pods stop.
+async fn discover(
+    discovery: Arc<dyn discovery::Discovery>,
+    pending: &mut PendingDiscovery,
+    patience: Option<Duration>,
+) -> Result<discovery::Discovered, RoundFailure> {
+    let task = pending.get_or_insert_with(|| tokio::task::spawn_blocking(move || discovery.discover_all()));
+    let joined = match patience {
+        None => task.await,
+        Some(patience) => tokio::time::timeout(patience, task).await.map_err(|_| RoundFailure {
+            kind: FailureKind::Other,
+            reason: format!(
+                "the GPU discovery has not answered in {} (an NVML call that hangs: a wedged GPU or driver?)",
+                humantime::format_duration(patience)
+            ),
+        })?,
+    };
+    *pending = None;
+    joined.map_err(|e| format!("discovery task failed: {e}"))?.map_err(|e| RoundFailure {
+        kind: match e {
+            discovery::DiscoveryError::NvmlUnavailable { .. } => FailureKind::DriverMissing,
+            _ => FailureKind::Other,
+        },
+        reason: e.to_string(),
+    })
 }
 
 /// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its

@@ -1,21 +1,21 @@
 //! The periodic check for prepared claims the kubelet forgot ([`crate::kubelet_plugin::stale`] decides): every
 //! interval, while the Node is `Ready`, each claim prepared here is read from the API; one found stale by two checks
 //! an interval apart is reported (`warn`, the default) or, with `unprepare`, looked at once more (still prepared as
-//! it was, still stale in the API) and unprepared through the same path as the kubelet's call; either way with a
-//! Warning Event on the Node naming it and its GPUs.
+//! it was, still stale in the API, no pod on this node that is not done naming it) and unprepared through the same
+//! path as the kubelet's call; either way with a Warning Event on the Node naming it and its GPUs.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::{Node, Pod};
 use k8s_openapi::api::resource::v1::ResourceClaim;
-use kube::api::Api;
+use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::kubelet_plugin::allocation::ClaimRef;
-use crate::kubelet_plugin::stale::{Suspects, why_stale};
+use crate::kubelet_plugin::stale::{Suspects, pod_holds_claim, pods_may_hold, why_stale};
 use crate::kubelet_plugin::state::DriverState;
 
 /// What to do with a stale claim (`--stale-claims`).
@@ -67,14 +67,14 @@ pub async fn run(
         }
         let stale = suspects.record(std::time::Instant::now(), interval, &checked);
         state.metrics().stale_claims.set(stale.len() as i64);
-        reported.retain(|uid| stale.iter().any(|(u, _)| u == uid));
+        reported.retain(|(uid, _)| stale.iter().any(|(u, _)| u == uid));
         for (uid, why) in stale {
             let Some((claim, devices)) = prepared.iter().find(|(c, _)| c.uid == uid) else { continue };
             let devices: Vec<&str> = devices.iter().map(String::as_str).collect();
             let devices = devices.join(", ");
             match action {
                 StaleClaimAction::Warn => {
-                    if reported.insert(uid.clone()) {
+                    if reported.insert((uid.clone(), "stale")) {
                         warn!(claim = %claim, %uid, why, %devices, "a claim prepared here is stale; kept prepared");
                         let note = format!(
                             "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}. Either a \
@@ -88,8 +88,47 @@ pub async fn run(
                 }
                 StaleClaimAction::Unprepare => {
                     // Looked at again just before: still prepared as it was, still stale in the API.
-                    if !still_stale(&state, &client, claim, devices_of(&prepared, &uid)).await {
+                    let Some((why, now)) = still_stale(&state, &client, claim, devices_of(&prepared, &uid)).await
+                    else {
                         suspects.forget(&uid);
+                        continue;
+                    };
+                    // Deleted by hand (its finalizer removed) while its pod runs, the pod still names it. Still
+                    // suspected meanwhile: looked at again at each check, and unprepared once its pods are done.
+                    let held = if pods_may_hold(why) {
+                        held_here(&client, &node, claim, now.as_ref()).await
+                    } else {
+                        Ok(Vec::new())
+                    };
+                    let kept = match held {
+                        Ok(users) if users.is_empty() => None,
+                        Ok(users) => Some(format!(
+                            "while pods on this node that are not done still name it: {}. Kept prepared (its GPUs \
+                             refused to other claims) until they are done or gone; a claim deleted while in use had \
+                             its finalizer removed by hand",
+                            users.join(", ")
+                        )),
+                        Err(error) => Some(format!(
+                            "listing this node's pods to see whether one still uses it failed ({error}). Kept \
+                             prepared, checked again at each check; to unprepare, the agent needs list on pods (the \
+                             chart grants it with staleClaims.action unprepare)"
+                        )),
+                    };
+                    if let Some(kept) = kept {
+                        if reported.insert((uid.clone(), "kept")) {
+                            warn!(claim = %claim, %uid, why, %kept, "a stale claim is kept prepared");
+                            let note = format!(
+                                "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}, {kept}."
+                            );
+                            super::plugin::node_warning(
+                                client.clone(),
+                                &node,
+                                "StaleClaimPrepared",
+                                "CheckClaims",
+                                note,
+                            )
+                            .await;
+                        }
                         continue;
                     }
                     let result = state.unprepare(vec![claim.clone()]).await;
@@ -115,7 +154,7 @@ pub async fn run(
                         Some(Err(error)) => {
                             warn!(claim = %claim, %uid, %error, "unpreparing a stale claim failed; tried again next check");
                             // Still prepared: said on the Node as `warn` says it (once), so alerts on it fire.
-                            if reported.insert(uid.clone()) {
+                            if reported.insert((uid.clone(), "failed")) {
                                 let note = format!(
                                     "Claim {claim} (UID {uid}) is prepared on this node for {devices}, but {why}. \
                                      Unpreparing it failed ({error}); tried again at each check, its GPUs refused to \
@@ -143,23 +182,39 @@ fn devices_of<'a>(prepared: &'a [(ClaimRef, BTreeSet<String>)], uid: &str) -> Op
     prepared.iter().find(|(c, _)| c.uid == uid).map(|(_, d)| d)
 }
 
-/// Whether `claim` is still prepared here with the same `devices` and the API still shows it stale.
+/// Why `claim` is stale, and the claim of its name the API has now, when it is still prepared here with the same
+/// `devices` and the API still shows it stale; `None` otherwise (or when either cannot be read).
 async fn still_stale(
     state: &Arc<DriverState>,
     client: &kube::Client,
     claim: &ClaimRef,
     devices: Option<&BTreeSet<String>>,
-) -> bool {
+) -> Option<(&'static str, Option<ResourceClaim>)> {
     let this = state.clone();
-    let Ok(now) = tokio::task::spawn_blocking(move || this.prepared_claims()).await else { return false };
-    if devices.is_none() || devices_of(&now, &claim.uid) != devices {
-        return false;
-    }
-    let Some(devices) = devices else { return false };
-    match Api::<ResourceClaim>::namespaced(client.clone(), &claim.namespace).get_opt(&claim.name).await {
-        Ok(read) => why_stale(&claim.uid, devices, read.as_ref(), state.driver(), state.pool()).is_some(),
-        Err(_) => false,
-    }
+    let now = tokio::task::spawn_blocking(move || this.prepared_claims()).await.ok()?;
+    let devices = devices.filter(|devices| devices_of(&now, &claim.uid) == Some(*devices))?;
+    let read = Api::<ResourceClaim>::namespaced(client.clone(), &claim.namespace).get_opt(&claim.name).await.ok()?;
+    let why = why_stale(&claim.uid, devices, read.as_ref(), state.driver(), state.pool())?;
+    Some((why, read))
+}
+
+/// The pods on `node` that still hold the prepared `claim` ([`pod_holds_claim`]; `now`: the claim of its name the
+/// API has now, if any), as `namespace/name`.
+async fn held_here(
+    client: &kube::Client,
+    node: &str,
+    claim: &ClaimRef,
+    now: Option<&ResourceClaim>,
+) -> kube::Result<Vec<String>> {
+    let reserved_now = now.and_then(|c| c.status.as_ref()?.reserved_for.as_deref()).unwrap_or_default();
+    let pods = ApiResource::erase::<Pod>(&());
+    let api = Api::<DynamicObject>::namespaced_with(client.clone(), &claim.namespace, &pods);
+    let on_node = api.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))).await?;
+    let holders = on_node.items.iter().filter(|pod| {
+        let uid = pod.metadata.uid.as_deref().unwrap_or_default();
+        pod_holds_claim(uid, &pod.data, &claim.name, reserved_now)
+    });
+    Ok(holders.map(|pod| format!("{}/{}", claim.namespace, pod.metadata.name.as_deref().unwrap_or_default())).collect())
 }
 
 /// Whether the Node's `Ready` condition is `True`: its kubelet runs (and stops the containers of pods the API no

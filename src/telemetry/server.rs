@@ -1,14 +1,18 @@
 //! The HTTP endpoint every component serves: `/metrics` (Prometheus text format), `/healthz` (the process is
 //! alive, and its own [`Liveness`] check passes) and `/readyz` (the component is ready; the body says why not).
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use axum::routing::get;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use prometheus_client::registry::Registry;
 use tokio_util::sync::CancellationToken;
 
@@ -21,8 +25,72 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
-    #[error("serve the metrics and health endpoint")]
-    Serve(#[source] std::io::Error),
+}
+
+/// What clients may hold of the endpoint. It answers whoever reaches the pod (Prometheus, the kubelet's probes, and
+/// any pod where no NetworkPolicy says otherwise), and each connection is one of the process's file descriptors:
+/// a few hundred idle connections would leave the node agent none for its sockets, checkpoint and CDI files. So a
+/// request's headers must arrive within `header_read` (kube-controller-manager's secure serving allows 32 s; every
+/// legitimate client here sends them at once), a connection lasts at most `lifetime` (then it is closed after the
+/// request in flight; Prometheus reconnects), one client address may hold `per_peer` connections (so that one
+/// pod cannot take them all and fail the kubelet's probes, which come from the node's address) and all clients
+/// together `max_connections`; a connection beyond either is closed as soon as it is accepted.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    header_read: Duration,
+    lifetime: Duration,
+    per_peer: usize,
+    max_connections: usize,
+}
+
+const LIMITS: Limits = Limits {
+    header_read: Duration::from_secs(10),
+    lifetime: Duration::from_secs(60),
+    per_peer: 16,
+    max_connections: 256,
+};
+
+/// How long a request in flight may take to be answered once its connection is cut or the server stops.
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// The connections open now, in all and per client address.
+#[derive(Debug, Default)]
+struct Open {
+    total: usize,
+    by_peer: HashMap<IpAddr, usize>,
+}
+
+/// One admitted connection's place in [`Open`], given back when it is dropped.
+struct Slot {
+    open: Arc<Mutex<Open>>,
+    peer: IpAddr,
+}
+
+impl Slot {
+    /// A place for a connection from `peer`, unless the limits are reached.
+    fn admit(open: &Arc<Mutex<Open>>, peer: IpAddr, limits: &Limits) -> Option<Self> {
+        let mut now = open.lock().unwrap_or_else(PoisonError::into_inner);
+        let from_peer = now.by_peer.get(&peer).copied().unwrap_or_default();
+        if now.total >= limits.max_connections || from_peer >= limits.per_peer {
+            return None;
+        }
+        now.total += 1;
+        now.by_peer.insert(peer, from_peer + 1);
+        Some(Self { open: open.clone(), peer })
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut now = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        now.total = now.total.saturating_sub(1);
+        if let Some(count) = now.by_peer.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                now.by_peer.remove(&self.peer);
+            }
+        }
+    }
 }
 
 /// Readiness, set by the component: `Ok(())` when ready, `Err(reason)` otherwise.
@@ -96,10 +164,64 @@ pub async fn bind(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(AppState { registry, readiness, liveness });
-    let serve = async move {
-        axum::serve(listener, app).with_graceful_shutdown(stop.cancelled_owned()).await.map_err(ServerError::Serve)
-    };
-    Ok((local, serve))
+    Ok((local, serve(listener, app, LIMITS, stop)))
+}
+
+/// Serves HTTP/1.1 on `listener` within `limits` until `stop`, then lets requests in flight finish for [`DRAIN`].
+async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: Limits,
+    stop: CancellationToken,
+) -> Result<(), ServerError> {
+    let open = Arc::new(Mutex::new(Open::default()));
+    let mut connections = tokio::task::JoinSet::new();
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_read);
+    loop {
+        let accepted = tokio::select! {
+            () = stop.cancelled() => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            accepted = listener.accept() => accepted,
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // Out of file descriptors (EMFILE) and the like: wait a little rather than spin on the error.
+                tracing::warn!(%error, "accepting a connection to the metrics and health endpoint failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Some(slot) = Slot::admit(&open, peer.ip(), &limits) else {
+            tracing::debug!(%peer, "the metrics and health endpoint's connection limit is reached; closed");
+            continue;
+        };
+        let connection = http.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app.clone()));
+        let stop = stop.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            let mut connection = std::pin::pin!(connection);
+            tokio::select! {
+                ended = connection.as_mut() => {
+                    if let Err(error) = ended {
+                        tracing::debug!(%peer, %error, "a connection to the metrics and health endpoint ended");
+                    }
+                    return;
+                }
+                () = tokio::time::sleep(limits.lifetime) => {}
+                () = stop.cancelled() => {}
+            }
+            // The request in flight, if any, is answered; then the connection closes.
+            connection.as_mut().graceful_shutdown();
+            let _ = tokio::time::timeout(DRAIN, connection).await;
+        });
+    }
+    let drained = tokio::time::timeout(DRAIN, async { while connections.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::debug!("connections to the metrics and health endpoint still open at shutdown");
+    }
+    Ok(())
 }
 
 /// A listener on `addr`. The IPv4 wildcard `0.0.0.0` (the default) listens on every address, IPv6 too, as Go's
@@ -169,6 +291,81 @@ async fn readyz(State(state): State<AppState>) -> impl IntoResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Whether the server closed `stream` within `within` (a read returns end of file or a reset).
+    async fn closed_within(stream: &mut tokio::net::TcpStream, within: Duration) -> bool {
+        let mut buffer = [0u8; 512];
+        loop {
+            match tokio::time::timeout(within, stream.read(&mut buffer)).await {
+                Ok(Ok(0) | Err(_)) => return true,
+                Ok(Ok(_)) => {}
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// A connection to `addr` from the loopback address `from` (127.0.0.0/8: each its own client address).
+    async fn connect_from(from: [u8; 4], addr: SocketAddr) -> std::io::Result<tokio::net::TcpStream> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(SocketAddr::from((from, 0)))?;
+        socket.connect(addr).await
+    }
+
+    async fn fetch_from(from: [u8; 4], addr: SocketAddr, path: &str) -> std::io::Result<String> {
+        let mut stream = connect_from(from, addr).await?;
+        let request = format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        stream.write_all(request.as_bytes()).await?;
+        let mut answer = String::new();
+        tokio::time::timeout(Duration::from_secs(5), stream.read_to_string(&mut answer)).await??;
+        Ok(answer)
+    }
+
+    /// Any pod may reach the endpoint: connections that send nothing are cut once their headers are late, and beyond
+    /// the limits (per client address, and in all) a connection is closed at once, so idle connections cannot take
+    /// the process's file descriptors, nor one client the places of the kubelet's probes. Before, each stayed open
+    /// for as long as its client wished, with no limit on how many.
+    #[tokio::test]
+    async fn idle_connections_are_cut_and_capped() -> anyhow::Result<()> {
+        let limits = Limits {
+            header_read: Duration::from_millis(500),
+            lifetime: Duration::from_secs(30),
+            per_peer: 2,
+            max_connections: 3,
+        };
+        let listener = listen(SocketAddr::from((Ipv4Addr::LOCALHOST, 0)))?;
+        let addr = listener.local_addr()?;
+        let app = Router::new().route("/readyz", get(readyz)).with_state(AppState {
+            registry: Arc::new(Registry::default()),
+            readiness: Readiness::not_ready("starting"),
+            liveness: Liveness::default(),
+        });
+        let stop = CancellationToken::new();
+        let server = tokio::spawn(serve(listener, app, limits, stop.clone()));
+        let (pod, node, other) = ([127, 0, 0, 1], [127, 0, 0, 2], [127, 0, 0, 3]);
+        assert!(fetch_from(pod, addr, "/readyz").await?.contains("not ready: starting"));
+
+        let mut idle = vec![connect_from(pod, addr).await?, connect_from(pod, addr).await?];
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut over = connect_from(pod, addr).await?;
+        assert!(closed_within(&mut over, Duration::from_millis(300)).await, "a client beyond its limit was kept");
+        assert!(fetch_from(node, addr, "/readyz").await?.contains("not ready"), "another client was refused");
+        idle.push(connect_from(node, addr).await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut over = connect_from(other, addr).await?;
+        assert!(closed_within(&mut over, Duration::from_millis(300)).await, "a connection beyond the limit was kept");
+        for stream in &mut idle {
+            assert!(closed_within(stream, Duration::from_secs(3)).await, "an idle connection stayed open");
+        }
+        // A half-sent request is cut the same way.
+        let mut slow = connect_from(pod, addr).await?;
+        slow.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\n").await?;
+        assert!(closed_within(&mut slow, Duration::from_secs(3)).await, "a request without its end stayed open");
+        assert!(fetch_from(pod, addr, "/readyz").await?.contains("not ready"), "served again once they were cut");
+        stop.cancel();
+        server.await??;
+        Ok(())
+    }
 
     /// The default wildcard answers over IPv4 and IPv6 (a Pod's IP on an IPv6 cluster), on the port it took; a
     /// named address only there.

@@ -19,6 +19,16 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         let doc = documents(&rendered).into_iter().find(|(k, _)| k == kind).map(|(_, d)| d).unwrap_or_default();
         ensure!(doc.contains(&format!("priorityClassName: {class}")), "the {kind} does not run at {class}:\n{doc}");
     }
+    // Listing pods is granted to the node agent only where it unprepares stale claims (it looks for their users).
+    let agent_role = |rendered: &str| {
+        let documents = documents(rendered);
+        let role = documents.into_iter().find(|(k, d)| k == "ClusterRole" && d.contains("component: node-agent"));
+        role.map(|(_, doc)| doc).unwrap_or_default()
+    };
+    let pods_rule = "resources: [\"pods\"]\n    verbs: [\"list\"]";
+    ensure!(!agent_role(&rendered).contains(pods_rule), "the node agent may list pods by default");
+    let unprepares = render("gpu-dra", "gpu-dra", false, &["nodeAgent.staleClaims.action=unprepare"])?;
+    ensure!(agent_role(&unprepares).contains(pods_rule), "unprepare without list pods:\n{}", agent_role(&unprepares));
     let default = kinds(&rendered);
     let expected: BTreeMap<String, usize> = [
         ("ClusterRole", 2),

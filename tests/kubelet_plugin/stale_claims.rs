@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use anyhow::{Context as _, ensure};
 use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::events::v1::Event;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams};
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use super::support::node::{DRIVER, Kubelet, NodeDirs};
@@ -116,4 +117,88 @@ pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestCo
         "{answer:?}"
     );
     Ok(())
+}
+
+/// A pod bound to `node` naming `claim`, with no kubelet to run it (its phase is what the test writes); its UID.
+async fn pod_naming(ctx: &TestContext, name: &str, node: &str, claim: &str) -> anyhow::Result<String> {
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeName": node, "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+                 "containers": [{"name": "app", "image": "registry.k8s.io/pause:3.10",
+                                 "resources": {"claims": [{"name": "gpu"}]}}]}
+    }))?;
+    let created = objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    created.metadata.uid.context("created pod has no UID")
+}
+
+/// Deallocates `claim` and allocates it `device` of the node's pool, reserved for the pod `pod` (`uid`).
+async fn reallocate(
+    ctx: &TestContext,
+    claim: &str,
+    node: &str,
+    device: &str,
+    pod: &str,
+    uid: &str,
+) -> anyhow::Result<()> {
+    let none = json!({"status": {"allocation": null, "reservedFor": null}});
+    objects::claims(ctx).patch_status(claim, &PatchParams::default(), &Patch::Merge(&none)).await?;
+    let result = json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": device});
+    let status = json!({"status": {"allocation": {"devices": {"results": [result]}},
+        "reservedFor": [{"resource": "pods", "name": pod, "uid": uid}]}});
+    objects::claims(ctx).patch_status(claim, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    Ok(())
+}
+
+async fn unprepared(dirs: &NodeDirs, uid: &str, what: &str) -> anyhow::Result<()> {
+    wait::until(what, Duration::from_secs(30), || async { Ok((!dirs.cdi_spec(uid).exists()).then_some(())) }).await
+}
+
+/// A tenant who may edit claims (the built-in `edit` role) removes the allocation's finalizer and deletes a claim
+/// while its pod runs: the claim is gone at once and its GPU free for the scheduler to give to another claim, but
+/// the pod's container still holds it. With `unprepare` the agent freed it once two checks had found the claim
+/// deleted, for the next claim of another tenant to be handed the GPU in use; now it is kept prepared while a pod on
+/// the node that is not done names it, and unprepared once that pod is done. A claim allocated other devices, or
+/// deleted and created again for another pod, is still freed while the pod waiting for it names it.
+pub(super) async fn a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let _agent = agent(&ctx, &node, &dirs, "unprepare").await?;
+    let ns = ctx.namespace.as_str();
+
+    // Deallocated and allocated other devices while forgotten (the scheduler's doing): the pod waiting for them names
+    // the claim, and the old prepare must go for its own to be done.
+    let moved = allocated_claim(&ctx, "moved", &node, &["gpu-1"], json!([])).await?;
+    prepares_fully(&dirs, ns, "moved", &moved, "gpu-1").await?;
+    let waiting = pod_naming(&ctx, "waiting", &node, "moved").await?;
+    reallocate(&ctx, "moved", &node, "gpu-0", "waiting", &waiting).await?;
+    unprepared(&dirs, &moved, "the claim allocated other devices to be unprepared").await?;
+    // Deleted and created again under its name for another pod: that pod names the new claim.
+    let again = allocated_claim(&ctx, "again", &node, &["gpu-1"], json!([])).await?;
+    prepares_fully(&dirs, ns, "again", &again, "gpu-1").await?;
+    objects::claims(&ctx).delete("again", &DeleteParams::default()).await?;
+    allocated_claim(&ctx, "again", &node, &["gpu-1"], json!([])).await?;
+    let next = pod_naming(&ctx, "next", &node, "again").await?;
+    reallocate(&ctx, "again", &node, "gpu-1", "next", &next).await?;
+    unprepared(&dirs, &again, "the claim created again for another pod to be unprepared").await?;
+
+    let held = allocated_claim(&ctx, "held", &node, &["gpu-0"], json!([])).await?;
+    let finalizer = json!({"metadata": {"finalizers": ["resource.kubernetes.io/delete-protection"]}});
+    objects::claims(&ctx).patch("held", &PatchParams::default(), &Patch::Merge(&finalizer)).await?;
+    prepares_fully(&dirs, ns, "held", &held, "gpu-0").await?;
+    pod_naming(&ctx, "user", &node, "held").await?;
+    objects::set_phase(&ctx, "user", "Running").await?;
+
+    let unprotected = json!({"metadata": {"finalizers": null}});
+    objects::claims(&ctx).patch("held", &PatchParams::default(), &Patch::Merge(&unprotected)).await?;
+    objects::claims(&ctx).delete("held", &DeleteParams::default()).await?;
+    let note = node_event(&ctx, &node, "StaleClaimPrepared").await?;
+    ensure!(note.contains(&format!("{ns}/user")) && note.contains("deleted"), "{note}");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    ensure!(dirs.cdi_spec(&held).exists(), "unprepared while its pod runs");
+
+    objects::set_phase(&ctx, "user", "Succeeded").await?;
+    unprepared(&dirs, &held, "the claim to be unprepared once its pod is done").await
 }

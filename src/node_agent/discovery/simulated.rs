@@ -6,7 +6,8 @@
 //! MIG mode with those MIG devices (e.g. `1xH100-80GB/mig=3g.40gb+2g.20gb+1g.10gb`), laid out as
 //! [`mig::layout`] places them; `/mig=` with no profile is MIG mode with no device yet. `<count>x<model>/lost` are
 //! GPUs fallen off the bus: counted, but unreadable, as NVML answers for such a GPU ("GPU is lost"). While
-//! `<state-dir>/simulated-driver-unusable` exists, discovery fails as NVML does after a driver upgrade without a reboot.
+//! `<state-dir>/simulated-driver-unusable` exists, discovery fails as NVML does after a driver upgrade without a reboot;
+//! while `<state-dir>/simulated-driver-hung` exists, it does not return, as NVML on a wedged GPU or driver.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -123,10 +124,15 @@ pub struct Simulated {
     /// ("Driver/library version mismatch"): `<state-dir>/simulated-driver-unusable`, for tests of an agent
     /// that cannot discover its GPUs.
     unusable_marker: Option<std::path::PathBuf>,
+    /// While this file exists, discovery does not return, as an NVML call on a wedged GPU or driver:
+    /// `<state-dir>/simulated-driver-hung`.
+    hung_marker: Option<std::path::PathBuf>,
 }
 
 /// The file under the state directory that makes simulated GPUs' discovery fail while it exists.
 pub const SIMULATED_DRIVER_UNUSABLE_FILE: &str = "simulated-driver-unusable";
+/// The file under the state directory that makes simulated GPUs' discovery hang while it exists.
+pub const SIMULATED_DRIVER_HUNG_FILE: &str = "simulated-driver-hung";
 
 /// The file that keeps simulated MIG layouts: `{"spec": …, "boot": …, "gpus": {"<index>": [[profile ID, first
 /// memory slice, GPU instance, UUID], …]}}`, written after every change.
@@ -205,6 +211,7 @@ impl Simulated {
             made,
             kept: None,
             unusable_marker: None,
+            hung_marker: None,
         })
     }
 
@@ -219,6 +226,7 @@ impl Simulated {
     ) -> Result<Self, SpecError> {
         let mut simulated = Self::new(node, spec)?;
         simulated.unusable_marker = Some(state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE));
+        simulated.hung_marker = Some(state_dir.join(SIMULATED_DRIVER_HUNG_FILE));
         let kept = KeptLayouts {
             path: state_dir.join(SIMULATED_MIG_FILE),
             spec: spec.trim().into(),
@@ -256,6 +264,9 @@ impl Simulated {
 
 impl Discovery for Simulated {
     fn discover_all(&self) -> Result<Discovered, DiscoveryError> {
+        while self.hung_marker.as_deref().is_some_and(std::path::Path::exists) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
         if self.unusable_marker.as_deref().is_some_and(std::path::Path::exists) {
             let source = ::nvml_wrapper::error::NvmlError::LibRmVersionMismatch;
             return Err(DiscoveryError::NvmlUnavailable { library: "simulated NVML".into(), source });
