@@ -12,6 +12,13 @@
 /// The most the soft limit is raised to: far above what either component holds.
 pub const CEILING: u64 = 1 << 16;
 
+/// The soft limit on open files now (`None` if it cannot be read).
+pub fn soft_limit() -> Option<u64> {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct, which lives for the call.
+    (unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } == 0).then_some(limit.rlim_cur)
+}
+
 /// Raises the soft limit on open files to the hard limit, or [`CEILING`] if that is lower (a soft limit above it is
 /// left as it is). Returns the soft limit before and after; an error leaves the limit as it was (the process runs
 /// on with it).

@@ -29,6 +29,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::resource::v1::{ResourceClaim, ResourceClaimConsumerReference};
+use k8s_openapi::jiff::Timestamp;
 
 /// How many checks in a row must find a claim stale before it is acted on.
 pub const CHECKS: u32 = 2;
@@ -71,21 +72,26 @@ pub fn pods_may_hold(why: &str) -> bool {
 /// made from a template, or a PodGroup's) or `status.extendedResourceClaimStatus` (the scheduler's claim for extended
 /// resources). A pod being deleted still counts: its containers may run until the kubelet has stopped them. A done
 /// pod (`Succeeded`, `Failed`) holds nothing, and neither does one that the claim of that name existing now
-/// (`reserved_now`: its `status.reservedFor`) is reserved for, by the pod's UID or its PodGroup: it names the new
-/// claim.
+/// (`reserved_now`: its `status.reservedFor`; `created_now`: its creation) was reserved for: by the pod's UID (the
+/// scheduler reserves a claim only for a pod it is scheduling, which therefore never ran on the old one), or by its
+/// PodGroup when the pod was scheduled after the new claim was created (a PodGroup a tenant names after the fact
+/// does not make a pod that ran on the old claim let go of it).
 pub fn pod_holds_claim(
     pod_uid: &str,
     pod: &serde_json::Value,
     claim: &str,
     reserved_now: &[ResourceClaimConsumerReference],
+    created_now: Option<Timestamp>,
 ) -> bool {
     if matches!(pod.pointer("/status/phase").and_then(serde_json::Value::as_str), Some("Succeeded" | "Failed")) {
         return false;
     }
     let group = pod.pointer("/spec/schedulingGroup/podGroupName").and_then(serde_json::Value::as_str);
+    let scheduled_after_it =
+        created_now.zip(scheduled_at(pod)).is_some_and(|(created, scheduled)| scheduled >= created);
     let new_claims = reserved_now.iter().any(|consumer| match consumer.resource.as_str() {
         "pods" => consumer.uid == pod_uid,
-        "podgroups" => Some(consumer.name.as_str()) == group,
+        "podgroups" => Some(consumer.name.as_str()) == group && scheduled_after_it,
         _ => false,
     });
     if new_claims {
@@ -101,6 +107,13 @@ pub fn pod_holds_claim(
         .chain(names("/status/resourceClaimStatuses"))
         .chain(extended)
         .any(|n| n == claim)
+}
+
+/// When the pod's `PodScheduled` condition last became `True`.
+fn scheduled_at(pod: &serde_json::Value) -> Option<Timestamp> {
+    let conditions = pod.pointer("/status/conditions")?.as_array()?;
+    let scheduled = conditions.iter().find(|c| c["type"] == "PodScheduled" && c["status"] == "True")?;
+    scheduled["lastTransitionTime"].as_str()?.parse().ok()
 }
 
 /// Claims found stale by the checks so far, until acted on or found in use again.
@@ -202,7 +215,7 @@ mod tests {
             (json!({"spec": named["spec"], "status": {"phase": "Failed"}}), false),
         ];
         for (pod, want) in cases {
-            assert_eq!(pod_holds_claim("pod-uid", &pod, "c", &[]), want, "{pod}");
+            assert_eq!(pod_holds_claim("pod-uid", &pod, "c", &[], None), want, "{pod}");
         }
         // The claim of that name now is another, reserved for this pod or its group: the pod names that one.
         let consumer = |resource: &str, name: &str, uid: &str| ResourceClaimConsumerReference {
@@ -211,10 +224,22 @@ mod tests {
             uid: uid.into(),
             ..Default::default()
         };
-        assert!(!pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "pod-uid")]));
-        assert!(pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "other-uid")]));
-        assert!(!pod_holds_claim("pod-uid", &in_group, "c", &[consumer("podgroups", "g", "g-uid")]));
-        assert!(pod_holds_claim("pod-uid", &in_group, "c", &[consumer("podgroups", "h", "h-uid")]));
+        let created: Option<Timestamp> = "2026-12-06T10:00:00Z".parse().ok();
+        assert!(!pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "pod-uid")], created));
+        assert!(pod_holds_claim("pod-uid", &named, "c", &[consumer("pods", "p", "other-uid")], created));
+        // By its group only when the pod was scheduled after the claim of that name was created: a group named
+        // after the fact does not free a pod that ran on the old claim.
+        let scheduled = |at: &str| {
+            let mut pod = in_group.clone();
+            pod["status"]["conditions"] = json!([{"type": "PodScheduled", "status": "True", "lastTransitionTime": at}]);
+            pod
+        };
+        let group = [consumer("podgroups", "g", "g-uid")];
+        assert!(!pod_holds_claim("pod-uid", &scheduled("2026-12-06T10:00:05Z"), "c", &group, created));
+        assert!(pod_holds_claim("pod-uid", &scheduled("2026-12-06T09:59:00Z"), "c", &group, created));
+        assert!(pod_holds_claim("pod-uid", &in_group, "c", &group, created), "not known to be scheduled after");
+        let other_group = [consumer("podgroups", "h", "h-uid")];
+        assert!(pod_holds_claim("pod-uid", &scheduled("2026-12-06T10:00:05Z"), "c", &other_group, created));
         // Only a deleted claim can still be held; a status change is the scheduler's or a controller's.
         assert!(pods_may_hold(DELETED) && pods_may_hold(CREATED_AGAIN));
         assert!(!pods_may_hold("the claim is no longer allocated"));

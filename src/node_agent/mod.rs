@@ -265,7 +265,9 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // Read before discovery as well as after: a MIG device destroyed by an unprepare in between is still
             // seen by the discovery, and must not pass for an administrator's.
             let mut ours = made_mig_devices(plugin_state.as_ref()).await;
-            let patience = plugin_task.is_none().then_some(discovery_timeout);
+            // Also while serving without GPUs: each round gives up on a discovery that hangs, so that what the
+            // round does besides (emptying the pool, the Node and device plugin checks) is retried meanwhile.
+            let patience = (plugin_task.is_none() || without_gpus).then_some(discovery_timeout);
             let found = discover(discovery.clone(), &mut pending_discovery, patience)
                 .await
                 .inspect_err(|_| discovery_failed = true)?;
@@ -544,9 +546,10 @@ type PendingDiscovery = Option<tokio::task::JoinHandle<Result<discovery::Discove
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads. A discovery an earlier round left running
 /// is awaited rather than another started: an NVML call that hangs (a wedged GPU or driver) must not take one more
-/// blocking thread each round. With `patience` (before the kubelet plugin serves), one that has not answered by
-/// then fails the round and stays pending, so that the plugin serves without GPUs meanwhile: claims prepared before
-/// this start can be unprepared, and their pods stop.
+/// blocking thread each round. With `patience` (until the kubelet plugin serves with GPUs), one that has not
+/// answered by then fails the round and stays pending, so that the plugin serves without GPUs meanwhile: claims
+/// prepared before this start can be unprepared (but for dynamic MIG claims, whose MIG devices are destroyed
+/// through NVML), and their pods stop.
 async fn discover(
     discovery: Arc<dyn discovery::Discovery>,
     pending: &mut PendingDiscovery,
@@ -556,7 +559,9 @@ async fn discover(
     let joined = match patience {
         None => task.await,
         Some(patience) => tokio::time::timeout(patience, task).await.map_err(|_| RoundFailure {
-            kind: FailureKind::Other,
+            // Retried as a driver not there yet is (within 10 s), not after a growing back-off: the GPUs are
+            // published as soon as NVML answers.
+            kind: FailureKind::DriverMissing,
             reason: format!(
                 "the GPU discovery has not answered in {} (an NVML call that hangs: a wedged GPU or driver?)",
                 humantime::format_duration(patience)

@@ -207,12 +207,13 @@ async fn held_here(
     now: Option<&ResourceClaim>,
 ) -> kube::Result<Vec<String>> {
     let reserved_now = now.and_then(|c| c.status.as_ref()?.reserved_for.as_deref()).unwrap_or_default();
+    let created_now = now.and_then(|c| c.metadata.creation_timestamp.as_ref()).map(|t| t.0);
     let pods = ApiResource::erase::<Pod>(&());
     let api = Api::<DynamicObject>::namespaced_with(client.clone(), &claim.namespace, &pods);
     let on_node = api.list(&ListParams::default().fields(&format!("spec.nodeName={node}"))).await?;
     let holders = on_node.items.iter().filter(|pod| {
         let uid = pod.metadata.uid.as_deref().unwrap_or_default();
-        pod_holds_claim(uid, &pod.data, &claim.name, reserved_now)
+        pod_holds_claim(uid, &pod.data, &claim.name, reserved_now, created_now)
     });
     Ok(holders.map(|pod| format!("{}/{}", claim.namespace, pod.metadata.name.as_deref().unwrap_or_default())).collect())
 }

@@ -34,7 +34,8 @@ pub enum ServerError {
 /// legitimate client here sends them at once), a connection lasts at most `lifetime` (then it is closed after the
 /// request in flight; Prometheus reconnects), one client address may hold `per_peer` connections (so that one
 /// pod cannot take them all and fail the kubelet's probes, which come from the node's address) and all clients
-/// together `max_connections`; a connection beyond either is closed as soon as it is accepted.
+/// together `max_connections`, a quarter of the open-file limit (64 to 4,096: 256 pods of a tenant would be needed
+/// to fill it); a connection beyond either is closed as soon as it is accepted.
 #[derive(Clone, Copy, Debug)]
 struct Limits {
     header_read: Duration,
@@ -43,12 +44,14 @@ struct Limits {
     max_connections: usize,
 }
 
-const LIMITS: Limits = Limits {
-    header_read: Duration::from_secs(10),
-    lifetime: Duration::from_secs(60),
-    per_peer: 16,
-    max_connections: 256,
-};
+fn limits() -> Limits {
+    let quarter = crate::open_files::soft_limit().unwrap_or(1024) / 4;
+    let max_connections = usize::try_from(quarter.clamp(64, 4096)).unwrap_or(4096);
+    Limits { header_read: Duration::from_secs(10), lifetime: Duration::from_secs(60), per_peer: 16, max_connections }
+}
+
+/// How often a failing accept is said at most (out of file descriptors, it fails at once each time).
+const ACCEPT_FAILURE_SAID_EVERY: Duration = Duration::from_secs(10);
 
 /// How long a request in flight may take to be answered once its connection is cut or the server stops.
 const DRAIN: Duration = Duration::from_secs(5);
@@ -164,7 +167,7 @@ pub async fn bind(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(AppState { registry, readiness, liveness });
-    Ok((local, serve(listener, app, LIMITS, stop)))
+    Ok((local, serve(listener, app, limits(), stop)))
 }
 
 /// Serves HTTP/1.1 on `listener` within `limits` until `stop`, then lets requests in flight finish for [`DRAIN`].
@@ -178,6 +181,7 @@ async fn serve(
     let mut connections = tokio::task::JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new()).header_read_timeout(limits.header_read);
+    let mut accept_failure_said: Option<tokio::time::Instant> = None;
     loop {
         let accepted = tokio::select! {
             () = stop.cancelled() => break,
@@ -188,7 +192,10 @@ async fn serve(
             Ok(accepted) => accepted,
             Err(error) => {
                 // Out of file descriptors (EMFILE) and the like: wait a little rather than spin on the error.
-                tracing::warn!(%error, "accepting a connection to the metrics and health endpoint failed");
+                if accept_failure_said.is_none_or(|said| said.elapsed() >= ACCEPT_FAILURE_SAID_EVERY) {
+                    tracing::warn!(%error, "accepting a connection to the metrics and health endpoint failed");
+                    accept_failure_said = Some(tokio::time::Instant::now());
+                }
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }

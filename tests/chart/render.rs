@@ -196,6 +196,22 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         );
         ensure!(stderr.contains(expected), "--set {set}: the refusal does not name the value ({expected}):\n{stderr}");
     }
+    // One class per extended resource name (the scheduler serves a name through one class only): a MIG profile's
+    // class and an extra class both serving nvidia.com/mig-1g.10gb would leave one of them serving nothing.
+    let sets = [
+        "deviceClasses.mig.profiles={1g.10gb}",
+        "deviceClasses.extra[0].name=small",
+        "deviceClasses.extra[0].extendedResourceName=nvidia.com/mig-1g.10gb",
+    ];
+    let args: Vec<&str> =
+        ["template", "gpu-dra", chart].into_iter().chain(sets.iter().flat_map(|s| ["--set", s])).collect();
+    let twice = helm(&args)?;
+    let stderr = text(&twice.stderr);
+    ensure!(
+        !twice.status.success()
+            && stderr.contains("the extended resource nvidia.com/mig-1g.10gb is named by more than one"),
+        "one extended resource in two classes was not refused: {stderr}"
+    );
     Ok(())
 }
 

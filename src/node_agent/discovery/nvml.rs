@@ -5,6 +5,8 @@ use std::ffi::OsString;
 use std::path::Path;
 
 use nvml_wrapper::Nvml;
+use nvml_wrapper::enum_wrappers::device::Brand;
+use nvml_wrapper::enums::device::DeviceArchitecture;
 use nvml_wrapper::error::NvmlError;
 
 use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, placeable};
@@ -133,8 +135,8 @@ fn read_gpu(nvml: &Nvml, index: u32, driver_version: &str, cuda_driver_version: 
         minor,
         uuid: query("the UUID", device.uuid())?,
         product_name: query("the product name", device.name())?,
-        brand: format!("{:?}", query("the brand", device.brand())?),
-        architecture: query("the architecture", device.architecture())?.to_string(),
+        brand: brand_name(query("the brand", device.brand())?).into(),
+        architecture: architecture_name(query("the architecture", device.architecture())?).into(),
         cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
         driver_version: driver_version.to_string(),
         cuda_driver_version: cuda_driver_version.to_string(),
@@ -191,9 +193,65 @@ impl NvmlDiscovery {
     }
 }
 
+/// The `architecture` attribute as NVIDIA's driver publishes it (go-nvlib's names, e.g. "Ada Lovelace"), so that
+/// selectors written for it keep working; nvml-wrapper's own names differ ("Ada").
+fn architecture_name(architecture: DeviceArchitecture) -> &'static str {
+    match architecture {
+        DeviceArchitecture::Kepler => "Kepler",
+        DeviceArchitecture::Maxwell => "Maxwell",
+        DeviceArchitecture::Pascal => "Pascal",
+        DeviceArchitecture::Volta => "Volta",
+        DeviceArchitecture::Turing => "Turing",
+        DeviceArchitecture::Ampere => "Ampere",
+        DeviceArchitecture::Ada => "Ada Lovelace",
+        DeviceArchitecture::Hopper => "Hopper",
+        DeviceArchitecture::Blackwell => "Blackwell",
+        DeviceArchitecture::Unknown => "Unknown",
+    }
+}
+
+/// The `brand` attribute as NVIDIA's driver publishes it (go-nvlib's names, e.g. "Grid", "NvidiaVWS");
+/// nvml-wrapper's variant names differ for the vGPU brands ("GRID", "VWS").
+fn brand_name(brand: Brand) -> &'static str {
+    match brand {
+        Brand::Unknown => "Unknown",
+        Brand::Quadro => "Quadro",
+        Brand::Tesla => "Tesla",
+        Brand::NVS => "NVS",
+        Brand::GRID => "Grid",
+        Brand::GeForce => "GeForce",
+        Brand::Titan => "Titan",
+        Brand::VApps => "NvidiaVApps",
+        Brand::VPC => "NvidiaVPC",
+        Brand::VCS => "NvidiaVCS",
+        Brand::VWS => "NvidiaVWS",
+        // The same NVML value under its old name.
+        Brand::CloudGaming | Brand::VGaming => "NvidiaCloudGaming",
+        Brand::QuadroRTX => "QuadroRTX",
+        Brand::NvidiaRTX => "NvidiaRTX",
+        Brand::Nvidia => "Nvidia",
+        Brand::GeForceRTX => "GeForceRTX",
+        Brand::TitanRTX => "TitanRTX",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// NVIDIA's driver's names, which existing selectors compare with; nvml-wrapper's Display and Debug give "Ada",
+    /// "GRID", "VWS".
+    #[test]
+    fn architectures_and_brands_have_nvidias_names() {
+        assert_eq!(architecture_name(DeviceArchitecture::Ada), "Ada Lovelace");
+        assert_eq!(architecture_name(DeviceArchitecture::Hopper), "Hopper");
+        assert_eq!(architecture_name(DeviceArchitecture::Blackwell), "Blackwell");
+        let brands = [(Brand::GRID, "Grid"), (Brand::VWS, "NvidiaVWS"), (Brand::VGaming, "NvidiaCloudGaming")];
+        for (brand, name) in brands {
+            assert_eq!(brand_name(brand), name);
+        }
+        assert_eq!(brand_name(Brand::Tesla), "Tesla");
+    }
 
     /// A host whose `libnvidia-ml.so.1` is an absolute symlink (Debian's alternatives), mounted at a driver root:
     /// the link dangles here, and is followed inside the root instead.
