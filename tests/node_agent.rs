@@ -32,6 +32,7 @@ fn main() {
             test!(a_driver_upgraded_in_place_is_what_the_next_prepare_mounts),
             test!(a_node_label_chooses_gpu_sharing_for_its_node_pool),
             test!(beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_is_gone),
+            test!(beside_another_dra_driver_publishing_its_gpus_the_agent_publishes_none),
             test!(a_restarted_agent_republishes_only_a_pool_the_server_stored_short),
             test!(a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets),
             test!(an_agent_the_kubelet_never_registers_says_so_on_its_node),
@@ -445,6 +446,54 @@ async fn shared(ctx: &TestContext, node: &str) -> anyhow::Result<Option<bool>> {
         Some(first) if flags.iter().all(|f| f == first) => Some(*first),
         _ => None,
     })
+}
+
+/// NVIDIA's DRA driver left on a node (or shipped by its image) publishes the same GPUs under `gpu.nvidia.com`: the
+/// scheduler would give one GPU to a claim of each. The agent publishes none of the node's GPUs while another driver
+/// publishes one of them (here by UUID), says so on the Node, and publishes them again once it does not. Before, both
+/// pools stayed allocatable.
+async fn beside_another_dra_driver_publishing_its_gpus_the_agent_publishes_none(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--resync-period", "1s"];
+    let agent = agent(&ctx, &node, &gpus).await?;
+    agent.wait_ready().await?;
+    let ours = wait_devices(&ctx, &node, 2).await?;
+    let uuid = ours
+        .iter()
+        .flat_map(|s| s.spec.devices.clone().unwrap_or_default())
+        .find(|d| d.name == "gpu-1")
+        .and_then(|d| d.attributes?.get("uuid")?.string.clone())
+        .context("gpu-1 has no uuid attribute")?;
+    let name = format!("{node}-nvidia");
+    let other: ResourceSlice = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"driver": "gpu.nvidia.com", "nodeName": node,
+                 "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                 "devices": [{"name": "gpu-1", "attributes": {"uuid": {"string": uuid}}}]}
+    }))?;
+    let slices = Api::<ResourceSlice>::all(ctx.client.clone());
+    slices.create(&PostParams::default(), &other).await?;
+    let refused = async {
+        wait_devices(&ctx, &node, 0).await?;
+        let warned =
+            wait::until("an AnotherDriverPublishesGpus Warning on the Node", Duration::from_secs(10), || async {
+                let events = objects::events_in(&ctx, "default", &node).await?;
+                Ok(events
+                    .into_iter()
+                    .find(|(type_, reason, _)| type_ == "Warning" && reason == "AnotherDriverPublishesGpus"))
+            })
+            .await?;
+        ensure!(warned.2.contains(&format!("gpu.nvidia.com/gpu-1 ({uuid})")), "{}", warned.2);
+        anyhow::Ok(())
+    }
+    .await;
+    slices.delete(&name, &DeleteParams::default()).await?;
+    refused.with_context(|| agent.log_tail())?;
+    wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    Ok(())
 }
 
 /// A GPU Operator node whose device plugin serves its GPUs (the Operator's labels, `nvidia.com/gpu` allocatable): the

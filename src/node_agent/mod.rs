@@ -26,6 +26,7 @@ pub mod mig;
 pub mod mps_control;
 pub mod mps_stand_in;
 mod mps_sys;
+pub mod other_drivers;
 mod plugin;
 pub mod retry;
 pub mod slices;
@@ -178,6 +179,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         client.clone(),
         &mut registry,
     );
+    let mut other_drivers = other_drivers::OtherDriverGuard::new(client.clone(), &node, &gpu.driver_name);
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
     let liveness = Liveness::default();
@@ -245,7 +247,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         let mut unreadable_now = None;
         let round = async {
             // Nothing is published while a device plugin serves the GPUs; the next full round looks again.
-            if health_only && device_plugins.refusing() {
+            if health_only && (device_plugins.refusing() || other_drivers.refusing()) {
                 return Ok::<_, RoundFailure>((0, Outcome::Unchanged));
             }
             if health_only && let Some((gpus, devices, ours)) = &known {
@@ -305,14 +307,17 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
             }
             ours.extend(made_mig_devices(plugin_state.as_ref()).await);
-            if device_plugins.refusing() {
-                // Claims allocated before the device plugin came still prepare (their GPUs stay in the inventory);
-                // new ones find no GPU of this node to allocate.
+            other_drivers.check(&gpus).await;
+            if device_plugins.refusing() || other_drivers.refusing() {
+                // Claims allocated before the device plugin (or the other driver) came still prepare (their GPUs stay
+                // in the inventory); new ones find no GPU of this node to allocate.
                 inventory.send_replace(inventory_of(&device::devices(&gpus, mig_layout(gpu.mig_layout, &publisher))));
                 known = None;
                 unpublish(&publisher, &monitor).await.map_err(|e| RoundFailure {
                     kind: FailureKind::Other,
-                    reason: format!("empty the pool while a device plugin serves this node's GPUs: {e}"),
+                    reason: format!(
+                        "empty the pool while a device plugin or another driver serves this node's GPUs: {e}"
+                    ),
                 })?;
                 return Ok((0, Outcome::Unchanged));
             }

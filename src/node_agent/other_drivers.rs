@@ -1,0 +1,151 @@
+//! Another DRA driver publishing this node's GPUs: NVIDIA's (`gpu.nvidia.com`) left installed beside gpu-dra, or
+//! shipped by a cloud's node image. Both drivers' devices are allocatable, and the scheduler would give one GPU to a
+//! claim of each: nothing in either driver's API says they are the same. So every full round reads the node's
+//! ResourceSlices of all drivers, and while another driver publishes a device with one of this node's GPU UUIDs or
+//! PCI bus IDs, gpu-dra publishes none of its GPUs (as beside the classic device plugin), says so once (a Warning
+//! Event `AnotherDriverPublishesGpus` on the Node, an error in the log) and publishes them again once it does not.
+
+use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+use serde_json::Value;
+use tracing::{error, info, warn};
+
+use super::gpu::{Gpu, normalize_pci_bus_id};
+
+/// The devices of drivers other than `our_driver` in `slices` (the node's ResourceSlices as the API serves them)
+/// that are one of `gpus`: the same UUID (any attribute named `uuid`, qualified or not) or the same
+/// `resource.kubernetes.io/pciBusID`. Each as `driver/device (what matched)`.
+pub fn overlapping(gpus: &[Gpu], our_driver: &str, slices: &[Value]) -> Vec<String> {
+    let mut found = Vec::new();
+    for slice in slices {
+        let driver = slice.pointer("/spec/driver").and_then(Value::as_str).unwrap_or_default();
+        if driver == our_driver {
+            continue;
+        }
+        let devices = slice.pointer("/spec/devices").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
+        for device in devices {
+            let Some(attributes) = device.get("attributes").and_then(Value::as_object) else { continue };
+            let text = |name: &str| attributes.get(name)?.get("string")?.as_str();
+            let uuid = attributes
+                .iter()
+                .filter(|(name, _)| *name == "uuid" || name.ends_with("/uuid"))
+                .find_map(|(_, value)| value.get("string")?.as_str());
+            let bus = text("resource.kubernetes.io/pciBusID").map(normalize_pci_bus_id);
+            let same = gpus.iter().find_map(|gpu| {
+                if uuid == Some(gpu.uuid.as_str()) {
+                    Some(gpu.uuid.clone())
+                } else if bus.as_deref() == Some(gpu.pci_bus_id.as_str()) {
+                    Some(format!("PCI {}", gpu.pci_bus_id))
+                } else {
+                    None
+                }
+            });
+            if let Some(same) = same {
+                let name = device.get("name").and_then(Value::as_str).unwrap_or_default();
+                found.push(format!("{driver}/{name} ({same})"));
+            }
+        }
+    }
+    found
+}
+
+/// Whether the node's GPUs are held back for another driver, kept across rounds.
+pub struct OtherDriverGuard {
+    client: kube::Client,
+    node: String,
+    driver: String,
+    /// What another driver publishes of this node's GPUs, as last read (empty: nothing).
+    shared: Vec<String>,
+}
+
+impl std::fmt::Debug for OtherDriverGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OtherDriverGuard").field("node", &self.node).field("shared", &self.shared).finish()
+    }
+}
+
+impl OtherDriverGuard {
+    pub fn new(client: kube::Client, node: &str, driver: &str) -> Self {
+        Self { client, node: node.into(), driver: driver.into(), shared: Vec::new() }
+    }
+
+    pub fn refusing(&self) -> bool {
+        !self.shared.is_empty()
+    }
+
+    /// Reads the node's ResourceSlices and decides for `gpus`; a failed read keeps the last decision.
+    pub async fn check(&mut self, gpus: &[Gpu]) {
+        let slices = ApiResource {
+            group: "resource.k8s.io".into(),
+            version: "v1".into(),
+            api_version: "resource.k8s.io/v1".into(),
+            kind: "ResourceSlice".into(),
+            plural: "resourceslices".into(),
+        };
+        let api = Api::<DynamicObject>::all_with(self.client.clone(), &slices);
+        let listed = match api.list(&ListParams::default().fields(&format!("spec.nodeName={}", self.node))).await {
+            Ok(listed) => listed,
+            Err(e) => {
+                warn!(error = %e, "reading the node's ResourceSlices of other drivers failed; checked next round");
+                return;
+            }
+        };
+        let slices: Vec<Value> = listed.items.into_iter().map(|slice| slice.data).collect();
+        let shared = overlapping(gpus, &self.driver, &slices);
+        let was_refusing = self.refusing();
+        self.shared = shared;
+        if self.refusing() && !was_refusing {
+            let shared = self.shared.join(", ");
+            error!(%shared, "another DRA driver publishes this node's GPUs: gpu-dra publishes none of them");
+            let note = format!(
+                "Another DRA driver publishes GPUs of this node ({shared}): the scheduler would give one GPU to a \
+                 claim of each. gpu-dra publishes none of this node's GPUs until no other driver does; remove the \
+                 other driver's kubelet plugin from this node (charts/README: Not beside NVIDIA's DRA driver)."
+            );
+            super::plugin::node_warning(self.client.clone(), &self.node, "AnotherDriverPublishesGpus", "Publish", note)
+                .await;
+        } else if was_refusing && !self.refusing() {
+            info!("no other DRA driver publishes this node's GPUs now: publishing them");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn another_drivers_device_with_one_of_our_uuids_or_bus_ids_overlaps() -> anyhow::Result<()> {
+        use crate::node_agent::discovery::{Discovery, simulated::Simulated};
+        let ours = Simulated::new("node-a", "2xH100-80GB")?.discover_all()?.gpus;
+        let (a, b) = (ours[0].uuid.as_str(), ours[1].pci_bus_id.to_uppercase());
+        let slice = |driver: &str, devices: Value| json!({"spec": {"driver": driver, "devices": devices}});
+        let nvidia = slice(
+            "gpu.nvidia.com",
+            json!([
+                {"name": "gpu-0", "attributes": {"uuid": {"string": a}}},
+                {"name": "gpu-1", "attributes": {"resource.kubernetes.io/pciBusID": {"string": b}}},
+                {"name": "gpu-2", "attributes": {"uuid": {"string": "GPU-z"}}}
+            ]),
+        );
+        let example = slice(
+            "gpu.example.com",
+            json!([{"name": "gpu-0", "attributes": {"gpu.example.com/uuid": {"string": ours[1].uuid}}}]),
+        );
+        let ours_again = slice("gpu.gpu-dra.dev", json!([{"name": "gpu-0", "attributes": {"uuid": {"string": a}}}]));
+        let nic = slice(
+            "nic.example.com",
+            json!([{"name": "eth0", "attributes": {"mac": {"string": "x"}}}, {"name": "bare"}]),
+        );
+        assert_eq!(
+            overlapping(&ours, "gpu.gpu-dra.dev", &[nvidia, example, ours_again.clone(), nic]),
+            [
+                format!("gpu.nvidia.com/gpu-0 ({a})"),
+                format!("gpu.nvidia.com/gpu-1 (PCI {})", ours[1].pci_bus_id),
+                format!("gpu.example.com/gpu-0 ({})", ours[1].uuid),
+            ]
+        );
+        assert!(overlapping(&ours, "gpu.gpu-dra.dev", &[ours_again]).is_empty(), "our own slices");
+        Ok(())
+    }
+}
