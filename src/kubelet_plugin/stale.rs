@@ -87,8 +87,8 @@ pub fn pod_holds_claim(
         return false;
     }
     let group = pod.pointer("/spec/schedulingGroup/podGroupName").and_then(serde_json::Value::as_str);
-    let scheduled_after_it =
-        created_now.zip(scheduled_at(pod)).is_some_and(|(created, scheduled)| scheduled >= created);
+    // Strictly after: both times have second precision, and a tie must not free the old claim.
+    let scheduled_after_it = created_now.zip(scheduled_at(pod)).is_some_and(|(created, scheduled)| scheduled > created);
     let new_claims = reserved_now.iter().any(|consumer| match consumer.resource.as_str() {
         "pods" => consumer.uid == pod_uid,
         "podgroups" => Some(consumer.name.as_str()) == group && scheduled_after_it,
@@ -237,6 +237,7 @@ mod tests {
         let group = [consumer("podgroups", "g", "g-uid")];
         assert!(!pod_holds_claim("pod-uid", &scheduled("2026-12-06T10:00:05Z"), "c", &group, created));
         assert!(pod_holds_claim("pod-uid", &scheduled("2026-12-06T09:59:00Z"), "c", &group, created));
+        assert!(pod_holds_claim("pod-uid", &scheduled("2026-12-06T10:00:00Z"), "c", &group, created), "a tie");
         assert!(pod_holds_claim("pod-uid", &in_group, "c", &group, created), "not known to be scheduled after");
         let other_group = [consumer("podgroups", "h", "h-uid")];
         assert!(pod_holds_claim("pod-uid", &scheduled("2026-12-06T10:00:05Z"), "c", &other_group, created));

@@ -5,16 +5,25 @@
 //! PCI bus IDs, gpu-dra publishes none of its GPUs (as beside the classic device plugin), says so once (a Warning
 //! Event `AnotherDriverPublishesGpus` on the Node, an error in the log) and publishes them again once it does not.
 
+use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use serde_json::Value;
 use tracing::{error, info, warn};
 
 use super::gpu::{Gpu, normalize_pci_bus_id};
+use super::slices::publisher::DEVICES_HASH_ANNOTATION;
 
 /// The devices of drivers other than `our_driver` in `slices` (the node's ResourceSlices as the API serves them)
-/// that are one of `gpus`: the same UUID (any attribute named `uuid`, qualified or not) or the same
-/// `resource.kubernetes.io/pciBusID`. Each as `driver/device (what matched)`.
+/// that are one of `gpus`: an attribute `uuid` or `parentUUID` (qualified or not) naming one of the GPUs or their
+/// MIG devices, or a PCI bus ID (`resource.kubernetes.io/pciBusID`, or older NVIDIA releases' `pcieBusID`) of one
+/// of the GPUs. Each as `driver/device (what matched)`.
 pub fn overlapping(gpus: &[Gpu], our_driver: &str, slices: &[Value]) -> Vec<String> {
+    let named = |attributes: &serde_json::Map<String, Value>, wanted: &[&str]| -> Vec<String> {
+        let wanted =
+            |name: &str| wanted.iter().any(|w| name == *w || name.rsplit_once('/').is_some_and(|(_, n)| n == *w));
+        let values = attributes.iter().filter(|(name, _)| wanted(name));
+        values.filter_map(|(_, value)| value.get("string")?.as_str().map(str::to_string)).collect()
+    };
     let mut found = Vec::new();
     for slice in slices {
         let driver = slice.pointer("/spec/driver").and_then(Value::as_str).unwrap_or_default();
@@ -24,19 +33,15 @@ pub fn overlapping(gpus: &[Gpu], our_driver: &str, slices: &[Value]) -> Vec<Stri
         let devices = slice.pointer("/spec/devices").and_then(Value::as_array).map(Vec::as_slice).unwrap_or_default();
         for device in devices {
             let Some(attributes) = device.get("attributes").and_then(Value::as_object) else { continue };
-            let text = |name: &str| attributes.get(name)?.get("string")?.as_str();
-            let uuid = attributes
-                .iter()
-                .filter(|(name, _)| *name == "uuid" || name.ends_with("/uuid"))
-                .find_map(|(_, value)| value.get("string")?.as_str());
-            let bus = text("resource.kubernetes.io/pciBusID").map(normalize_pci_bus_id);
+            let uuids = named(attributes, &["uuid", "parentUUID"]);
+            let buses: Vec<String> =
+                named(attributes, &["pciBusID", "pcieBusID"]).iter().map(|bus| normalize_pci_bus_id(bus)).collect();
             let same = gpus.iter().find_map(|gpu| {
-                if uuid == Some(gpu.uuid.as_str()) {
-                    Some(gpu.uuid.clone())
-                } else if bus.as_deref() == Some(gpu.pci_bus_id.as_str()) {
-                    Some(format!("PCI {}", gpu.pci_bus_id))
+                let ours = std::iter::once(gpu.uuid.as_str()).chain(gpu.mig_devices.iter().map(|m| m.uuid.as_str()));
+                if let Some(uuid) = ours.into_iter().find(|ours| uuids.iter().any(|u| u == ours)) {
+                    Some(uuid.to_string())
                 } else {
-                    None
+                    buses.contains(&gpu.pci_bus_id).then(|| format!("PCI {}", gpu.pci_bus_id))
                 }
             });
             if let Some(same) = same {
@@ -47,6 +52,9 @@ pub fn overlapping(gpus: &[Gpu], our_driver: &str, slices: &[Value]) -> Vec<Stri
     }
     found
 }
+
+/// At most this many of the other driver's devices are named in the Event (its note holds 1 KiB).
+const NAMED_IN_EVENT: usize = 4;
 
 /// Whether the node's GPUs are held back for another driver, kept across rounds.
 pub struct OtherDriverGuard {
@@ -82,19 +90,28 @@ impl OtherDriverGuard {
             plural: "resourceslices".into(),
         };
         let api = Api::<DynamicObject>::all_with(self.client.clone(), &slices);
-        let listed = match api.list(&ListParams::default().fields(&format!("spec.nodeName={}", self.node))).await {
+        // From the API server's cache, which indexes slices by node: one list per node and resync.
+        let fields = format!("spec.nodeName={},spec.driver!={}", self.node, self.driver);
+        let listed = match api.list(&ListParams::default().fields(&fields).match_any()).await {
             Ok(listed) => listed,
             Err(e) => {
                 warn!(error = %e, "reading the node's ResourceSlices of other drivers failed; checked next round");
                 return;
             }
         };
-        let slices: Vec<Value> = listed.items.into_iter().map(|slice| slice.data).collect();
+        // This driver's own slices under an earlier driver name (the chart's driverName changed), until the kubelet
+        // deletes them: not another driver's.
+        let theirs =
+            listed.items.into_iter().filter(|slice| !slice.annotations().contains_key(DEVICES_HASH_ANNOTATION));
+        let slices: Vec<Value> = theirs.map(|slice| slice.data).collect();
         let shared = overlapping(gpus, &self.driver, &slices);
         let was_refusing = self.refusing();
         self.shared = shared;
         if self.refusing() && !was_refusing {
-            let shared = self.shared.join(", ");
+            let mut shared = self.shared.iter().take(NAMED_IN_EVENT).cloned().collect::<Vec<_>>().join(", ");
+            if self.shared.len() > NAMED_IN_EVENT {
+                shared = format!("{shared} and {} more", self.shared.len() - NAMED_IN_EVENT);
+            }
             error!(%shared, "another DRA driver publishes this node's GPUs: gpu-dra publishes none of them");
             let note = format!(
                 "Another DRA driver publishes GPUs of this node ({shared}): the scheduler would give one GPU to a \
@@ -146,6 +163,21 @@ mod tests {
             ]
         );
         assert!(overlapping(&ours, "gpu.gpu-dra.dev", &[ours_again]).is_empty(), "our own slices");
+        // An older NVIDIA release's MIG device: its own UUID, the parent's, and the unqualified pcieBusID.
+        let mig = slice(
+            "gpu.nvidia.com",
+            json!([
+                {"name": "gpu-0-mig-1g", "attributes": {"uuid": {"string": "MIG-x"}, "parentUUID": {"string": a}}},
+                {"name": "gpu-1-mig-1g", "attributes": {"uuid": {"string": "MIG-y"}, "pcieBusID": {"string": b}}}
+            ]),
+        );
+        assert_eq!(
+            overlapping(&ours, "gpu.gpu-dra.dev", &[mig]),
+            [
+                format!("gpu.nvidia.com/gpu-0-mig-1g ({a})"),
+                format!("gpu.nvidia.com/gpu-1-mig-1g (PCI {})", ours[1].pci_bus_id)
+            ]
+        );
         Ok(())
     }
 }

@@ -180,7 +180,9 @@ async fn serve(
     let open = Arc::new(Mutex::new(Open::default()));
     let mut connections = tokio::task::JoinSet::new();
     let mut http = hyper::server::conn::http1::Builder::new();
-    http.timer(TokioTimer::new()).header_read_timeout(limits.header_read);
+    // Requests here are a line and a few headers: a small read buffer keeps thousands of slow clients to megabytes
+    // (hyper's default lets each buffer about 400 KiB).
+    http.timer(TokioTimer::new()).header_read_timeout(limits.header_read).max_buf_size(16 * 1024);
     let mut accept_failure_said: Option<tokio::time::Instant> = None;
     loop {
         let accepted = tokio::select! {

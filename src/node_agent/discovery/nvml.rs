@@ -135,8 +135,8 @@ fn read_gpu(nvml: &Nvml, index: u32, driver_version: &str, cuda_driver_version: 
         minor,
         uuid: query("the UUID", device.uuid())?,
         product_name: query("the product name", device.name())?,
-        brand: brand_name(query("the brand", device.brand())?).into(),
-        architecture: architecture_name(query("the architecture", device.architecture())?).into(),
+        brand: known_or_unknown(query("the brand", device.brand().map(brand_name)))?.into(),
+        architecture: known_or_unknown(query("the architecture", device.architecture().map(architecture_name)))?.into(),
         cuda_compute_capability: format!("{}.{}", cc.major, cc.minor),
         driver_version: driver_version.to_string(),
         cuda_driver_version: cuda_driver_version.to_string(),
@@ -190,6 +190,15 @@ impl NvmlDiscovery {
             });
         }
         Ok(found)
+    }
+}
+
+/// An informational name NVML gave a value this nvml-wrapper does not know (a newer architecture or brand):
+/// "Unknown", rather than the GPU left out for it.
+fn known_or_unknown(name: Result<&'static str, DiscoveryError>) -> Result<&'static str, DiscoveryError> {
+    match name {
+        Err(DiscoveryError::Nvml { source: NvmlError::UnexpectedVariant(_), .. }) => Ok("Unknown"),
+        other => other,
     }
 }
 
@@ -251,6 +260,10 @@ mod tests {
             assert_eq!(brand_name(brand), name);
         }
         assert_eq!(brand_name(Brand::Tesla), "Tesla");
+        // A value newer than nvml-wrapper knows: the GPU is kept, named "Unknown".
+        let newer = query::<&str>("the architecture", Err(NvmlError::UnexpectedVariant(99)));
+        assert_eq!(known_or_unknown(newer).ok(), Some("Unknown"));
+        assert!(known_or_unknown(query::<&str>("the brand", Err(NvmlError::GpuLost))).is_err());
     }
 
     /// A host whose `libnvidia-ml.so.1` is an absolute symlink (Debian's alternatives), mounted at a driver root:
