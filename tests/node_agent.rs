@@ -487,12 +487,14 @@ async fn beside_another_dra_driver_publishing_its_gpus_the_agent_publishes_none(
             })
             .await?;
         ensure!(warned.2.contains(&format!("gpu.nvidia.com/gpu-1 ({uuid})")), "{}", warned.2);
+        ensure!(agent.metric("gpu_dra_node_agent_other_driver_refused", &[]).await? == 1.0, "gauge not set");
         anyhow::Ok(())
     }
     .await;
     slices.delete(&name, &DeleteParams::default()).await?;
     refused.with_context(|| agent.log_tail())?;
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    ensure!(agent.metric("gpu_dra_node_agent_other_driver_refused", &[]).await? == 0.0, "gauge not cleared");
     Ok(())
 }
 

@@ -179,7 +179,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         client.clone(),
         &mut registry,
     );
-    let mut other_drivers = other_drivers::OtherDriverGuard::new(client.clone(), &node, &gpu.driver_name);
+    let mut other_drivers =
+        other_drivers::OtherDriverGuard::new(client.clone(), &node, &gpu.driver_name, &mut registry);
     let registry = Arc::new(registry);
     let readiness = Readiness::not_ready("GPUs not discovered and published yet");
     let liveness = Liveness::default();

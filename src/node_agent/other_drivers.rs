@@ -3,10 +3,13 @@
 //! claim of each: nothing in either driver's API says they are the same. So every full round reads the node's
 //! ResourceSlices of all drivers, and while another driver publishes a device with one of this node's GPU UUIDs or
 //! PCI bus IDs, gpu-dra publishes none of its GPUs (as beside the classic device plugin), says so once (a Warning
-//! Event `AnotherDriverPublishesGpus` on the Node, an error in the log) and publishes them again once it does not.
+//! Event `AnotherDriverPublishesGpus` on the Node, an error in the log, `gpu_dra_node_agent_other_driver_refused 1`)
+//! and publishes them again once it does not.
 
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
 use serde_json::Value;
 use tracing::{error, info, warn};
 
@@ -63,6 +66,8 @@ pub struct OtherDriverGuard {
     driver: String,
     /// What another driver publishes of this node's GPUs, as last read (empty: nothing).
     shared: Vec<String>,
+    /// `gpu_dra_node_agent_other_driver_refused`: 1 while refusing.
+    gauge: Gauge<i64>,
 }
 
 impl std::fmt::Debug for OtherDriverGuard {
@@ -72,8 +77,14 @@ impl std::fmt::Debug for OtherDriverGuard {
 }
 
 impl OtherDriverGuard {
-    pub fn new(client: kube::Client, node: &str, driver: &str) -> Self {
-        Self { client, node: node.into(), driver: driver.into(), shared: Vec::new() }
+    pub fn new(client: kube::Client, node: &str, driver: &str, registry: &mut Registry) -> Self {
+        let gauge = Gauge::<i64>::default();
+        registry.register(
+            "gpu_dra_node_agent_other_driver_refused",
+            "1 while another DRA driver publishes GPUs of this node and the agent publishes none of its own",
+            gauge.clone(),
+        );
+        Self { client, node: node.into(), driver: driver.into(), shared: Vec::new(), gauge }
     }
 
     pub fn refusing(&self) -> bool {
@@ -107,6 +118,7 @@ impl OtherDriverGuard {
         let shared = overlapping(gpus, &self.driver, &slices);
         let was_refusing = self.refusing();
         self.shared = shared;
+        self.gauge.set(i64::from(self.refusing()));
         if self.refusing() && !was_refusing {
             let mut shared = self.shared.iter().take(NAMED_IN_EVENT).cloned().collect::<Vec<_>>().join(", ");
             if self.shared.len() > NAMED_IN_EVENT {
