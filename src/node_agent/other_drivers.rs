@@ -6,6 +6,7 @@
 //! Event `AnotherDriverPublishesGpus` on the Node, an error in the log, `gpu_dra_node_agent_other_driver_refused 1`)
 //! and publishes them again once it does not.
 
+use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use prometheus_client::metrics::gauge::Gauge;
@@ -93,13 +94,8 @@ impl OtherDriverGuard {
 
     /// Reads the node's ResourceSlices and decides for `gpus`; a failed read keeps the last decision.
     pub async fn check(&mut self, gpus: &[Gpu]) {
-        let slices = ApiResource {
-            group: "resource.k8s.io".into(),
-            version: "v1".into(),
-            api_version: "resource.k8s.io/v1".into(),
-            kind: "ResourceSlice".into(),
-            plural: "resourceslices".into(),
-        };
+        // Untyped: another driver's slice is read for a few fields and must not fail on the rest.
+        let slices = ApiResource::erase::<ResourceSlice>(&());
         let api = Api::<DynamicObject>::all_with(self.client.clone(), &slices);
         // From the API server's cache, which indexes slices by node: one list per node and resync.
         let fields = format!("spec.nodeName={},spec.driver!={}", self.node, self.driver);
