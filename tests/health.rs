@@ -5,6 +5,8 @@
 //! saved state is kept aside, reported, and its faults read back from the published taints.
 
 mod support;
+#[path = "health/unwatched.rs"]
+mod unwatched;
 
 use std::time::{Duration, Instant};
 
@@ -17,6 +19,7 @@ use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeAgent, start_agent};
 use support::objects::{self, create_pod_on};
 use support::{TestContext, wait};
+use unwatched::a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_status;
 
 fn main() {
     // Before 1.36 device taints and device health in the pod status are off (`make test-matrix`): what the README's
@@ -29,6 +32,7 @@ fn main() {
             test!(a_restart_mid_fault_keeps_it_and_the_healthy_window_clears_it),
             test!(a_reboot_ends_a_fault_only_a_reset_clears),
             test!(the_kubelet_writes_device_health_into_the_pod_status),
+            test!(a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_status),
             test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
             test!(an_unreadable_health_state_is_kept_aside_and_reported),
             test!(a_fault_during_a_request_the_api_server_never_answers_is_published_after_the_deadline),
@@ -487,8 +491,13 @@ async fn an_open_health_stream_does_not_hold_up_the_agents_shutdown(ctx: TestCon
     let channel = gpu_dra::kubelet_plugin::socket::dial(&agent.dirs.dra_socket()).await?;
     let mut client = health::dra_resource_health_client::DraResourceHealthClient::new(channel);
     let mut stream = client.node_watch_resources(health::NodeWatchResourcesRequest {}).await?.into_inner();
-    let first = stream.message().await?.context("the health stream ended at once")?;
-    ensure!(!first.devices.is_empty(), "the first health report names no device: {first:?}");
+    // The first report may name no device: nothing is said of a GPU before its health is watched.
+    let mut first = stream.message().await?.context("the health stream ended at once")?;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while first.devices.is_empty() && Instant::now() < deadline {
+        first = stream.message().await?.context("the health stream ended")?;
+    }
+    ensure!(!first.devices.is_empty(), "no health report named a device within 5 s: {first:?}");
     // Kubelets before v1 of the health API (1.34–1.36) dial v1alpha1, and 1.37 falls back to it: the same devices
     // and health there.
     let channel = gpu_dra::kubelet_plugin::socket::dial(&agent.dirs.dra_socket()).await?;

@@ -1,6 +1,7 @@
 //! `DRAResourceHealth.NodeWatchResources` (v1 and v1alpha1) on the DRA socket: the health of every device of this
-//! node's pool, sent at once, again on every change, and every [`RESEND`] so that the kubelet (which treats a
-//! status older than its timeout as Unknown) keeps seeing it. The kubelet writes it into the status of the pods
+//! node's pool that the agent can say something of, sent at once, again on every change, and every [`RESEND`] so
+//! that the kubelet (which treats a device left out of the reports for longer than its timeout as Unknown) keeps
+//! seeing it. The kubelet writes it into the status of the pods
 //! using the devices (`containerStatuses[].allocatedResourcesStatus`).
 
 use std::pin::Pin;
@@ -26,9 +27,18 @@ const MAX_MESSAGE: usize = 1024;
 pub struct DeviceHealth {
     /// The device name in the pool (`gpu-0`).
     pub device: String,
-    pub healthy: bool,
+    pub health: Health,
     /// Why not healthy (empty when healthy).
     pub message: String,
+}
+
+/// What the kubelet is told of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Healthy,
+    Unhealthy,
+    /// Its faults would go unnoticed (see `node_agent::health::coverage`).
+    Unknown,
 }
 
 /// The health of every device, as the node agent last determined it.
@@ -107,7 +117,11 @@ fn response(pool: &str, report: &[DeviceHealth], now: i64) -> v1::NodeWatchResou
         .iter()
         .map(|device| v1::DeviceHealth {
             device: Some(v1::DeviceIdentifier { pool_name: pool.to_string(), device_name: device.device.clone() }),
-            health: if device.healthy { v1::HealthStatus::Healthy } else { v1::HealthStatus::Unhealthy } as i32,
+            health: match device.health {
+                Health::Healthy => v1::HealthStatus::Healthy,
+                Health::Unhealthy => v1::HealthStatus::Unhealthy,
+                Health::Unknown => v1::HealthStatus::Unknown,
+            } as i32,
             last_updated_time: now,
             health_check_timeout_seconds: TIMEOUT_SECONDS,
             message: message(device),
@@ -149,7 +163,7 @@ mod tests {
 
     #[test]
     fn long_messages_are_cut_as_the_kubelet_would() {
-        let long = DeviceHealth { device: "gpu-0".into(), healthy: false, message: "x".repeat(2000) };
+        let long = DeviceHealth { device: "gpu-0".into(), health: Health::Unhealthy, message: "x".repeat(2000) };
         let cut = message(&long);
         assert_eq!(cut.chars().count(), MAX_MESSAGE);
         assert!(cut.ends_with("..."));
@@ -160,8 +174,9 @@ mod tests {
     #[test]
     fn every_device_with_its_pool_and_state() {
         let report = [
-            DeviceHealth { device: "gpu-0".into(), healthy: true, message: String::new() },
-            DeviceHealth { device: "gpu-1".into(), healthy: false, message: "XID 79".into() },
+            DeviceHealth { device: "gpu-0".into(), health: Health::Healthy, message: String::new() },
+            DeviceHealth { device: "gpu-1".into(), health: Health::Unhealthy, message: "XID 79".into() },
+            DeviceHealth { device: "gpu-2".into(), health: Health::Unknown, message: "not watched".into() },
         ];
         let response = response("node-a", &report, 1_700_000_000);
         let got: Vec<_> = response
@@ -177,6 +192,7 @@ mod tests {
             [
                 (Some(("node-a", "gpu-0")), v1::HealthStatus::Healthy as i32, 1_700_000_000, 30, ""),
                 (Some(("node-a", "gpu-1")), v1::HealthStatus::Unhealthy as i32, 1_700_000_000, 30, "XID 79"),
+                (Some(("node-a", "gpu-2")), v1::HealthStatus::Unknown as i32, 1_700_000_000, 30, "not watched"),
             ]
         );
     }

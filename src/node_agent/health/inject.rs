@@ -9,7 +9,12 @@
 //! gpu-2 ecc-dbe       # a double-bit (uncorrected) ECC error;  ecc-sbe: single-bit (corrected)
 //! gpu-2 lost          # NVML reports the GPU lost
 //! gpu-2 clear         # the GPU was reset: healthy at once
+//! gpu-2 unwatched     # NVML reports none of the watched events for the GPU: its health is Unknown
+//! gpu-2 watched       # … watched again
 //! ```
+//!
+//! While `<state-dir>/simulated-driver-unusable` exists no GPU is watched, and while `simulated-driver-hung` exists
+//! the watch does not answer, as with NVML.
 //!
 //! The agent takes the file as a whole (renames it to `inject-faults.applied`) and applies its lines in order, so
 //! append with one write (`echo 'gpu-2 xid 79' >> inject-faults`) and each line is applied exactly once, also
@@ -28,7 +33,12 @@ pub const FILE_NAME: &str = "inject-faults";
 pub enum Action {
     Fault(Fault),
     Reset,
+    /// Whether the GPU's health can be watched (`false`: see [`UNWATCHED`]).
+    Watched(bool),
 }
+
+/// Why a GPU injected `unwatched` is not watched.
+pub const UNWATCHED: &str = "NVML reports none of the watched events (XID, ECC) for this GPU (injected)";
 
 /// One injected line.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -42,7 +52,7 @@ pub struct Injection {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "line {line} of the fault file, {text:?}: {reason}; expected `<gpu-N|UUID> xid <number>`, `… ecc-dbe`, \
-     `… ecc-sbe`, `… lost` or `… clear`"
+     `… ecc-sbe`, `… lost`, `… clear`, `… unwatched` or `… watched`"
 )]
 pub struct ParseError {
     pub line: usize,
@@ -73,6 +83,8 @@ fn parse_line(text: &str) -> Result<Injection, &'static str> {
         ["ecc-sbe"] => Action::Fault(Fault::EccSingleBit),
         ["lost"] => Action::Fault(Fault::GpuLost),
         ["clear"] => Action::Reset,
+        ["unwatched"] => Action::Watched(false),
+        ["watched"] => Action::Watched(true),
         [] => return Err("no action after the GPU"),
         _ => return Err("unknown action"),
     };
@@ -103,7 +115,7 @@ mod tests {
     fn lines() {
         let parsed = parse(
             "# demo\n\ngpu-2 xid 79\nGPU-1234 ecc-dbe # comment\ngpu-0  ecc-sbe\ngpu-1 lost\ngpu-2 clear\n\
-             gpu-3 xid x\ngpu-3\ngpu-3 reboot\n",
+             gpu-3 xid x\ngpu-3\ngpu-3 reboot\ngpu-0 unwatched\ngpu-0 watched\n",
         );
         let ok: Vec<_> = parsed.iter().filter_map(|r| r.as_ref().ok()).map(|i| (i.gpu.as_str(), i.action)).collect();
         assert_eq!(
@@ -114,6 +126,8 @@ mod tests {
                 ("gpu-0", Action::Fault(Fault::EccSingleBit)),
                 ("gpu-1", Action::Fault(Fault::GpuLost)),
                 ("gpu-2", Action::Reset),
+                ("gpu-0", Action::Watched(false)),
+                ("gpu-0", Action::Watched(true)),
             ]
         );
         let errors: Vec<_> = parsed.iter().filter_map(|r| r.as_ref().err()).map(|e| (e.line, e.reason)).collect();

@@ -13,6 +13,7 @@
 //! from the kubelet plugin's checkpoint); this module is the glue.
 
 pub mod classify;
+pub mod coverage;
 mod events;
 pub mod inject;
 pub mod nvml_events;
@@ -41,14 +42,18 @@ use tracing::{info, warn};
 
 use super::device::Device;
 use super::gpu::Gpu;
-use crate::kubelet_plugin::health::{DeviceHealth, HealthReport};
+use crate::kubelet_plugin::health::{DeviceHealth, Health, HealthReport};
 use crate::kubelet_plugin::state::DriverState;
+use coverage::{Coverage, Verdict};
 use inject::{Action, Injection};
 use state::{HealthBook, Policy, Transition};
 use taints::Effects;
 
 /// The longest the monitor sleeps without checking the healthy window.
 const EXPIRY_CHECK: Duration = Duration::from_secs(60);
+/// How often the monitor looks at what the source sees, besides when the source says it changed (a source that
+/// hangs says nothing).
+const COVERAGE_CHECK: Duration = Duration::from_secs(2);
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GpuLabels {
@@ -83,6 +88,10 @@ pub struct Monitor {
     metrics: HealthMetrics,
     /// What the kubelet's health stream sends (see [`crate::kubelet_plugin::health`]).
     health: watch::Sender<HealthReport>,
+    /// What the health source sees: what may be said of GPUs without a fault.
+    pub coverage: Arc<Coverage>,
+    /// The devices last published (name, GPU UUID): what the health stream reports on.
+    devices: Mutex<Vec<(String, String)>>,
     /// The kubelet plugin's state once it serves: which claims (and so pods) a faulted GPU affects.
     holders: Arc<OnceLock<Arc<DriverState>>>,
     /// Why the saved state could not be read at start, for a Warning Event on the Node.
@@ -153,6 +162,8 @@ impl Monitor {
             changed: Notify::new(),
             metrics,
             health: watch::Sender::new(HealthReport::default()),
+            coverage: Arc::default(),
+            devices: Mutex::default(),
             holders: Arc::default(),
             restore_pending: AtomicBool::new(unreadable.is_some()),
             kept_aside: Mutex::default(),
@@ -185,21 +196,43 @@ impl Monitor {
         self.health.subscribe()
     }
 
-    /// Sets the health of `devices` for the kubelet's stream (a MIG device has its GPU's; wakes the stream only when
-    /// something changed).
+    /// Sets the devices the kubelet's stream reports on (a MIG device has its GPU's health), and reports.
     pub fn update_health(&self, devices: &[Device]) {
+        *self.devices.lock().unwrap_or_else(PoisonError::into_inner) =
+            devices.iter().map(|device| (device.name(), device.gpu.uuid.clone())).collect();
+        self.report_health();
+    }
+
+    /// Sets the health the kubelet's stream sends (wakes the stream only when something changed): a fault makes a
+    /// device Unhealthy, and what the source cannot see Unknown (see [`coverage`]). Asks the source to renew its
+    /// watch when it misses one of the GPUs.
+    fn report_health(&self) {
+        let (seen, silent) = (self.coverage.seen(), self.coverage.silent());
+        let devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        if seen.misses(devices.iter().map(|(_, uuid)| uuid.as_str())) {
+            self.coverage.ask_renewal();
+        }
         let report: Vec<DeviceHealth> = {
             let book = self.book();
             devices
-                .iter()
-                .map(|device| {
-                    let state = book.get(&device.gpu.uuid);
-                    let message = state.map_or_else(String::new, |s| {
-                        let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
-                        let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
-                        format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str())
-                    });
-                    DeviceHealth { device: device.name(), healthy: state.is_none(), message }
+                .into_iter()
+                .filter_map(|(device, uuid)| {
+                    let (health, message) = match book.get(&uuid) {
+                        Some(s) => {
+                            let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
+                            let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
+                            (
+                                Health::Unhealthy,
+                                format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str()),
+                            )
+                        }
+                        None => match seen.verdict(&uuid, silent) {
+                            Verdict::Healthy => (Health::Healthy, String::new()),
+                            Verdict::Unknown(why) => (Health::Unknown, why),
+                            Verdict::Unsaid => return None,
+                        },
+                    };
+                    Some(DeviceHealth { device, health, message })
                 })
                 .collect()
         };
@@ -241,6 +274,8 @@ impl Monitor {
                 events.send(EventType::Normal, "GpuHealthStateRestored", restored_note(&gpus, &kept));
             });
         }
+        let mut coverage_check = tokio::time::interval(COVERAGE_CHECK);
+        coverage_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let wait = self.until_next_expiry();
             tokio::select! {
@@ -253,6 +288,8 @@ impl Monitor {
                     None => return,
                 },
                 () = tokio::time::sleep(wait) => self.expire(&events),
+                _ = coverage_check.tick() => self.report_health(),
+                () = self.coverage.changed.notified() => self.report_health(),
             }
         }
     }
@@ -271,11 +308,16 @@ impl Monitor {
             warn!(gpu = %report.gpu, "health report for a GPU this node does not have; ignored");
             return;
         };
+        if let Action::Watched(watched) = report.action {
+            self.coverage.update(|seen| seen.set_unwatched(&gpu.uuid, (!watched).then_some(inject::UNWATCHED)));
+            return self.report_health();
+        }
         let transition = {
             let mut book = self.book();
             let transition = match report.action {
                 Action::Fault(fault) => book.record(&gpu.uuid, fault, now(), &self.policy),
                 Action::Reset => book.reset(&gpu.uuid),
+                Action::Watched(_) => return,
             };
             if transition.changes_taints() {
                 self.save(&book);

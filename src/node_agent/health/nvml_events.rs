@@ -1,6 +1,7 @@
 //! NVML's health events: critical XIDs and ECC errors, read in a blocking thread (`nvmlEventSetWait` blocks), and
 //! `GPU_IS_LOST` answers turned into faults of the GPU that gave them.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,6 +15,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use tracing::{debug, info, warn};
 
 use super::classify::Fault;
+use super::coverage::{Coverage, RENEW_AFTER, Seen};
 use super::inject::{Action, Injection};
 
 /// How long one wait blocks, so that the thread notices `stop`.
@@ -42,16 +44,23 @@ pub fn fault_of(event_type: EventTypes, xid: Option<XidError>) -> Option<Fault> 
     }
 }
 
-/// Watches NVML until `stop`, starting again after failures (no driver yet, a GPU that made registration fail).
-/// A failure is logged as a warning once; the same failure again, every [`RETRY`] until the driver is there, at
-/// debug level (a node waiting for its driver would otherwise warn 360 times an hour).
-pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &Arc<AtomicBool>) {
+/// Watches NVML until `stop`, starting again after failures (no driver yet, a GPU that made registration fail),
+/// and when `coverage` asks for it (a GPU the watch does not cover), at most every [`RENEW_AFTER`]. A failure is
+/// logged as a warning once; the same failure again, every [`RETRY`] until the driver is there, at debug level (a
+/// node waiting for its driver would otherwise warn 360 times an hour). `coverage` says what is watched, and that
+/// the thread still answers.
+pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, coverage: &Coverage, stop: &Arc<AtomicBool>) {
     let mut last_said: Option<String> = None;
     while !stop.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        match watch(library, reports, stop) {
-            Ok(()) => return,
+        match watch(library, reports, coverage, stop) {
+            Ok(Ended::Stopped) => return,
+            Ok(Ended::Renew) => {
+                info!("renewing the NVML health watch for GPUs it did not cover");
+                continue;
+            }
             Err(error) => {
+                coverage.set(Seen::Blind(format!("NVML: {error}")));
                 let text = error.to_string();
                 // A watch that ran a while before it failed worked: its failure is news again.
                 if last_said.as_deref() == Some(text.as_str()) && started.elapsed() < RETRY {
@@ -65,25 +74,43 @@ pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &Arc<Ato
         let deadline = std::time::Instant::now() + RETRY;
         while !stop.load(Ordering::Relaxed) && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(200));
+            coverage.answered();
         }
     }
 }
 
-fn watch(library: &OsStr, reports: &UnboundedSender<Injection>, stop: &AtomicBool) -> Result<(), NvmlError> {
+/// Why a watch ended without an error.
+enum Ended {
+    Stopped,
+    Renew,
+}
+
+fn watch(
+    library: &OsStr,
+    reports: &UnboundedSender<Injection>,
+    coverage: &Coverage,
+    stop: &AtomicBool,
+) -> Result<Ended, NvmlError> {
     let nvml = Nvml::builder().lib_path(library).init()?;
     let subscribed = subscribe(&nvml)?;
+    let since = std::time::Instant::now();
     for uuid in &subscribed.lost {
         send(reports, uuid, Action::Fault(Fault::GpuLost));
     }
     for (uuid, _, events) in &subscribed.devices {
         info!(gpu = %uuid, ?events, "watching NVML health events");
     }
+    coverage.set(subscribed.seen());
     while !stop.load(Ordering::Relaxed) {
         for (uuid, fault) in subscribed.next_faults(WAIT_MS)? {
             send(reports, &uuid, Action::Fault(fault));
         }
+        coverage.answered();
+        if since.elapsed() >= RENEW_AFTER && coverage.renewal_asked() {
+            return Ok(Ended::Renew);
+        }
     }
-    Ok(())
+    Ok(Ended::Stopped)
 }
 
 /// What NVML's health events showed in a while (`gpu-dra gpu-check`).
@@ -157,6 +184,23 @@ fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
 }
 
 impl Subscribed<'_> {
+    /// What the watch covers: GPUs that support none of the wanted events, or were lost while subscribing, are not
+    /// watched.
+    fn seen(&self) -> Seen {
+        let (mut watched, mut unwatched) = (BTreeSet::new(), BTreeMap::new());
+        for (uuid, _, events) in &self.devices {
+            if self.lost.contains(uuid) {
+                unwatched.insert(uuid.clone(), "the GPU was lost when its events were subscribed to".into());
+            } else if events.is_empty() {
+                unwatched
+                    .insert(uuid.clone(), "NVML reports none of the watched events (XID, ECC) for this GPU".into());
+            } else {
+                watched.insert(uuid.clone());
+            }
+        }
+        Seen::Watching { watched: Some(watched), unwatched }
+    }
+
     /// The faults reported within `wait_ms` (none on a timeout).
     fn next_faults(&self, wait_ms: u32) -> Result<Vec<(String, Fault)>, NvmlError> {
         match self.set.wait(wait_ms) {

@@ -1,6 +1,7 @@
 //! What feeds the health monitor: NVML's events in a blocking thread, or, for simulated GPUs, the fault injection
 //! file in the state directory.
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,14 +12,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::classify::Fault;
+use super::coverage::{Coverage, Seen};
 use super::inject::{self, Action, Injection};
 use super::{Monitor, nvml_events};
 use crate::cli::{GpuBackend, NodeAgentArgs};
 use crate::node_agent::discovery::Discovery;
+use crate::node_agent::discovery::simulated::{SIMULATED_DRIVER_HUNG_FILE, SIMULATED_DRIVER_UNUSABLE_FILE};
 use crate::node_agent::gpu::Gpu;
 
 /// How often the simulated backend looks for `<state-dir>/inject-faults`.
 const INJECT_POLL: Duration = Duration::from_millis(100);
+/// Why no simulated GPU is watched while the simulated driver is unusable (NVML's words for it).
+const SIMULATED_UNUSABLE: &str = "Driver/library version mismatch (simulated)";
 
 /// Starts the health monitor and what feeds it: NVML's events, or the fault injection file for simulated GPUs.
 /// Returns a sender of more reports (discovery's: a GPU that answers "GPU is lost").
@@ -32,10 +37,11 @@ pub fn start(
 ) -> mpsc::UnboundedSender<Injection> {
     let (reports, received) = mpsc::unbounded_channel();
     let more = reports.clone();
+    let coverage = monitor.coverage.clone();
     tokio::spawn(monitor.run(client, received, gpus, stop.clone()));
     match args.gpu.gpu_backend {
         GpuBackend::Simulated => {
-            tokio::spawn(watch_injections(args.state_dir.clone(), reports, discovery, stop));
+            tokio::spawn(watch_injections(args.state_dir.clone(), reports, discovery, coverage, stop));
         }
         GpuBackend::Nvml => {
             let library = args.gpu.nvml_library();
@@ -45,11 +51,13 @@ pub fn start(
                 stop.cancelled().await;
                 flag.store(true, Ordering::Relaxed);
             });
-            let spawned = std::thread::Builder::new()
-                .name("nvml-events".into())
-                .spawn(move || nvml_events::run(&library, &reports, &stopped));
+            let spawned = std::thread::Builder::new().name("nvml-events".into()).spawn({
+                let coverage = coverage.clone();
+                move || nvml_events::run(&library, &reports, &coverage, &stopped)
+            });
             if let Err(error) = spawned {
                 warn!(%error, "cannot start the NVML event thread; GPU faults go unnoticed");
+                coverage.set(Seen::Blind(format!("the NVML event thread could not be started: {error}")));
             }
         }
     }
@@ -57,18 +65,29 @@ pub fn start(
 }
 
 /// Feeds `<state-dir>/inject-faults` to the monitor until `stop` (simulated GPUs only). A GPU injected lost (`lost`,
-/// `xid 79`) is also lost to `discovery` until it is cleared, as NVML would no longer read it.
+/// `xid 79`) is also lost to `discovery` until it is cleared, as NVML would no longer read it. Every GPU is watched,
+/// as far as `coverage` goes, but while the simulated driver is unusable (none is) or hung (the watch stops
+/// answering), as NVML's would be.
 pub async fn watch_injections(
     state_dir: PathBuf,
     reports: mpsc::UnboundedSender<Injection>,
     discovery: Arc<dyn Discovery>,
+    coverage: Arc<Coverage>,
     stop: CancellationToken,
 ) {
     info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
+    let (unusable, hung) = (state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE), state_dir.join(SIMULATED_DRIVER_HUNG_FILE));
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(INJECT_POLL) => {}
+        }
+        if !hung.exists() {
+            match (unusable.exists(), coverage.seen()) {
+                (true, Seen::Blind(_)) | (false, Seen::Watching { .. }) => coverage.answered(),
+                (true, _) => coverage.set(Seen::Blind(SIMULATED_UNUSABLE.into())),
+                (false, _) => coverage.set(Seen::Watching { watched: None, unwatched: BTreeMap::new() }),
+            }
         }
         let dir = state_dir.clone();
         let taken = tokio::task::spawn_blocking(move || inject::take(&dir)).await;
@@ -92,7 +111,7 @@ pub async fn watch_injections(
                             discovery.set_lost(&injection.gpu, true)
                         }
                         Action::Reset => discovery.set_lost(&injection.gpu, false),
-                        Action::Fault(_) => {}
+                        Action::Fault(_) | Action::Watched(_) => {}
                     }
                     if reports.send(injection).is_err() {
                         return;
