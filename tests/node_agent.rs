@@ -374,7 +374,9 @@ fn mounted_files(spec: &Path) -> anyhow::Result<Vec<String>> {
 /// propagation for that): the claims prepared afterwards must mount the new version's files, never the removed
 /// ones, or every new GPU container fails to start. The spec of the claim prepared before is written again too
 /// (within the agent's 10 s look): the runtime reads it at every container start of the running pod (a restart
-/// after a crash), and a mount of a removed file fails it. Same agent process throughout.
+/// after a crash), and a mount of a removed file fails it. Then the driver is upgraded again while the agent is
+/// stopped: the restarted agent writes both specs again before it serves (before, only missing specs were written
+/// at start, and the driver's files of the last start were taken as those the specs named).
 async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
@@ -430,6 +432,23 @@ async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestCon
         "the re-discovery is not logged:\n{}",
         agent.log_tail()
     );
+
+    // Upgraded again while no agent runs (stopped for the upgrade, as charts/README says, with pods left on the
+    // node): the restarted agent's specs name the files there are, before it serves.
+    agent.process.kill()?;
+    install_driver(root.path(), "580.65.06")?;
+    remove_driver(root.path(), "570.86.10")?;
+    agent.process = support::node::start_agent(&ctx, &node, &agent.dirs, &args)?;
+    agent.wait_ready().await?;
+    for claim in ["before", "after"] {
+        let uid = objects::claims(&ctx).get(claim).await?.metadata.uid.unwrap_or_default();
+        let files = mounted_files(&agent.dirs.cdi_spec(&uid))?;
+        ensure!(
+            files.len() == 9 && files.iter().all(|f| f.contains("580.65.06") && Path::new(f).exists()),
+            "the spec of {claim} after a restart onto driver 580.65.06 mounts {files:?}\n{}",
+            agent.log_tail()
+        );
+    }
     Ok(())
 }
 

@@ -32,10 +32,22 @@ fn spec_path(dir: &Path, kind: &CdiKind, claim_uid: &str) -> Result<PathBuf, Cdi
 pub fn write_claim_spec(dir: &Path, kind: &CdiKind, claim_uid: &str, spec: &Spec) -> Result<PathBuf, CdiError> {
     let path = spec_path(dir, kind, claim_uid)?;
     let write_error = |source| CdiError::WriteSpec { path: path.clone(), source };
-    let mut data = serde_json::to_vec_pretty(spec).map_err(|err| write_error(io::Error::other(err)))?;
-    data.push(b'\n');
+    let data = spec_bytes(spec).map_err(write_error)?;
     write_atomic(&path, &data).map_err(write_error)?;
     Ok(path)
+}
+
+/// Whether the claim's spec file holds exactly `spec`, as [`write_claim_spec`] would write it (`false` when it
+/// cannot be read).
+pub fn claim_spec_is(dir: &Path, kind: &CdiKind, claim_uid: &str, spec: &Spec) -> bool {
+    let Ok(path) = spec_path(dir, kind, claim_uid) else { return false };
+    spec_bytes(spec).is_ok_and(|data| fs::read(path).is_ok_and(|on_disk| on_disk == data))
+}
+
+fn spec_bytes(spec: &Spec) -> io::Result<Vec<u8>> {
+    let mut data = serde_json::to_vec_pretty(spec).map_err(io::Error::other)?;
+    data.push(b'\n');
+    Ok(data)
 }
 
 /// Removes a claim's spec. Idempotent: unprepare is retried, and a spec already gone is the wanted state.

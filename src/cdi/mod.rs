@@ -21,8 +21,8 @@ use std::path::PathBuf;
 
 pub use driver_files::{DriverFiles, DriverMount, existing_in_root};
 pub use files::{
-    claim_spec_devices, claim_spec_env, claim_spec_exists, list_claim_specs, remove_abandoned_spec_temporaries,
-    remove_claim_spec, spec_file_name, write_claim_spec,
+    claim_spec_devices, claim_spec_env, claim_spec_exists, claim_spec_is, list_claim_specs,
+    remove_abandoned_spec_temporaries, remove_claim_spec, spec_file_name, write_claim_spec,
 };
 pub use spec::{
     ClaimEdits, FileDevice, OPTIONAL_DEVICE_NODES, build_claim_spec, build_claim_spec_with, optional_nodes_present,

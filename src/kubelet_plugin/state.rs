@@ -753,7 +753,7 @@ impl DriverState {
         Ok((uids.len(), moved_to))
     }
 
-    /// Start-up clean-up: half-done prepares undone, missing specs of completed prepares re-written, specs nobody
+    /// Start-up clean-up: half-done prepares undone, missing or outdated specs of completed prepares re-written, specs nobody
     /// records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten, orphans).
     fn clean_up(&self) -> (usize, usize, usize) {
         // Once no unprepare is stopping an MPS daemon with the lock let go: its claim, marked unfinished, would pass for
@@ -780,9 +780,14 @@ impl DriverState {
             checkpoint.claims.remove(uid);
             info!(%uid, "cleaned up a prepare (or unprepare) that was interrupted");
         }
-        let Rewrites { written: rewritten, failed } = self.rewrite_specs(&checkpoint, &BTreeSet::new());
+        // Every spec is checked against what it would say now: what it names may have changed while no agent ran
+        // (the driver upgraded in place, `driverRoot` or `mpsDir` changed), and the runtime reads it again at every
+        // container start of the pods still running. Without GPUs (the driver unusable at start) only missing ones
+        // are written; the others are checked once the GPUs are discovered ([`Self::recover_with_gpus`]).
+        let check = if self.inventory.borrow().is_empty() { BTreeSet::new() } else { rewritable(&checkpoint) };
+        let Rewrites { written: rewritten, failed } = self.rewrite_specs(&checkpoint, &check);
         for (uid, error) in failed {
-            warn!(%uid, %error, "a prepared claim's missing CDI spec cannot be written again");
+            warn!(%uid, %error, "a prepared claim's CDI spec cannot be written again");
         }
         let time_sliced = checkpoint.time_sliced.clone();
         self.reset_time_slices(&mut checkpoint, &time_sliced);
@@ -832,7 +837,8 @@ impl DriverState {
     }
 
     /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
-    /// emptied, a lost write), and those of the completed claims in `stale` (the driver's files changed). A claim whose
+    /// emptied, a lost write), and those of the completed claims in `stale` (the driver's files changed) that say
+    /// something else than they would now. A claim whose
     /// device or made MIG device is gone, or whose write fails, keeps its spec as it is: listed with why, for the
     /// caller to say. Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs. Entries left
     /// started (a failed unprepare, an interrupted prepare) are not completed: their specs stay gone.
@@ -861,10 +867,19 @@ impl DriverState {
             let devices = unique_devices_of(devices);
             let mut edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
             edits.file_devices = self.metadata_mounts(uid, entry);
-            match self.write_spec(uid, &devices, &edits) {
-                Ok(_) => {
+            let written = cdi::build_claim_spec_with(&self.cdi_kind, uid, &devices, &self.driver_files, &edits)
+                .and_then(|spec| {
+                    // A stale spec that says what it would say now is left alone.
+                    if is_stale && cdi::claim_spec_is(&self.cdi_dir, &self.cdi_kind, uid, &spec) {
+                        return Ok(false);
+                    }
+                    cdi::write_claim_spec(&self.cdi_dir, &self.cdi_kind, uid, &spec).map(|_| true)
+                });
+            match written {
+                Ok(false) => {}
+                Ok(true) => {
                     let claim = format!("{}/{}", entry.namespace, entry.name);
-                    let what = if is_stale { "for the driver's new files" } else { "that was missing" };
+                    let what = if is_stale { "that named what is no longer there" } else { "that was missing" };
                     info!(%uid, %claim, "re-wrote a CDI spec {what}");
                     done.written += 1;
                 }
@@ -874,8 +889,9 @@ impl DriverState {
         done
     }
 
-    /// [`Self::rewrite_specs`] under the state lock, counted in `specs_rewritten`: the kubelet never asks again for
-    /// a claim it prepared, but the runtime reads its spec at every container start (a restart after a crash, the
+    /// [`Self::rewrite_specs`] under the state lock, counted in `specs_rewritten`: the kubelet asks again for a
+    /// claim it prepared only for a new pod sandbox (after its own restart), but the runtime reads its spec at every
+    /// container start (a restart after a crash, the
     /// next init container). So a spec lost while the pod runs is written again, and after the driver's files
     /// changed (a driver upgraded in place: the old versioned libraries and firmware removed) every spec is, so
     /// that none names files that are gone, and after the unified-memory device nodes appeared (a node booted
@@ -888,11 +904,7 @@ impl DriverState {
         let changes = SpecInputs::of(&self.driver_files);
         let mut stale = self.stale_specs.lock().unwrap_or_else(PoisonError::into_inner);
         if stale.0 != changes {
-            // Not those adopted from their specs after a corrupt checkpoint: what their specs hold beyond their
-            // devices (the device metadata files) is not recorded, and a spec written again would lose it.
-            let completed =
-                checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted && !e.recovered);
-            *stale = (changes, completed.map(|(uid, _)| uid.clone()).collect());
+            *stale = (changes, rewritable(&checkpoint));
         }
         let done = self.rewrite_specs(&checkpoint, &stale.1);
         let failed: BTreeSet<&String> = done.failed.iter().map(|(uid, _)| uid).collect();
@@ -1129,6 +1141,14 @@ impl SpecInputs {
     fn of(driver_files: &DriverFiles) -> Self {
         Self { driver_changes: driver_files.changes(), optional_nodes: cdi::optional_nodes_present(driver_files) }
     }
+}
+
+/// The completed claims whose specs may be written again from their entries: not those adopted from their specs
+/// after a corrupt checkpoint (what their specs hold beyond their devices, the device metadata files, is not
+/// recorded, and a spec written again would lose it).
+fn rewritable(checkpoint: &Checkpoint) -> BTreeSet<String> {
+    let completed = checkpoint.claims.iter().filter(|(_, e)| e.state == PrepareState::PrepareCompleted && !e.recovered);
+    completed.map(|(uid, _)| uid.clone()).collect()
 }
 
 /// Puts back the entry a failed prepare replaced, or drops the new one.
