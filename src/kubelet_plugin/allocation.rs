@@ -126,6 +126,14 @@ pub fn plan(
             && config.sharing.strategy == SharingStrategy::TimeSlicing
             && interval != TimeSliceInterval::Default
         {
+            if whole_partition {
+                return Err(format!(
+                    "claim {wanted}: request {:?} asks time slice {interval:?} of device {:?}, a GPU in MIG mode \
+                     (dynamic MIG: its whole is a MIG device spanning it); a time slice is set on GPUs out of MIG \
+                     mode only. Select those: `device.attributes['{driver}'].migEnabled == false`",
+                    result.request, result.device
+                ));
+            }
             return Err(format!(
                 "claim {wanted}: request {:?} asks time slice {interval:?} of MIG device {:?}; a time slice is set \
                  on whole GPUs only (a MIG device is isolated from its siblings). Drop timeSlicingConfig for MIG \

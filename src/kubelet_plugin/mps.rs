@@ -154,6 +154,14 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
                 device.request
             ));
         }
+        if device.device.partition.as_ref().is_some_and(|p| p.whole) {
+            return Err(format!(
+                "claim {claim}: request {:?} has device {name:?}, a GPU in MIG mode (dynamic MIG: its whole is a MIG \
+                 device made at prepare); MPS is not run on those: select GPUs out of MIG mode \
+                 (`device.attributes['<driver>'].migEnabled == false`) or an existing MIG device",
+                device.request
+            ));
+        }
         if device.device.partition.is_some() {
             return Err(format!(
                 "claim {claim}: request {:?} has device {name:?}, a MIG device made at prepare (dynamic MIG); MPS is \

@@ -29,7 +29,9 @@ use super::config::{SharingStrategy, TimeSliceInterval};
 /// refuses an explicit interval).
 pub fn asked(device: &PlannedDevice) -> Option<TimeSliceInterval> {
     let sharing = &device.config.sharing;
-    match (sharing.strategy, device.admin_access || device.device.mig.is_some()) {
+    // A dynamic MIG partition too, whose MIG device is made only later (its whole on a dynamic-MIG node included):
+    // its GPU is in MIG mode.
+    match (sharing.strategy, device.admin_access || device.device.is_mig()) {
         (SharingStrategy::TimeSlicing, false) => {
             Some(sharing.time_slicing.as_ref().map(|t| t.interval).unwrap_or_default())
         }
@@ -215,6 +217,13 @@ mod tests {
         let mut without_interval = planned("g", 0, None, false);
         without_interval.config.sharing.strategy = SharingStrategy::TimeSlicing;
         assert_eq!(asked(&without_interval), Some(Default));
+        // The whole of a GPU on a dynamic-MIG node, its MIG device not made yet: in MIG mode all the same.
+        let mut partition = planned("g", 0, Some(Default), false);
+        let gpu = &partition.device.gpu;
+        let profile =
+            crate::node_agent::mig::profiles(gpu).and_then(|p| p.into_iter().last()).expect("an H100's profiles");
+        partition.device.partition = Some(crate::node_agent::device::Partition { profile, start: 0, whole: true });
+        assert_eq!(asked(&partition), None);
     }
 
     #[test]
