@@ -237,6 +237,36 @@ async fn the_pod_of_a_lost_gpu_is_evicted_by_kubernetes(ctx: TestContext) -> any
     })
     .await?;
     let device = allocated(&ctx, "one").await?.and_then(|d| d.into_iter().next()).context("claim not allocated")?;
+    // DCGM-style monitors (every GPU with admin access): admin access is no exemption from device taints, so only
+    // the one tolerating them keeps running, and only such a monitor gets the node's GPUs while one is faulted. The
+    // eviction controller honours only tolerations naming the effect NoExecute (v1.37.2, unlike a pod's
+    // tolerations): `operator: Exists` alone keeps the scheduler's allocation but not the pod.
+    let label = json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}});
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(ctx.client.clone())
+        .patch(&ctx.namespace, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&label))
+        .await?;
+    let both = json!([{"operator": "Exists", "effect": "NoSchedule"}, {"operator": "Exists", "effect": "NoExecute"}]);
+    let monitors = [
+        ("monitor", both.clone()),
+        ("bare-monitor", json!([])),
+        ("exists-monitor", json!([{"operator": "Exists"}])),
+        ("late-monitor", both),
+    ];
+    for (monitor, tolerations) in monitors {
+        let claim: ResourceClaim = serde_json::from_value(json!({
+            "metadata": {"name": monitor},
+            "spec": {"devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": ctx.namespace,
+                "allocationMode": "All", "adminAccess": true, "tolerations": tolerations}}]}}
+        }))?;
+        objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+        if monitor != "late-monitor" {
+            create_pod_on(&ctx, monitor, &node, json!([{"name": "gpus", "resourceClaimName": monitor}])).await?;
+            wait::until("the monitor's claim to be allocated", Duration::from_secs(30), || async {
+                allocated(&ctx, monitor).await
+            })
+            .await?;
+        }
+    }
 
     // An application error on the same GPU changes nothing.
     inject(&agent.dirs.state(), &format!("{device} xid 13"))?;
@@ -261,6 +291,20 @@ async fn the_pod_of_a_lost_gpu_is_evicted_by_kubernetes(ctx: TestContext) -> any
         let conditions = pod.status.and_then(|s| s.conditions).unwrap_or_default();
         ensure!(conditions.iter().any(|c| c.type_ == "DisruptionTarget"), "evicted without reason: {conditions:?}");
     }
+    for evicted in ["bare-monitor", "exists-monitor"] {
+        wait::until(&format!("{evicted} to be evicted"), Duration::from_secs(30), || async {
+            Ok(pods.get_opt(evicted).await?.is_none_or(|p| p.metadata.deletion_timestamp.is_some()).then_some(()))
+        })
+        .await?;
+    }
+    create_pod_on(&ctx, "late-monitor", &node, json!([{"name": "gpus", "resourceClaimName": "late-monitor"}])).await?;
+    let late = wait::until("the monitor created after the fault to get the GPUs", Duration::from_secs(30), || async {
+        allocated(&ctx, "late-monitor").await
+    })
+    .await?;
+    ensure!(late.len() == 2, "the late monitor got {late:?}");
+    let kept = pods.get("monitor").await?;
+    ensure!(kept.metadata.deletion_timestamp.is_none(), "the monitor tolerating the taints was evicted: {kept:?}");
     Ok(())
 }
 
