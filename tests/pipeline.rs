@@ -780,7 +780,7 @@ async fn share_one_gpu(
     ensure!(dirs.cdi_specs()?.len() == 2, "specs after the swap: {:?}", dirs.cdi_specs()?);
     eprintln!("two namespaces shared gpu-0 by memory; the third share waited ({why}) until one was released");
     shares_ask_one_time_slice(ctx, other, node, dirs, kubelet, class).await?;
-    whole_gpu_by_extended_resource(ctx, other, node, class).await
+    whole_gpu_by_extended_resource(ctx, other, node, class, dirs).await
 }
 
 /// Two tenants' pods on shares of one GPU asking different time slices (`GpuConfig` TimeSlicing, one in NVIDIA's
@@ -824,9 +824,20 @@ async fn shares_ask_one_time_slice(
 
 /// A container asking `nvidia.com/gpu: 1` (the class's extended resource) names no memory, so it asks for the
 /// whole shared GPU: it waits while shares hold part of it, then gets all of it, and a new share waits for it.
-async fn whole_gpu_by_extended_resource(ctx: &TestContext, other: &str, node: &str, class: &str) -> anyhow::Result<()> {
+async fn whole_gpu_by_extended_resource(
+    ctx: &TestContext,
+    other: &str,
+    node: &str,
+    class: &str,
+    dirs: &NodeDirs,
+) -> anyhow::Result<()> {
     let ns = ctx.namespace.as_str();
-    let extended = json!({"spec": {"extendedResourceName": "nvidia.com/gpu"}});
+    // With the class's own config, as the chart renders a class's `sharing`: the only config such a pod can have,
+    // its claim being the scheduler's.
+    let sharing = json!({"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}});
+    let config = json!([{"opaque": {"driver": DRIVER, "parameters": {"apiVersion": format!("{DRIVER}/v1alpha1"),
+        "kind": "GpuConfig", "sharing": sharing}}}]);
+    let extended = json!({"spec": {"extendedResourceName": "nvidia.com/gpu", "config": config}});
     Api::<DeviceClass>::all(ctx.client.clone()).patch(class, &PatchParams::default(), &Patch::Merge(&extended)).await?;
     let pod: Pod = serde_json::from_value(json!({
         "metadata": {"name": "whole"},
@@ -855,6 +866,11 @@ async fn whole_gpu_by_extended_resource(ctx: &TestContext, other: &str, node: &s
     })
     .await?;
     ensure!(claim.len() == 1 && claim[0].0 == "gpu-0", "the nvidia.com/gpu pod got {claim:?}");
+    let sliced = wait::until("the class's time slice on gpu-0", PREPARE_TIMEOUT, || async {
+        Ok(dirs.time_slices()?.get("gpu-0").filter(|interval| *interval == "Long").cloned())
+    })
+    .await;
+    sliced.with_context(|| format!("time slices {:?}", dirs.time_slices()))?;
     pod_with_memory_share(ctx, ns, "after", node, class, "8Gi").await?;
     let why_after = objects::unschedulable(&ctx.client, ns, "after", PREPARE_TIMEOUT).await?;
     eprintln!(

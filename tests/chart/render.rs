@@ -178,6 +178,8 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("deviceClasses.mig.name=MIG_class", "at '/deviceClasses/mig/name'"),
         ("deviceClasses.mig.profile=1g.10gb", "at '/deviceClasses/mig': additional properties 'profile' not allowed"),
         ("deviceClasses.mig.profiles={1g.10gb+me}", "at '/deviceClasses/mig/profiles/0'"),
+        ("deviceClasses.gpu.sharing.timeSlicing.interval=Long", "at '/deviceClasses/gpu/sharing'"),
+        ("deviceClasses.mig.sharing.strategy=Shared", "at '/deviceClasses/mig/sharing/strategy'"),
         // With maxSurge 0 the API server refuses maxUnavailable 0 at apply: refused at install instead.
         (
             "nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0",
@@ -391,6 +393,16 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
         let served = profile["spec"].get("extendedResourceName");
         let expected = (support::cluster::kubernetes_minor()? >= 36).then(|| json!("nvidia.com/mig-1g.10gb"));
         ensure!(served == expected.as_ref(), "extendedResourceName of the 1g.10gb class: {profile}");
+    }
+    if all_on {
+        // The extra class's `sharing`: a GpuConfig of the driver that every claim of the class gets.
+        let extra = applied
+            .iter()
+            .find(|o| o["kind"] == "DeviceClass" && o["metadata"]["name"] == "h100.gpu-dra.dev")
+            .context("no extra DeviceClass h100.gpu-dra.dev")?;
+        let config = json!([{"opaque": {"driver": driver, "parameters": {"apiVersion": format!("{driver}/v1alpha1"),
+            "kind": "GpuConfig", "sharing": {"strategy": "TimeSlicing", "timeSlicing": {"interval": "Long"}}}}}]);
+        ensure!(extra["spec"]["config"] == config, "the extra class's config: {extra}");
     }
     if all_on && support::cluster::kubernetes_minor()? < 36 {
         // Before 1.36 (DRAExtendedResource off) the server drops it, as the README's version table says.

@@ -84,6 +84,21 @@ system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra.nodeAgent.ser
 device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.driverName }}'].type == 'gpu'
 {{- end }}
 
+{{- /* A DeviceClass's `config` from a class's `sharing` values: a GpuConfig of this driver, which every claim of
+the class gets (a claim's own config for the same request wins). Call with (dict "root" $ "sharing" <values>). */}}
+{{- define "gpu-dra.classConfig" -}}
+{{- with .sharing -}}
+config:
+  - opaque:
+      driver: {{ $.root.Values.driverName | quote }}
+      parameters:
+        apiVersion: {{ printf "%s/v1alpha1" $.root.Values.driverName | quote }}
+        kind: GpuConfig
+        sharing:
+          {{- toYaml . | nindent 10 }}
+{{- end }}
+{{- end }}
+
 {{- define "gpu-dra.migSelector" -}}
 device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.driverName }}'].type == 'mig'
 {{- end }}
