@@ -320,6 +320,14 @@ mod tests {
         let planned = plan(&wanted(), &claim, DRIVER, "node-a", &inventory)?;
         assert_eq!(planned.len(), 1);
         assert_eq!(planned[0].config.sharing.strategy, SharingStrategy::TimeSlicing);
+        // An explicit interval there is refused, naming the selector for GPUs out of MIG mode.
+        let long = json!([{"source": "FromClaim", "opaque": {"driver": DRIVER, "parameters": {
+            "apiVersion": "resource.nvidia.com/v1beta1", "kind": "GpuConfig",
+            "sharing": {"strategy": "TimeSlicing", "timeSlicingConfig": {"interval": "Long"}}}}}]);
+        let claim = allocated(json!([result("gpu", "node-a", "gpu-5")]), long);
+        let error = plan(&wanted(), &claim, DRIVER, "node-a", &inventory).err().ok_or("planned")?;
+        let selector = format!("device.attributes['{DRIVER}'].migEnabled == false");
+        assert!(error.contains("a GPU in MIG mode") && error.contains(&selector), "{error}");
         Ok(())
     }
 }

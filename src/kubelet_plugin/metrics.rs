@@ -85,8 +85,9 @@ impl PluginMetrics {
         );
         sub.register(
             "specs_rewritten",
-            "CDI specs of prepared claims written again while the agent ran: found missing (deleted on the host), or \
-             naming driver files an in-place driver upgrade replaced",
+            "CDI specs of prepared claims written again: found missing (deleted on the host), or saying something else \
+             than they would now (the driver upgraded in place, or while no agent ran; a changed driver root or MPS \
+             directory, found at start)",
             metrics.specs_rewritten.clone(),
         );
         sub.register(

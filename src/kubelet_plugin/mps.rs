@@ -158,7 +158,7 @@ pub fn plan(claim: &ClaimRef, planned: &[PlannedDevice]) -> Result<Option<MpsDae
             return Err(format!(
                 "claim {claim}: request {:?} has device {name:?}, a GPU in MIG mode (dynamic MIG: its whole is a MIG \
                  device made at prepare); MPS is not run on those: select GPUs out of MIG mode \
-                 (`device.attributes['<driver>'].migEnabled == false`) or an existing MIG device",
+                 (`device.attributes['<driver>'].migEnabled == false`)",
                 device.request
             ));
         }
@@ -365,7 +365,17 @@ mod tests {
             default_per_device_pinned_memory_limit: BTreeMap::from([("2".into(), "1Gi".into())]),
             ..MpsConfig::default()
         };
-        let cases: [(Vec<PlannedDevice>, &str); 4] = [
+        // The whole of a GPU on a dynamic-MIG node, and one of its partitions.
+        let partition = |whole: bool| {
+            let mut planned = device("p", 0, mps(MpsConfig::default()));
+            let gpu = &planned.device.gpu;
+            let profiles = crate::node_agent::mig::profiles(gpu).unwrap_or_default();
+            let profile = if whole { profiles.last() } else { profiles.first() }.copied();
+            planned.device.partition =
+                profile.map(|profile| crate::node_agent::device::Partition { profile, start: 0, whole });
+            planned
+        };
+        let cases: [(Vec<PlannedDevice>, &str); 6] = [
             (
                 vec![device("a", 0, mps(MpsConfig::default())), device("b", 1, Sharing::default())],
                 "request \"a\" asks sharing.strategy MPS and request \"b\" asks Exclusive",
@@ -379,6 +389,8 @@ mod tests {
                 vec![device("a", 0, mps(bad_key))],
                 "defaultPerDevicePinnedMemoryLimit[\"2\"] names none of the claim's 1",
             ),
+            (vec![partition(true)], "a GPU in MIG mode (dynamic MIG: its whole is a MIG device made at prepare)"),
+            (vec![partition(false)], "a MIG device made at prepare (dynamic MIG); MPS is not run on those"),
         ];
         for (planned, expected) in cases {
             match plan(&claim(), &planned) {

@@ -102,7 +102,9 @@ pub struct Recovery {
     pub previous_boot: usize,
     /// Half-done prepares cleaned up.
     pub half_done: usize,
-    /// Specs re-written because they were missing (e.g. the CDI directory is a tmpfs that was emptied).
+    /// Specs re-written because they were missing (e.g. the CDI directory is a tmpfs that was emptied) or said
+    /// something else than they would now (the driver upgraded while no agent ran, a changed driver root or MPS
+    /// directory).
     pub rewritten: usize,
     /// Specs (and MPS daemon directories) of claims the checkpoint does not know as prepared, removed.
     pub orphans: usize,
@@ -784,8 +786,13 @@ impl DriverState {
         // (the driver upgraded in place, `driverRoot` or `mpsDir` changed), and the runtime reads it again at every
         // container start of the pods still running. Without GPUs (the driver unusable at start) only missing ones
         // are written; the others are checked once the GPUs are discovered ([`Self::recover_with_gpus`]).
+        // Not a claim only looked at with admin access on a dynamic MIG partition: what it gets is whatever is at the
+        // placement when it is written (the parent GPU, or the MIG device a claim made), which changes with no change
+        // of the driver's.
         let check = if self.inventory.borrow().is_empty() { BTreeSet::new() } else { rewritable(&checkpoint) };
+        let check = check.into_iter().filter(|uid| !self.looks_at_a_partition(&checkpoint, uid)).collect();
         let Rewrites { written: rewritten, failed } = self.rewrite_specs(&checkpoint, &check);
+        self.metrics.specs_rewritten.inc_by(rewritten as u64);
         for (uid, error) in failed {
             warn!(%uid, %error, "a prepared claim's CDI spec cannot be written again");
         }
@@ -879,7 +886,7 @@ impl DriverState {
                 Ok(false) => {}
                 Ok(true) => {
                     let claim = format!("{}/{}", entry.namespace, entry.name);
-                    let what = if is_stale { "that named what is no longer there" } else { "that was missing" };
+                    let what = if is_stale { "that differed from what it would say now" } else { "that was missing" };
                     info!(%uid, %claim, "re-wrote a CDI spec {what}");
                     done.written += 1;
                 }
@@ -1140,6 +1147,20 @@ struct SpecInputs {
 impl SpecInputs {
     fn of(driver_files: &DriverFiles) -> Self {
         Self { driver_changes: driver_files.changes(), optional_nodes: cdi::optional_nodes_present(driver_files) }
+    }
+}
+
+impl DriverState {
+    /// Whether the claim `uid` holds a dynamic MIG partition only looked at (admin access, no MIG device made for it).
+    fn looks_at_a_partition(&self, checkpoint: &Checkpoint, uid: &str) -> bool {
+        let inventory = self.inventory.borrow();
+        checkpoint.claims.get(uid).is_some_and(|entry| {
+            entry.devices.iter().any(|d| {
+                d.admin_access
+                    && d.made_mig.is_none()
+                    && inventory.get(&d.device).is_some_and(|device| device.partition.is_some())
+            })
+        })
     }
 }
 

@@ -2,7 +2,8 @@
 //! the kubelet is told `Unknown` for its devices (and writes that into the status of the pods using them), with
 //! the reason, rather than `Healthy`. That is the case while NVML cannot be used at all (no driver, a
 //! driver/library version mismatch), for a GPU that reports none of the events watched (NVML: not supported), for a
-//! GPU that appeared after the watch started (until the watch is renewed, within [`RENEW_AFTER`]), and while the
+//! GPU that appeared, or came back from a fault, after the watch started (until the watch is renewed, after
+//! [`RENEW_AFTER`] at first), and while the
 //! source has not answered for [`STALL`] (an NVML call hanging on a wedged driver). A known fault outweighs all of
 //! these: a faulted GPU is `Unhealthy`.
 //!
@@ -25,7 +26,8 @@ pub const RENEW_AFTER: Duration = Duration::from_secs(10);
 /// What the source sees.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum Seen {
-    /// Not watching yet (the agent just started): nothing is said about any GPU, the kubelet keeps what it had.
+    /// Not watching yet (the agent just started, for a second): nothing is said about any GPU, which the kubelet
+    /// (that forgot the driver's devices when the last agent's stream ended) reads as Unknown without a message.
     #[default]
     Starting,
     /// Nothing can be watched, and why.
@@ -67,7 +69,8 @@ impl Seen {
                 Verdict::Unknown(format!("health not watched: {}", unwatched[uuid]))
             }
             Seen::Watching { watched: Some(watched), .. } if !watched.contains(uuid) => Verdict::Unknown(
-                "health not watched yet: the GPU appeared after the watch started, which is renewed".into(),
+                "health not watched yet: the GPU appeared, or came back, after the watch began; the watch is renewed"
+                    .into(),
             ),
             Seen::Watching { .. } => Verdict::Healthy,
         }
@@ -190,7 +193,9 @@ mod tests {
             (
                 watching(Some(&[]), &[]),
                 fresh,
-                unknown("health not watched yet: the GPU appeared after the watch started, which is renewed"),
+                unknown(
+                    "health not watched yet: the GPU appeared, or came back, after the watch began; the watch is renewed",
+                ),
             ),
             (watching(None, &[("GPU-1", "no events")]), fresh, unknown("health not watched: no events")),
         ];

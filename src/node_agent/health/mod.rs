@@ -207,17 +207,20 @@ impl Monitor {
     /// device Unhealthy, and what the source cannot see Unknown (see [`coverage`]). Asks the source to renew its
     /// watch when it misses one of the GPUs.
     fn report_health(&self) {
+        // One report at a time, from what the source sees now: the monitor's task and the publisher both report,
+        // and an older view sent last would stand until the next look.
+        let devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
         let (seen, silent) = (self.coverage.seen(), self.coverage.silent());
-        let devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner).clone();
-        if seen.misses(devices.iter().map(|(_, uuid)| uuid.as_str())) {
-            self.coverage.ask_renewal();
-        }
         let report: Vec<DeviceHealth> = {
             let book = self.book();
+            // Not for a faulted GPU (a lost one cannot be watched): once its fault clears, it is renewed for.
+            if seen.misses(devices.iter().map(|(_, uuid)| uuid.as_str()).filter(|uuid| book.get(uuid).is_none())) {
+                self.coverage.ask_renewal();
+            }
             devices
-                .into_iter()
+                .iter()
                 .filter_map(|(device, uuid)| {
-                    let (health, message) = match book.get(&uuid) {
+                    let (health, message) = match book.get(uuid) {
                         Some(s) => {
                             let meaning = classify::classify(s.fault, &self.policy.ignore_xids).1;
                             let since = Timestamp::from_second(s.since).map(|t| t.to_string()).unwrap_or_default();
@@ -226,13 +229,13 @@ impl Monitor {
                                 format!("{}: {meaning} (class {}, since {since})", s.fault, s.class.as_str()),
                             )
                         }
-                        None => match seen.verdict(&uuid, silent) {
+                        None => match seen.verdict(uuid, silent) {
                             Verdict::Healthy => (Health::Healthy, String::new()),
                             Verdict::Unknown(why) => (Health::Unknown, why),
                             Verdict::Unsaid => return None,
                         },
                     };
-                    Some(DeviceHealth { device, health, message })
+                    Some(DeviceHealth { device: device.clone(), health, message })
                 })
                 .collect()
         };
@@ -480,6 +483,43 @@ mod tests {
             Effects::default(),
             &mut registry,
         )
+    }
+
+    /// What the kubelet's stream is told of each device: a fault outweighs everything, a GPU the watch misses is
+    /// Unknown (and a renewal is asked for, but not for a faulted GPU), nothing is said while the source starts.
+    #[test]
+    fn each_device_reported_as_far_as_it_is_known() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let monitor = monitor(dir.path());
+        let gpus: Vec<Gpu> = (0..3).map(|i| crate::node_agent::gpu::test_gpu(i, &format!("0000:0{i}:00.0"))).collect();
+        let devices: Vec<Device> = gpus.iter().map(Device::whole).collect();
+        let reported = || {
+            let report = monitor.health_updates().borrow().clone();
+            report.iter().map(|d| (d.device.clone(), d.health)).collect::<Vec<_>>()
+        };
+        monitor.update_health(&devices);
+        assert_eq!(reported(), [], "said something while the source starts");
+
+        monitor.book().record(&gpus[1].uuid, Fault::EccDoubleBit, now(), &Policy::default());
+        monitor.coverage.set(coverage::Seen::Watching {
+            watched: Some([gpus[0].uuid.clone()].into()),
+            unwatched: std::collections::BTreeMap::new(),
+        });
+        monitor.update_health(&devices);
+        let names: Vec<String> = devices.iter().map(Device::name).collect();
+        let want = [
+            (names[0].clone(), Health::Healthy),
+            (names[1].clone(), Health::Unhealthy),
+            (names[2].clone(), Health::Unknown),
+        ];
+        assert_eq!(reported(), want);
+        assert!(monitor.coverage.renewal_asked(), "no renewal asked for the GPU the watch misses");
+
+        // The GPU the watch misses is faulted too: no renewal for it.
+        monitor.book().record(&gpus[2].uuid, Fault::GpuLost, now(), &Policy::default());
+        monitor.update_health(&devices);
+        assert!(!monitor.coverage.renewal_asked(), "a renewal asked for a faulted GPU");
+        Ok(())
     }
 
     /// A state of a version that kept no boot ID is stamped with this boot at start, so the next reboot ends its

@@ -45,18 +45,22 @@ pub fn fault_of(event_type: EventTypes, xid: Option<XidError>) -> Option<Fault> 
 }
 
 /// Watches NVML until `stop`, starting again after failures (no driver yet, a GPU that made registration fail),
-/// and when `coverage` asks for it (a GPU the watch does not cover), at most every [`RENEW_AFTER`]. A failure is
-/// logged as a warning once; the same failure again, every [`RETRY`] until the driver is there, at debug level (a
-/// node waiting for its driver would otherwise warn 360 times an hour). `coverage` says what is watched, and that
-/// the thread still answers.
+/// and when `coverage` asks for it (a GPU the watch does not cover), after [`RENEW_AFTER`], twice as long after each
+/// renewal that did not cover it either, at most [`RENEW_AT_MOST`] (a GPU that stays unwatchable costs a renewal
+/// every 5 minutes, not every 10 s). A failure is logged as a warning once; the same failure again, every [`RETRY`]
+/// until the driver is there, at debug level (a node waiting for its driver would otherwise warn 360 times an hour).
+/// `coverage` says what is watched, and that the thread still answers.
 pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, coverage: &Coverage, stop: &Arc<AtomicBool>) {
     let mut last_said: Option<String> = None;
+    let mut renew_after = RENEW_AFTER;
+    let mut renewals = 0u32;
     while !stop.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        match watch(library, reports, coverage, stop) {
+        match watch(library, reports, coverage, stop, (&mut renew_after, renewals == 0)) {
             Ok(Ended::Stopped) => return,
             Ok(Ended::Renew) => {
-                info!("renewing the NVML health watch for GPUs it did not cover");
+                renewals += 1;
+                info!(renewals, next_after = ?renew_after, "renewing the NVML health watch for GPUs it did not cover");
                 continue;
             }
             Err(error) => {
@@ -79,17 +83,24 @@ pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, coverage: &Cov
     }
 }
 
+/// The longest between two renewals of the watch for a GPU it cannot cover.
+const RENEW_AT_MOST: Duration = Duration::from_secs(5 * 60);
+
 /// Why a watch ended without an error.
 enum Ended {
     Stopped,
     Renew,
 }
 
+/// One watch, until `stop`, an NVML error, or a renewal asked for once `renew_after` has passed (which then doubles;
+/// a watch that passes it with none asked covered every GPU, and the next miss is renewed after [`RENEW_AFTER`]
+/// again). `first`: the first watch of the process, whose GPUs are logged at info level.
 fn watch(
     library: &OsStr,
     reports: &UnboundedSender<Injection>,
     coverage: &Coverage,
     stop: &AtomicBool,
+    (renew_after, first): (&mut Duration, bool),
 ) -> Result<Ended, NvmlError> {
     let nvml = Nvml::builder().lib_path(library).init()?;
     let subscribed = subscribe(&nvml)?;
@@ -98,16 +109,26 @@ fn watch(
         send(reports, uuid, Action::Fault(Fault::GpuLost));
     }
     for (uuid, _, events) in &subscribed.devices {
-        info!(gpu = %uuid, ?events, "watching NVML health events");
+        if first {
+            info!(gpu = %uuid, ?events, "watching NVML health events");
+        } else {
+            debug!(gpu = %uuid, ?events, "watching NVML health events");
+        }
     }
     coverage.set(subscribed.seen());
+    // Asked while this watch was being made, for the watch before it.
+    coverage.renewal_asked();
     while !stop.load(Ordering::Relaxed) {
         for (uuid, fault) in subscribed.next_faults(WAIT_MS)? {
             send(reports, &uuid, Action::Fault(fault));
         }
         coverage.answered();
-        if since.elapsed() >= RENEW_AFTER && coverage.renewal_asked() {
-            return Ok(Ended::Renew);
+        if since.elapsed() >= *renew_after {
+            if coverage.renewal_asked() {
+                *renew_after = (*renew_after * 2).min(RENEW_AT_MOST);
+                return Ok(Ended::Renew);
+            }
+            *renew_after = RENEW_AFTER;
         }
     }
     Ok(Ended::Stopped)
@@ -144,13 +165,41 @@ pub fn watch_for(library: &OsStr, duration: Duration) -> Result<Watched, NvmlErr
 /// Every GPU's event subscription.
 struct Subscribed<'n> {
     set: EventSet<'n>,
-    /// UUID, device, the wanted events it supports.
+    /// UUID, device, the wanted events it supports (registered with `set`).
     devices: Vec<(String, Device<'n>, EventTypes)>,
-    /// GPUs that answered "lost" while subscribing.
+    /// GPUs that answered "lost" while subscribing: faulted, and not watched until the watch is renewed after.
     lost: Vec<String>,
+    /// GPUs whose events NVML refused to register, and its answer: the others are watched all the same.
+    refused: BTreeMap<String, String>,
 }
 
+/// Subscribes to every GPU's wanted events. A GPU whose registration fails is left out with the reason and the
+/// rest subscribed again (a failed registration releases the whole event set).
 fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
+    let mut refused = BTreeMap::new();
+    loop {
+        match subscribe_except(nvml, &refused)? {
+            Attempt::Subscribed(mut subscribed) => {
+                subscribed.refused = refused;
+                return Ok(subscribed);
+            }
+            Attempt::Refused(uuid, error) => {
+                warn!(gpu = %uuid, %error, "NVML refused to watch the GPU's health events; watching the others");
+                refused.insert(uuid, format!("NVML refused to watch its events: {error}"));
+            }
+        }
+    }
+}
+
+/// What one try of [`subscribe`] came to.
+enum Attempt<'n> {
+    Subscribed(Subscribed<'n>),
+    /// The GPU whose registration failed, and why.
+    Refused(String, NvmlError),
+}
+
+/// One try of [`subscribe`], leaving out the GPUs in `refused`.
+fn subscribe_except<'n>(nvml: &'n Nvml, refused: &BTreeMap<String, String>) -> Result<Attempt<'n>, NvmlError> {
     let mut set = nvml.create_event_set()?;
     let (mut devices, mut lost) = (Vec::new(), Vec::new());
     for index in 0..nvml.device_count()? {
@@ -166,6 +215,9 @@ fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
             Err(NvmlError::GpuLost) => continue,
             Err(e) => return Err(e),
         };
+        if refused.contains_key(&uuid) {
+            continue;
+        }
         let events = match device.supported_event_types() {
             Ok(supported) => supported & wanted_events(),
             Err(NvmlError::NotSupported) => EventTypes::empty(),
@@ -176,21 +228,25 @@ fn subscribe(nvml: &Nvml) -> Result<Subscribed<'_>, NvmlError> {
             Err(e) => return Err(e),
         };
         if !events.is_empty() {
-            set = device.register_events(events, set).map_err(|e| e.error)?;
+            set = match device.register_events(events, set) {
+                Ok(set) => set,
+                Err(e) => return Ok(Attempt::Refused(uuid, e.error)),
+            };
         }
         devices.push((uuid, device, events));
     }
-    Ok(Subscribed { set, devices, lost })
+    Ok(Attempt::Subscribed(Subscribed { set, devices, lost, refused: BTreeMap::new() }))
 }
 
 impl Subscribed<'_> {
-    /// What the watch covers: GPUs that support none of the wanted events, or were lost while subscribing, are not
-    /// watched.
+    /// What the watch covers: GPUs that support none of the wanted events, or whose registration NVML refused, are
+    /// not watched, for that reason; GPUs lost while subscribing are not watched either, without one (faulted now,
+    /// the watch is renewed for them once they are not).
     fn seen(&self) -> Seen {
-        let (mut watched, mut unwatched) = (BTreeSet::new(), BTreeMap::new());
+        let (mut watched, mut unwatched) = (BTreeSet::new(), self.refused.clone());
         for (uuid, _, events) in &self.devices {
             if self.lost.contains(uuid) {
-                unwatched.insert(uuid.clone(), "the GPU was lost when its events were subscribed to".into());
+                continue;
             } else if events.is_empty() {
                 unwatched
                     .insert(uuid.clone(), "NVML reports none of the watched events (XID, ECC) for this GPU".into());

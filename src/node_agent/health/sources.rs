@@ -76,30 +76,27 @@ pub async fn watch_injections(
     stop: CancellationToken,
 ) {
     info!(file = %state_dir.join(inject::FILE_NAME).display(), "fault injection for simulated GPUs enabled");
-    let (unusable, hung) = (state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE), state_dir.join(SIMULATED_DRIVER_HUNG_FILE));
+    let markers = (state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE), state_dir.join(SIMULATED_DRIVER_HUNG_FILE));
     loop {
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(INJECT_POLL) => {}
         }
-        if !hung.exists() {
-            match (unusable.exists(), coverage.seen()) {
+        let (dir, (unusable, hung)) = (state_dir.clone(), markers.clone());
+        let looked = tokio::task::spawn_blocking(move || (unusable.exists(), hung.exists(), inject::take(&dir)));
+        let Ok((unusable, hung, taken)) = looked.await else { continue };
+        if !hung {
+            match (unusable, coverage.seen()) {
                 (true, Seen::Blind(_)) | (false, Seen::Watching { .. }) => coverage.answered(),
                 (true, _) => coverage.set(Seen::Blind(SIMULATED_UNUSABLE.into())),
                 (false, _) => coverage.set(Seen::Watching { watched: None, unwatched: BTreeMap::new() }),
             }
         }
-        let dir = state_dir.clone();
-        let taken = tokio::task::spawn_blocking(move || inject::take(&dir)).await;
         let content = match taken {
-            Ok(Ok(Some(content))) => content,
-            Ok(Ok(None)) => continue,
-            Ok(Err(error)) => {
-                warn!(%error, "reading the fault injection file failed");
-                continue;
-            }
+            Ok(Some(content)) => content,
+            Ok(None) => continue,
             Err(error) => {
-                warn!(%error, "fault injection task failed");
+                warn!(%error, "reading the fault injection file failed");
                 continue;
             }
         };
