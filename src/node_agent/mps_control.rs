@@ -146,7 +146,7 @@ impl MpsProgram {
     }
 
     fn command(&self, daemon: &MpsDaemon, dirs: &MpsDirs) -> Command {
-        let mut command = self.tool.command();
+        let mut command = self.tool.command_with_driver_libraries(&driver_libraries(dirs));
         command.args(&self.args).envs(daemon.daemon_env(dirs)).stdin(Stdio::null());
         if let Some(bin) = self.tool.program.parent().filter(|dir| dir.is_absolute()) {
             let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
@@ -480,10 +480,16 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     Ok(child)
 }
 
+/// Where the links to the driver's libraries the daemon and its clients load are made (see
+/// [`DriverTool::command_with_driver_libraries`]): in the claim's directory, removed with it.
+fn driver_libraries(dirs: &MpsDirs) -> PathBuf {
+    dirs.claim.join("driver-libraries")
+}
+
 /// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`
 /// does, and answers what the client printed; the client is killed after [`STOP_TIMEOUT`].
 fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<String> {
-    let mut command = program.tool.command();
+    let mut command = program.tool.command_with_driver_libraries(&driver_libraries(dirs));
     command.args(&program.args).env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe).env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
     match bounded_run::run(command, Some(format!("{line}\n").as_bytes()), STOP_TIMEOUT)? {
         Outcome::Exited { status, stdout, .. } if status.success() => Ok(stdout),
