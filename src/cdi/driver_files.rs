@@ -19,17 +19,26 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CdiError;
 
-/// The libraries a CUDA (and OpenCL) container needs, as file name prefixes (`libcuda.so` matches `libcuda.so.1`).
+/// The libraries a CUDA (and OpenCL) container needs, as file name prefixes (`libcuda.so` matches `libcuda.so.1`):
+/// the compute ones the NVIDIA Container Toolkit mounts, the video codecs (NVDEC/NVENC, optical flow) and, for
+/// confidential computing and NVSwitch systems, PKCS#11 and NSCQ.
 const LIBRARY_PREFIXES: &[&str] = &[
     "libcuda.so",
     "libnvidia-ml.so",
     "libnvidia-ptxjitcompiler.so",
     "libnvidia-nvvm.so",
+    "libnvidia-nvvm70.so",
     "libcudadebugger.so",
     "libnvidia-gpucomp.so",
     "libnvidia-allocator.so",
     "libnvidia-cfg.so",
     "libnvidia-opencl.so",
+    "libnvcuvid.so",
+    "libnvidia-encode.so",
+    "libnvidia-opticalflow.so",
+    "libnvidia-pkcs11.so",
+    "libnvidia-pkcs11-openssl3.so",
+    "libnvidia-nscq.so",
 ];
 
 /// Where distributions (Debian multiarch, RHEL, the GPU Operator's driver image) put those libraries.
@@ -49,6 +58,15 @@ const LIBRARY_DIRS: &[&str] = &[
 /// RHEL-family node (libraries in `/usr/lib64`) would not find `libcuda.so.1` at the node's path, nor a UBI image on
 /// an Ubuntu node (`/usr/lib/x86_64-linux-gnu`).
 const CUDA_IMAGE_LIBRARY_DIR: &str = "/usr/local/nvidia/lib64";
+
+/// Where images not built on CUDA's find a library with nothing on their `LD_LIBRARY_PATH` (`python:3-slim` with
+/// pip's PyTorch asking for `libcuda.so.1`): their C library's default directories, Debian's multiarch one and the
+/// RHEL family's `/usr/lib64`. Each library is mounted in both as well, so an image of either family finds the
+/// driver of a node of either (the NVIDIA Container Toolkit gets there by running `ldconfig` in the container).
+#[cfg(target_arch = "aarch64")]
+const DEFAULT_LIBRARY_DIRS: [&str; 2] = ["/usr/lib/aarch64-linux-gnu", "/usr/lib64"];
+#[cfg(not(target_arch = "aarch64"))]
+const DEFAULT_LIBRARY_DIRS: [&str; 2] = ["/usr/lib/x86_64-linux-gnu", "/usr/lib64"];
 
 /// Which directory's library goes under [`CUDA_IMAGE_LIBRARY_DIR`] when several hold one name, first first: the
 /// 64-bit ones; `usr/lib` and `lib` last, where a RHEL-family node keeps its 32-bit libraries.
@@ -316,8 +334,9 @@ impl Found {
     }
 }
 
-/// Each library of `files` once more under [`CUDA_IMAGE_LIBRARY_DIR`], by its file name; where two directories hold
-/// one name, the one [`ALIAS_DIRS`] puts first.
+/// Each library of `files` once more under [`CUDA_IMAGE_LIBRARY_DIR`] and the [`DEFAULT_LIBRARY_DIRS`], by its file
+/// name; where two directories hold one name, the one [`ALIAS_DIRS`] puts first (a library's own path is mounted
+/// as it is: the caller keeps it over an alias).
 fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathBuf, PathBuf)> {
     let rank = |path: &Path| {
         let dir = path.parent().unwrap_or(path);
@@ -330,9 +349,11 @@ fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathB
             continue;
         }
         let candidate = (rank(container_path), host_root.join(relative));
-        let alias = aliases.entry(Path::new(CUDA_IMAGE_LIBRARY_DIR).join(name)).or_insert_with(|| candidate.clone());
-        if candidate.0 < alias.0 {
-            *alias = candidate;
+        for dir in std::iter::once(CUDA_IMAGE_LIBRARY_DIR).chain(DEFAULT_LIBRARY_DIRS) {
+            let alias = aliases.entry(Path::new(dir).join(name)).or_insert_with(|| candidate.clone());
+            if candidate.0 < alias.0 {
+                *alias = candidate.clone();
+            }
         }
     }
     aliases.into_iter().map(|(alias, (_, host_path))| (alias, host_path)).collect()
@@ -519,6 +540,7 @@ mod tests {
             .collect();
         let lib = |name: &str| format!("/{LIB}/{name}");
         let cuda_image = |name: &str| format!("/usr/local/nvidia/lib64/{name}");
+        let lib64 = |name: &str| format!("/usr/lib64/{name}");
         let expected = [
             ("/usr/bin/nvidia-smi".into(), "usr/bin/nvidia-smi".into()),
             (
@@ -531,8 +553,19 @@ mod tests {
             (lib("libcuda.so.550.54.15"), format!("{LIB}/libcuda.so.550.54.15")),
             (lib("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
             (lib("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
+            // A library of another directory where a Debian-family image looks by default.
+            (lib("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
             (lib("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+            // Each library again where a RHEL-family image looks by default.
+            (lib64("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib64("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib64("libcuda.so.550.54.15"), format!("{LIB}/libcuda.so.550.54.15")),
+            (lib64("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
+            (lib64("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
+            (lib64("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
+            (lib64("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
+            (lib64("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
             // Each library again where CUDA images' LD_LIBRARY_PATH looks.
             (cuda_image("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
             (cuda_image("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
@@ -613,7 +646,7 @@ mod tests {
         install_driver(&root, "550.54.15")?;
         let files = DriverFiles::discover(&root)?.seen_from_host(Path::new("/run/nvidia/driver"));
         let before = names(&files)?;
-        assert_eq!(before.len(), 9, "{before:?}");
+        assert_eq!(before.len(), 13, "{before:?}");
         assert!(before.iter().all(|n| n.contains("550.54.15")), "{before:?}");
         assert_eq!(names(&files)?, before, "nothing changed, nothing moves");
         assert_eq!(files.changes(), 0);
@@ -622,7 +655,7 @@ mod tests {
         install_driver(&root, "570.86.10")?;
         remove_driver(&root, "550.54.15")?;
         let after = names(&files)?;
-        assert_eq!(after.len(), 9, "{after:?}");
+        assert_eq!(after.len(), 13, "{after:?}");
         assert!(after.iter().all(|n| n.contains("570.86.10") && n.starts_with("/run/nvidia/driver/")), "{after:?}");
         assert!(files.clone().mounts()? == files.mounts()?, "clones share the current files");
         assert_eq!((files.changes(), files.clone().changes()), (1, 1), "a change counted once, shared by clones");
@@ -652,9 +685,9 @@ mod tests {
         fs::create_dir_all(&root)?;
         assert!(matches!(files.mounts(), Err(CdiError::NoCudaLibrary { .. })));
         install_driver(&root, "550.54.15")?;
-        assert_eq!(names(&files)?.len(), 9);
+        assert_eq!(names(&files)?.len(), 13);
         assert_eq!(files.changes(), 1);
-        assert_eq!((names(&files)?.len(), files.changes()), (9, 1), "found once");
+        assert_eq!((names(&files)?.len(), files.changes()), (13, 1), "found once");
         Ok(())
     }
 
@@ -678,6 +711,9 @@ mod tests {
             let lib64 = at(&format!("/usr/lib64/{name}"));
             assert!(lib64.is_some_and(|p| p.starts_with(&real)), "{name} at its own path: {mounts:?}");
             assert_eq!(at(&format!("/usr/local/nvidia/lib64/{name}")), lib64, "{name} where CUDA images look");
+            // And where a Debian-family image's loader looks by default (pip's PyTorch on `python:3-slim`).
+            let multiarch = DEFAULT_LIBRARY_DIRS[0];
+            assert_eq!(at(&format!("{multiarch}/{name}")), lib64, "{name} where a Debian image looks");
         }
         // Utilities and firmware stay where they are.
         assert!(at("/usr/bin/nvidia-smi").is_some() && at("/usr/local/nvidia/lib64/nvidia-smi").is_none());
