@@ -370,8 +370,9 @@ fn mounted_files(spec: &Path) -> anyhow::Result<Vec<String>> {
     Ok(mounts.iter().filter_map(|m| m["hostPath"].as_str().map(str::to_string)).collect())
 }
 
-/// The GPU Operator upgrades the driver under running agents (the driver root is mounted with HostToContainer
-/// propagation for that): the claims prepared afterwards must mount the new version's files, never the removed
+/// A driver upgraded in place under running agents (the driver root is mounted with HostToContainer propagation
+/// for that; the GPU Operator's driver container mounts its root again, which the chart's mount of the root's
+/// parent shows, render-tested in `tests/chart`): the claims prepared afterwards must mount the new version's files, never the removed
 /// ones, or every new GPU container fails to start. The spec of the claim prepared before is written again too
 /// (within the agent's 10 s look): the runtime reads it at every container start of the running pod (a restart
 /// after a crash), and a mount of a removed file fails it. Then the driver is upgraded again while the agent is

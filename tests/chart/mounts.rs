@@ -31,7 +31,7 @@ async fn through_the_mounts(ctx: &TestContext, applied: &[Value], class: &str) -
     ctx.cluster.add_node(&node)?;
     let pod_spec = node_agent_pod_spec(applied)?;
     let container = &pod_spec["containers"][0];
-    check_node_agent_mounts(pod_spec, DRIVER, false)?;
+    check_node_agent_mounts(pod_spec, DRIVER, None)?;
 
     // The node's filesystem: only what the kubelet makes for the DaemonSet's hostPath volumes (DirectoryOrCreate).
     // Every mount is at its host path (checked above), so the container's view is the host's, re-rooted.

@@ -225,12 +225,16 @@ pub(super) async fn every_rendered_object_is_accepted_by_the_api_server(ctx: Tes
     .await
     .is_ok();
     let suffix = &ctx.namespace[ctx.namespace.len() - 6..];
-    for (name, all_on) in [("default", false), ("all-on", true)] {
+    // The GPU Operator's layout too: the driver root in its driver container's mount.
+    for (name, all_on, driver_root) in
+        [("default", false, "/"), ("all-on", true, "/"), ("operator", false, "/run/nvidia/driver")]
+    {
         // Unique names for what is cluster-scoped: the release (RBAC, policy) and the driver (DeviceClasses).
         let driver = format!("{name}-{suffix}.gpu-dra.dev");
         let driver_set = format!("driverName={driver}");
+        let root_set = format!("nodeAgent.driverRoot={driver_root}");
         let release = format!("{name}-{suffix}");
-        let rendered = documents(&render(&release, &ctx.namespace, all_on, &[&driver_set])?);
+        let rendered = documents(&render(&release, &ctx.namespace, all_on, &[&driver_set, &root_set])?);
         let (monitors, documents): (Vec<_>, Vec<_>) =
             rendered.into_iter().partition(|(kind, _)| kind == "ServiceMonitor" && !monitors_served);
         if !monitors.is_empty() {
@@ -241,7 +245,7 @@ pub(super) async fn every_rendered_object_is_accepted_by_the_api_server(ctx: Tes
             );
         }
         let applied = apply(&ctx, &documents)?;
-        let result = check_applied(&applied, &release, &driver, all_on);
+        let result = check_applied(&applied, &release, &driver, (all_on, driver_root));
         delete(&ctx, &documents);
         result.with_context(|| format!("{name} values"))?;
         eprintln!("{name}: {} objects accepted by a server-side apply", applied.len());
@@ -250,7 +254,12 @@ pub(super) async fn every_rendered_object_is_accepted_by_the_api_server(ctx: Tes
 }
 
 /// What must hold of the objects the server stored.
-fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -> anyhow::Result<()> {
+fn check_applied(
+    applied: &[Value],
+    release: &str,
+    driver: &str,
+    (all_on, driver_root): (bool, &str),
+) -> anyhow::Result<()> {
     for o in applied {
         let labels = &o["metadata"]["labels"];
         ensure!(
@@ -350,7 +359,7 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
     } else {
         ensure!(terms[0]["matchExpressions"][0]["key"] == "kubernetes.io/arch", "the user's term was lost: {terms:?}");
     }
-    check_node_agent_mounts(pod, driver, !all_on)?;
+    check_node_agent_mounts(pod, driver, (!all_on).then_some(driver_root))?;
     // The MPS daemons of MPS claims run in the agent's container: no memory limit that would kill them all with it.
     ensure!(
         container["resources"]["requests"]["memory"] == "32Mi" && container["resources"]["limits"]["memory"].is_null(),
@@ -418,7 +427,7 @@ fn check_applied(applied: &[Value], release: &str, driver: &str, all_on: bool) -
 /// the kubelet and paths in CDI specs are resolved on the host) and the agent is told that path: its own directory
 /// of the kubelet's plugin registry and of its plugins (never the directories with other plugins' sockets), the CDI
 /// and state directories; with NVML also /dev and the driver root, read-only. Returns nothing but the verdict.
-pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> anyhow::Result<()> {
+pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: Option<&str>) -> anyhow::Result<()> {
     let container = &pod["containers"][0];
     let mounts = container["volumeMounts"].as_array().context("no volume mounts")?;
     let volumes = pod["volumes"].as_array().context("no volumes")?;
@@ -449,13 +458,26 @@ pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> 
         // Bidirectional for a privileged agent: the tmpfs it mounts for an MPS claim must reach the runtime.
         ("/run/gpu-dra/mps", "/run/gpu-dra/mps", false, if privileged { "Bidirectional" } else { "" }),
     ];
-    if nvml {
-        // HostToContainer: a driver root mounted later (GPU Operator) or upgraded in place is seen.
-        expected.extend([("/dev", "/dev", true, ""), ("/driver-root", "/", true, "HostToContainer")]);
+    // With NVML, the driver root (`Some`): HostToContainer, so that a driver upgraded in place is seen; a root other
+    // than / through its parent, so that a mount made there again (the GPU Operator's driver container) is too.
+    let parent = nvml.and_then(|root| Path::new(root).parent()).map(|p| p.display().to_string());
+    let in_container = match (nvml, &parent) {
+        (Some("/"), _) | (Some(_), None) => Some("/driver-root".to_string()),
+        (Some(root), Some(_)) => Some(format!("/driver-root-parent/{}", root.rsplit('/').next().unwrap_or_default())),
+        (None, _) => None,
+    };
+    match (nvml, &parent) {
+        (Some("/"), _) | (Some(_), None) => {
+            expected.extend([("/dev", "/dev", true, ""), ("/driver-root", "/", true, "HostToContainer")])
+        }
+        (Some(_), Some(parent)) => {
+            expected.extend([("/dev", "/dev", true, ""), ("/driver-root-parent", parent, true, "HostToContainer")])
+        }
+        (None, _) => {}
     }
     let expected: BTreeSet<(String, String, bool, String)> =
         expected.into_iter().map(|(c, h, ro, p)| (c.into(), h.into(), ro, p.into())).collect();
-    ensure!(got == expected, "node agent mounts (nvml: {nvml}):\n got      {got:?}\n expected {expected:?}");
+    ensure!(got == expected, "node agent mounts (nvml: {nvml:?}):\n got      {got:?}\n expected {expected:?}");
     // The agent is told those paths, and what it creates from them lies inside the mounts.
     let env = |name: &str| env_value(container, name);
     ensure!(
@@ -474,8 +496,7 @@ pub(super) fn check_node_agent_mounts(pod: &Value, driver: &str, nvml: bool) -> 
         "sockets {sockets:?} outside their mounts"
     );
     let driver_root = (env("GPU_DRA_DRIVER_ROOT"), env("GPU_DRA_HOST_DRIVER_ROOT"));
-    let expected_root = if nvml { (Some("/driver-root"), Some("/")) } else { (None, None) };
-    ensure!(driver_root == expected_root, "driver root settings (nvml: {nvml}): {driver_root:?}");
+    ensure!(driver_root == (in_container.as_deref(), nvml), "driver root settings (nvml: {nvml:?}): {driver_root:?}");
     Ok(())
 }
 

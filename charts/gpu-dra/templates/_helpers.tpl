@@ -114,3 +114,21 @@ device.driver == '{{ .Values.driverName }}' && device.attributes['{{ .Values.dri
 {{- define "gpu-dra.hostPort" -}}
 {{- if contains ":" . }}[{{ . }}]{{ else }}{{ . }}{{ end }}
 {{- end }}
+
+{{- /* The node agent's view of nodeAgent.driverRoot: the host's / at /driver-root, any other root through its
+parent directory at /driver-root-parent (see the DaemonSet's driver-root mount). */}}
+{{- define "gpu-dra.driverRootIsHostRoot" -}}
+{{- if eq (clean .Values.nodeAgent.driverRoot) "/" }}true{{ end }}
+{{- end }}
+
+{{- define "gpu-dra.driverRootMount" -}}
+{{- if include "gpu-dra.driverRootIsHostRoot" . }}/driver-root{{ else }}/driver-root-parent{{ end }}
+{{- end }}
+
+{{- define "gpu-dra.driverRootMountSource" -}}
+{{- if include "gpu-dra.driverRootIsHostRoot" . }}/{{ else }}{{ dir (clean .Values.nodeAgent.driverRoot) }}{{ end }}
+{{- end }}
+
+{{- define "gpu-dra.driverRootInContainer" -}}
+{{- if include "gpu-dra.driverRootIsHostRoot" . }}/driver-root{{ else }}/driver-root-parent/{{ base (clean .Values.nodeAgent.driverRoot) }}{{ end }}
+{{- end }}
