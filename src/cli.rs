@@ -296,11 +296,16 @@ impl GpuArgs {
         }
     }
 
-    /// The NVML library NVML discovery and the health events load: the one under the driver root read (`/` unless
-    /// given).
+    /// The NVML library NVML discovery and the health events load now: the one under the driver root read (`/`
+    /// unless given).
     pub fn nvml_library(&self) -> std::ffi::OsString {
-        let root = self.driver_root_to_read().unwrap_or(Path::new("/"));
-        crate::node_agent::discovery::nvml::NvmlDiscovery::new(root, self.sysfs()).library().to_owned()
+        crate::node_agent::discovery::nvml::library_in(self.nvml_root())
+    }
+
+    /// The driver root NVML is looked for under (`/` unless given): look again with
+    /// [`crate::node_agent::discovery::nvml::library_in`] where the driver may appear later.
+    pub fn nvml_root(&self) -> &Path {
+        self.driver_root_to_read().unwrap_or(Path::new("/"))
     }
 }
 

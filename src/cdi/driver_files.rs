@@ -63,9 +63,13 @@ const CUDA_IMAGE_LIBRARY_DIR: &str = "/usr/local/nvidia/lib64";
 /// pip's PyTorch asking for `libcuda.so.1`): their C library's default directories, Debian's multiarch one and the
 /// RHEL family's `/usr/lib64`. Each library is mounted in both as well, so an image of either family finds the
 /// driver of a node of either (the NVIDIA Container Toolkit gets there by running `ldconfig` in the container).
+/// Only the names a loader asks for go there (`libcuda.so.1`, and `libcuda.so` for those that link): the versioned
+/// files are reached through them at the library's own path.
 #[cfg(target_arch = "aarch64")]
 const DEFAULT_LIBRARY_DIRS: [&str; 2] = ["/usr/lib/aarch64-linux-gnu", "/usr/lib64"];
-#[cfg(not(target_arch = "aarch64"))]
+#[cfg(target_arch = "powerpc64")]
+const DEFAULT_LIBRARY_DIRS: [&str; 2] = ["/usr/lib/powerpc64le-linux-gnu", "/usr/lib64"];
+#[cfg(not(any(target_arch = "aarch64", target_arch = "powerpc64")))]
 const DEFAULT_LIBRARY_DIRS: [&str; 2] = ["/usr/lib/x86_64-linux-gnu", "/usr/lib64"];
 
 /// Which directory's library goes under [`CUDA_IMAGE_LIBRARY_DIR`] when several hold one name, first first: the
@@ -349,7 +353,8 @@ fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathB
             continue;
         }
         let candidate = (rank(container_path), host_root.join(relative));
-        for dir in std::iter::once(CUDA_IMAGE_LIBRARY_DIR).chain(DEFAULT_LIBRARY_DIRS) {
+        let defaults = DEFAULT_LIBRARY_DIRS.iter().filter(|_| loader_name(name));
+        for dir in std::iter::once(&CUDA_IMAGE_LIBRARY_DIR).chain(defaults) {
             let alias = aliases.entry(Path::new(dir).join(name)).or_insert_with(|| candidate.clone());
             if candidate.0 < alias.0 {
                 *alias = candidate.clone();
@@ -357,6 +362,15 @@ fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathB
         }
     }
     aliases.into_iter().map(|(alias, (_, host_path))| (alias, host_path)).collect()
+}
+
+/// Whether a loader asks for a library by this name: `libX.so` or `libX.so.<N>` (a soname), not the versioned file
+/// `libX.so.550.54.15`.
+fn loader_name(name: &str) -> bool {
+    name.split_once(".so").is_some_and(|(_, rest)| {
+        rest.is_empty()
+            || rest.strip_prefix('.').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    })
 }
 
 /// The driver version from the real CUDA library's name (`libcuda.so.550.54.15` → `550.54.15`); it names the
@@ -522,6 +536,8 @@ mod tests {
         Ok(root)
     }
 
+    /// The fixture is an x86_64 Debian-family layout, and the aliases follow the machine's architecture.
+    #[cfg(target_arch = "x86_64")]
     #[test]
     fn finds_the_driver_files_with_links_resolved_inside_the_root() -> TestResult {
         let base = tempfile::tempdir()?;
@@ -557,15 +573,12 @@ mod tests {
             (lib("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
             (lib("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
-            // Each library again where a RHEL-family image looks by default.
+            // Each library again where a RHEL-family image looks by default, by the names a loader asks for.
             (lib64("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
             (lib64("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
-            (lib64("libcuda.so.550.54.15"), format!("{LIB}/libcuda.so.550.54.15")),
-            (lib64("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
             (lib64("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib64("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib64("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
-            (lib64("libnvidia-ml.so.550.54.15"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
             // Each library again where CUDA images' LD_LIBRARY_PATH looks.
             (cuda_image("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
             (cuda_image("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
@@ -646,7 +659,7 @@ mod tests {
         install_driver(&root, "550.54.15")?;
         let files = DriverFiles::discover(&root)?.seen_from_host(Path::new("/run/nvidia/driver"));
         let before = names(&files)?;
-        assert_eq!(before.len(), 13, "{before:?}");
+        assert_eq!(before.len(), 11, "{before:?}");
         assert!(before.iter().all(|n| n.contains("550.54.15")), "{before:?}");
         assert_eq!(names(&files)?, before, "nothing changed, nothing moves");
         assert_eq!(files.changes(), 0);
@@ -655,7 +668,7 @@ mod tests {
         install_driver(&root, "570.86.10")?;
         remove_driver(&root, "550.54.15")?;
         let after = names(&files)?;
-        assert_eq!(after.len(), 13, "{after:?}");
+        assert_eq!(after.len(), 11, "{after:?}");
         assert!(after.iter().all(|n| n.contains("570.86.10") && n.starts_with("/run/nvidia/driver/")), "{after:?}");
         assert!(files.clone().mounts()? == files.mounts()?, "clones share the current files");
         assert_eq!((files.changes(), files.clone().changes()), (1, 1), "a change counted once, shared by clones");
@@ -685,9 +698,9 @@ mod tests {
         fs::create_dir_all(&root)?;
         assert!(matches!(files.mounts(), Err(CdiError::NoCudaLibrary { .. })));
         install_driver(&root, "550.54.15")?;
-        assert_eq!(names(&files)?.len(), 13);
+        assert_eq!(names(&files)?.len(), 11);
         assert_eq!(files.changes(), 1);
-        assert_eq!((names(&files)?.len(), files.changes()), (13, 1), "found once");
+        assert_eq!((names(&files)?.len(), files.changes()), (11, 1), "found once");
         Ok(())
     }
 
@@ -711,13 +724,28 @@ mod tests {
             let lib64 = at(&format!("/usr/lib64/{name}"));
             assert!(lib64.is_some_and(|p| p.starts_with(&real)), "{name} at its own path: {mounts:?}");
             assert_eq!(at(&format!("/usr/local/nvidia/lib64/{name}")), lib64, "{name} where CUDA images look");
-            // And where a Debian-family image's loader looks by default (pip's PyTorch on `python:3-slim`).
-            let multiarch = DEFAULT_LIBRARY_DIRS[0];
-            assert_eq!(at(&format!("{multiarch}/{name}")), lib64, "{name} where a Debian image looks");
+            // And where a Debian-family image's loader looks by default (pip's PyTorch on `python:3-slim`), by the
+            // names a loader asks for.
+            let multiarch = at(&format!("{}/{name}", DEFAULT_LIBRARY_DIRS[0]));
+            assert_eq!(multiarch, lib64.filter(|_| loader_name(name)), "{name} where a Debian image looks");
         }
         // Utilities and firmware stay where they are.
         assert!(at("/usr/bin/nvidia-smi").is_some() && at("/usr/local/nvidia/lib64/nvidia-smi").is_none());
         Ok(())
+    }
+
+    #[test]
+    fn loaders_ask_for_sonames_and_the_link_name() {
+        for (name, asked) in [
+            ("libcuda.so", true),
+            ("libcuda.so.1", true),
+            ("libnvidia-nvvm.so.4", true),
+            ("libcuda.so.550.54.15", false),
+            ("libnvidia-ml.so.1.2", false),
+            ("libcuda.so.", false),
+        ] {
+            assert_eq!(loader_name(name), asked, "{name}");
+        }
     }
 
     #[test]

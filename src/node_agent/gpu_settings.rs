@@ -96,24 +96,24 @@ pub struct NvidiaSmi {
 }
 
 impl NvidiaSmi {
-    /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`; `nvml_library` is the NVML
-    /// library discovery loads (`LD_LIBRARY_PATH` is set to its directory when it is a path).
-    pub fn new(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
-        Self { tool: DriverTool::find(driver_root, "nvidia-smi", nvml_library), timeout: NVIDIA_SMI_TIMEOUT }
+    /// `nvidia-smi` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`, with the NVML library under it
+    /// preloaded; both looked for at each run.
+    pub fn new(driver_root: &Path) -> Self {
+        Self { tool: DriverTool::find(driver_root, "nvidia-smi"), timeout: NVIDIA_SMI_TIMEOUT }
     }
 
     /// The `nvidia-smi` of the driver `gpu` names (its driver root, `/` unless given, and NVML library).
     pub fn of(gpu: &crate::cli::GpuArgs) -> Self {
-        Self::new(gpu.driver_root_to_read().unwrap_or(Path::new("/")), &gpu.nvml_library())
+        Self::new(gpu.nvml_root())
     }
 
     /// A given program and time limit (tests of the process handling).
     pub fn with_program(program: PathBuf, timeout: Duration) -> Self {
-        Self { tool: DriverTool { program, library_dir: None }, timeout }
+        Self { tool: DriverTool::given(program), timeout }
     }
 
     fn run(&self, args: &[String]) -> Result<(), GpuSettingError> {
-        let program = self.tool.program.display().to_string();
+        let program = self.tool.program().display().to_string();
         let shown = args.join(" ");
         let mut command = self.tool.command();
         command.args(args);

@@ -120,13 +120,13 @@ pub struct MpsProgram {
 impl MpsProgram {
     /// `nvidia-cuda-mps-control` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`, with the libraries
     /// of the NVML library discovery loads.
-    pub fn nvidia(driver_root: &Path, nvml_library: &std::ffi::OsStr) -> Self {
-        Self { tool: DriverTool::find(driver_root, "nvidia-cuda-mps-control", nvml_library), args: Vec::new() }
+    pub fn nvidia(driver_root: &Path) -> Self {
+        Self { tool: DriverTool::find(driver_root, "nvidia-cuda-mps-control"), args: Vec::new() }
     }
 
     /// This binary's stand-in (`gpu-dra simulated-mps-control`).
     pub fn stand_in() -> std::io::Result<Self> {
-        let tool = DriverTool { program: std::env::current_exe()?, library_dir: None };
+        let tool = DriverTool::given(std::env::current_exe()?);
         Ok(Self { tool, args: vec!["simulated-mps-control".into()] })
     }
 
@@ -134,21 +134,19 @@ impl MpsProgram {
     pub fn of(gpu: &crate::cli::GpuArgs) -> std::io::Result<Self> {
         match gpu.gpu_backend {
             crate::cli::GpuBackend::Simulated => Self::stand_in(),
-            crate::cli::GpuBackend::Nvml => {
-                Ok(Self::nvidia(gpu.driver_root_to_read().unwrap_or(Path::new("/")), &gpu.nvml_library()))
-            }
+            crate::cli::GpuBackend::Nvml => Ok(Self::nvidia(gpu.nvml_root())),
         }
     }
 
     /// Where the program is, as shown in messages.
-    pub fn shown(&self) -> std::path::Display<'_> {
-        self.tool.program.display()
+    pub fn shown(&self) -> String {
+        self.tool.program().display().to_string()
     }
 
     fn command(&self, daemon: &MpsDaemon, dirs: &MpsDirs) -> Command {
-        let mut command = self.tool.command_with_driver_libraries(&driver_libraries(dirs));
+        let mut command = self.tool.command_with_links(&driver_libraries(dirs));
         command.args(&self.args).envs(daemon.daemon_env(dirs)).stdin(Stdio::null());
-        if let Some(bin) = self.tool.program.parent().filter(|dir| dir.is_absolute()) {
+        if let Some(bin) = self.tool.program().parent().filter(|dir| dir.is_absolute()) {
             let path = std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into());
             command.env("PATH", format!("{}:{path}", bin.display()));
         }
@@ -173,7 +171,7 @@ pub struct MpsDaemons {
 
 impl std::fmt::Debug for MpsDaemons {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpsDaemons").field("program", &self.program.tool.program).field("root", &self.root).finish()
+        f.debug_struct("MpsDaemons").field("program", &self.program.tool).field("root", &self.root).finish()
     }
 }
 
@@ -468,6 +466,7 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     let log =
         std::fs::OpenOptions::new().create(true).append(true).open(dirs.log.join("daemon.out")).map_err(failed)?;
     let errors = log.try_clone().map_err(failed)?;
+    program.tool.link_driver_libraries(&driver_libraries(dirs)).map_err(failed)?;
     let mut command = program.command(daemon, dirs);
     // Its own process group: a kill takes the MPS servers it started with it.
     command.arg("-f").stdout(log).stderr(errors).process_group(0);
@@ -481,7 +480,7 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
 }
 
 /// Where the links to the driver's libraries the daemon and its clients load are made (see
-/// [`DriverTool::command_with_driver_libraries`]): in the claim's directory, removed with it.
+/// [`DriverTool::link_driver_libraries`]), at each start of the daemon: in the claim's directory, removed with it.
 fn driver_libraries(dirs: &MpsDirs) -> PathBuf {
     dirs.claim.join("driver-libraries")
 }
@@ -489,7 +488,7 @@ fn driver_libraries(dirs: &MpsDirs) -> PathBuf {
 /// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`
 /// does, and answers what the client printed; the client is killed after [`STOP_TIMEOUT`].
 fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<String> {
-    let mut command = program.tool.command_with_driver_libraries(&driver_libraries(dirs));
+    let mut command = program.tool.command_with_links(&driver_libraries(dirs));
     command.args(&program.args).env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe).env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
     match bounded_run::run(command, Some(format!("{line}\n").as_bytes()), STOP_TIMEOUT)? {
         Outcome::Exited { status, stdout, .. } if status.success() => Ok(stdout),

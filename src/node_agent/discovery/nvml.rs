@@ -13,31 +13,34 @@ use super::{Discovered, Discovery, DiscoveryError, MigControlError, Unreadable, 
 use crate::node_agent::gpu::{Gpu, MigDevice, cuda_version_from_int, normalize_pci_bus_id};
 use crate::node_agent::mig::Profile;
 
-/// NVML discovery. The library is loaded on every discovery, so a driver installed after the agent started is
-/// found on the next retry.
+/// NVML discovery. The library is looked for and loaded on every discovery, so a driver installed after the agent
+/// started (the GPU Operator's driver container mounting its root minutes later) is found on the next retry.
 #[derive(Debug, Clone)]
 pub struct NvmlDiscovery {
-    library: OsString,
+    driver_root: std::path::PathBuf,
     /// Where each GPU's PCIe root and NUMA node are read ([`Gpu::locate_in`]).
     sysfs: std::path::PathBuf,
 }
 
 impl NvmlDiscovery {
-    /// Looks for `libnvidia-ml.so.1` under `driver_root` first (GPU Operator and similar put the driver there; a
-    /// symlink is followed inside it), then lets the dynamic loader search.
     pub fn new(driver_root: &Path, sysfs: &Path) -> Self {
-        let candidates = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib", "lib64"];
-        let library = candidates
-            .iter()
-            .find_map(|dir| crate::cdi::existing_in_root(driver_root, &Path::new(dir).join("libnvidia-ml.so.1")))
-            .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string());
-        Self { library, sysfs: sysfs.to_path_buf() }
+        Self { driver_root: driver_root.to_path_buf(), sysfs: sysfs.to_path_buf() }
     }
 
-    /// The NVML library this discovery loads (the health monitor loads the same).
-    pub fn library(&self) -> &std::ffi::OsStr {
-        &self.library
+    /// The NVML library this discovery loads now (the health monitor loads the same).
+    pub fn library(&self) -> OsString {
+        library_in(&self.driver_root)
     }
+}
+
+/// `libnvidia-ml.so.1` under `driver_root` (GPU Operator and similar put the driver there; a symlink is followed
+/// inside it), else the bare name, for the dynamic loader to search.
+pub fn library_in(driver_root: &Path) -> OsString {
+    let candidates = ["usr/lib/x86_64-linux-gnu", "usr/lib64", "usr/lib/aarch64-linux-gnu", "usr/lib", "lib64"];
+    candidates
+        .iter()
+        .find_map(|dir| crate::cdi::existing_in_root(driver_root, &Path::new(dir).join("libnvidia-ml.so.1")))
+        .map_or_else(|| OsString::from("libnvidia-ml.so.1"), |p| p.into_os_string())
 }
 
 fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryError> {
@@ -46,8 +49,9 @@ fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryErro
 
 impl NvmlDiscovery {
     fn init(&self) -> Result<Nvml, DiscoveryError> {
-        Nvml::builder().lib_path(&self.library).init().map_err(|source| DiscoveryError::NvmlUnavailable {
-            library: self.library.to_string_lossy().into_owned(),
+        let library = self.library();
+        Nvml::builder().lib_path(&library).init().map_err(|source| DiscoveryError::NvmlUnavailable {
+            library: library.to_string_lossy().into_owned(),
             source,
         })
     }
@@ -285,13 +289,19 @@ mod tests {
         assert!(!lib.exists(), "the link dangles outside the root");
 
         let discovery = NvmlDiscovery::new(root.path(), Path::new("/sys"));
-        let found = Path::new(discovery.library());
+        let found = std::path::PathBuf::from(discovery.library());
         assert_eq!(found, real.join("libnvidia-ml.so.580.95.05"), "{}", found.display());
     }
 
     #[test]
-    fn without_the_library_in_the_driver_root_the_loader_searches() {
+    fn without_the_library_in_the_driver_root_the_loader_searches_until_it_is_there() {
         let root = tempfile::tempdir().expect("tempdir");
-        assert_eq!(NvmlDiscovery::new(root.path(), Path::new("/sys")).library(), "libnvidia-ml.so.1");
+        let discovery = NvmlDiscovery::new(root.path(), Path::new("/sys"));
+        assert_eq!(discovery.library(), "libnvidia-ml.so.1");
+        // The driver appears under the root later (a driver container's mount): the next look finds it.
+        let lib = root.path().join("usr/lib64/libnvidia-ml.so.1");
+        std::fs::create_dir_all(root.path().join("usr/lib64")).expect("dir");
+        std::fs::write(&lib, "").expect("library");
+        assert_eq!(discovery.library(), lib.as_os_str());
     }
 }

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsStr;
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -49,14 +50,16 @@ pub fn fault_of(event_type: EventTypes, xid: Option<XidError>) -> Option<Fault> 
 /// renewal that did not cover it either, at most [`RENEW_AT_MOST`] (a GPU that stays unwatchable costs a renewal
 /// every 5 minutes, not every 10 s). A failure is logged as a warning once; the same failure again, every [`RETRY`]
 /// until the driver is there, at debug level (a node waiting for its driver would otherwise warn 360 times an hour).
-/// `coverage` says what is watched, and that the thread still answers.
-pub fn run(library: &OsStr, reports: &UnboundedSender<Injection>, coverage: &Coverage, stop: &Arc<AtomicBool>) {
+/// `coverage` says what is watched, and that the thread still answers. NVML is the one under `driver_root`.
+pub fn run(driver_root: &Path, reports: &UnboundedSender<Injection>, coverage: &Coverage, stop: &Arc<AtomicBool>) {
     let mut last_said: Option<String> = None;
     let mut renew_after = RENEW_AFTER;
     let mut renewals = 0u32;
     while !stop.load(Ordering::Relaxed) {
         let started = std::time::Instant::now();
-        match watch(library, reports, coverage, stop, (&mut renew_after, renewals == 0)) {
+        // Looked for at each try: a driver root mounted after the agent started holds it later.
+        let library = crate::node_agent::discovery::nvml::library_in(driver_root);
+        match watch(&library, reports, coverage, stop, (&mut renew_after, renewals == 0)) {
             Ok(Ended::Stopped) => return,
             Ok(Ended::Renew) => {
                 renewals += 1;

@@ -44,7 +44,7 @@ pub fn start(
             tokio::spawn(watch_injections(args.state_dir.clone(), reports, discovery, coverage, stop));
         }
         GpuBackend::Nvml => {
-            let library = args.gpu.nvml_library();
+            let root = args.gpu.nvml_root().to_path_buf();
             let stopped = Arc::new(AtomicBool::new(false));
             let flag = stopped.clone();
             tokio::spawn(async move {
@@ -53,7 +53,7 @@ pub fn start(
             });
             let spawned = std::thread::Builder::new().name("nvml-events".into()).spawn({
                 let coverage = coverage.clone();
-                move || nvml_events::run(&library, &reports, &coverage, &stopped)
+                move || nvml_events::run(&root, &reports, &coverage, &stopped)
             });
             if let Err(error) = spawned {
                 warn!(%error, "cannot start the NVML event thread; GPU faults go unnoticed");
