@@ -372,10 +372,10 @@ fn mounted_files(spec: &Path) -> anyhow::Result<Vec<String>> {
 
 /// A driver upgraded in place under running agents (the driver root is mounted with HostToContainer propagation
 /// for that; the GPU Operator's driver container mounts its root again, which the chart's mount of the root's
-/// parent shows, render-tested in `tests/chart`): the claims prepared afterwards must mount the new version's files, never the removed
-/// ones, or every new GPU container fails to start. The spec of the claim prepared before is written again too
-/// (within the agent's 10 s look): the runtime reads it at every container start of the running pod (a restart
-/// after a crash), and a mount of a removed file fails it. Then the driver is upgraded again while the agent is
+/// parent shows, render-tested in `tests/chart`): the claims prepared afterwards must mount the new version's files,
+/// never the removed ones, or every new GPU container fails to start. The spec of the claim prepared before is
+/// written again too (within the agent's 10 s look): the runtime reads it at every container start of the running
+/// pod (a restart after a crash), and a mount of a removed file fails it. Then the driver is upgraded again while the agent is
 /// stopped: the restarted agent writes both specs again before it serves (before, only missing specs were written
 /// at start, and the driver's files of the last start were taken as those the specs named).
 async fn a_driver_upgraded_in_place_is_what_the_next_prepare_mounts(ctx: TestContext) -> anyhow::Result<()> {

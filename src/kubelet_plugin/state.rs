@@ -755,8 +755,9 @@ impl DriverState {
         Ok((uids.len(), moved_to))
     }
 
-    /// Start-up clean-up: half-done prepares undone, missing or outdated specs of completed prepares re-written, specs nobody
-    /// records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten, orphans).
+    /// Start-up clean-up: half-done prepares undone, missing or outdated specs of completed prepares re-written,
+    /// specs nobody records (and MPS directories of claims not prepared) removed. Returns (half done, rewritten,
+    /// orphans).
     fn clean_up(&self) -> (usize, usize, usize) {
         // Once no unprepare is stopping an MPS daemon with the lock let go: its claim, marked unfinished, would pass for
         // a half-done prepare here, and its daemon for one nobody needs.
@@ -845,9 +846,8 @@ impl DriverState {
 
     /// Writes again the spec of every completed claim whose spec file is missing (deleted on the host, `/run`
     /// emptied, a lost write), and those of the completed claims in `stale` (the driver's files changed) that say
-    /// something else than they would now. A claim whose
-    /// device or made MIG device is gone, or whose write fails, keeps its spec as it is: listed with why, for the
-    /// caller to say. Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs. Entries left
+    /// something else than they would now. A claim whose device or made MIG device is gone, or whose write fails,
+    /// keeps its spec as it is: listed with why, for the caller to say. Start-up does this, and [`DriverState::restore_lost_specs`] while the agent runs. Entries left
     /// started (a failed unprepare, an interrupted prepare) are not completed: their specs stay gone.
     fn rewrite_specs(&self, checkpoint: &Checkpoint, stale: &BTreeSet<String>) -> Rewrites {
         let inventory = self.inventory.borrow().clone();
@@ -898,8 +898,7 @@ impl DriverState {
 
     /// [`Self::rewrite_specs`] under the state lock, counted in `specs_rewritten`: the kubelet asks again for a
     /// claim it prepared only for a new pod sandbox (after its own restart), but the runtime reads its spec at every
-    /// container start (a restart after a crash, the
-    /// next init container). So a spec lost while the pod runs is written again, and after the driver's files
+    /// container start (a restart after a crash, the next init container). So a spec lost while the pod runs is written again, and after the driver's files
     /// changed (a driver upgraded in place: the old versioned libraries and firmware removed) every spec is, so
     /// that none names files that are gone, and after the unified-memory device nodes appeared (a node booted
     /// without them) or went, so that each names those there are (those that cannot be written are tried again
