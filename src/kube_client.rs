@@ -12,6 +12,8 @@ use clap::Args;
 use kube::client::ClientBuilder;
 use tower::{Layer, Service};
 
+pub mod keepalive;
+
 /// API client flags shared by the components.
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
@@ -66,7 +68,10 @@ pub fn install_crypto_provider() {
 /// Builds a client from `config`, rate limited by `args`.
 pub fn client_from_config(config: kube::Config, args: &ClientArgs) -> Result<kube::Client, kube::Error> {
     install_crypto_provider();
-    let builder = ClientBuilder::try_from(config)?;
+    let builder = match keepalive::builder(&config)? {
+        Some(builder) => builder,
+        None => ClientBuilder::try_from(config)?,
+    };
     let deadline = DeadlineLayer { timeout: args.kube_api_timeout };
     if args.kube_api_qps <= 0.0 {
         return Ok(builder.with_layer(&deadline).build());

@@ -1,6 +1,7 @@
 //! `gpu-dra controller` when the API server stops answering: SIGSTOP on kube-apiserver, so connections are still
-//! accepted by the kernel but no request is ever answered (a hung process, a half-dead node or proxy). Runs on a
-//! cluster of this binary's own: stopping the API server would disturb every other test.
+//! accepted by the kernel but no request is ever answered (a hung process, a half-dead node or proxy), and when its
+//! connections are black-holed (iptables; root, as the real-node tests). Runs on a cluster of this binary's own:
+//! stopping the API server would disturb every other test.
 
 mod support;
 
@@ -13,7 +14,13 @@ use support::process::Component;
 use support::wait;
 
 fn main() {
-    support::run_on_own_cluster("controller_api_outage", &[test!(a_leader_whose_api_server_hangs_steps_down_in_time)])
+    support::run_on_own_cluster(
+        "controller_api_outage",
+        &[
+            test!(a_leader_whose_api_server_hangs_steps_down_in_time),
+            test!(connections_to_an_api_server_that_vanished_are_given_up_within_a_minute),
+        ],
+    )
 }
 
 const LEASE_DURATION: Duration = Duration::from_secs(4);
@@ -91,5 +98,101 @@ async fn a_leader_whose_api_server_hangs_steps_down_in_time(ctx: TestContext) ->
     ensure!(!status.success(), "exit status {status}");
     let log = leader.log_text();
     ensure!(log.contains("lost the lease") && log.contains("lost leadership"), "{}", leader.log_tail());
+    Ok(())
+}
+
+/// Every established connection from a local port to `port` on 127.0.0.1 black-holed (both directions dropped,
+/// no reset), as to an API server whose machine went off, for as long as this lives; new connections pass.
+struct BlackHole {
+    rules: Vec<Vec<String>>,
+}
+
+impl BlackHole {
+    /// Needs root (iptables).
+    fn connections_to(port: u16) -> anyhow::Result<Self> {
+        let listed = Command::new("ss").args(["-Htn", "state", "established"]).output().context("run ss")?;
+        ensure!(listed.status.success(), "ss: {}", String::from_utf8_lossy(&listed.stderr));
+        let server = format!("127.0.0.1:{port}");
+        let clients: Vec<String> = String::from_utf8_lossy(&listed.stdout)
+            .lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let (local, peer) = (fields.get(2)?, fields.get(3)?);
+                (*peer == server).then(|| local.rsplit(':').next().map(str::to_string)).flatten()
+            })
+            .collect();
+        ensure!(!clients.is_empty(), "no connection to {server} to black-hole");
+        let mut hole = Self { rules: Vec::new() };
+        for client in clients {
+            for (from, to) in [(client.as_str(), port.to_string()), (&*port.to_string(), client.clone())] {
+                let rule: Vec<String> =
+                    ["INPUT", "-p", "tcp", "-s", "127.0.0.1", "--sport", from, "--dport", &to, "-j", "DROP"]
+                        .iter()
+                        .map(|s| s.to_string())
+                        .collect();
+                let status = Command::new("iptables").arg("-I").args(&rule).status().context("run iptables")?;
+                ensure!(
+                    status.success(),
+                    "iptables -I {} (the test needs root, as the real-node tests)",
+                    rule.join(" ")
+                );
+                hole.rules.push(rule);
+            }
+        }
+        Ok(hole)
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        for rule in &self.rules {
+            let removed = Command::new("iptables").arg("-D").args(rule).status();
+            if !removed.is_ok_and(|s| s.success()) {
+                eprintln!("error: could not remove iptables rule {}", rule.join(" "));
+            }
+        }
+    }
+}
+
+/// An API server that vanished under the controller's connections (its machine off, a load balancer failing over
+/// without a reset): its watches get nothing and no error. TCP keepalive makes the kernel give such a connection up
+/// within 45 s of silence, and the watches are made again on new connections: a pod created meanwhile gets its
+/// claim within a minute. Before, kube's client set no keepalive and the watch waited for its own timeout (295 s)
+/// while the controller saw no new pod; client-go's HTTP/2 pings notice in 45 s.
+async fn connections_to_an_api_server_that_vanished_are_given_up_within_a_minute(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    // Root and iptables, which e2e/build-node.sh installs for the real node.
+    support::real_node::can_run()?;
+    let proxy = support::api_proxy::ApiProxy::start(ctx.client.clone()).await?;
+    let ns = ctx.namespace.as_str();
+    let args = ["controller", "--namespace", ns, "--leader-elect=false", "--kube-api-timeout", "5s"];
+    let controller = Component::start(proxy.kubeconfig(), ns, &args)?;
+    controller.wait_ready().await?;
+    support::objects::create_template(&ctx, "one-gpu", support::objects::one_gpu()).await?;
+    let claims = serde_json::json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}]);
+    let recorded = |pod: &'static str| {
+        let ctx = &ctx;
+        async move {
+            let pod = support::objects::pods(ctx).get(pod).await?;
+            let statuses = pod.status.and_then(|s| s.resource_claim_statuses).unwrap_or_default();
+            anyhow::Ok(statuses.into_iter().find_map(|s| s.resource_claim_name))
+        }
+    };
+    support::objects::create_pod(&ctx, "before", claims.clone()).await?;
+    wait::until("the first pod's claim", Duration::from_secs(30), || recorded("before")).await?;
+
+    let hole = BlackHole::connections_to(proxy.port())?;
+    let started = Instant::now();
+    support::objects::create_pod(&ctx, "after", claims).await?;
+    wait::until("the claim of the pod created after the API server vanished", Duration::from_secs(90), || {
+        recorded("after")
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let took = started.elapsed();
+    drop(hole);
+    eprintln!("a pod created after the controller's connections were black-holed got its claim in {took:?}");
+    ensure!(took < Duration::from_secs(75), "{took:?}: the dead connections were not given up within a minute");
     Ok(())
 }

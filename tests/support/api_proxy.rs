@@ -114,6 +114,7 @@ struct Shared {
 #[derive(Debug)]
 pub struct ApiProxy {
     kubeconfig: PathBuf,
+    address: SocketAddr,
     garble: Arc<Mutex<Garble>>,
     hold: Arc<Mutex<Gate>>,
     expire: Arc<Mutex<Gate>>,
@@ -142,7 +143,12 @@ impl ApiProxy {
         let dir = tempfile::tempdir()?;
         let kubeconfig = dir.path().join("kubeconfig");
         std::fs::write(&kubeconfig, kubeconfig_text(address)).context("write the proxy's kubeconfig")?;
-        Ok(Self { kubeconfig, garble, hold, expire, cut, task, _dir: dir })
+        Ok(Self { kubeconfig, address, garble, hold, expire, cut, task, _dir: dir })
+    }
+
+    /// The port the proxy listens on (127.0.0.1).
+    pub fn port(&self) -> u16 {
+        self.address.port()
     }
 
     /// A kubeconfig naming the proxy (plain HTTP, no credentials: the proxy authenticates upstream).
