@@ -38,8 +38,16 @@ pub(super) async fn a_discovery_that_hangs_at_start_still_lets_prepared_claims_b
     let unprepared = kubelet.unprepare(&[(ns, "held", &held)]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(!dirs.cdi_spec(&held).exists(), "the claim's spec is still there");
-    let (code, why) = agent.get("/readyz").await?;
-    ensure!(code == 503 && why.contains("has not answered in 2s"), "/readyz: {code} {why}");
+    // Once the discovery timeout (2 s from the agent's start) is up, /readyz says why it is not ready.
+    let said = wait::until("/readyz to name the hung discovery", std::time::Duration::from_secs(10), || async {
+        let (code, why) = agent.get("/readyz").await?;
+        Ok((code == 503 && why.contains("has not answered in 2s")).then_some(()))
+    })
+    .await;
+    if said.is_err() {
+        let (code, why) = agent.get("/readyz").await?;
+        anyhow::bail!("/readyz: {code} {why}");
+    }
 
     // NVML answers again: the GPUs are prepared, no restart needed.
     std::fs::remove_file(&hung)?;
