@@ -17,38 +17,36 @@ const DRIVER_LIBRARY_PREFIXES: [&str; 3] = ["libcuda", "libnvidia-", "libnvcuvid
 
 /// A driver program and the directory of its libraries.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DriverTool {
-    /// The driver root and the program's name, looked in again at each run (a driver root mounted after the agent
-    /// started holds them later); `None`: a program given as it is.
-    under: Option<(PathBuf, String)>,
-    program: PathBuf,
+pub enum DriverTool {
+    /// The program of this name under the driver root, with the NVML library there, looked for again at each run (a
+    /// driver root mounted after the agent started holds them later).
+    Under { root: PathBuf, name: String },
+    /// A program as it is, without the driver's libraries (tests, the simulated MPS daemon).
+    Given(PathBuf),
 }
 
 impl DriverTool {
     /// `name` under `driver_root` (`usr/bin`, `bin`), else the one on `PATH`, with the NVML library under it
     /// ([`crate::node_agent::discovery::nvml::library_in`]), each looked for again at every run.
     pub fn find(driver_root: &Path, name: &str) -> Self {
-        Self { under: Some((driver_root.to_path_buf(), name.to_string())), program: PathBuf::from(name) }
-    }
-
-    /// A program as it is, without the driver's libraries (tests, the simulated MPS daemon).
-    pub fn given(program: PathBuf) -> Self {
-        Self { under: None, program }
+        Self::Under { root: driver_root.to_path_buf(), name: name.to_string() }
     }
 
     /// The program now: under the driver root, else its name for `PATH`.
     pub fn program(&self) -> PathBuf {
-        let Some((root, name)) = &self.under else { return self.program.clone() };
-        ["usr/bin", "bin"]
-            .iter()
-            .find_map(|dir| crate::cdi::existing_in_root(root, &Path::new(dir).join(name)))
-            .unwrap_or_else(|| PathBuf::from(name))
+        match self {
+            Self::Given(program) => program.clone(),
+            Self::Under { root, name } => ["usr/bin", "bin"]
+                .iter()
+                .find_map(|dir| crate::cdi::existing_in_root(root, &Path::new(dir).join(name)))
+                .unwrap_or_else(|| PathBuf::from(name)),
+        }
     }
 
     /// The driver's `libnvidia-ml.so.1` now, when it is not where the dynamic loader looks; its directory holds the
     /// driver's other libraries.
     pub fn nvml(&self) -> Option<PathBuf> {
-        let (root, _) = self.under.as_ref()?;
+        let Self::Under { root, .. } = self else { return None };
         Some(PathBuf::from(crate::node_agent::discovery::nvml::library_in(root))).filter(|path| path.is_absolute())
     }
 

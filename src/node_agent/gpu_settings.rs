@@ -109,7 +109,7 @@ impl NvidiaSmi {
 
     /// A given program and time limit (tests of the process handling).
     pub fn with_program(program: PathBuf, timeout: Duration) -> Self {
-        Self { tool: DriverTool::given(program), timeout }
+        Self { tool: DriverTool::Given(program), timeout }
     }
 
     fn run(&self, args: &[String]) -> Result<(), GpuSettingError> {

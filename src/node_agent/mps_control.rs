@@ -126,7 +126,7 @@ impl MpsProgram {
 
     /// This binary's stand-in (`gpu-dra simulated-mps-control`).
     pub fn stand_in() -> std::io::Result<Self> {
-        let tool = DriverTool::given(std::env::current_exe()?);
+        let tool = DriverTool::Given(std::env::current_exe()?);
         Ok(Self { tool, args: vec!["simulated-mps-control".into()] })
     }
 

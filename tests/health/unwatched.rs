@@ -39,20 +39,17 @@ pub(crate) async fn a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_
     inject(&state, "gpu-1 watched")?;
     reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
 
-    std::fs::write(state.join(SIMULATED_DRIVER_UNUSABLE_FILE), "")?;
+    // The driver unusable, then hung: for the hung one, 30 s without an answer, then the monitor's look (2 s) and
+    // the stream's resend (on the change, at once).
     let blind = "GPU health events unavailable: Driver/library version mismatch (simulated)";
-    reported(&ctx, "worker", &[("gpu-0", "Unknown", blind), ("gpu-1", "Unknown", blind)], Duration::from_secs(20))
-        .await?;
-    std::fs::remove_file(state.join(SIMULATED_DRIVER_UNUSABLE_FILE))?;
-    reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
-
-    std::fs::write(state.join(SIMULATED_DRIVER_HUNG_FILE), "")?;
     let hung = "the GPU health watch has not answered for over 30 s (NVML hanging?)";
-    // 30 s without an answer, then the monitor's look (2 s) and the stream's resend (on the change, at once).
-    reported(&ctx, "worker", &[("gpu-0", "Unknown", hung), ("gpu-1", "Unknown", hung)], Duration::from_secs(45))
-        .await?;
-    std::fs::remove_file(state.join(SIMULATED_DRIVER_HUNG_FILE))?;
-    reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
+    for (marker, why, within) in [(SIMULATED_DRIVER_UNUSABLE_FILE, blind, 20), (SIMULATED_DRIVER_HUNG_FILE, hung, 45)] {
+        std::fs::write(state.join(marker), "")?;
+        let want = [("gpu-0", "Unknown", why), ("gpu-1", "Unknown", why)];
+        reported(&ctx, "worker", &want, Duration::from_secs(within)).await?;
+        std::fs::remove_file(state.join(marker))?;
+        reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
+    }
     Ok(())
 }
 

@@ -3,9 +3,8 @@
 //! the reason, rather than `Healthy`. That is the case while NVML cannot be used at all (no driver, a
 //! driver/library version mismatch), for a GPU that reports none of the events watched (NVML: not supported), for a
 //! GPU that appeared, or came back from a fault, after the watch started (until the watch is renewed, after
-//! [`RENEW_AFTER`] at first), and while the
-//! source has not answered for [`STALL`] (an NVML call hanging on a wedged driver). A known fault outweighs all of
-//! these: a faulted GPU is `Unhealthy`.
+//! [`RENEW_AFTER`] at first), and while the source has not answered for [`STALL`] (an NVML call hanging on a wedged
+//! driver). A known fault outweighs all of these: a faulted GPU is `Unhealthy`.
 //!
 //! The kubelet stamps every device in a report with the time it received it, so the time and timeout sent with a
 //! device do not make it `Unknown` on their own while the stream lives: the agent must say so.
