@@ -24,7 +24,10 @@ use serde_json::json;
 use support::objects::{self, CLASS, claim_statuses, create_pod, create_template, events_about, list_claims, one_gpu};
 use support::process::Component;
 use support::{TestContext, wait};
-use watch_gaps::what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist;
+use watch_gaps::{
+    a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags,
+    what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist,
+};
 use workloads::{
     a_burst_of_pods_gets_every_creation_event_within_the_rate_limit,
     a_namespace_deleted_while_no_controller_runs_goes_once_one_does,
@@ -51,6 +54,7 @@ fn main() {
             test!(missing_recorded_claim_is_recreated),
             test!(a_claim_created_but_answered_garbled_is_recorded_once),
             test!(what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist),
+            test!(a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags),
             test!(recorded_claim_and_template_deleted_come_back_with_the_template),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),
             test!(health_and_metrics_endpoints),

@@ -138,14 +138,14 @@ async fn pod_consumer(
     }
     let pod_key = ObjectKey::new(namespace, consumer.name.clone());
     let pod = match ctx.caches.pod(&pod_key) {
-        Some(pod) => pod,
-        // Not in the cache: the cache may lag behind a new pod, so ask the API server before dropping anything.
-        None => match api_object::namespaced::<Pod>(ctx.client.clone(), namespace).get_opt(&consumer.name).await {
-            Ok(Some(pod)) => std::sync::Arc::new(pod.object),
-            Ok(None) => return Ok(Consumer::Gone("pod not found")),
-            Err(source) => {
-                return Err(SyncError::GetPod { pod: pod_key, source });
-            }
+        Some(pod) if pod.metadata.uid.as_deref() == Some(consumer.uid.as_str()) => pod,
+        // Not in the cache, or another pod of that name there (not known deleted: checked above). The cache may lag
+        // behind a new pod, also one created again under the name of a pod it still holds (a StatefulSet's or a
+        // training job's worker recreated), so ask the API server before dropping anything. Upstream trusts a
+        // cached pod of another UID and drops the new pod's reservation while its pod watch lags.
+        _ => match live_pod(ctx, &pod_key).await? {
+            Some(pod) => pod,
+            None => return Ok(Consumer::Gone("pod not found")),
         },
     };
     Ok(if pod.metadata.uid.as_deref() != Some(consumer.uid.as_str()) {
@@ -157,14 +157,34 @@ async fn pod_consumer(
     })
 }
 
+/// The pod as the API server has it now; `None` when there is none of that name.
+async fn live_pod(ctx: &Context, pod_key: &ObjectKey) -> Result<Option<std::sync::Arc<Pod>>, SyncError> {
+    match api_object::namespaced::<Pod>(ctx.client.clone(), &pod_key.namespace).get_opt(&pod_key.name).await {
+        Ok(pod) => Ok(pod.map(|pod| std::sync::Arc::new(pod.object))),
+        Err(source) => Err(SyncError::GetPod { pod: pod_key.clone(), source }),
+    }
+}
+
 /// Deletes an unreserved claim generated for a pod that is finished or was replaced. A pod that is not in the
 /// cache is left to the garbage collector (the ownerReference).
 async fn delete_if_pod_finished(ctx: &Context, key: &ObjectKey, claim: &ResourceClaim) -> Result<(), SyncError> {
     let Some((pod_name, pod_uid)) = decide::owning_pod(claim) else {
         return Ok(());
     };
-    let Some(pod) = ctx.caches.pod(&ObjectKey::new(key.namespace.clone(), pod_name)) else {
+    let pod_key = ObjectKey::new(key.namespace.clone(), pod_name);
+    let Some(cached) = ctx.caches.pod(&pod_key) else {
         return Ok(());
+    };
+    // A cached pod with another UID proves the owner replaced only if the owner is known deleted; else the
+    // cache may lag behind the owner (created again under the name of the pod it holds, its claim made by the
+    // scheduler for its extended resources): ask the API server. Upstream deletes on the cached pod alone.
+    let pod = if cached.metadata.uid.as_deref() == Some(pod_uid) || ctx.caches.was_deleted(pod_uid) {
+        cached
+    } else {
+        match live_pod(ctx, &pod_key).await? {
+            Some(pod) => pod,
+            None => return Ok(()),
+        }
     };
     let why = if pod.metadata.uid.as_deref() != Some(pod_uid) {
         "its pod was replaced by one with another UID"

@@ -4,8 +4,11 @@
 //! only as missing from that list. The real API server runs behind the test's proxy ([`ApiProxy`]), which ends the
 //! watches, holds their resumption while the test deletes, then expires them.
 
-use anyhow::Context as _;
-use kube::api::DeleteParams;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, ensure};
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 use super::support::api_proxy::ApiProxy;
@@ -113,4 +116,89 @@ async fn new_claim_after_relist(ctx: &TestContext, pod: &str, old: &str) -> anyh
         })
     })
     .await
+}
+
+/// A worker pod deleted and created again under its name (a StatefulSet's, LeaderWorkerSet's or training job's
+/// worker after a failure) while the controller's pod watch lags: its cache still holds the old pod of that name.
+/// The new pod's reservation of a shared claim, added by the scheduler, and the claim the scheduler made for the new
+/// pod's extended resources must survive: a cached pod of another UID is not proof that the consumer or owner was
+/// replaced. kube-controller-manager v1.37.2 takes it for proof (`controller.go` syncClaim: `pod.UID !=
+/// reservedFor.UID`, and the owner check before deleting), dropping the new pod's reservation (the claim then
+/// deallocated under a bound pod) and deleting its extended-resource claim. Once the watch resumes, the old pod's
+/// reservation goes.
+pub(super) async fn a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let proxy = ApiProxy::start(ctx.client.clone()).await?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+    let ns = ctx.namespace.clone();
+    let (claims, pods) = (objects::claims(&ctx), objects::pods(&ctx));
+    let named = json!([{"name": "gpu", "resourceClaimName": "shared"}]);
+
+    objects::create_claim(&ctx, "shared").await?;
+    objects::allocate(&ctx, "shared", json!([]), true).await?;
+    let old = create_bound_pod(&ctx, "worker-0", named.clone()).await?;
+    wait::until("the shared claim to be reserved for worker-0", SETTLE, || async {
+        Ok((reserved(&claims.get("shared").await?) == ["worker-0"]).then_some(()))
+    })
+    .await?;
+
+    cut_watches(&proxy, &format!("/namespaces/{ns}/pods")).await?;
+    pods.delete("worker-0", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
+    wait::until("the first worker-0 to be gone", SETTLE, || async {
+        Ok(pods.get_opt("worker-0").await?.filter(|p| p.metadata.uid == old.metadata.uid).is_none().then_some(()))
+    })
+    .await?;
+    let new = create_bound_pod(&ctx, "worker-0", named).await?;
+    let (old_uid, new_uid) =
+        (old.metadata.uid.clone().unwrap_or_default(), new.metadata.uid.clone().unwrap_or_default());
+    // The scheduler's part: the new pod's reservation beside the old one (still there: the controller has not seen
+    // the old pod go), and a claim for the new pod's extended resources, owned by it.
+    let consumer = |uid: &str| json!({"resource": "pods", "name": "worker-0", "uid": uid});
+    let status = json!({"status": {"reservedFor": [consumer(&old_uid), consumer(&new_uid)]}});
+    claims.patch_status("shared", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let extended: ResourceClaim = serde_json::from_value(json!({
+        "metadata": {"name": "worker-0-extended-resources-abcde",
+                     "annotations": {"resource.kubernetes.io/extended-resource-claim": "true"},
+                     "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": "worker-0", "uid": new_uid,
+                                          "controller": true, "blockOwnerDeletion": true}]},
+        "spec": objects::one_gpu()["spec"]
+    }))?;
+    claims.create(&PostParams::default(), &extended).await?;
+
+    let reserved_uids = || async {
+        let claim = claims.get("shared").await?;
+        let uids: Vec<String> =
+            claim.status.and_then(|s| s.reserved_for).unwrap_or_default().into_iter().map(|r| r.uid).collect();
+        anyhow::Ok(uids)
+    };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while Instant::now() < deadline {
+        let uids = reserved_uids().await?;
+        ensure!(
+            uids.contains(&new_uid),
+            "the new worker-0's reservation was dropped while the pod watch lagged: {uids:?}\ncontroller log:\n{}",
+            controller.log_tail()
+        );
+        ensure!(
+            claims.get_opt("worker-0-extended-resources-abcde").await?.is_some(),
+            "the new worker-0's extended-resource claim was deleted while the pod watch lagged\ncontroller log:\n{}",
+            controller.log_tail()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    proxy.expire_held_watches();
+    wait::until("the old worker-0's reservation to go after the relist", SETTLE, || async {
+        Ok((reserved_uids().await? == [new_uid.clone()]).then_some(()))
+    })
+    .await
+    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    ensure!(
+        claims.get_opt("worker-0-extended-resources-abcde").await?.is_some(),
+        "the new worker-0's extended-resource claim was deleted after the relist"
+    );
+    Ok(())
 }

@@ -110,25 +110,27 @@ pub fn is_reserved_for_group_of(claim: &ResourceClaim, pod: &Pod) -> bool {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GroupReservation {
     Keep,
-    /// Not in the informer: it may lag behind a new PodGroup whose pods are being scheduled, so only the API
-    /// server can say it is gone.
+    /// Not in the informer, or another PodGroup of that name there: the informer may lag behind a new PodGroup
+    /// whose pods are being scheduled (also one created again under the name of one it still holds), so only the
+    /// API server can say it is gone.
     AskServer,
     Drop(&'static str),
 }
 
 /// Upstream's rule for a PodGroup in `reservedFor`: dropped once the PodGroup is known deleted, gone, or replaced
-/// by one with another UID; kept while it exists.
+/// by one with another UID; kept while it exists. Unlike upstream, a cached PodGroup of another UID is not taken
+/// for proof that the consumer was replaced: the API server is asked.
 pub fn group_reservation(consumer_uid: &str, known_deleted: bool, seen: Seen<&str>) -> GroupReservation {
     if known_deleted {
         return GroupReservation::Drop("PodGroup was deleted");
     }
     match seen {
         Seen::Cache(None) => GroupReservation::AskServer,
+        Seen::Cache(Some(uid)) if uid != consumer_uid => GroupReservation::AskServer,
         Seen::Server(None) => GroupReservation::Drop("PodGroup not found"),
-        Seen::Cache(Some(uid)) | Seen::Server(Some(uid)) if uid == consumer_uid => GroupReservation::Keep,
-        Seen::Cache(Some(_)) | Seen::Server(Some(_)) => {
-            GroupReservation::Drop("PodGroup was replaced by one with another UID")
-        }
+        Seen::Cache(Some(_)) => GroupReservation::Keep,
+        Seen::Server(Some(uid)) if uid == consumer_uid => GroupReservation::Keep,
+        Seen::Server(Some(_)) => GroupReservation::Drop("PodGroup was replaced by one with another UID"),
     }
 }
 
