@@ -39,6 +39,8 @@ const LIBRARY_PREFIXES: &[&str] = &[
     "libnvidia-pkcs11.so",
     "libnvidia-pkcs11-openssl3.so",
     "libnvidia-nscq.so",
+    // Tile IR's compiler (drivers 590 and later), which the CUDA library loads by its full versioned name.
+    "libnvidia-tileiras.so",
 ];
 
 /// Where distributions (Debian multiarch, RHEL, the GPU Operator's driver image) put those libraries.
@@ -346,6 +348,10 @@ fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathB
         let dir = path.parent().unwrap_or(path);
         ALIAS_DIRS.iter().position(|d| Path::new(d) == dir).unwrap_or(ALIAS_DIRS.len())
     };
+    let file_name = |path: &PathBuf| path.file_name().and_then(|n| n.to_str()).map(str::to_owned);
+    // Libraries a loader can ask for by a soname or link name; the others (PKCS#11, Tile IR) only by their full name.
+    let with_soname: BTreeSet<String> =
+        files.iter().filter_map(|(path, _)| file_name(path)).filter(|n| loader_name(n)).map(|n| stem(&n)).collect();
     let mut aliases: BTreeMap<PathBuf, (usize, PathBuf)> = BTreeMap::new();
     for (container_path, relative) in files {
         let Some(name) = container_path.file_name().and_then(|n| n.to_str()) else { continue };
@@ -353,7 +359,8 @@ fn library_aliases(files: &[(PathBuf, PathBuf)], host_root: &Path) -> Vec<(PathB
             continue;
         }
         let candidate = (rank(container_path), host_root.join(relative));
-        let defaults = DEFAULT_LIBRARY_DIRS.iter().filter(|_| loader_name(name));
+        let asked = loader_name(name) || !with_soname.contains(&stem(name));
+        let defaults = DEFAULT_LIBRARY_DIRS.iter().filter(|_| asked);
         for dir in std::iter::once(&CUDA_IMAGE_LIBRARY_DIR).chain(defaults) {
             let alias = aliases.entry(Path::new(dir).join(name)).or_insert_with(|| candidate.clone());
             if candidate.0 < alias.0 {
@@ -371,6 +378,11 @@ fn loader_name(name: &str) -> bool {
         rest.is_empty()
             || rest.strip_prefix('.').is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
     })
+}
+
+/// A library's name up to `.so` (`libcuda.so.1` → `libcuda`): its names share it.
+fn stem(name: &str) -> String {
+    name.split_once(".so").map_or(name, |(stem, _)| stem).to_owned()
 }
 
 /// The driver version from the real CUDA library's name (`libcuda.so.550.54.15` → `550.54.15`); it names the
@@ -576,6 +588,8 @@ mod tests {
             // Each library again where a RHEL-family image looks by default, by the names a loader asks for.
             (lib64("libcuda.so"), format!("{LIB}/libcuda.so.550.54.15")),
             (lib64("libcuda.so.1"), format!("{LIB}/libcuda.so.550.54.15")),
+            // One with no soname beside it, by the only name there is.
+            (lib64("libcudadebugger.so.550.54.15"), format!("{LIB}/libcudadebugger.so.550.54.15")),
             (lib64("libnvidia-cfg.so.1"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib64("libnvidia-cfg.so.550"), "usr/lib/libnvidia-cfg.so.550".into()),
             (lib64("libnvidia-ml.so.1"), format!("{LIB}/libnvidia-ml.so.550.54.15")),
@@ -714,20 +728,28 @@ mod tests {
         touch(&root, "usr/lib64/libnvidia-ml.so.570.86.10")?;
         touch(&root, "usr/bin/nvidia-smi")?;
         symlink("libcuda.so.570.86.10", root.join("usr/lib64/libcuda.so.1"))?;
+        symlink("libnvidia-ml.so.570.86.10", root.join("usr/lib64/libnvidia-ml.so.1"))?;
+        // Libraries with no soname: the CUDA library loads them by their full name.
+        touch(&root, "usr/lib64/libnvidia-tileiras.so.570.86.10")?;
+        touch(&root, "usr/lib64/libnvidia-pkcs11-openssl3.so.570.86.10")?;
         // The 32-bit libraries of the same driver, where RHEL keeps them: never the ones CUDA images get.
         touch(&root, "usr/lib/libcuda.so.570.86.10")?;
         symlink("libcuda.so.570.86.10", root.join("usr/lib/libcuda.so.1"))?;
         let mounts = DriverFiles::discover(&root)?.mounts()?;
         let real = fs::canonicalize(&root)?;
         let at = |path: &str| mounts.iter().find(|m| m.container_path() == Path::new(path)).map(|m| m.host_path());
-        for name in ["libcuda.so.1", "libcuda.so.570.86.10", "libnvidia-ml.so.570.86.10"] {
+        let full_name_only = ["libnvidia-tileiras.so.570.86.10", "libnvidia-pkcs11-openssl3.so.570.86.10"];
+        for name in
+            ["libcuda.so.1", "libcuda.so.570.86.10", "libnvidia-ml.so.570.86.10"].into_iter().chain(full_name_only)
+        {
             let lib64 = at(&format!("/usr/lib64/{name}"));
             assert!(lib64.is_some_and(|p| p.starts_with(&real)), "{name} at its own path: {mounts:?}");
             assert_eq!(at(&format!("/usr/local/nvidia/lib64/{name}")), lib64, "{name} where CUDA images look");
             // And where a Debian-family image's loader looks by default (pip's PyTorch on `python:3-slim`), by the
             // names a loader asks for.
             let multiarch = at(&format!("{}/{name}", DEFAULT_LIBRARY_DIRS[0]));
-            assert_eq!(multiarch, lib64.filter(|_| loader_name(name)), "{name} where a Debian image looks");
+            let asked = loader_name(name) || full_name_only.contains(&name);
+            assert_eq!(multiarch, lib64.filter(|_| asked), "{name} where a Debian image looks");
         }
         // Utilities and firmware stay where they are.
         assert!(at("/usr/bin/nvidia-smi").is_some() && at("/usr/local/nvidia/lib64/nvidia-smi").is_none());
