@@ -112,7 +112,8 @@ pub fn build_claim_spec_with(
         if let Some(mig) = &claim_device.mig {
             for cap in [mig.gi_cap_minor, mig.ci_cap_minor] {
                 let path = format!("/dev/nvidia-caps/nvidia-cap{cap}");
-                // Fully described whenever the major is known: the host may have no such node to read it from.
+                // Fully described whenever the major is known: the host may have no such node to read it from
+                // (a user-namespaced pod still needs the host's: runc bind-mounts device nodes there).
                 nodes.push(match mig.caps_major {
                     Some(major) => json!({ "path": path, "type": "c", "major": major, "minor": cap }),
                     None => json!({ "path": path }),

@@ -56,7 +56,7 @@ pub struct MigDevice {
     pub ci_cap_minor: u32,
     /// `nvidia-caps`' character-device major (`/proc/devices`; assigned when the driver loads). Known, the CDI spec
     /// describes the capability nodes fully and the runtime creates them in the container, whether or not
-    /// `nvidia-modprobe` made them on the host.
+    /// `nvidia-modprobe` made them on the host (not in a user-namespaced pod: there runc mounts the host's).
     pub caps_major: Option<u32>,
 }
 
