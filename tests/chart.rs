@@ -58,8 +58,9 @@ use mounts::node_agent_works_with_only_its_mounts_beside_the_real_kubelet;
 use pod_security::pods_meet_the_pod_security_levels_the_docs_name;
 use policy::admission_policy_keeps_the_node_agent_to_its_own_node;
 use render::{
-    an_upgrade_reusing_the_values_of_0_1_0_renders_and_applies, every_rendered_object_is_accepted_by_the_api_server,
-    lints_and_renders_with_default_and_all_on_values, schema_refuses_wrong_values_naming_them,
+    a_parent_chart_renders_it_as_a_dependency, an_upgrade_reusing_the_values_of_0_1_0_renders_and_applies,
+    every_rendered_object_is_accepted_by_the_api_server, lints_and_renders_with_default_and_all_on_values,
+    schema_refuses_wrong_values_naming_them,
 };
 
 fn main() {
@@ -73,6 +74,7 @@ fn main() {
         &[
             test!(lints_and_renders_with_default_and_all_on_values),
             test!(schema_refuses_wrong_values_naming_them),
+            test!(a_parent_chart_renders_it_as_a_dependency),
             test!(every_rendered_object_is_accepted_by_the_api_server),
             test!(an_upgrade_reusing_the_values_of_0_1_0_renders_and_applies),
             test!(controller_works_under_its_service_account_and_is_refused_the_rest),

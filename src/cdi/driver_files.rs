@@ -51,6 +51,7 @@ const LIBRARY_DIRS: &[&str] = &[
     "usr/lib",
     "lib64",
     "lib/x86_64-linux-gnu",
+    "lib/aarch64-linux-gnu",
     "lib",
 ];
 
@@ -82,6 +83,7 @@ const ALIAS_DIRS: &[&str] = &[
     "/usr/lib64",
     "/lib64",
     "/lib/x86_64-linux-gnu",
+    "/lib/aarch64-linux-gnu",
     "/usr/lib",
     "/lib",
 ];

@@ -3,9 +3,19 @@
 use super::identities::{node_bound_token, policy_in_force, slice};
 use super::*;
 
+/// The chart is rendered without the namespace it runs in (for `default`) and moved there afterwards, as kustomize's
+/// `namespace:` does with `helm template` output (the usual `helmCharts` set-up): the policy must still hold the
+/// agent, whose ServiceAccount is then of another namespace than the one rendered. (A policy naming the rendered
+/// namespace matched no agent at all there, and every agent could write every node's slices.)
 pub(super) async fn admission_policy_keeps_the_node_agent_to_its_own_node(ctx: TestContext) -> anyhow::Result<()> {
     let sets = ["controller.enabled=false", "deviceClasses.gpu.enabled=false", "deviceClasses.mig.enabled=false"];
-    with_chart_applied(&ctx, &sets, async |applied| policy_refusals(&ctx, applied).await).await
+    let moved = render(&release(&ctx), "default", false, &sets)?
+        .replace("namespace: default", &format!("namespace: {}", ctx.namespace));
+    let rendered = documents(&moved);
+    let applied = apply(&ctx, &rendered)?;
+    let result = policy_refusals(&ctx, &applied).await;
+    delete(&ctx, &rendered);
+    result
 }
 
 /// Whether the version under test keeps `perDeviceNodeSelection` (DRAPartitionableDevices: beta, on, from 1.36).

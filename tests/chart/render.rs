@@ -53,7 +53,29 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
     expected_all_on.insert("ServiceMonitor".into(), 2);
     // The GPU, MIG and extra classes, and one MIG class per profile listed.
     expected_all_on.insert("DeviceClass".into(), 5);
+    // GKE's admission of the system-critical classes in the release's namespace.
+    expected_all_on.insert("ResourceQuota".into(), 1);
     ensure!(all_on == expected_all_on, "all-on values render {all_on:?}");
+    // The quota names exactly the classes of the components rendered.
+    let quota_classes = |sets: &[&str]| -> anyhow::Result<Vec<String>> {
+        let rendered = render("gpu-dra", "gpu-dra", false, sets)?;
+        let quota = documents(&rendered).into_iter().find(|(k, _)| k == "ResourceQuota").map(|(_, d)| d);
+        let quota = quota.unwrap_or_default();
+        let values = quota.split("values:").nth(1).unwrap_or_default();
+        Ok(values
+            .lines()
+            .filter_map(|l| l.trim().strip_prefix("- "))
+            .map(|v| v.trim_matches('"').to_string())
+            .collect())
+    };
+    let on = "priorityClassQuota.enabled=true";
+    ensure!(
+        quota_classes(&[on])? == ["system-cluster-critical", "system-node-critical"],
+        "{:?}",
+        quota_classes(&[on])?
+    );
+    let agent_only = quota_classes(&[on, "controller.enabled=false"])?;
+    ensure!(agent_only == ["system-node-critical"], "the agent alone: {agent_only:?}");
     let off = kinds(&render(
         "gpu-dra",
         "gpu-dra",
@@ -154,6 +176,50 @@ pub(super) async fn lints_and_renders_with_default_and_all_on_values(_ctx: TestC
         let notes = text(&install.stdout);
         for line in lines {
             ensure!(notes.contains(line), "with {set:?} the NOTES lack {line:?}:\n{notes}");
+        }
+    }
+    Ok(())
+}
+
+/// A parent chart listing this one among its `dependencies` (how Argo CD and Flux users commonly wrap a chart): Helm
+/// gives a dependency the parent's `global` values and the switch its `condition` names, which a schema refusing
+/// unknown keys refused, so no such parent rendered at all.
+pub(super) async fn a_parent_chart_renders_it_as_a_dependency(_ctx: TestContext) -> anyhow::Result<()> {
+    let parent = tempfile::tempdir()?;
+    copy_dir(&chart_dir(), &parent.path().join("charts/gpu-dra"))?;
+    let chart_yaml = std::fs::read_to_string(chart_dir().join("Chart.yaml"))?;
+    let version = chart_yaml.lines().find_map(|l| l.strip_prefix("version: ")).context("the chart's version")?;
+    std::fs::write(
+        parent.path().join("Chart.yaml"),
+        format!(
+            "apiVersion: v2\nname: platform\nversion: 1.0.0\ndependencies:\n  - name: gpu-dra\n    version: \"{}\"\n    \
+             condition: gpu-dra.enabled\n",
+            version.trim()
+        ),
+    )?;
+    std::fs::write(parent.path().join("values.yaml"), "global:\n  team: ml\ngpu-dra:\n  enabled: true\n")?;
+    let path = parent.path().to_str().context("parent chart path")?;
+    let output = helm(&["template", "gpu-dra", path, "--namespace", "gpu-dra"])?;
+    ensure!(output.status.success(), "a parent chart depending on gpu-dra: {}", text(&output.stderr));
+    let alone = kinds(&render("gpu-dra", "gpu-dra", false, &[])?);
+    let rendered = kinds(&text(&output.stdout));
+    ensure!(rendered == alone, "as a dependency it rendered {rendered:?}, alone {alone:?}");
+    let off = helm(&["template", "gpu-dra", path, "--namespace", "gpu-dra", "--set", "gpu-dra.enabled=false"])?;
+    ensure!(off.status.success(), "switched off: {}", text(&off.stderr));
+    ensure!(kinds(&text(&off.stdout)).is_empty(), "switched off, it still rendered {:?}", kinds(&text(&off.stdout)));
+    Ok(())
+}
+
+/// Copies the directory tree `from` to `to` (regular files and directories: a chart).
+fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
         }
     }
     Ok(())

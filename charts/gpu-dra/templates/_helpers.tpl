@@ -66,11 +66,6 @@ app.kubernetes.io/component: {{ .component }}
 {{ default (include "gpu-dra.controller.fullname" .) .Values.controller.leaderElection.leaseName }}
 {{- end }}
 
-{{/* The user name the API server gives the node agent's ServiceAccount. */}}
-{{- define "gpu-dra.nodeAgent.userName" -}}
-system:serviceaccount:{{ .Release.Namespace }}:{{ include "gpu-dra.nodeAgent.serviceAccountName" . }}
-{{- end }}
-
 {{- define "gpu-dra.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
