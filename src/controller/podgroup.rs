@@ -296,8 +296,8 @@ pub fn member_claim(
 
 /// syncClaim's rule for a PodGroup in `reservedFor`: whether to keep it (upstream: known deleted → drop; in the
 /// cache → keep unless replaced; not in the cache → ask the API server, as the scheduler may be placing the
-/// group's pods right now; here also when the cache holds another PodGroup of that name). Without the PodGroup API the entry is kept, as any consumer this controller does not
-/// know.
+/// group's pods right now; here also when the cache holds another PodGroup of that name). Without the PodGroup API
+/// the entry is kept, as any consumer this controller does not know.
 pub async fn keep_group_reservation(
     ctx: &Context,
     namespace: &str,

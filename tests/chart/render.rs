@@ -246,6 +246,8 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("deviceClasses.mig.profiles={1g.10gb+me}", "at '/deviceClasses/mig/profiles/0'"),
         ("deviceClasses.gpu.sharing.timeSlicing.interval=Long", "at '/deviceClasses/gpu/sharing'"),
         ("deviceClasses.mig.sharing.strategy=Shared", "at '/deviceClasses/mig/sharing/strategy'"),
+        // The admission policy would hold every namespace's `default` account to the agent's node.
+        ("nodeAgent.serviceAccount.name=default", "at '/nodeAgent/serviceAccount/name'"),
         // With maxSurge 0 the API server refuses maxUnavailable 0 at apply: refused at install instead.
         (
             "nodeAgent.updateStrategy.rollingUpdate.maxUnavailable=0",

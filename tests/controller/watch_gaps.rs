@@ -156,6 +156,8 @@ pub(super) async fn a_pod_created_again_under_its_name_keeps_its_claims_while_th
         (old.metadata.uid.clone().unwrap_or_default(), new.metadata.uid.clone().unwrap_or_default());
     // The scheduler's part: the new pod's reservation beside the old one (still there: the controller has not seen
     // the old pod go), and a claim for the new pod's extended resources, owned by it.
+    let claim_syncs = [("kind", "claim"), ("result", "success")];
+    let synced = controller.metric("gpu_dra_controller_sync_duration_seconds_count", &claim_syncs).await?;
     let consumer = |uid: &str| json!({"resource": "pods", "name": "worker-0", "uid": uid});
     let status = json!({"status": {"reservedFor": [consumer(&old_uid), consumer(&new_uid)]}});
     claims.patch_status("shared", &PatchParams::default(), &Patch::Merge(&status)).await?;
@@ -174,6 +176,12 @@ pub(super) async fn a_pod_created_again_under_its_name_keeps_its_claims_while_th
             claim.status.and_then(|s| s.reserved_for).unwrap_or_default().into_iter().map(|r| r.uid).collect();
         anyhow::Ok(uids)
     };
+    // Both claims synced since (their watch events queue them), so the checks below look at what the syncs did.
+    wait::until("the controller to sync both claims", SETTLE, || async {
+        let now = controller.metric("gpu_dra_controller_sync_duration_seconds_count", &claim_syncs).await?;
+        Ok((now >= synced + 2.0).then_some(()))
+    })
+    .await?;
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline {
         let uids = reserved_uids().await?;

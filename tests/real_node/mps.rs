@@ -1,6 +1,7 @@
-//! MPS on the real node: a pod whose two containers (running as one user that is not root: MPS serves one user at a
-//! time, and a client of another waits until the first user's clients are gone) share a claim asking
-//! `sharing.strategy: MPS` are both clients of the claim's MPS control daemon through containerd's CDI support —
+//! MPS on the real node: a pod whose two containers (one of them root, the other not: the pipe directory and
+//! `/dev/shm` serve any user, as a sidecar sharing memory with the CUDA container needs; MPS itself serves one user's
+//! CUDA processes at a time, which the stand-in does not model) share a claim asking `sharing.strategy: MPS` are both
+//! clients of the claim's MPS control daemon through containerd's CDI support —
 //! the daemon's pipe directory at `/tmp/nvidia-mps`, its shared memory at `/dev/shm` (the same one for both
 //! containers and the daemon), the limits in their environment — with its GPU in EXCLUSIVE_PROCESS compute mode. A
 //! daemon that dies is started again, the server it left killed and reaped by the agent (its container's PID 1),
@@ -82,7 +83,7 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     let pod: Pod = serde_json::from_value(json!({"metadata": {"name": "mps"}, "spec": {
         "nodeSelector": {"kubernetes.io/hostname": node.name}, "terminationGracePeriodSeconds": 1,
         "resourceClaims": [{"name": "gpu", "resourceClaimTemplateName": "mps-gpu"}],
-        "containers": [container("a", 1000), container("b", 1000)]}}))?;
+        "containers": [container("a", 0), container("b", 1000)]}}))?;
     let pods = objects::pods(ctx);
     pods.create(&PostParams::default(), &pod).await?;
 
@@ -91,7 +92,7 @@ async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
     let seen = super::allocated(ctx, &node.name, &claim).await?;
     let uuid = seen.uuids.into_iter().next().context("no GPU")?;
     let minor = seen.minors.into_iter().next().context("no GPU")?;
-    for (name, user) in [("a", "1000"), ("b", "1000")] {
+    for (name, user) in [("a", "0"), ("b", "1000")] {
         let log = wait::until(&format!("container {name} to list /dev/shm"), WAIT, || async {
             let params = LogParams { container: Some(name.into()), ..LogParams::default() };
             let log = pods.logs("mps", &params).await.unwrap_or_default();

@@ -46,7 +46,7 @@ use crate::kubelet_plugin::health::{DeviceHealth, Health, HealthReport};
 use crate::kubelet_plugin::state::DriverState;
 use coverage::{Coverage, Verdict};
 use inject::{Action, Injection};
-use state::{HealthBook, Policy, Transition};
+use state::{HealthBook, Now, Policy, Transition};
 use taints::Effects;
 
 /// The longest the monitor sleeps without checking the healthy window.
@@ -106,6 +106,7 @@ pub struct Monitor {
     /// What [`Monitor::restore`] did, once it ran, for an Event on the Node: the GPUs whose faults it read back, and
     /// where the unreadable file was kept (or why it could not be).
     restored: watch::Sender<Option<(Vec<String>, String)>>,
+    clock: Clock,
 }
 
 impl Monitor {
@@ -127,7 +128,9 @@ impl Monitor {
             HealthBook::default()
         });
         let unstamped = book.boot_id.is_empty() && !book.faulted.is_empty();
-        let (book, forgotten) = book.carried_into(boot_id);
+        let (mut book, forgotten) = book.carried_into(boot_id);
+        let clock = Clock::start();
+        book.restart_windows(clock.now().steady);
         if !forgotten.is_empty() {
             info!(?forgotten, "GPU faults of the machine's previous boot forgotten: the reboot reset the GPUs");
         }
@@ -170,6 +173,7 @@ impl Monitor {
             restore_save_failed: AtomicBool::new(false),
             unreadable,
             restored: watch::Sender::new(None),
+            clock,
         }
     }
 
@@ -300,7 +304,8 @@ impl Monitor {
     fn until_next_expiry(&self) -> Duration {
         let next = self.book().next_expiry(&self.policy);
         next.map_or(EXPIRY_CHECK, |at| {
-            Duration::from_secs(u64::try_from(at.saturating_sub(now())).unwrap_or(0)).min(EXPIRY_CHECK)
+            Duration::from_secs(u64::try_from(at.saturating_sub(self.clock.now().steady)).unwrap_or(0))
+                .min(EXPIRY_CHECK)
         })
     }
 
@@ -318,7 +323,7 @@ impl Monitor {
         let transition = {
             let mut book = self.book();
             let transition = match report.action {
-                Action::Fault(fault) => book.record(&gpu.uuid, fault, now(), &self.policy),
+                Action::Fault(fault) => book.record(&gpu.uuid, fault, self.clock.now(), &self.policy),
                 Action::Reset => book.reset(&gpu.uuid),
                 Action::Watched(_) => return,
             };
@@ -341,7 +346,7 @@ impl Monitor {
     fn expire(&self, events: &events::NodeEvents) {
         let healed = {
             let mut book = self.book();
-            let healed = book.expire(now(), &self.policy);
+            let healed = book.expire(self.clock.now().steady, &self.policy);
             if !healed.is_empty() {
                 self.save(&book);
             }
@@ -369,7 +374,7 @@ impl Monitor {
     /// at the next publish. What was never published (a fault in the second before the state was lost) stays
     /// forgotten; the Events say so.
     pub fn restore(&self, published: &[(String, Vec<Value>)]) {
-        let now = now();
+        let now = self.clock.now();
         let mut restored = Vec::new();
         let mut book = self.book();
         for (gpu, taints) in published {
@@ -463,8 +468,26 @@ fn restored_note(restored: &[String], kept: &str) -> String {
     )
 }
 
-fn now() -> i64 {
+fn wall_now() -> i64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX))
+}
+
+/// The monitor's two clocks (see [`state`]): the wall clock, and a steady one from the wall clock's reading at start.
+#[derive(Debug)]
+struct Clock {
+    wall_at_start: i64,
+    started: std::time::Instant,
+}
+
+impl Clock {
+    fn start() -> Self {
+        Self { wall_at_start: wall_now(), started: std::time::Instant::now() }
+    }
+
+    fn now(&self) -> Now {
+        let elapsed = i64::try_from(self.started.elapsed().as_secs()).unwrap_or(i64::MAX);
+        Now { wall: wall_now(), steady: self.wall_at_start.saturating_add(elapsed) }
+    }
 }
 
 #[cfg(test)]
@@ -500,7 +523,7 @@ mod tests {
         monitor.update_health(&devices);
         assert_eq!(reported(), [], "said something while the source starts");
 
-        monitor.book().record(&gpus[1].uuid, Fault::EccDoubleBit, now(), &Policy::default());
+        monitor.book().record(&gpus[1].uuid, Fault::EccDoubleBit, monitor.clock.now(), &Policy::default());
         monitor.coverage.set(coverage::Seen::Watching {
             watched: Some([gpus[0].uuid.clone()].into()),
             unwatched: std::collections::BTreeMap::new(),
@@ -516,7 +539,7 @@ mod tests {
         assert!(monitor.coverage.renewal_asked(), "no renewal asked for the GPU the watch misses");
 
         // The GPU the watch misses is faulted too: no renewal for it.
-        monitor.book().record(&gpus[2].uuid, Fault::GpuLost, now(), &Policy::default());
+        monitor.book().record(&gpus[2].uuid, Fault::GpuLost, monitor.clock.now(), &Policy::default());
         monitor.update_health(&devices);
         assert!(!monitor.coverage.renewal_asked(), "a renewal asked for a faulted GPU");
         Ok(())

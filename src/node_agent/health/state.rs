@@ -7,13 +7,32 @@
 //!     └── reset reported, or no fault for the healthy window (measured from last_seen) ──┘
 //! ```
 //!
-//! Application errors never change the state. Times are Unix seconds (wall clock): they are persisted and must mean
-//! the same after an agent restart, and they become the taints' `timeAdded`.
+//! Application errors never change the state. Two clocks, both in seconds ([`Now`]): `since` is the wall clock's
+//! (Unix seconds, the taints' `timeAdded`); `last_seen` and the healthy window are the steady clock's, which a step of
+//! the wall clock (NTP correcting it at boot, a VM resumed) does not move, so such a step neither ends every window
+//! at once nor stretches one. The steady clock starts at the wall clock's reading when the agent starts, so what is
+//! saved still reads as Unix seconds; an agent (re)started starts every window again ([`HealthBook::restart_windows`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use super::classify::{Fault, FaultClass, classify};
+
+/// One reading of the two clocks (see the module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Now {
+    /// Unix seconds.
+    pub wall: i64,
+    /// Seconds of a clock that only moves forward with time, from the wall clock's reading when it started.
+    pub steady: i64,
+}
+
+impl Now {
+    /// Both clocks at `seconds`: for tests, and for the first reading.
+    pub fn at(seconds: i64) -> Self {
+        Self { wall: seconds, steady: seconds }
+    }
+}
 
 /// The health policy from the command line.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -33,7 +52,7 @@ pub struct Faulted {
     pub fault: Fault,
     /// When the GPU entered `class` (Unix seconds): the taint's `timeAdded`.
     pub since: i64,
-    /// The latest fault of any tainting class (Unix seconds): the healthy window counts from here.
+    /// The latest fault of any tainting class (steady seconds): the healthy window counts from here.
     pub last_seen: i64,
 }
 
@@ -88,18 +107,18 @@ impl HealthBook {
     }
 
     /// Applies `fault` reported for `uuid` at `now`.
-    pub fn record(&mut self, uuid: &str, fault: Fault, now: i64, policy: &Policy) -> Transition {
+    pub fn record(&mut self, uuid: &str, fault: Fault, now: Now, policy: &Policy) -> Transition {
         let (class, meaning) = classify(fault, &policy.ignore_xids);
         if class == FaultClass::Application {
             return Transition::Ignored { meaning };
         }
         match self.faulted.get_mut(uuid) {
             Some(state) if state.class >= class => {
-                state.last_seen = state.last_seen.max(now);
+                state.last_seen = state.last_seen.max(now.steady);
                 Transition::Repeated { meaning }
             }
             _ => {
-                let state = Faulted { class, fault, since: now, last_seen: now };
+                let state = Faulted { class, fault, since: now.wall, last_seen: now.steady };
                 self.faulted.insert(uuid.to_string(), state.clone());
                 Transition::Faulted { state, meaning }
             }
@@ -114,7 +133,17 @@ impl HealthBook {
         }
     }
 
-    /// GPUs whose healthy window has passed at `now`, removed and returned with their last state.
+    /// Starts every fault's healthy window again at `steady` (an agent starting): a repeat of a fault only moves
+    /// `last_seen` in memory (saving at every XID of a GPU that keeps failing would write the state that often), so
+    /// the saved one may be the first of many; counted from it, a restart untainted a GPU still failing. The window
+    /// counts again in full instead, as for faults read back from the published taints.
+    pub fn restart_windows(&mut self, steady: i64) {
+        for state in self.faulted.values_mut() {
+            state.last_seen = steady;
+        }
+    }
+
+    /// GPUs whose healthy window has passed at `now` (steady seconds), removed and returned with their last state.
     pub fn expire(&mut self, now: i64, policy: &Policy) -> Vec<(String, Faulted)> {
         let Some(window) = policy.healthy_window else { return Vec::new() };
         let window = i64::try_from(window.as_secs()).unwrap_or(i64::MAX);
@@ -127,7 +156,7 @@ impl HealthBook {
         due.into_iter().filter_map(|uuid| self.faulted.remove(&uuid).map(|state| (uuid, state))).collect()
     }
 
-    /// When the next GPU becomes healthy by the window (Unix seconds), for the monitor's timer.
+    /// When the next GPU becomes healthy by the window (steady seconds), for the monitor's timer.
     pub fn next_expiry(&self, policy: &Policy) -> Option<i64> {
         let window = i64::try_from(policy.healthy_window?.as_secs()).unwrap_or(i64::MAX);
         self.faulted.values().map(|state| state.last_seen.saturating_add(window)).min()
@@ -162,7 +191,7 @@ mod tests {
     fn a_reboot_ends_the_faults_of_the_boot_before() {
         let faulted = |boot: &str| {
             let mut book = HealthBook { boot_id: boot.to_string(), ..HealthBook::default() };
-            book.record("GPU-1", Fault::EccDoubleBit, 100, &policy(None));
+            book.record("GPU-1", Fault::EccDoubleBit, Now::at(100), &policy(None));
             book
         };
         let kept = |book: &HealthBook| book.faulted.keys().cloned().collect::<Vec<_>>();
@@ -182,23 +211,26 @@ mod tests {
     fn transitions() {
         let p = policy(Some(60));
         let mut book = HealthBook::default();
-        assert!(matches!(book.record("a", Fault::Xid(Some(13)), 10, &p), Transition::Ignored { .. }));
-        assert!(matches!(book.record("a", Fault::Xid(Some(48)), 10, &p), Transition::Ignored { .. }), "ignore list");
+        assert!(matches!(book.record("a", Fault::Xid(Some(13)), Now::at(10), &p), Transition::Ignored { .. }));
+        assert!(
+            matches!(book.record("a", Fault::Xid(Some(48)), Now::at(10), &p), Transition::Ignored { .. }),
+            "ignore list"
+        );
         assert_eq!(book.get("a"), None);
 
-        let t = book.record("a", Fault::Xid(Some(64)), 100, &p);
+        let t = book.record("a", Fault::Xid(Some(64)), Now::at(100), &p);
         assert!(t.changes_taints(), "{t:?}");
         assert_eq!(book.get("a").map(|s| (s.class, s.since, s.last_seen)), Some((NeedsReset, 100, 100)));
 
-        let t = book.record("a", Fault::EccDoubleBit, 130, &p);
+        let t = book.record("a", Fault::EccDoubleBit, Now::at(130), &p);
         assert!(matches!(t, Transition::Repeated { .. }) && !t.changes_taints(), "{t:?}");
         assert_eq!(book.get("a").map(|s| (s.fault, s.since, s.last_seen)), Some((Fault::Xid(Some(64)), 100, 130)));
 
-        let t = book.record("a", Fault::Xid(Some(79)), 140, &p);
+        let t = book.record("a", Fault::Xid(Some(79)), Now::at(140), &p);
         assert!(t.changes_taints(), "escalation is a new taint: {t:?}");
         assert_eq!(book.get("a").map(|s| (s.class, s.since)), Some((Lost, 140)));
 
-        let t = book.record("a", Fault::Xid(Some(64)), 150, &p);
+        let t = book.record("a", Fault::Xid(Some(64)), Now::at(150), &p);
         assert!(matches!(t, Transition::Repeated { .. }), "a lesser fault never downgrades: {t:?}");
         assert_eq!(book.get("a").map(|s| (s.class, s.last_seen)), Some((Lost, 150)));
 
@@ -213,8 +245,8 @@ mod tests {
     fn reset_heals_at_once_and_window_none_never_expires() {
         let p = policy(None);
         let mut book = HealthBook::default();
-        book.record("a", Fault::GpuLost, 1, &p);
-        book.record("b", Fault::Xid(Some(79)), 1, &p);
+        book.record("a", Fault::GpuLost, Now::at(1), &p);
+        book.record("b", Fault::Xid(Some(79)), Now::at(1), &p);
         assert!(book.expire(i64::MAX, &p).is_empty());
         assert_eq!(book.next_expiry(&p), None);
         assert!(matches!(book.reset("a"), Transition::Recovered { .. }));
@@ -236,12 +268,42 @@ mod tests {
         assert_eq!(book.get("a"), Some(&lost));
     }
 
+    /// The wall clock stepped an hour forward (NTP at boot, a VM resumed) while the steady clock moved a second:
+    /// the window still has its 299 s to go, and the taint's `since` is the wall clock's reading at the fault.
+    #[test]
+    fn a_step_of_the_wall_clock_moves_no_window() {
+        let p = policy(Some(300));
+        let mut book = HealthBook::default();
+        book.record("a", Fault::Xid(Some(79)), Now { wall: 5_000, steady: 1_000 }, &p);
+        assert_eq!(book.get("a").map(|s| (s.since, s.last_seen)), Some((5_000, 1_000)));
+        let stepped = Now { wall: 5_000 + 3_600, steady: 1_001 };
+        assert!(book.expire(stepped.steady, &p).is_empty(), "a window ended by a step of the wall clock");
+        assert_eq!(book.next_expiry(&p), Some(1_300));
+        assert_eq!(book.expire(1_300, &p).len(), 1);
+    }
+
+    /// A GPU faulting again and again, then the agent restarting: its window starts again in full, not from the
+    /// first fault (the one saved), which would untaint a GPU still failing.
+    #[test]
+    fn a_restart_starts_every_window_again() {
+        let p = policy(Some(300));
+        let mut book = HealthBook::default();
+        book.record("a", Fault::Xid(Some(79)), Now::at(1_000), &p);
+        let saved = book.clone();
+        book.record("a", Fault::Xid(Some(79)), Now::at(1_250), &p);
+        let mut restarted = saved;
+        restarted.restart_windows(1_260);
+        assert!(restarted.expire(1_300, &p).is_empty(), "untainted 50 s after its last fault");
+        assert_eq!(restarted.next_expiry(&p), Some(1_560));
+        assert_eq!(restarted.get("a").map(|s| s.since), Some(1_000), "the taint's timeAdded is kept");
+    }
+
     #[test]
     fn a_clock_step_back_does_not_rewind_last_seen() {
         let p = policy(Some(10));
         let mut book = HealthBook::default();
-        book.record("a", Fault::Xid(Some(64)), 100, &p);
-        book.record("a", Fault::Xid(Some(64)), 50, &p);
+        book.record("a", Fault::Xid(Some(64)), Now::at(100), &p);
+        book.record("a", Fault::Xid(Some(64)), Now::at(50), &p);
         assert_eq!(book.get("a").map(|s| s.last_seen), Some(100));
     }
 }

@@ -88,7 +88,7 @@ pub fn save(state_dir: &Path, book: &HealthBook) -> Result<(), StoreError> {
 mod tests {
     use super::*;
     use crate::node_agent::health::classify::Fault;
-    use crate::node_agent::health::state::Policy;
+    use crate::node_agent::health::state::{Now, Policy};
 
     #[test]
     fn an_unreadable_file_is_kept_aside_under_a_new_name() -> Result<(), Box<dyn std::error::Error>> {
@@ -112,8 +112,8 @@ mod tests {
         let dir = tempfile::tempdir()?;
         assert_eq!(load(dir.path())?, HealthBook::default());
         let mut book = HealthBook::default();
-        book.record("GPU-1", Fault::Xid(Some(79)), 1_700_000_000, &Policy::default());
-        book.record("GPU-2", Fault::EccDoubleBit, 1_700_000_001, &Policy::default());
+        book.record("GPU-1", Fault::Xid(Some(79)), Now::at(1_700_000_000), &Policy::default());
+        book.record("GPU-2", Fault::EccDoubleBit, Now::at(1_700_000_001), &Policy::default());
         save(dir.path(), &book)?;
         assert_eq!(load(dir.path())?, book);
 

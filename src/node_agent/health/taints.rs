@@ -10,7 +10,7 @@ use k8s_openapi::jiff::Timestamp;
 use serde_json::{Value, json};
 
 use super::classify::{Fault, FaultClass};
-use super::state::Faulted;
+use super::state::{Faulted, Now};
 
 /// A device taint's effect, spelled as the API spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -96,14 +96,15 @@ pub fn fault_of(value: &str) -> Option<Fault> {
 /// at `now`: its class from the key, its fault from the value, since its `timeAdded` (`now` when it has none). The
 /// healthy window starts again at `now`: when the GPU last faulted is not in the taint. `None` for any other taint
 /// (another driver's, an administrator's, a value this agent never writes).
-pub fn restored(driver: &str, taint: &Value, now: i64) -> Option<Faulted> {
+pub fn restored(driver: &str, taint: &Value, now: Now) -> Option<Faulted> {
     let key = taint["key"].as_str()?;
     let class = [FaultClass::NeedsReset, FaultClass::Lost]
         .into_iter()
         .find(|class| self::key(driver, *class).as_deref() == Some(key))?;
     let fault = fault_of(taint["value"].as_str()?)?;
-    let since = taint["timeAdded"].as_str().and_then(|t| t.parse::<Timestamp>().ok()).map_or(now, |t| t.as_second());
-    Some(Faulted { class, fault, since, last_seen: now })
+    let since =
+        taint["timeAdded"].as_str().and_then(|t| t.parse::<Timestamp>().ok()).map_or(now.wall, |t| t.as_second());
+    Some(Faulted { class, fault, since, last_seen: now.steady })
 }
 
 #[cfg(test)]
@@ -146,7 +147,8 @@ mod tests {
     #[test]
     fn taints_read_back() {
         let d = "gpu.example.com";
-        let now = 1_764_700_000;
+        // The steady clock apart from the wall clock: the window restarts on the one, `since` falls back to the other.
+        let now = Now { wall: 1_764_700_000, steady: 1_764_600_000 };
         let states = [
             faulted(FaultClass::Lost, Fault::Xid(Some(79))),
             faulted(FaultClass::Lost, Fault::GpuLost),
@@ -159,11 +161,11 @@ mod tests {
                 let effects = Effects { needs_reset: effect, lost: effect };
                 let taint = &taints(d, Some(&state), effects)[0];
                 let back = restored(d, taint, now);
-                assert_eq!(back, Some(Faulted { last_seen: now, ..state.clone() }), "{taint}");
+                assert_eq!(back, Some(Faulted { last_seen: now.steady, ..state.clone() }), "{taint}");
             }
         }
         let lost = json!({"key": "gpu.example.com/gpu-lost", "value": "79", "effect": "NoExecute"});
-        assert_eq!(restored(d, &lost, now).map(|s| s.since), Some(now), "no timeAdded: since now");
+        assert_eq!(restored(d, &lost, now).map(|s| s.since), Some(now.wall), "no timeAdded: since now");
         for other in [
             json!({"key": "other.example.com/gpu-lost", "value": "79", "effect": "NoExecute"}),
             json!({"key": "gpu.example.com/maintenance", "value": "79", "effect": "NoSchedule"}),
