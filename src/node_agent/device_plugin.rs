@@ -115,6 +115,9 @@ pub struct DevicePluginGuard {
     looked: bool,
     /// `<state-dir>/device-plugin.json`: when a plugin last served GPUs, for the next agent.
     record: PathBuf,
+    /// The machine's boot (see [`crate::kubelet_plugin::checkpoint::boot_id`]): a record of this boot is read on the
+    /// boot clock, which a step of the wall clock does not move.
+    boot_id: String,
     /// When the record was last written (it is written at most every half grace period while a plugin serves).
     recorded: Option<Instant>,
     /// What the last look saw serving GPUs.
@@ -139,6 +142,7 @@ impl DevicePluginGuard {
         patterns: Vec<String>,
         grace: Duration,
         state_dir: &std::path::Path,
+        boot_id: &str,
         client: kube::Client,
         registry: &mut prometheus_client::registry::Registry,
     ) -> Self {
@@ -157,6 +161,7 @@ impl DevicePluginGuard {
             verdict: Verdict::default(),
             looked: false,
             record: state_dir.join(RECORD),
+            boot_id: boot_id.to_string(),
             recorded: None,
             serving: Vec::new(),
             gauge,
@@ -244,13 +249,11 @@ impl DevicePluginGuard {
                 return None;
             }
         };
-        let served =
-            serde_json::from_slice::<serde_json::Value>(&text).ok().and_then(|v| v["lastServedMillis"].as_u64());
-        let Some(served) = served else {
+        let Some(served) = serde_json::from_slice::<Served>(&text).ok() else {
             warn!(file = %self.record.display(), "unreadable record of when a device plugin last served GPUs: ignored");
             return None;
         };
-        let Some(ago) = served_ago(SystemTime::now(), served) else {
+        let Some(ago) = served.ago(SystemTime::now(), &self.boot_id, boot_clock_millis()) else {
             warn!(file = %self.record.display(), "the record of when a device plugin last served GPUs is from more \
                   than a day ahead of this clock: ignored");
             return None;
@@ -262,11 +265,52 @@ impl DevicePluginGuard {
     /// would miss it.
     fn remember(&self) {
         let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
-        let text = serde_json::json!({"lastServedMillis": u64::try_from(now).unwrap_or(u64::MAX)}).to_string();
+        let served = Served {
+            last_served_millis: u64::try_from(now).unwrap_or(u64::MAX),
+            boot_id: (!self.boot_id.is_empty()).then(|| self.boot_id.clone()),
+            boot_millis: boot_clock_millis(),
+        };
+        let text = serde_json::to_string(&served).unwrap_or_default();
         if let Err(err) = crate::fsutil::write_atomic(&self.record, text.as_bytes()) {
             warn!(file = %self.record.display(), error = %err, "cannot record that a device plugin serves GPUs");
         }
     }
+}
+
+/// The record: when a plugin last served GPUs, on the wall clock and, within the boot it names, on the boot clock.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Served {
+    last_served_millis: u64,
+    /// Absent in records of earlier versions, and where the boot could not be told.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    boot_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    boot_millis: Option<u64>,
+}
+
+impl Served {
+    /// How long ago it was. Within the boot that wrote it, on the boot clock (milliseconds since boot, suspend
+    /// included), which a step of the wall clock (NTP correcting it at boot, a VM resumed) does not move: on the wall
+    /// clock, a step forward made a record of a second ago look older than the grace period, and the GPUs were
+    /// published while the device plugin registered again. Otherwise (another boot, an earlier version's record) on
+    /// the wall clock ([`served_ago`]).
+    fn ago(&self, wall: SystemTime, boot_id: &str, boot_millis: Option<u64>) -> Option<Duration> {
+        match (&self.boot_id, self.boot_millis, boot_millis) {
+            (Some(then_boot), Some(then), Some(now)) if !boot_id.is_empty() && then_boot == boot_id => {
+                Some(Duration::from_millis(now.saturating_sub(then)))
+            }
+            _ => served_ago(wall, self.last_served_millis),
+        }
+    }
+}
+
+/// Milliseconds since the machine booted, suspend included (`/proc/uptime`, the kernel's boot clock); `None` when
+/// unreadable.
+fn boot_clock_millis() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/uptime").ok()?;
+    let seconds: f64 = text.split_whitespace().next()?.parse().ok()?;
+    (seconds.is_finite() && seconds >= 0.0).then_some((seconds * 1000.0) as u64)
 }
 
 /// How long before `now` the record's `lastServedMillis` was. A time after `now` (the clock stepped back since it
@@ -294,6 +338,35 @@ mod tests {
         assert_eq!(served_ago(now, 1_000_000_000), Some(Duration::ZERO));
         assert_eq!(served_ago(now, 1_000_600_000), Some(Duration::ZERO), "ten minutes ahead");
         assert_eq!(served_ago(now, 1_090_000_000), None, "a day and more ahead");
+    }
+
+    /// Within the boot that wrote it a record is read on the boot clock: the wall clock stepped an hour forward
+    /// (or back) since changes nothing. Another boot's, or one of an earlier version, is read on the wall clock.
+    #[test]
+    fn a_record_of_this_boot_is_read_on_the_boot_clock() {
+        let wall = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let of_boot = |boot: Option<&str>, boot_millis: Option<u64>| Served {
+            last_served_millis: 1_000_000_000 - 3_600_000 - 5_000,
+            boot_id: boot.map(str::to_string),
+            boot_millis,
+        };
+        let this = of_boot(Some("boot-1"), Some(60_000));
+        assert_eq!(this.ago(wall, "boot-1", Some(65_000)), Some(Duration::from_secs(5)), "a wall step forward");
+        assert_eq!(this.ago(wall, "boot-1", Some(59_000)), Some(Duration::ZERO), "a boot clock never runs back");
+        let wall_ago = Some(Duration::from_secs(3_605));
+        assert_eq!(this.ago(wall, "boot-2", Some(65_000)), wall_ago, "after a reboot");
+        assert_eq!(this.ago(wall, "", Some(65_000)), wall_ago, "this boot unknown");
+        assert_eq!(this.ago(wall, "boot-1", None), wall_ago, "no boot clock now");
+        assert_eq!(of_boot(None, None).ago(wall, "boot-1", Some(65_000)), wall_ago, "an earlier version's record");
+        let earlier: Served = serde_json::from_str(r#"{"lastServedMillis": 5}"#).expect("an earlier record");
+        assert_eq!(earlier, of_boot(None, None).clone_with_millis(5));
+        assert!(boot_clock_millis().is_some(), "/proc/uptime");
+    }
+
+    impl Served {
+        fn clone_with_millis(&self, millis: u64) -> Self {
+            Self { last_served_millis: millis, ..self.clone() }
+        }
     }
 
     #[test]

@@ -176,6 +176,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         args.device_plugin_resources.clone(),
         args.device_plugin_grace_period,
         &args.state_dir,
+        &boot_id,
         client.clone(),
         &mut registry,
     );
