@@ -24,10 +24,7 @@ use super::{SETTLE, create_bound_pod, reserved, wait_recorded};
 pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let proxy = ApiProxy::start(ctx.client.clone()).await?;
-    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
-    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
-    controller.wait_ready().await?;
+    let (proxy, controller) = controller_behind_a_proxy(&ctx).await?;
     let ns = ctx.namespace.clone();
     let claims = objects::claims(&ctx);
     let pods = objects::pods(&ctx);
@@ -85,6 +82,15 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
     Ok(())
 }
 
+/// A controller for the test's namespace talking to the API server through the test's proxy, ready.
+async fn controller_behind_a_proxy(ctx: &TestContext) -> anyhow::Result<(ApiProxy, Component)> {
+    let proxy = ApiProxy::start(ctx.client.clone()).await?;
+    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
+    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
+    controller.wait_ready().await?;
+    Ok((proxy, controller))
+}
+
 /// Ends the controller's watches of `path_suffix` and waits until it watches again (held by the proxy).
 async fn cut_watches(proxy: &ApiProxy, path_suffix: &str) -> anyhow::Result<()> {
     proxy.cut_watches(path_suffix);
@@ -129,10 +135,7 @@ async fn new_claim_after_relist(ctx: &TestContext, pod: &str, old: &str) -> anyh
 pub(super) async fn a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
-    let proxy = ApiProxy::start(ctx.client.clone()).await?;
-    let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];
-    let controller = Component::start(proxy.kubeconfig(), &ctx.namespace, &args)?;
-    controller.wait_ready().await?;
+    let (proxy, controller) = controller_behind_a_proxy(&ctx).await?;
     let ns = ctx.namespace.clone();
     let (claims, pods) = (objects::claims(&ctx), objects::pods(&ctx));
     let named = json!([{"name": "gpu", "resourceClaimName": "shared"}]);
