@@ -112,6 +112,15 @@ async fn publishes_simulated_gpus_as_slices_of_its_node(ctx: TestContext) -> any
     ensure!(device["attributes"]["productName"]["string"] == "NVIDIA H100 80GB HBM3", "{device}");
     ensure!(device["attributes"]["uuid"]["string"].as_str().is_some_and(|u| u.starts_with("GPU-")), "{device}");
     ensure!(agent.metric("gpu_dra_node_agent_devices", &[]).await? == 4.0, "devices gauge");
+    // The liveness probe calls the plugin's socket with an empty unprepare: no call of the kubelet's, not counted as
+    // one (every 10 s it made an idle node's unprepares look busy and fast).
+    for _ in 0..3 {
+        let (code, _) = agent.process.get("/healthz").await?;
+        ensure!(code == 200, "/healthz answered {code}");
+    }
+    let unprepares = [("operation", "Unprepare")];
+    let counted = agent.metric("gpu_dra_kubelet_plugin_request_duration_seconds_count", &unprepares).await?;
+    ensure!(counted == 0.0, "{counted} unprepare calls counted; the kubelet made none");
     Ok(())
 }
 

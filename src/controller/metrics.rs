@@ -92,7 +92,8 @@ impl ControllerMetrics {
     ) -> Self {
         let metrics = Self {
             creates: Family::default(),
-            syncs: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 16))),
+            // 1 ms to 65.5 s: past the 60 s a sync is cut at.
+            syncs: Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 17))),
             another_controller: Gauge::default(),
             observe_only: Gauge::default(),
             leader: Gauge::default(),
@@ -100,7 +101,7 @@ impl ControllerMetrics {
         };
         registry.register(
             "gpu_dra_controller_sync_duration_seconds",
-            "Time to sync one pod or claim key, by kind (pod|claim) and result (success or the error's label)",
+            "Time to sync one pod, claim or PodGroup key, by kind (pod|claim|podgroup) and result (success or the error's label)",
             metrics.syncs.clone(),
         );
         registry.register(
@@ -264,10 +265,11 @@ impl Collector for ScrapeTimeMetrics {
                 let field_manager = manager_label(claim.writers.first().map_or("", String::as_str));
                 foreign.get_or_create(&ManagerLabels { field_manager }).inc();
             }
-            let source = if claim.pod_claim_name.is_some() {
-                "resource_claim_template"
-            } else if claim.extended_resource {
+            // Upstream's order: the extended-resource annotation first, and a pod-claim name only when not empty.
+            let source = if claim.extended_resource {
                 "extended_resource"
+            } else if claim.pod_claim_name.as_deref().is_some_and(|n| !n.is_empty()) {
+                "resource_claim_template"
             } else {
                 ""
             };

@@ -77,7 +77,11 @@ impl PluginMetrics {
             metrics.durations.clone(),
         );
         sub.register("prepared_claims", "Claims prepared on this node", metrics.prepared_claims.clone());
-        sub.register("prepared_devices", "GPUs prepared for claims on this node", metrics.prepared_devices.clone());
+        sub.register(
+            "prepared_devices",
+            "Devices prepared for claims on this node (a device shared by several claims counts once for each)",
+            metrics.prepared_devices.clone(),
+        );
         sub.register(
             "checkpoint_corruptions",
             "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside)",

@@ -152,7 +152,11 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     crate::telemetry::build::register(&mut registry);
     let devices_gauge = Gauge::<i64>::default();
     let publishes = Family::<ResultLabels, Counter>::default();
-    registry.register("gpu_dra_node_agent_devices", "GPUs published for this node", devices_gauge.clone());
+    registry.register(
+        "gpu_dra_node_agent_devices",
+        "Devices published for this node (whole GPUs, MIG devices and partitions)",
+        devices_gauge.clone(),
+    );
     let unreadable_gauge = Gauge::<i64>::default();
     registry.register(
         "gpu_dra_node_agent_unreadable_gpus",
@@ -600,7 +604,7 @@ async fn publish(
         kind: FailureKind::Other,
         reason: format!("read the GPU faults back from the published taints: {e}"),
     })?;
-    let taints = gpus.iter().map(|gpu| (gpu.uuid.clone(), monitor.taints(gpu))).collect();
+    let taints = monitor.taints(gpus);
     let pool = slices::node_pool(gpus, devices, sharing, ours, &taints);
     monitor.update_health(devices);
     publisher.publish(&pool).await.map_err(|e| RoundFailure {
@@ -620,7 +624,9 @@ async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(
         // Not saved: the slices stay the only record of the faults.
         return Ok(());
     }
-    publisher.publish(&[]).await.map(drop)
+    publisher.publish(&[]).await?;
+    monitor.taints(&[]);
+    Ok(())
 }
 
 /// The health state was unreadable: its faults are read back from the node's slices before they are replaced.

@@ -19,7 +19,7 @@ pub const DIRTY: &str = env!("GPU_DRA_GIT_DIRTY");
 pub const LONG_VERSION: &str =
     concat!(env!("CARGO_PKG_VERSION"), " commit=", env!("GPU_DRA_GIT_COMMIT"), " dirty=", env!("GPU_DRA_GIT_DIRTY"));
 
-/// Adds `gpu_dra_build_info{version, commit} 1` to `registry` (the Prometheus `*_build_info` convention: join on
+/// Adds `gpu_dra_build_info{version, commit, dirty} 1` to `registry` (the Prometheus `*_build_info` convention: join on
 /// it to label any series with the build).
 pub fn register(registry: &mut Registry) {
     registry.register_collector(Box::new(BuildInfo));
@@ -35,11 +35,11 @@ struct BuildInfo;
 
 impl Collector for BuildInfo {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let family = Family::<[(&str, &str); 2], Gauge>::default();
-        family.get_or_create(&[("version", VERSION), ("commit", COMMIT)]).set(1);
+        let family = Family::<[(&str, &str); 3], Gauge>::default();
+        family.get_or_create(&[("version", VERSION), ("commit", COMMIT), ("dirty", DIRTY)]).set(1);
         family.encode(encoder.encode_descriptor(
             "gpu_dra_build_info",
-            "The gpu-dra build: its version and git commit (unknown when built without git); always 1.",
+            "The gpu-dra build: its version, git commit and whether the tree had uncommitted changes (unknown when built without git); always 1.",
             None,
             MetricType::Gauge,
         )?)
@@ -56,7 +56,7 @@ mod tests {
         register(&mut registry);
         let mut text = String::new();
         prometheus_client::encoding::text::encode(&mut text, &registry)?;
-        let sample = format!("gpu_dra_build_info{{version=\"{VERSION}\",commit=\"{COMMIT}\"}} 1\n");
+        let sample = format!("gpu_dra_build_info{{version=\"{VERSION}\",commit=\"{COMMIT}\",dirty=\"{DIRTY}\"}} 1\n");
         assert!(text.contains(&sample), "{text}");
         assert!(text.contains("# TYPE gpu_dra_build_info gauge"), "{text}");
         Ok(())

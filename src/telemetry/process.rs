@@ -25,6 +25,8 @@ struct Reading {
     resident_bytes: i64,
     virtual_bytes: i64,
     open_fds: i64,
+    /// The soft limit on open files (`/proc/self/limits`); `None` when unlimited or unreadable.
+    max_fds: Option<i64>,
     start_time_seconds: f64,
     threads: i64,
 }
@@ -41,7 +43,13 @@ fn read() -> Option<Reading> {
     reading.resident_bytes = status_kib(&status, "VmRSS:")? * 1024;
     reading.virtual_bytes = status_kib(&status, "VmSize:")? * 1024;
     reading.open_fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as i64).unwrap_or(0);
+    reading.max_fds = std::fs::read_to_string("/proc/self/limits").ok().as_deref().and_then(max_open_files);
     Some(reading)
+}
+
+/// The soft limit of the `Max open files` line of `/proc/<pid>/limits`; `None` when `unlimited` or missing.
+fn max_open_files(limits: &str) -> Option<i64> {
+    limits.lines().find_map(|l| l.strip_prefix("Max open files"))?.split_whitespace().next()?.parse().ok()
 }
 
 /// CPU time, threads and start time from `/proc/self/stat`.
@@ -84,6 +92,17 @@ impl Collector for ProcessCollector {
         for (name, help, value) in gauges {
             ConstGauge::new(value).encode(encoder.encode_descriptor(name, help, None, MetricType::Gauge)?)?;
         }
+        // What an alert on `process_open_fds / process_max_fds` needs: the components size their connection caps
+        // from this limit.
+        if let Some(max) = r.max_fds {
+            let help = "Maximum number of open file descriptors.";
+            ConstGauge::new(max as f64).encode(encoder.encode_descriptor(
+                "process_max_fds",
+                help,
+                None,
+                MetricType::Gauge,
+            )?)?;
+        }
         Ok(())
     }
 }
@@ -105,5 +124,16 @@ mod tests {
     fn reads_this_process() {
         let r = read().expect("/proc is there on Linux");
         assert!(r.resident_bytes > 0 && r.open_fds > 0 && r.threads > 0, "{r:?}");
+        assert!(r.max_fds.is_some_and(|max| max >= r.open_fds), "{r:?}");
+    }
+
+    #[test]
+    fn the_open_file_limit_is_the_soft_one() {
+        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
+                      Max processes             514307               514307               processes \n\
+                      Max open files            65536                1048576              files     \n";
+        assert_eq!(max_open_files(limits), Some(65_536));
+        assert_eq!(max_open_files("Max open files            unlimited            unlimited            files\n"), None);
+        assert_eq!(max_open_files(""), None);
     }
 }

@@ -109,13 +109,14 @@ pub(super) async fn release_components_report_their_build(ctx: TestContext) -> a
     let agent = NodeAgent::start(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB"])?;
     agent.wait_ready().await?;
     let controller = Component::controller(&ctx, &[]).await?;
-    let labels = [("version", build.version.as_str()), ("commit", build.commit.as_str())];
+    let labels =
+        [("version", build.version.as_str()), ("commit", build.commit.as_str()), ("dirty", build.dirty.as_str())];
     for (name, component) in [("controller", &controller), ("node-agent", &agent.process)] {
         let (_, metrics) = component.get("/metrics").await?;
         let samples: Vec<&str> = metrics.lines().filter(|l| l.starts_with("gpu_dra_build_info")).collect();
         ensure!(
             samples.len() == 1 && support::process::sample(&metrics, "gpu_dra_build_info", &labels) == Some(1.0),
-            "{name}: /metrics has {samples:?}, not one gpu_dra_build_info{{version, commit}} 1 for {build:?}"
+            "{name}: /metrics has {samples:?}, not one gpu_dra_build_info{{version, commit, dirty}} 1 for {build:?}"
         );
         let log = component.log_text();
         let start = log.lines().find(|l| l.contains("starting gpu-dra")).unwrap_or_default();

@@ -155,6 +155,10 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
         let unreadable = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
         ensure!(unreadable == 1.0, "gpu_dra_node_agent_unreadable_gpus is {unreadable}");
         ensure!(node.agent.log_text().contains("GPUs NVML reports lost"), "{}", node.agent.log_tail());
+        // One fault, counted once, though each discovery (every 2 s) reported the GPU lost again to keep it tainted.
+        let lost = [("class", "lost"), ("fault", "gpu-lost")];
+        let counted = node.agent.metric("gpu_dra_node_agent_gpu_faults_total", &lost).await?;
+        ensure!(counted == 1.0, "{counted} faults counted for one GPU lost once");
     }
     let published = wait::until("the three readable GPUs published", Duration::from_secs(30), || async {
         let mut names: Vec<String> = node_slices(&ctx, &node_name)
@@ -207,14 +211,19 @@ pub(super) async fn an_agent_restarted_without_a_usable_driver_still_unprepares_
         let node = &mut bed.nodes[1];
         ensure!(node.dirs.cdi_spec(&uid).exists(), "no spec for the prepared claim");
         std::fs::write(&unusable, b"")?;
+        // Counted before the restart: the first agent may have registered more than once (a registration the
+        // kubelet retried under load), and the restarted one must be the one seen.
+        let registrations =
+            |node: &super::Node| node.kubelet.events().iter().filter(|e| e["event"] == "registered").count();
+        let before = registrations(node);
         node.agent.kill()?;
         node.restart_agent(&ctx, GPUS[1])?;
         wait::until("the kubelet to register the restarted agent", PREPARE_TIMEOUT, || async {
-            Ok((node.kubelet.events().iter().filter(|e| e["event"] == "registered").count() >= 2).then_some(()))
+            Ok((registrations(node) > before).then_some(()))
         })
         .await
         .with_context(|| node.agent.log_tail())?;
-        let (code, why) = node.agent.get("/readyz").await?;
+        let (code, why) = node.agent.get("/readyz").await.context("the restarted agent's /readyz")?;
         ensure!(code == 503 && why.contains("version mismatch"), "/readyz: {code} {why}");
     }
     wait::until("the node's pool to be emptied", PREPARE_TIMEOUT, || async {
@@ -281,6 +290,10 @@ pub(super) async fn a_gpu_lost_while_the_agent_runs_stays_published_and_tainted_
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     ensure!(node.agent.log_text().contains("GPUs NVML reports lost"), "{}", node.agent.log_tail());
+    // One fault, counted once, though each discovery (every 2 s) reported the GPU lost again to keep it tainted.
+    let lost = [("class", "lost"), ("fault", "gpu-lost")];
+    let counted = node.agent.metric("gpu_dra_node_agent_gpu_faults_total", &lost).await?;
+    ensure!(counted == 1.0, "{counted} faults counted for one GPU lost once");
 
     inject(node, "gpu-2 clear")?;
     wait::until("gpu-2 readable and untainted after its reset", Duration::from_secs(20), || async {

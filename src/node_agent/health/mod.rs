@@ -22,6 +22,7 @@ pub mod state;
 pub mod store;
 pub mod taints;
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -107,6 +108,8 @@ pub struct Monitor {
     /// where the unreadable file was kept (or why it could not be).
     restored: watch::Sender<Option<(Vec<String>, String)>>,
     clock: Clock,
+    /// The GPUs the health gauge has a series for.
+    gauged: Mutex<HashSet<GpuLabels>>,
 }
 
 impl Monitor {
@@ -174,6 +177,7 @@ impl Monitor {
             unreadable,
             restored: watch::Sender::new(None),
             clock,
+            gauged: Mutex::default(),
         }
     }
 
@@ -186,13 +190,26 @@ impl Monitor {
         self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The `taints` of `gpu`'s device; also sets its health gauge.
-    pub fn taints(&self, gpu: &Gpu) -> Vec<Value> {
+    /// The `taints` of each of `gpus`' devices, by GPU UUID; also sets their health gauges and removes those of GPUs
+    /// no longer among them (unbound for passthrough, renamed by a driver reload, all of them when the pool is
+    /// emptied), so that no series speaks for a GPU that is gone.
+    pub fn taints(&self, gpus: &[Gpu]) -> HashMap<String, Vec<Value>> {
         let book = self.book();
-        let state = book.get(&gpu.uuid);
-        let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
-        self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
-        taints::taints(&self.driver, state, self.effects)
+        let mut gauged = self.gauged.lock().unwrap_or_else(PoisonError::into_inner);
+        let now: HashSet<GpuLabels> =
+            gpus.iter().map(|gpu| GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() }).collect();
+        for gone in gauged.difference(&now) {
+            self.metrics.healthy.remove(gone);
+        }
+        *gauged = now;
+        gpus.iter()
+            .map(|gpu| {
+                let state = book.get(&gpu.uuid);
+                let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
+                self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
+                (gpu.uuid.clone(), taints::taints(&self.driver, state, self.effects))
+            })
+            .collect()
     }
 
     /// The device health the kubelet's stream sends, updated by [`Monitor::update_health`].
@@ -332,7 +349,13 @@ impl Monitor {
             }
             transition
         };
-        if let Action::Fault(fault) = report.action {
+        // A lost GPU is reported again at every discovery that finds it lost (to keep its window open): a fault
+        // once, not once a round.
+        let rediscovered = matches!(report.action, Action::Fault(classify::Fault::GpuLost))
+            && matches!(transition, Transition::Repeated { .. });
+        if let Action::Fault(fault) = report.action
+            && !rediscovered
+        {
             let class = classify::classify(fault, &self.policy.ignore_xids).0;
             let labels = FaultLabels { class: class.as_str(), fault: taints::value(fault) };
             self.metrics.faults.get_or_create(&labels).inc();
@@ -506,6 +529,39 @@ mod tests {
             Effects::default(),
             &mut registry,
         )
+    }
+
+    /// A GPU gone from the node (unbound for passthrough, renamed by a driver reload, or all of them when the pool
+    /// is emptied) leaves no health series behind: an old `0` kept a fault alert firing for hardware that is gone.
+    #[test]
+    fn a_gpu_gone_leaves_no_health_series() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let mut registry = Registry::default();
+        let monitor = Monitor::new(
+            "gpu.example.com",
+            "node-a",
+            (dir.path().to_path_buf(), "boot-1"),
+            Policy::default(),
+            Effects::default(),
+            &mut registry,
+        );
+        let gpus: Vec<Gpu> = (0..3).map(|i| crate::node_agent::gpu::test_gpu(i, &format!("0000:0{i}:00.0"))).collect();
+        monitor.book().record(&gpus[2].uuid, Fault::GpuLost, monitor.clock.now(), &Policy::default());
+        let series = |registry: &Registry| -> anyhow::Result<Vec<String>> {
+            let mut text = String::new();
+            prometheus_client::encoding::text::encode(&mut text, registry)?;
+            Ok(text.lines().filter(|l| l.starts_with("gpu_dra_node_agent_gpu_healthy{")).map(str::to_owned).collect())
+        };
+        let taints = monitor.taints(&gpus);
+        assert_eq!(taints.len(), 3);
+        assert!(!taints[&gpus[2].uuid].is_empty(), "the lost GPU is tainted");
+        assert_eq!(series(&registry)?.len(), 3);
+        monitor.taints(&gpus[..2]);
+        let left = series(&registry)?;
+        assert!(left.len() == 2 && left.iter().all(|l| !l.contains(&gpus[2].uuid)), "{left:?}");
+        monitor.taints(&[]);
+        assert_eq!(series(&registry)?, Vec::<String>::new(), "the pool emptied");
+        Ok(())
     }
 
     /// What the kubelet's stream is told of each device: a fault outweighs everything, a GPU the watch misses is
