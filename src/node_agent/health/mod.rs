@@ -520,14 +520,17 @@ mod tests {
     use serde_json::json;
 
     fn monitor(dir: &std::path::Path) -> Monitor {
-        let mut registry = Registry::default();
+        monitor_in(dir, &mut Registry::default())
+    }
+
+    fn monitor_in(dir: &std::path::Path, registry: &mut Registry) -> Monitor {
         Monitor::new(
             "gpu.example.com",
             "node-a",
             (dir.to_path_buf(), "boot-1"),
             Policy::default(),
             Effects::default(),
-            &mut registry,
+            registry,
         )
     }
 
@@ -537,14 +540,7 @@ mod tests {
     fn a_gpu_gone_leaves_no_health_series() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let mut registry = Registry::default();
-        let monitor = Monitor::new(
-            "gpu.example.com",
-            "node-a",
-            (dir.path().to_path_buf(), "boot-1"),
-            Policy::default(),
-            Effects::default(),
-            &mut registry,
-        );
+        let monitor = monitor_in(dir.path(), &mut registry);
         let gpus: Vec<Gpu> = (0..3).map(|i| crate::node_agent::gpu::test_gpu(i, &format!("0000:0{i}:00.0"))).collect();
         monitor.book().record(&gpus[2].uuid, Fault::GpuLost, monitor.clock.now(), &Policy::default());
         let series = |registry: &Registry| -> anyhow::Result<Vec<String>> {
