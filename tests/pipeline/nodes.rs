@@ -155,10 +155,6 @@ pub(super) async fn an_agent_restarted_while_a_gpu_is_lost_serves_the_nodes_othe
         let unreadable = node.agent.metric("gpu_dra_node_agent_unreadable_gpus", &[]).await?;
         ensure!(unreadable == 1.0, "gpu_dra_node_agent_unreadable_gpus is {unreadable}");
         ensure!(node.agent.log_text().contains("GPUs NVML reports lost"), "{}", node.agent.log_tail());
-        // One fault, counted once, though each discovery (every 2 s) reported the GPU lost again to keep it tainted.
-        let lost = [("class", "lost"), ("fault", "gpu-lost")];
-        let counted = node.agent.metric("gpu_dra_node_agent_gpu_faults_total", &lost).await?;
-        ensure!(counted == 1.0, "{counted} faults counted for one GPU lost once");
     }
     let published = wait::until("the three readable GPUs published", Duration::from_secs(30), || async {
         let mut names: Vec<String> = node_slices(&ctx, &node_name)
