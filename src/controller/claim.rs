@@ -241,11 +241,7 @@ async fn remove_if_duplicate(ctx: &Context, key: &ObjectKey, claim: &ResourceCla
 
     // Confirm with the API server: the live pod records another claim, and that claim exists and is the pod's.
     let pod_key = ObjectKey::new(key.namespace.clone(), pod_name);
-    let pod = api_object::namespaced::<Pod>(ctx.client.clone(), &key.namespace)
-        .get_opt(pod_name)
-        .await
-        .map_err(|source| SyncError::GetPod { pod: pod_key, source })?;
-    let Some(pod) = pod.map(|p| p.object).filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
+    let Some(pod) = live_pod(ctx, &pod_key).await?.filter(|p| decide::is_owned_by(claim, p)) else { return Ok(false) };
     let Some(recorded) = decide::recorded_claim(&pod, pod_claim).filter(|r| *r != key.name).map(str::to_string) else {
         return Ok(false);
     };

@@ -25,7 +25,7 @@ struct Reading {
     resident_bytes: i64,
     virtual_bytes: i64,
     open_fds: i64,
-    /// The soft limit on open files (`/proc/self/limits`); `None` when unlimited or unreadable.
+    /// The soft limit on open files ([`crate::open_files::soft_limit`]); `None` when unlimited or unreadable.
     max_fds: Option<i64>,
     start_time_seconds: f64,
     threads: i64,
@@ -43,13 +43,9 @@ fn read() -> Option<Reading> {
     reading.resident_bytes = status_kib(&status, "VmRSS:")? * 1024;
     reading.virtual_bytes = status_kib(&status, "VmSize:")? * 1024;
     reading.open_fds = std::fs::read_dir("/proc/self/fd").map(|d| d.count() as i64).unwrap_or(0);
-    reading.max_fds = std::fs::read_to_string("/proc/self/limits").ok().as_deref().and_then(max_open_files);
+    // RLIM_INFINITY (unlimited) fits no i64: no sample.
+    reading.max_fds = crate::open_files::soft_limit().and_then(|limit| i64::try_from(limit).ok());
     Some(reading)
-}
-
-/// The soft limit of the `Max open files` line of `/proc/<pid>/limits`; `None` when `unlimited` or missing.
-fn max_open_files(limits: &str) -> Option<i64> {
-    limits.lines().find_map(|l| l.strip_prefix("Max open files"))?.split_whitespace().next()?.parse().ok()
 }
 
 /// CPU time, threads and start time from `/proc/self/stat`.
@@ -125,15 +121,7 @@ mod tests {
         let r = read().expect("/proc is there on Linux");
         assert!(r.resident_bytes > 0 && r.open_fds > 0 && r.threads > 0, "{r:?}");
         assert!(r.max_fds.is_some_and(|max| max >= r.open_fds), "{r:?}");
-    }
-
-    #[test]
-    fn the_open_file_limit_is_the_soft_one() {
-        let limits = "Limit                     Soft Limit           Hard Limit           Units     \n\
-                      Max processes             514307               514307               processes \n\
-                      Max open files            65536                1048576              files     \n";
-        assert_eq!(max_open_files(limits), Some(65_536));
-        assert_eq!(max_open_files("Max open files            unlimited            unlimited            files\n"), None);
-        assert_eq!(max_open_files(""), None);
+        let soft = crate::open_files::soft_limit().and_then(|limit| i64::try_from(limit).ok());
+        assert_eq!(r.max_fds, soft, "the soft limit, as the connection caps read it");
     }
 }

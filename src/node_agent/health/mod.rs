@@ -195,21 +195,23 @@ impl Monitor {
     /// emptied), so that no series speaks for a GPU that is gone.
     pub fn taints(&self, gpus: &[Gpu]) -> HashMap<String, Vec<Value>> {
         let book = self.book();
-        let mut gauged = self.gauged.lock().unwrap_or_else(PoisonError::into_inner);
-        let now: HashSet<GpuLabels> =
-            gpus.iter().map(|gpu| GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() }).collect();
-        for gone in gauged.difference(&now) {
-            self.metrics.healthy.remove(gone);
-        }
-        *gauged = now;
-        gpus.iter()
+        let mut now = HashSet::with_capacity(gpus.len());
+        let taints = gpus
+            .iter()
             .map(|gpu| {
                 let state = book.get(&gpu.uuid);
                 let labels = GpuLabels { device: gpu.device_name(), uuid: gpu.uuid.clone() };
                 self.metrics.healthy.get_or_create(&labels).set(i64::from(state.is_none()));
+                now.insert(labels);
                 (gpu.uuid.clone(), taints::taints(&self.driver, state, self.effects))
             })
-            .collect()
+            .collect();
+        let mut gauged = self.gauged.lock().unwrap_or_else(PoisonError::into_inner);
+        for gone in gauged.difference(&now) {
+            self.metrics.healthy.remove(gone);
+        }
+        *gauged = now;
+        taints
     }
 
     /// The device health the kubelet's stream sends, updated by [`Monitor::update_health`].

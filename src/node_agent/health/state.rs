@@ -27,8 +27,9 @@ pub struct Now {
     pub steady: i64,
 }
 
+#[cfg(test)]
 impl Now {
-    /// Both clocks at `seconds`: for tests, and for the first reading.
+    /// Both clocks at `seconds`.
     pub fn at(seconds: i64) -> Self {
         Self { wall: seconds, steady: seconds }
     }
