@@ -17,7 +17,8 @@
 # What `up` changes on this machine, and `down` undoes: processes (containerd, its shims, kubelet, kube-proxy),
 # mounts under the node's directories, the bridge gpudra0 and the pods' network namespaces, iptables chains added by
 # the kubelet and kube-proxy, the kernel settings the kubelet sets (recorded before, restored after), the kubepods
-# cgroups, and the Node object.
+# cgroups, and the Node object. A node a killed run left behind (its cluster's state directory gone too) is taken
+# down by `down` or, once nothing of it runs, by the next `up` (see take_down_leftover).
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -45,7 +46,10 @@ die() { printf '[node] error: %s\n' "$*" >&2; exit 1; }
 
 kubectl_admin() { "$K8S_BIN/kubectl" --kubeconfig "$STATE/kubeconfig" "$@"; }
 
-# Paths of node $1: bookkeeping in the cluster's state directory, runtime directories under NODE_ROOT.
+# Paths of node $1: bookkeeping in the cluster's state directory, runtime directories under NODE_ROOT. What `up`
+# found on the machine, which `down` restores, is recorded under the runtime directory (HOST_RECORD), and that
+# directory names its bookkeeping directory (OWNER): a node whose run was killed, and whose cluster state directory
+# went with it (a CI clone, a test's temporary directory), is still taken down whole by the next `up`.
 node_paths() {
     NAME=$1
     [[ "$NAME" =~ ^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$ ]] ||
@@ -57,6 +61,16 @@ node_paths() {
     KUBELET_DIR="$RUN/kubelet"
     CDI_DIR="$RUN/cdi"
     AGENT_STATE_DIR="$RUN/gpu-dra"
+    HOST_RECORD="$RUN/host-before-up"
+    OWNER="$RUN/owner"
+}
+
+# Points META at the bookkeeping directory the node's runtime directory names: another cluster's for a node that
+# cluster started (or a killed run left).
+use_owner() {
+    local owner
+    owner=$(cat "$OWNER" 2>/dev/null) || return 0
+    [[ -z "$owner" ]] || META=$owner
 }
 
 print_env() {
@@ -93,6 +107,19 @@ stop_process() {
     kill -KILL "$pid" 2>/dev/null || true
 }
 
+# stop_naming PATTERN: SIGTERM to every process whose command line matches PATTERN (pgrep -f), SIGKILL after 10 s.
+# For a node's processes its bookkeeping does not list: it went with a killed run's state directory.
+stop_naming() {
+    local pids
+    pids=$(pgrep -f -- "$1" 2>/dev/null) || return 0
+    # shellcheck disable=SC2086
+    kill -TERM $pids 2>/dev/null || true
+    for _ in $(seq 100); do pgrep -f -- "$1" >/dev/null 2>&1 || return 0; sleep 0.1; done
+    pids=$(pgrep -f -- "$1" 2>/dev/null) || return 0
+    # shellcheck disable=SC2086
+    kill -KILL $pids 2>/dev/null || true
+}
+
 wait_for() { # WHAT TIMEOUT CMD…
     local what=$1 timeout=$2; shift 2
     local deadline=$((SECONDS + timeout))
@@ -116,36 +143,37 @@ fail() {
 
 record_host() {
     local s
-    : >"$META/sysctls"
+    mkdir -p "$HOST_RECORD"
+    : >"$HOST_RECORD/sysctls"
     for s in "${HOST_SYSCTLS[@]}"; do
-        [[ -r "/proc/sys/$s" ]] && echo "$s $(cat "/proc/sys/$s")" >>"$META/sysctls"
+        [[ -r "/proc/sys/$s" ]] && echo "$s $(cat "/proc/sys/$s")" >>"$HOST_RECORD/sysctls"
     done
     for ipt in iptables ip6tables; do
-        "$ipt-save" 2>/dev/null | sed -n 's/^:\([^ ]*\) .*/\1/p' | sort -u >"$META/$ipt-chains" || : >"$META/$ipt-chains"
+        "$ipt-save" 2>/dev/null | sed -n 's/^:\([^ ]*\) .*/\1/p' | sort -u >"$HOST_RECORD/$ipt-chains" || : >"$HOST_RECORD/$ipt-chains"
     done
-    [[ -d /sys/fs/cgroup/cpu/kubepods || -d /sys/fs/cgroup/unified/kubepods ]] && touch "$META/kubepods-existed"
+    [[ -d /sys/fs/cgroup/cpu/kubepods || -d /sys/fs/cgroup/unified/kubepods ]] && touch "$HOST_RECORD/kubepods-existed"
     return 0
 }
 
 restore_host() {
     local s v
-    if [[ -f "$META/sysctls" ]]; then
+    if [[ -f "$HOST_RECORD/sysctls" ]]; then
         while read -r s v; do
             [[ "$(cat "/proc/sys/$s" 2>/dev/null)" == "$v" ]] || echo "$v" >"/proc/sys/$s" 2>/dev/null ||
                 log "could not restore $s to $v"
-        done <"$META/sysctls"
+        done <"$HOST_RECORD/sysctls"
     fi
     # kube-proxy removes what it made; then every chain that did not exist before (the kubelet's KUBE-FIREWALL and
     # KUBE-KUBELET-CANARY) loses the rules jumping to it and goes.
     [[ -x "$K8S_BIN/kube-proxy" ]] && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
     for ipt in iptables ip6tables; do
         command -v "$ipt-save" >/dev/null || continue
-        [[ -f "$META/$ipt-chains" ]] || continue
+        [[ -f "$HOST_RECORD/$ipt-chains" ]] || continue
         local table chain rule
         for table in filter nat mangle; do
             local new=()
             while read -r chain; do
-                grep -qxF "$chain" "$META/$ipt-chains" || new+=("$chain")
+                grep -qxF "$chain" "$HOST_RECORD/$ipt-chains" || new+=("$chain")
             done < <("$ipt-save" -t "$table" 2>/dev/null | sed -n 's/^:\(KUBE-[^ ]*\) .*/\1/p')
             for chain in "${new[@]}"; do
                 while read -r rule; do
@@ -157,11 +185,21 @@ restore_host() {
             for chain in "${new[@]}"; do "$ipt" -t "$table" -X "$chain" 2>/dev/null || true; done
         done
     done
-    # The kubelet's cgroups (cgroupfs driver, cgroup root /): leaves first.
-    if [[ ! -f "$META/kubepods-existed" ]]; then
-        local d
+    # The kubelet's cgroups (cgroupfs driver, cgroup root /), when it made them: a container that outlived its shim
+    # (a node whose processes were killed) is killed first, then the cgroups go, leaves first. Without a record
+    # (a node of an older node.sh) they are left alone.
+    if [[ -d "$HOST_RECORD" && ! -f "$HOST_RECORD/kubepods-existed" ]]; then
+        local d pid
         for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
-            [[ -d "$d" ]] && find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+            [[ -d "$d" ]] || continue
+            for pid in $(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u); do
+                kill -KILL "$pid" 2>/dev/null || true
+            done
+            for _ in $(seq 50); do
+                [[ -z "$(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null)" ]] && break
+                sleep 0.1
+            done
+            find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
         done
     fi
     return 0
@@ -309,7 +347,8 @@ cmd_up() {
     fi
     local other
     for other in "$NODE_ROOT"/*/; do
-        [[ -d "$other" ]] && die "another real node's directory exists: $other (one real node per machine); take it down with e2e/node.sh down, or remove the directory if nothing runs there"
+        [[ -d "$other" ]] || continue
+        take_down_leftover "$(basename "$other")"
     done
     for b in "$K8S_BIN/kubelet" "$K8S_BIN/kube-proxy" "$NODE_BIN/containerd" "$NODE_BIN/runc" "$CNI_BIN/bridge" "$CRICTL_BIN/crictl"; do
         [[ -x "$b" ]] || die "$b is missing; build it with: e2e/build-k8s.sh && e2e/build-node.sh"
@@ -321,6 +360,7 @@ cmd_up() {
     local t0=$SECONDS
     mkdir -p "$META" "$RUN" "$LOGS" "$CDI_DIR" "$AGENT_STATE_DIR" "$KUBELET_DIR"
     : >"$META/pids"
+    echo "$META" >"$OWNER"
     trap 'rc=$?; [[ $rc -eq 0 ]] || cmd_down "$NAME" >/dev/null 2>&1 || true' EXIT
     # The node's directories are a shared mount, as everything is on a systemd host (its / is shared): a container's
     # mountPropagation: Bidirectional (the agent's MPS tmpfs) needs one, and this machine's / may be private.
@@ -361,9 +401,16 @@ cmd_down() {
         return 0
     fi
     node_paths "${1:-}"
+    use_owner
     [[ -d "$META" || -d "$RUN" ]] || { log "node $NAME: nothing to take down"; return 0; }
+    take_down
+}
+
+# take_down: stops the node of node_paths (META may name another cluster's bookkeeping) and undoes its changes to
+# the machine. The cluster is told (pods deleted, the Node object) only when the node is this cluster's.
+take_down() {
     local api=0
-    kubectl_admin get --raw /readyz >/dev/null 2>&1 && api=1
+    [[ "$META" == "$STATE/nodes/$NAME" ]] && kubectl_admin get --raw /readyz >/dev/null 2>&1 && api=1
     # Pods first, while the kubelet runs: it stops their containers and unprepares their claims. Pods of a
     # DaemonSet come back; they go with the runtime below.
     if [[ $api == 1 ]] && [[ -f "$META/pids" ]]; then
@@ -376,14 +423,19 @@ cmd_down() {
         done
     fi
     [[ -f "$META/pids" ]] && { stop_process kube-proxy; stop_process kubelet; }
+    stop_naming "$META/kube-proxy.yaml"
+    stop_naming "$META/kubelet.yaml"
     # Every pod sandbox: stops containers, runs CNI DEL (veth, IP), unmounts their volumes and network namespace.
     if [[ -S "$CONTAINERD_SOCK" ]]; then
         timeout 60 "$CRICTL_BIN/crictl" --runtime-endpoint "unix://$CONTAINERD_SOCK" rmp -fa >/dev/null 2>&1 || true
     fi
     [[ -f "$META/pids" ]] && stop_process containerd
+    stop_naming "$META/containerd.toml"
     # Shims (and their containers) that outlived containerd: they name our socket in their command line.
     local pid
     for pid in $(pgrep -f "containerd-shim-runc-v2.*$RUN" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    # Anything else still naming the node's directories.
+    stop_naming "$RUN/|$META/"
     # Mounts under the node's directories, deepest first.
     local m
     while read -r m; do umount -l "$m" 2>/dev/null || true; done < <(
@@ -396,6 +448,23 @@ cmd_down() {
     rmdir "$STATE/nodes" 2>/dev/null || true
     log "node $NAME taken down"
 }
+
+# take_down_leftover NAME: node NAME's runtime directory is on this machine, with no bookkeeping in this cluster's
+# state directory. While any process names its directories, another node runs here (one real node per machine):
+# refused, saying how to take it down. Otherwise it is what a killed run left (a CI job stopped, a machine restarted
+# under a test), taken down here so that nothing of it stays behind and the new node can start.
+take_down_leftover() (
+    node_paths "$1"
+    use_owner
+    local pids
+    pids=$(pgrep -d ' ' -f "$RUN/|$META/" 2>/dev/null) || pids=""
+    if [[ -n "$pids" ]]; then
+        die "another real node runs on this machine: $NAME (processes $pids name its directories); one real node" \
+            "per machine: take it down with: GPU_DRA_E2E_DIR=$(dirname "$(dirname "$META")") e2e/node.sh down $NAME"
+    fi
+    log "found node $NAME left by a run that ended without taking it down (nothing runs there); taking it down"
+    take_down
+)
 
 cmd_env() {
     node_paths "${1:-}"

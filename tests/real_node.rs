@@ -26,6 +26,8 @@ use support::{TestContext, objects, wait};
 
 #[path = "real_node/host.rs"]
 mod host;
+#[path = "real_node/leftover.rs"]
+mod leftover;
 #[path = "real_node/mig.rs"]
 mod mig;
 #[path = "real_node/monitoring.rs"]
@@ -37,6 +39,7 @@ mod quota;
 #[path = "real_node/workloads.rs"]
 mod workloads;
 
+use leftover::a_node_left_by_a_killed_run_is_taken_down_by_the_next_up;
 use mig::containers_get_exactly_their_mig_devices;
 use monitoring::a_gpu_monitor_sees_which_container_holds_which_gpu_through_pod_resources;
 use mps::containers_of_a_pod_are_clients_of_their_claims_mps_daemon;
@@ -50,6 +53,7 @@ fn main() {
         &[
             test!(helm_install_gives_real_containers_their_gpus_and_uninstall_leaves_nothing),
             test!(taking_a_node_down_leaves_the_machine_as_it_found_it_even_with_a_dead_kubelet),
+            test!(a_node_left_by_a_killed_run_is_taken_down_by_the_next_up),
             test!(containers_of_two_namespaces_share_one_gpu_by_memory),
             test!(containers_get_exactly_their_mig_devices),
             test!(containers_of_a_pod_are_clients_of_their_claims_mps_daemon),

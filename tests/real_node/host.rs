@@ -142,6 +142,21 @@ fn processes_naming(needle: &str) -> anyhow::Result<BTreeMap<u32, String>> {
     Ok(found)
 }
 
+/// SIGKILLs every process whose command line contains one of `needles`: their command lines.
+pub(crate) fn kill_every_process_naming(needles: &[&str]) -> anyhow::Result<Vec<String>> {
+    let mut found = BTreeMap::new();
+    for needle in needles {
+        found.extend(processes_naming(needle)?);
+    }
+    for pid in found.keys() {
+        let status = Command::new("kill").args(["-KILL", &pid.to_string()]).status()?;
+        if !status.success() {
+            bail!("kill -KILL {pid} failed");
+        }
+    }
+    Ok(found.into_values().collect())
+}
+
 /// SIGKILLs the one process whose command line contains `needle` (e.g. a node's kubelet).
 pub(crate) fn kill_process_naming(needle: &str) -> anyhow::Result<()> {
     let found = processes_naming(needle)?;

@@ -1,0 +1,97 @@
+//! A real node left behind by a run that was killed (a CI job stopped, a test binary killed, a session ended): its
+//! cluster's bookkeeping gone with the run's state directory, its directories, mounts, cgroups and host changes still
+//! on the machine, its processes dead or still running. The next run's `e2e/node.sh up` must refuse it while
+//! anything of it runs (one real node per machine) and say how to take it down, that command must work without the
+//! bookkeeping, and once nothing of it runs `up` must take it down whole itself, instead of failing every real-node
+//! test after it.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::ensure;
+use k8s_openapi::api::core::v1::{Node, Pod};
+use kube::api::{Api, PostParams};
+use serde_json::json;
+
+use super::support::real_node::RealNode;
+use super::support::{TestContext, objects, wait};
+use super::{WAIT, gpu_node, host, seen_by};
+
+const LEFT: &str = "left-node";
+const NEXT: &str = "next-node";
+
+pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx: TestContext) -> anyhow::Result<()> {
+    let before = host::snapshot()?;
+    let left = gpu_node(&ctx, LEFT).await?;
+    run_a_pod(&ctx, &left).await?;
+    let left_dir = runtime_dir(&left)?;
+
+    // The run's state directory goes (its clone deleted) while the node still runs: refused, naming the node and
+    // the command that takes it down.
+    let bookkeeping = lose_bookkeeping(&ctx, LEFT)?;
+    let refused = match RealNode::up(&ctx.cluster, NEXT) {
+        Ok(next) => {
+            next.down()?;
+            anyhow::bail!("a second node started beside {LEFT}, whose kubelet and containerd still run");
+        }
+        Err(e) => format!("{e:#}"),
+    };
+    ensure!(
+        refused.contains(&format!("another real node runs on this machine: {LEFT}"))
+            && refused.contains(&format!("e2e/node.sh down {LEFT}")),
+        "the refusal does not name the running node and how to take it down: {refused}"
+    );
+
+    // Then the run's processes die (SIGKILL): the kubelet, kube-proxy, containerd and the shims; the pod's
+    // container lives on in the kubelet's cgroups. The next `up` takes the node down and starts.
+    let killed = host::kill_every_process_naming(&[
+        &format!("{}/", left_dir.display()),
+        &format!("{}/", bookkeeping.display()),
+    ])?;
+    ensure!(killed.len() >= 4, "expected the kubelet, kube-proxy, containerd and a shim, killed {killed:?}");
+    let next = gpu_node(&ctx, NEXT).await?;
+    ensure!(!left_dir.exists(), "{} is still there after the next node started", left_dir.display());
+
+    // A node whose bookkeeping is gone but which still runs, with a pod: the command the refusal named stops it
+    // and undoes everything.
+    run_a_pod(&ctx, &next).await?;
+    lose_bookkeeping(&ctx, NEXT)?;
+    next.down()?;
+
+    // Both nodes were this cluster's (the bookkeeping their directories name is this cluster's): their Node
+    // objects went with them.
+    let nodes = Api::<Node>::all(ctx.client.clone());
+    wait::until("the Node objects to be gone", WAIT, || async {
+        Ok((nodes.get_opt(LEFT).await?.is_none() && nodes.get_opt(NEXT).await?.is_none()).then_some(()))
+    })
+    .await?;
+    let diff = before.diff(&host::snapshot()?);
+    ensure!(diff.is_empty(), "the two nodes left the machine changed:\n{}", diff.join("\n"));
+    Ok(())
+}
+
+/// A running pod on `node`: a network namespace, a veth on the bridge, cgroups and mounts.
+async fn run_a_pod(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
+    let name = format!("{}-pod", node.name);
+    let pod: Pod = serde_json::from_value(json!({
+        "metadata": {"name": name},
+        "spec": {"nodeSelector": {"kubernetes.io/hostname": node.name}, "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "main", "image": "busybox:gpu-dra-e2e", "imagePullPolicy": "Never",
+                                 "command": ["sh", "-c", "echo listed; exec sleep 3600"]}]}
+    }))?;
+    objects::pods(ctx).create(&PostParams::default(), &pod).await?;
+    seen_by(ctx, &name).await.map(drop)
+}
+
+/// The node's runtime directory on the machine (its kubelet directory's parent).
+fn runtime_dir(node: &RealNode) -> anyhow::Result<PathBuf> {
+    let dir = node.kubelet_dir()?.parent().map(Path::to_path_buf).unwrap_or_default();
+    ensure!(dir.ends_with(&node.name), "the node's kubelet directory is not under its own: {}", dir.display());
+    Ok(dir)
+}
+
+/// Deletes node `name`'s bookkeeping in the cluster's state directory, as a killed run's deleted clone does.
+fn lose_bookkeeping(ctx: &TestContext, name: &str) -> anyhow::Result<PathBuf> {
+    let dir = ctx.cluster.state_dir().join("nodes").join(name);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(dir)
+}
