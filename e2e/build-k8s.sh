@@ -13,6 +13,8 @@ set -euo pipefail
 
 # shellcheck source=e2e/versions.sh
 source "$(dirname "${BASH_SOURCE[0]}")/versions.sh"
+# shellcheck source=e2e/cache-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache-install.sh"
 
 if [[ "${1:-}" == "--print-bin-dirs" ]]; then
     printf '%s\n' "$K8S_BIN" "$ETCD_BIN" "$HELM_BIN"
@@ -130,7 +132,7 @@ build_helm() {
     local work="$GPU_DRA_CACHE/work/helm-$HELM_VERSION"
     mkdir -p "$work"
     # helm's go.mod has no replace directives, so `go install module@version` works as is.
-    GOBIN="$HELM_BIN" go_in "$work" install -trimpath \
+    go_install_into "$HELM_BIN" "$work" -trimpath \
         -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$HELM_VERSION" "helm.sh/helm/v4/cmd/helm@$HELM_VERSION"
 }
 

@@ -11,6 +11,8 @@ set -euo pipefail
 
 # shellcheck source=e2e/versions.sh
 source "$(dirname "${BASH_SOURCE[0]}")/versions.sh"
+# shellcheck source=e2e/cache-install.sh
+source "$(dirname "${BASH_SOURCE[0]}")/cache-install.sh"
 
 log() { printf '[build-node] %s\n' "$*" >&2; }
 die() { printf '[build-node] error: %s\n' "$*" >&2; exit 1; }
@@ -34,6 +36,8 @@ install_debian_packages() {
     done
     [[ ${#missing[@]} -eq 0 ]] && return
     log "installing Debian packages: ${missing[*]}"
+    # A run killed during an earlier install left dpkg "interrupted": apt-get refuses everything until this runs.
+    DEBIAN_FRONTEND=noninteractive dpkg --configure -a >/dev/null 2>&1 || true
     if ! DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null 2>&1; then
         DEBIAN_FRONTEND=noninteractive apt-get update >/dev/null 2>&1 || true
         DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}" >/dev/null ||
@@ -50,7 +54,7 @@ build_containerd() {
     local pkgs=()
     for b in "${missing[@]}"; do pkgs+=("github.com/containerd/containerd/v2/cmd/$b@$CONTAINERD_VERSION"); done
     # No btrfs snapshotter (needs its C headers); overlayfs and native are what the node uses.
-    GOBIN="$NODE_BIN" CGO_ENABLED=1 go_in "$GPU_DRA_CACHE/work/containerd-$CONTAINERD_VERSION" install -trimpath \
+    CGO_ENABLED=1 go_install_into "$NODE_BIN" "$GPU_DRA_CACHE/work/containerd-$CONTAINERD_VERSION" -trimpath \
         -tags no_btrfs -ldflags "-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION" "${pkgs[@]}"
 }
 
@@ -87,7 +91,7 @@ build_cni_plugins() {
         *) pkgs+=("$m/plugins/main/$p@$CNI_PLUGINS_VERSION") ;;
         esac
     done
-    GOBIN="$CNI_BIN" CGO_ENABLED=0 go_in "$GPU_DRA_CACHE/work/cni-plugins-$CNI_PLUGINS_VERSION" install -trimpath \
+    CGO_ENABLED=0 go_install_into "$CNI_BIN" "$GPU_DRA_CACHE/work/cni-plugins-$CNI_PLUGINS_VERSION" -trimpath \
         -ldflags "-s -w" "${pkgs[@]}"
 }
 
@@ -95,7 +99,7 @@ build_crictl() {
     [[ -x "$CRICTL_BIN/crictl" ]] && { log "crictl $CRICTL_VERSION: cached in $CRICTL_BIN"; return; }
     log "crictl $CRICTL_VERSION: building"
     mkdir -p "$CRICTL_BIN"
-    GOBIN="$CRICTL_BIN" CGO_ENABLED=0 go_in "$GPU_DRA_CACHE/work/crictl-$CRICTL_VERSION" install -trimpath \
+    CGO_ENABLED=0 go_install_into "$CRICTL_BIN" "$GPU_DRA_CACHE/work/crictl-$CRICTL_VERSION" -trimpath \
         -ldflags "-s -w -X sigs.k8s.io/cri-tools/pkg/version.Version=$CRICTL_VERSION" \
         "sigs.k8s.io/cri-tools/cmd/crictl@$CRICTL_VERSION"
 }

@@ -334,6 +334,13 @@ cmd_up() {
     [[ -n "$NODE_IP" ]] && echo "$NODE_IP" >"$STATE/node-ip"
     # Whatever fails from here on (a component, openssl, a write) leaves nothing running.
     trap 'rc=$?; [[ $rc -eq 0 ]] || stop_recorded' EXIT
+    # The watchdog first: an owner killed while the components start (a test binary SIGKILLed, a CI job stopped;
+    # no trap runs then) still has its cluster stopped.
+    if [[ -n "${GPU_DRA_E2E_OWNER_PID:-}" ]]; then
+        echo "$GPU_DRA_E2E_OWNER_PID" >"$STATE/owner-pid"
+        start watchdog bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; GPU_DRA_E2E_DIR="$3" exec "$2" down --owner "$1"' \
+            gpu-dra-e2e-watchdog "$GPU_DRA_E2E_OWNER_PID" "$E2E_DIR/cluster.sh" "$STATE"
+    fi
     make_certs
 
     start_etcd
@@ -358,11 +365,6 @@ cmd_up() {
         --cert-dir "$STATE/pki/kube-controller-manager" --controllers "$controllers" \
         --use-service-account-credentials=false "${kcm_real_node_flags[@]}" ${GPU_DRA_E2E_KCM_FLAGS:-}
 
-    if [[ -n "${GPU_DRA_E2E_OWNER_PID:-}" ]]; then
-        echo "$GPU_DRA_E2E_OWNER_PID" >"$STATE/owner-pid"
-        start watchdog bash -c 'while kill -0 "$1" 2>/dev/null; do sleep 1; done; GPU_DRA_E2E_DIR="$3" exec "$2" down --owner "$1"' \
-            gpu-dra-e2e-watchdog "$GPU_DRA_E2E_OWNER_PID" "$E2E_DIR/cluster.sh" "$STATE"
-    fi
     trap - EXIT
     log "up in $((SECONDS - t0))s: Kubernetes $K8S_VERSION at https://127.0.0.1:$API_PORT (controllers: $controllers)"
     print_env

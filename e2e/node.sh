@@ -18,7 +18,7 @@
 # mounts under the node's directories, the bridge gpudra0 and the pods' network namespaces, iptables chains added by
 # the kubelet and kube-proxy, the kernel settings the kubelet sets (recorded before, restored after), the kubepods
 # cgroups, and the Node object. A node a killed run left behind (its cluster's state directory gone too) is taken
-# down by `down` or, once nothing of it runs, by the next `up` (see take_down_leftover).
+# down by `down` or, once its cluster is gone, by the next `up` (see take_down_leftover).
 set -euo pipefail
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -450,19 +450,28 @@ take_down() {
 }
 
 # take_down_leftover NAME: node NAME's runtime directory is on this machine, with no bookkeeping in this cluster's
-# state directory. While any process names its directories, another node runs here (one real node per machine):
-# refused, saying how to take it down. Otherwise it is what a killed run left (a CI job stopped, a machine restarted
-# under a test), taken down here so that nothing of it stays behind and the new node can start.
+# state directory. While its cluster lives (the bookkeeping its directory names exists and that cluster's API server
+# answers), it is another cluster's node, running or starting (one real node per machine): refused, saying how to
+# take it down. Otherwise it is what a killed run left (a CI job stopped, a session ended, a test binary killed
+# whose clone went before its watchdog could act), taken down here, with any of its processes still running, so
+# that nothing of it stays behind and the new node can start.
 take_down_leftover() (
     node_paths "$1"
     use_owner
-    local pids
+    local owner_state pids
+    owner_state=$(dirname "$(dirname "$META")")
     pids=$(pgrep -d ' ' -f "$RUN/|$META/" 2>/dev/null) || pids=""
-    if [[ -n "$pids" ]]; then
-        die "another real node runs on this machine: $NAME (processes $pids name its directories); one real node" \
-            "per machine: take it down with: GPU_DRA_E2E_DIR=$(dirname "$(dirname "$META")") e2e/node.sh down $NAME"
+    if [[ -d "$META" ]] &&
+        "$K8S_BIN/kubectl" --kubeconfig "$owner_state/kubeconfig" --request-timeout=5s get --raw /readyz >/dev/null 2>&1; then
+        die "another real node is on this machine: $NAME, of the cluster in $owner_state, which answers" \
+            "(processes naming its directories: ${pids:-none yet}); one real node per machine: take it down with:" \
+            "GPU_DRA_E2E_DIR=$owner_state e2e/node.sh down $NAME"
     fi
-    log "found node $NAME left by a run that ended without taking it down (nothing runs there); taking it down"
+    if [[ -n "$pids" ]]; then
+        log "found node $NAME of a cluster that is gone ($owner_state), still running; taking it down"
+    else
+        log "found node $NAME left by a run that ended without taking it down (nothing runs there); taking it down"
+    fi
     take_down
 )
 

@@ -379,6 +379,13 @@ fn check_applied(
         tolerations.iter().any(|t| t["operator"] == "Exists" && t["effect"] == "NoExecute" && t.get("key").is_none()),
         "the agent does not tolerate NoExecute taints: {tolerations:?}"
     );
+    // Nor is it evicted (Karpenter) or kept from coming back after a rollout (both autoscalers) by a drain's taint.
+    for key in ["karpenter.sh/disrupted", "ToBeDeletedByClusterAutoscaler"] {
+        ensure!(
+            tolerations.iter().any(|t| t["key"] == key && t["operator"] == "Exists" && t["effect"] == "NoSchedule"),
+            "the agent does not tolerate the autoscaler's drain taint {key}: {tolerations:?}"
+        );
+    }
     let annotations = &daemonset["spec"]["template"]["metadata"]["annotations"];
     ensure!(
         annotations["cluster-autoscaler.kubernetes.io/enable-ds-eviction"] == "false",

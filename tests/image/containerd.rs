@@ -2,7 +2,11 @@
 //! `ctr images import` (the names it stores are exactly the images' full names) and runs each with runc.
 //!
 //! The containerd here is the test's own (its root, state and socket under Cargo's scratch space, its own
-//! namespace, hence its own cgroup parent), so it never meets a real node's containerd running beside it.
+//! namespace, hence its own cgroup parent), so it never meets a real node's containerd running beside it. The
+//! namespace carries the test process's PID: runc keeps a namespace's container state machine-wide
+//! (`/run/containerd/runc/<namespace>`, `/run` on disk here) and its cgroups are `/<namespace>/<id>`, so a fixed
+//! name left by a killed run (or used by a run from another clone at the same time) would make runc refuse the next
+//! run's containers ("container with given ID already exists").
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -11,7 +15,10 @@ use std::time::{Duration, Instant};
 use super::layout::run;
 use super::{KillOnDrop, PAUSE, WORKLOAD, built, gpu_dra_name, repo, scratch};
 
-const NAMESPACE: &str = "gpu-dra-image-test";
+/// This run's containerd namespace (see the module's doc).
+fn namespace() -> String {
+    format!("gpu-dra-image-test-{}", std::process::id())
+}
 
 /// The directory `e2e/build-node.sh` puts containerd, its runc shim, ctr and runc in, after running it (it builds
 /// what its cache lacks, in minutes, and returns at once when everything is cached).
@@ -67,7 +74,7 @@ impl Containerd {
     /// `ctr` against this containerd, in the test's namespace, with runc and the shim first on PATH.
     fn ctr(&self, args: &[&str]) -> Command {
         let mut command = Command::new(self.bin.join("ctr"));
-        command.arg("--address").arg(self.dir.join("containerd.sock")).args(["--namespace", NAMESPACE]);
+        command.arg("--address").arg(self.dir.join("containerd.sock")).args(["--namespace", &namespace()]);
         command.args(args).env("PATH", path_with(&self.bin));
         command
     }
@@ -88,9 +95,9 @@ impl Drop for Containerd {
         }
         let cgroups = std::fs::read_dir("/sys/fs/cgroup").map(|d| d.filter_map(Result::ok).collect()).unwrap_or(vec![]);
         for controller in cgroups {
-            let _ = std::fs::remove_dir(controller.path().join(NAMESPACE));
+            let _ = std::fs::remove_dir(controller.path().join(namespace()));
         }
-        let _ = std::fs::remove_dir(Path::new("/run/containerd/runc").join(NAMESPACE));
+        let _ = std::fs::remove_dir(Path::new("/run/containerd/runc").join(namespace()));
     }
 }
 

@@ -129,7 +129,7 @@ fn command_lines(program: &str, args: &[&str]) -> anyhow::Result<Vec<String>> {
 }
 
 /// pid → command line (arguments joined by spaces) of every process whose command line contains `needle`.
-fn processes_naming(needle: &str) -> anyhow::Result<BTreeMap<u32, String>> {
+pub(crate) fn processes_naming(needle: &str) -> anyhow::Result<BTreeMap<u32, String>> {
     let mut found = BTreeMap::new();
     for entry in std::fs::read_dir("/proc")?.flatten() {
         let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };

@@ -1,9 +1,8 @@
 //! A real node left behind by a run that was killed (a CI job stopped, a test binary killed, a session ended): its
 //! cluster's bookkeeping gone with the run's state directory, its directories, mounts, cgroups and host changes still
-//! on the machine, its processes dead or still running. The next run's `e2e/node.sh up` must refuse it while
-//! anything of it runs (one real node per machine) and say how to take it down, that command must work without the
-//! bookkeeping, and once nothing of it runs `up` must take it down whole itself, instead of failing every real-node
-//! test after it.
+//! on the machine, its processes still running or dead but for a container that outlived its shim. The next run's
+//! `e2e/node.sh up` must take it down whole (instead of failing every real-node test after it), and refuse only a
+//! node whose cluster still lives (one real node per machine), saying how to take it down.
 
 use std::path::{Path, PathBuf};
 
@@ -18,6 +17,7 @@ use super::{WAIT, gpu_node, host, seen_by};
 
 const LEFT: &str = "left-node";
 const NEXT: &str = "next-node";
+const THIRD: &str = "third-node";
 
 pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx: TestContext) -> anyhow::Result<()> {
     let before = host::snapshot()?;
@@ -25,47 +25,56 @@ pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx
     run_a_pod(&ctx, &left).await?;
     let left_dir = runtime_dir(&left)?;
 
-    // The run's state directory goes (its clone deleted) while the node still runs: refused, naming the node and
-    // the command that takes it down.
-    let bookkeeping = lose_bookkeeping(&ctx, LEFT)?;
+    // While its cluster lives, a second node is refused, naming the running one and the command that takes it down.
     let refused = match RealNode::up(&ctx.cluster, NEXT) {
         Ok(next) => {
             next.down()?;
-            anyhow::bail!("a second node started beside {LEFT}, whose kubelet and containerd still run");
+            anyhow::bail!("a second node started beside {LEFT}, whose cluster and processes live");
         }
         Err(e) => format!("{e:#}"),
     };
     ensure!(
-        refused.contains(&format!("another real node runs on this machine: {LEFT}"))
+        refused.contains(&format!("another real node is on this machine: {LEFT}"))
             && refused.contains(&format!("e2e/node.sh down {LEFT}")),
         "the refusal does not name the running node and how to take it down: {refused}"
     );
 
-    // Then the run's processes die (SIGKILL): the kubelet, kube-proxy, containerd and the shims; the pod's
-    // container lives on in the kubelet's cgroups. The next `up` takes the node down and starts.
-    let killed = host::kill_every_process_naming(&[
-        &format!("{}/", left_dir.display()),
-        &format!("{}/", bookkeeping.display()),
-    ])?;
-    ensure!(killed.len() >= 4, "expected the kubelet, kube-proxy, containerd and a shim, killed {killed:?}");
+    // The run's state directory goes (its clone deleted) while the node still runs, its pod too: the next `up`
+    // stops it and takes it down.
+    lose_bookkeeping(&ctx, LEFT)?;
     let next = gpu_node(&ctx, NEXT).await?;
     ensure!(!left_dir.exists(), "{} is still there after the next node started", left_dir.display());
+    let left_processes = host::processes_naming(&format!("{}/", left_dir.display()))?;
+    ensure!(left_processes.is_empty(), "processes of {LEFT} outlived it: {left_processes:?}");
 
-    // A node whose bookkeeping is gone but which still runs, with a pod: the command the refusal named stops it
-    // and undoes everything.
+    // Every process of a node dies (SIGKILL: the kubelet, kube-proxy, containerd, the shims) with its state
+    // directory, but the pod's container lives on in the kubelet's cgroups: the next `up` takes it down too.
     run_a_pod(&ctx, &next).await?;
-    lose_bookkeeping(&ctx, NEXT)?;
-    next.down()?;
+    let next_dir = runtime_dir(&next)?;
+    let bookkeeping_next = lose_bookkeeping(&ctx, NEXT)?;
+    let killed = host::kill_every_process_naming(&[
+        &format!("{}/", next_dir.display()),
+        &format!("{}/", bookkeeping_next.display()),
+    ])?;
+    ensure!(killed.len() >= 4, "expected the kubelet, kube-proxy, containerd and a shim, killed {killed:?}");
+    let third = RealNode::up(&ctx.cluster, THIRD)?;
+    ensure!(!next_dir.exists(), "{} is still there after the third node started", next_dir.display());
+    third.down()?;
 
-    // Both nodes were this cluster's (the bookkeeping their directories name is this cluster's): their Node
-    // objects went with them.
+    // The nodes were this cluster's (the bookkeeping their directories name is this cluster's): their Node objects
+    // went with them.
     let nodes = Api::<Node>::all(ctx.client.clone());
     wait::until("the Node objects to be gone", WAIT, || async {
-        Ok((nodes.get_opt(LEFT).await?.is_none() && nodes.get_opt(NEXT).await?.is_none()).then_some(()))
+        for name in [LEFT, NEXT, THIRD] {
+            if nodes.get_opt(name).await?.is_some() {
+                return Ok(None);
+            }
+        }
+        Ok(Some(()))
     })
     .await?;
     let diff = before.diff(&host::snapshot()?);
-    ensure!(diff.is_empty(), "the two nodes left the machine changed:\n{}", diff.join("\n"));
+    ensure!(diff.is_empty(), "the nodes left the machine changed:\n{}", diff.join("\n"));
     Ok(())
 }
 
