@@ -70,8 +70,13 @@ node_paths() {
 use_owner() {
     local owner
     owner=$(cat "$OWNER" 2>/dev/null) || return 0
-    [[ -z "$owner" ]] || META=$owner
+    # Only what `up` writes: an absolute path ending in nodes/NAME (anything else is not trusted near rm -rf).
+    [[ "$owner" == /* && "$owner" == */nodes/"$NAME" ]] && META=$owner
+    return 0
 }
+
+# ere PATH: PATH as an extended regular expression matching it literally (pgrep -f takes one).
+ere() { printf '%s' "$1" | sed 's/[][\.*^$(){}+?|]/\\&/g'; }
 
 print_env() {
     printf 'export GPU_DRA_NODE_NAME=%q\n' "$NAME"
@@ -94,7 +99,7 @@ start() {
 ours() {
     local cmdline
     cmdline=$(cmdline_of "$1") || return 1
-    [[ "$cmdline" == *"$META"* || "$cmdline" == *"$RUN"* ]]
+    [[ "$cmdline" == *"$META/"* || "$cmdline" == *"$RUN/"* ]]
 }
 
 # stop_process NAME: SIGTERM, SIGKILL after 10 s.
@@ -107,7 +112,8 @@ stop_process() {
     kill -KILL "$pid" 2>/dev/null || true
 }
 
-# stop_naming PATTERN: SIGTERM to every process whose command line matches PATTERN (pgrep -f), SIGKILL after 10 s.
+# stop_naming PATTERN: SIGTERM to every process whose command line matches PATTERN (pgrep -f: an extended regular
+# expression; paths go through `ere`), SIGKILL after 10 s.
 # For a node's processes its bookkeeping does not list: it went with a killed run's state directory.
 stop_naming() {
     local pids
@@ -151,29 +157,38 @@ record_host() {
     for ipt in iptables ip6tables; do
         "$ipt-save" 2>/dev/null | sed -n 's/^:\([^ ]*\) .*/\1/p' | sort -u >"$HOST_RECORD/$ipt-chains" || : >"$HOST_RECORD/$ipt-chains"
     done
-    [[ -d /sys/fs/cgroup/cpu/kubepods || -d /sys/fs/cgroup/unified/kubepods ]] && touch "$HOST_RECORD/kubepods-existed"
+    # Last, so that a record cut short names no hierarchy: the cgroup hierarchies (v1 controllers, v2's unified one,
+    # a pure v2 root) that had no kubepods cgroup, the only ones whose kubepods `down` may empty and remove.
+    local h absent=()
+    for h in /sys/fs/cgroup/*/ /sys/fs/cgroup/; do
+        h=${h%/}
+        [[ -e "$h/cgroup.procs" && ! -e "$h/kubepods" ]] && absent+=("$h")
+    done
+    printf '%s\n' "${absent[@]}" >"$HOST_RECORD/kubepods-absent.tmp" && mv "$HOST_RECORD/kubepods-absent.tmp" "$HOST_RECORD/kubepods-absent"
     return 0
 }
 
 restore_host() {
-    local s v
-    if [[ -f "$HOST_RECORD/sysctls" ]]; then
+    local s v record=$HOST_RECORD
+    # A node of an older node.sh kept its record of sysctls and chains in its bookkeeping.
+    [[ -d "$record" ]] || record=$META
+    if [[ -f "$record/sysctls" ]]; then
         while read -r s v; do
             [[ "$(cat "/proc/sys/$s" 2>/dev/null)" == "$v" ]] || echo "$v" >"/proc/sys/$s" 2>/dev/null ||
                 log "could not restore $s to $v"
-        done <"$HOST_RECORD/sysctls"
+        done <"$record/sysctls"
     fi
     # kube-proxy removes what it made; then every chain that did not exist before (the kubelet's KUBE-FIREWALL and
     # KUBE-KUBELET-CANARY) loses the rules jumping to it and goes.
     [[ -x "$K8S_BIN/kube-proxy" ]] && "$K8S_BIN/kube-proxy" --cleanup >/dev/null 2>&1 || true
     for ipt in iptables ip6tables; do
         command -v "$ipt-save" >/dev/null || continue
-        [[ -f "$HOST_RECORD/$ipt-chains" ]] || continue
+        [[ -f "$record/$ipt-chains" ]] || continue
         local table chain rule
         for table in filter nat mangle; do
             local new=()
             while read -r chain; do
-                grep -qxF "$chain" "$HOST_RECORD/$ipt-chains" || new+=("$chain")
+                grep -qxF "$chain" "$record/$ipt-chains" || new+=("$chain")
             done < <("$ipt-save" -t "$table" 2>/dev/null | sed -n 's/^:\(KUBE-[^ ]*\) .*/\1/p')
             for chain in "${new[@]}"; do
                 while read -r rule; do
@@ -185,22 +200,24 @@ restore_host() {
             for chain in "${new[@]}"; do "$ipt" -t "$table" -X "$chain" 2>/dev/null || true; done
         done
     done
-    # The kubelet's cgroups (cgroupfs driver, cgroup root /), when it made them: a container that outlived its shim
-    # (a node whose processes were killed) is killed first, then the cgroups go, leaves first. Without a record
-    # (a node of an older node.sh) they are left alone.
-    if [[ -d "$HOST_RECORD" && ! -f "$HOST_RECORD/kubepods-existed" ]]; then
-        local d pid
-        for d in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
-            [[ -d "$d" ]] || continue
+    # The kubelet's cgroups (cgroupfs driver, cgroup root /), in the hierarchies where it made them: a container that
+    # outlived its shim (a node whose processes were killed) is killed first, then the cgroups go, leaves first.
+    # Without a record (a node of an older node.sh, or a record cut short) they are left alone.
+    if [[ -f "$HOST_RECORD/kubepods-absent" ]]; then
+        local h d pid
+        while read -r h; do
+            d=$h/kubepods
+            [[ -n "$h" && -d "$d" ]] || continue
+            # A PID of 0 is a task outside this PID namespace; 1 and this script are never the node's.
             for pid in $(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u); do
-                kill -KILL "$pid" 2>/dev/null || true
+                ((pid > 1 && pid != $$)) && kill -KILL "$pid" 2>/dev/null || true
             done
             for _ in $(seq 50); do
                 [[ -z "$(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null)" ]] && break
                 sleep 0.1
             done
             find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
-        done
+        done <"$HOST_RECORD/kubepods-absent"
     fi
     return 0
 }
@@ -343,12 +360,14 @@ cmd_up() {
             return 0
         fi
         log "found stale state of node $NAME; taking it down first"
-        cmd_down "$NAME"
+        ( cmd_down "$NAME" )
     fi
     local other
     for other in "$NODE_ROOT"/*/; do
         [[ -d "$other" ]] || continue
-        take_down_leftover "$(basename "$other")"
+        other=$(basename "$other")
+        [[ "$other" =~ ^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$ ]] || { log "ignoring $NODE_ROOT/$other: no node's name"; continue; }
+        take_down_leftover "$other"
     done
     for b in "$K8S_BIN/kubelet" "$K8S_BIN/kube-proxy" "$NODE_BIN/containerd" "$NODE_BIN/runc" "$CNI_BIN/bridge" "$CRICTL_BIN/crictl"; do
         [[ -x "$b" ]] || die "$b is missing; build it with: e2e/build-k8s.sh && e2e/build-node.sh"
@@ -358,9 +377,10 @@ cmd_up() {
     PAUSE_IMAGE=${GPU_DRA_NODE_PAUSE_IMAGE:-registry.k8s.io/pause:3.10.2}
 
     local t0=$SECONDS
-    mkdir -p "$META" "$RUN" "$LOGS" "$CDI_DIR" "$AGENT_STATE_DIR" "$KUBELET_DIR"
+    mkdir -p "$META" "$RUN"
+    realpath -m "$META" >"$OWNER"
+    mkdir -p "$LOGS" "$CDI_DIR" "$AGENT_STATE_DIR" "$KUBELET_DIR"
     : >"$META/pids"
-    echo "$META" >"$OWNER"
     trap 'rc=$?; [[ $rc -eq 0 ]] || cmd_down "$NAME" >/dev/null 2>&1 || true' EXIT
     # The node's directories are a shared mount, as everything is on a systemd host (its / is shared): a container's
     # mountPropagation: Bidirectional (the agent's MPS tmpfs) needs one, and this machine's / may be private.
@@ -423,23 +443,23 @@ take_down() {
         done
     fi
     [[ -f "$META/pids" ]] && { stop_process kube-proxy; stop_process kubelet; }
-    stop_naming "$META/kube-proxy.yaml"
-    stop_naming "$META/kubelet.yaml"
+    stop_naming "$(ere "$META/kube-proxy.yaml")"
+    stop_naming "$(ere "$META/kubelet.yaml")"
     # Every pod sandbox: stops containers, runs CNI DEL (veth, IP), unmounts their volumes and network namespace.
     if [[ -S "$CONTAINERD_SOCK" ]]; then
         timeout 60 "$CRICTL_BIN/crictl" --runtime-endpoint "unix://$CONTAINERD_SOCK" rmp -fa >/dev/null 2>&1 || true
     fi
     [[ -f "$META/pids" ]] && stop_process containerd
-    stop_naming "$META/containerd.toml"
+    stop_naming "$(ere "$META/containerd.toml")"
     # Shims (and their containers) that outlived containerd: they name our socket in their command line.
     local pid
-    for pid in $(pgrep -f "containerd-shim-runc-v2.*$RUN" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
+    for pid in $(pgrep -f "containerd-shim-runc-v2.*$(ere "$RUN/")" 2>/dev/null); do kill -KILL "$pid" 2>/dev/null || true; done
     # Anything else still naming the node's directories.
-    stop_naming "$RUN/|$META/"
+    stop_naming "$(ere "$RUN/")|$(ere "$META/")"
     # Mounts under the node's directories, deepest first.
     local m
     while read -r m; do umount -l "$m" 2>/dev/null || true; done < <(
-        awk -v a="$RUN" -v b="$META" 'index($2, a) == 1 || index($2, b) == 1 {print $2}' /proc/mounts | sort -r)
+        awk -v a="$RUN" -v b="$META" '$2 == a || $2 == b || index($2, a "/") == 1 || index($2, b "/") == 1 {print $2}' /proc/mounts | sort -r)
     ip link show "$BRIDGE" >/dev/null 2>&1 && ip link delete "$BRIDGE" 2>/dev/null || true
     restore_host
     if [[ $api == 1 ]]; then kubectl_admin delete node "$NAME" --wait=false >/dev/null 2>&1 || true; fi
@@ -447,6 +467,16 @@ take_down() {
     rmdir "$NODE_ROOT" 2>/dev/null || true
     rmdir "$STATE/nodes" 2>/dev/null || true
     log "node $NAME taken down"
+}
+
+# cluster_answers STATE: whether the API server of the cluster in STATE answers /readyz, asked three times (5 s each:
+# a loaded machine's live cluster must not lose its node to one slow answer).
+cluster_answers() {
+    for _ in 1 2 3; do
+        "$K8S_BIN/kubectl" --kubeconfig "$1/kubeconfig" --request-timeout=5s get --raw /readyz >/dev/null 2>&1 && return 0
+        [[ -f "$1/kubeconfig" ]] || return 1
+    done
+    return 1
 }
 
 # take_down_leftover NAME: node NAME's runtime directory is on this machine, with no bookkeeping in this cluster's
@@ -460,9 +490,8 @@ take_down_leftover() (
     use_owner
     local owner_state pids
     owner_state=$(dirname "$(dirname "$META")")
-    pids=$(pgrep -d ' ' -f "$RUN/|$META/" 2>/dev/null) || pids=""
-    if [[ -d "$META" ]] &&
-        "$K8S_BIN/kubectl" --kubeconfig "$owner_state/kubeconfig" --request-timeout=5s get --raw /readyz >/dev/null 2>&1; then
+    pids=$(pgrep -d ' ' -f "$(ere "$RUN/")|$(ere "$META/")" 2>/dev/null) || pids=""
+    if [[ -d "$META" ]] && cluster_answers "$owner_state"; then
         die "another real node is on this machine: $NAME, of the cluster in $owner_state, which answers" \
             "(processes naming its directories: ${pids:-none yet}); one real node per machine: take it down with:" \
             "GPU_DRA_E2E_DIR=$owner_state e2e/node.sh down $NAME"

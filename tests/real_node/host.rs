@@ -29,7 +29,7 @@ pub(crate) struct Snapshot {
     /// Mounts whose target is a node's, a pod's or a runtime's.
     mounts: BTreeSet<String>,
     /// `kubepods` cgroups, in any hierarchy.
-    cgroups: BTreeSet<String>,
+    pub(crate) cgroups: BTreeSet<String>,
     /// Command lines of processes that name the node root.
     pub(crate) processes: BTreeSet<String>,
     node_root_exists: bool,
@@ -150,7 +150,8 @@ pub(crate) fn kill_every_process_naming(needles: &[&str]) -> anyhow::Result<Vec<
     }
     for pid in found.keys() {
         let status = Command::new("kill").args(["-KILL", &pid.to_string()]).status()?;
-        if !status.success() {
+        // A short-lived process may have ended between the listing and the kill.
+        if !status.success() && std::path::Path::new(&format!("/proc/{pid}")).exists() {
             bail!("kill -KILL {pid} failed");
         }
     }

@@ -11,7 +11,7 @@ use k8s_openapi::api::core::v1::{Node, Pod};
 use kube::api::{Api, PostParams};
 use serde_json::json;
 
-use super::support::real_node::RealNode;
+use super::support::real_node::{self, RealNode};
 use super::support::{TestContext, objects, wait};
 use super::{WAIT, gpu_node, host, seen_by};
 
@@ -20,9 +20,25 @@ const NEXT: &str = "next-node";
 const THIRD: &str = "third-node";
 
 pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx: TestContext) -> anyhow::Result<()> {
+    let outcome = nodes_left_behind(&ctx).await;
+    // Whatever happened, none of the nodes stays up: the next real-node test's `up` would be refused.
+    for name in [LEFT, NEXT, THIRD] {
+        real_node::down_named(&ctx.cluster, name)?;
+    }
+    outcome
+}
+
+async fn nodes_left_behind(ctx: &TestContext) -> anyhow::Result<()> {
     let before = host::snapshot()?;
-    let left = gpu_node(&ctx, LEFT).await?;
-    run_a_pod(&ctx, &left).await?;
+    // `down` empties and removes kubepods cgroups only where `up` found none (they may be a host kubelet's).
+    ensure!(
+        before.cgroups.is_empty(),
+        "this machine has kubepods cgroups before any node started ({:?}): a host kubelet's, or left by a node of an \
+         older e2e/node.sh; the test of a container outliving its node needs none",
+        before.cgroups
+    );
+    let left = gpu_node(ctx, LEFT).await?;
+    run_a_pod(ctx, &left).await?;
     let left_dir = runtime_dir(&left)?;
 
     // While its cluster lives, a second node is refused, naming the running one and the command that takes it down.
@@ -41,17 +57,19 @@ pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx
 
     // The run's state directory goes (its clone deleted) while the node still runs, its pod too: the next `up`
     // stops it and takes it down.
-    lose_bookkeeping(&ctx, LEFT)?;
-    let next = gpu_node(&ctx, NEXT).await?;
+    lose_bookkeeping(ctx, LEFT)?;
+    let next = gpu_node(ctx, NEXT).await?;
     ensure!(!left_dir.exists(), "{} is still there after the next node started", left_dir.display());
     let left_processes = host::processes_naming(&format!("{}/", left_dir.display()))?;
     ensure!(left_processes.is_empty(), "processes of {LEFT} outlived it: {left_processes:?}");
 
     // Every process of a node dies (SIGKILL: the kubelet, kube-proxy, containerd, the shims) with its state
     // directory, but the pod's container lives on in the kubelet's cgroups: the next `up` takes it down too.
-    run_a_pod(&ctx, &next).await?;
+    run_a_pod(ctx, &next).await?;
     let next_dir = runtime_dir(&next)?;
-    let bookkeeping_next = lose_bookkeeping(&ctx, NEXT)?;
+    let bookkeeping_next = lose_bookkeeping(ctx, NEXT)?;
+    let containers = host::processes_naming("sleep 3600")?;
+    ensure!(containers.len() == 1, "expected the one pod's container, found {containers:?}");
     let killed = host::kill_every_process_naming(&[
         &format!("{}/", next_dir.display()),
         &format!("{}/", bookkeeping_next.display()),
@@ -59,6 +77,9 @@ pub(super) async fn a_node_left_by_a_killed_run_is_taken_down_by_the_next_up(ctx
     ensure!(killed.len() >= 4, "expected the kubelet, kube-proxy, containerd and a shim, killed {killed:?}");
     let third = RealNode::up(&ctx.cluster, THIRD)?;
     ensure!(!next_dir.exists(), "{} is still there after the third node started", next_dir.display());
+    for pid in containers.keys() {
+        ensure!(!Path::new(&format!("/proc/{pid}")).exists(), "the container that outlived {NEXT}'s shim still runs");
+    }
     third.down()?;
 
     // The nodes were this cluster's (the bookkeeping their directories name is this cluster's): their Node objects

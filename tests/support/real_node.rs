@@ -72,6 +72,12 @@ impl RealNode {
     }
 }
 
+/// `e2e/node.sh down name` on `cluster`, for a node a test may or may not have started (nothing to take down is
+/// no error).
+pub fn down_named(cluster: &Cluster, name: &str) -> anyhow::Result<()> {
+    script(cluster.state_dir(), &["down", name]).map(drop)
+}
+
 fn script(state_dir: &Path, args: &[&str]) -> anyhow::Result<String> {
     let output = Command::new(Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/node.sh"))
         .args(args)
