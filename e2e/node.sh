@@ -430,7 +430,8 @@ cmd_down() {
 # the machine. The cluster is told (pods deleted, the Node object) only when the node is this cluster's.
 take_down() {
     local api=0
-    [[ "$META" == "$STATE/nodes/$NAME" ]] && kubectl_admin get --raw /readyz >/dev/null 2>&1 && api=1
+    [[ "$(realpath -m "$META")" == "$(realpath -m "$STATE/nodes/$NAME")" ]] && kubectl_admin get --raw /readyz >/dev/null 2>&1 &&
+        api=1
     # Pods first, while the kubelet runs: it stops their containers and unprepares their claims. Pods of a
     # DaemonSet come back; they go with the runtime below.
     if [[ $api == 1 ]] && [[ -f "$META/pids" ]]; then

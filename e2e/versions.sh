@@ -40,4 +40,6 @@ CARGO_DENY_VERSION=${CARGO_DENY_VERSION:-0.20.2}
 CARGO_DENY_DIR="$GPU_DRA_CACHE/cargo-deny-$CARGO_DENY_VERSION"
 # The local cluster's state directory (cluster.sh, node.sh): certificates, kubeconfig, logs, pids, real nodes' records.
 E2E_STATE="${GPU_DRA_E2E_DIR:-${TMPDIR:-/tmp}/gpu-dra-e2e-$(id -u)}"
-E2E_STATE="${E2E_STATE%/}"
+# Absolute and canonical: node.sh writes it into kubelet and containerd configs, and compares it with the path a
+# node's runtime directory names.
+E2E_STATE="$(realpath -m "$E2E_STATE")"
