@@ -47,13 +47,35 @@ pub struct NodeDirs {
     root: tempfile::TempDir,
 }
 
-/// The MPS claims' tmpfs mounts a killed agent left (the directories could not be removed under them).
+/// What a killed agent left: its claims' MPS daemons and their servers (each in a process group of its own, as in
+/// the agent's container, where they end with the container; here they would outlive the test, their pipe
+/// directories gone), and their tmpfs mounts (the directories could not be removed under them).
 impl Drop for NodeDirs {
     fn drop(&mut self) {
+        for pid in processes_with_mps_pipes_under(self.root.path()) {
+            let _ = std::process::Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+        }
         for mount in mounts_under(self.root.path()).into_iter().rev() {
             let _ = std::process::Command::new("umount").arg("-l").arg(&mount).status();
         }
     }
+}
+
+/// Processes whose `CUDA_MPS_PIPE_DIRECTORY` lies under `dir`: MPS daemons and servers, and their clients.
+fn processes_with_mps_pipes_under(dir: &Path) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else { return Vec::new() };
+    entries
+        .flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_string_lossy().parse::<u32>().ok()?;
+            let environ = std::fs::read(entry.path().join("environ")).ok()?;
+            environ
+                .split(|&b| b == 0)
+                .filter_map(|var| std::str::from_utf8(var).ok()?.strip_prefix("CUDA_MPS_PIPE_DIRECTORY="))
+                .any(|pipes| Path::new(pipes).starts_with(dir))
+                .then_some(pid)
+        })
+        .collect()
 }
 
 /// The mount points under `dir` (in mount order), from `/proc/self/mountinfo`.
