@@ -13,6 +13,7 @@ use kube::client::ClientBuilder;
 use tower::{Layer, Service};
 
 pub mod keepalive;
+pub mod watch;
 
 /// API client flags shared by the components.
 #[derive(Debug, Clone, Args)]

@@ -26,6 +26,7 @@ use support::process::Component;
 use support::{TestContext, wait};
 use watch_gaps::{
     a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags,
+    a_watch_refused_as_newer_than_the_server_lists_again,
     what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist,
 };
 use workloads::{
@@ -54,6 +55,7 @@ fn main() {
             test!(missing_recorded_claim_is_recreated),
             test!(a_claim_created_but_answered_garbled_is_recorded_once),
             test!(what_was_deleted_while_the_watches_were_down_is_handled_after_the_relist),
+            test!(a_watch_refused_as_newer_than_the_server_lists_again),
             test!(a_pod_created_again_under_its_name_keeps_its_claims_while_the_pod_watch_lags),
             test!(recorded_claim_and_template_deleted_come_back_with_the_template),
             test!(recorded_claim_missing_from_a_lagging_informer_is_read_not_recreated),

@@ -438,35 +438,41 @@ where
 /// retry). Each event updates the store first, then the handler sees it.
 pub async fn run_informers(client: Client, namespace: Option<String>, writers: Writers, ctx: Arc<Context>) {
     let namespace = namespace.as_deref();
-    let pods = watcher(api::<ApiObject<Pod>>(&client, namespace), watcher::Config::default())
-        .default_backoff()
-        .map(feed(writers.pods))
-        .for_each(|event| {
-            on_event("pods", event, |e| on_pod_event(&ctx, e));
-            futures::future::ready(())
-        });
+    let pods = crate::kube_client::watch::watcher(
+        "pods",
+        api::<ApiObject<Pod>>(&client, namespace),
+        watcher::Config::default(),
+    )
+    .map(feed(writers.pods))
+    .for_each(|event| {
+        on_event("pods", event, |e| on_pod_event(&ctx, e));
+        futures::future::ready(())
+    });
     let inspecting = ctx.clone();
-    let claims = watcher(api::<ApiObject<ResourceClaim>>(&client, namespace), watcher::Config::default())
-        .default_backoff()
-        // Claims arrive reduced (slim_claim): managed fields are already down to the list of writers.
-        .modify(move |claim| inspecting.foreign.inspect(&inspecting, &claim.object))
-        .map(feed(writers.claims))
-        .for_each(|event| {
-            on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
-            futures::future::ready(())
-        });
+    let claims = crate::kube_client::watch::watcher(
+        "resourceclaims",
+        api::<ApiObject<ResourceClaim>>(&client, namespace),
+        watcher::Config::default(),
+    )
+    // Claims arrive reduced (slim_claim): managed fields are already down to the list of writers.
+    .modify(move |claim| inspecting.foreign.inspect(&inspecting, &claim.object))
+    .map(feed(writers.claims))
+    .for_each(|event| {
+        on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
+        futures::future::ready(())
+    });
     let client_for_groups = client.clone();
     let templates_api = match namespace {
         Some(ns) => Api::<DynamicObject>::namespaced_with(client, ns, &template_resource()),
         None => Api::<DynamicObject>::all_with(client, &template_resource()),
     };
-    let templates = watcher(templates_api, watcher::Config::default())
-        .default_backoff()
-        .map(feed(writers.templates))
-        .for_each(|event| {
-            on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
-            futures::future::ready(())
-        });
+    let templates =
+        crate::kube_client::watch::watcher("resourceclaimtemplates", templates_api, watcher::Config::default())
+            .map(feed(writers.templates))
+            .for_each(|event| {
+                on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
+                futures::future::ready(())
+            });
     let pod_groups = super::group_api::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx);
     tokio::join!(pods, claims, templates, pod_groups);
 }

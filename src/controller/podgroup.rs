@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::store::{Act, CacheWriter, Change, feed};
 use futures::StreamExt;
 use kube::api::{Api, Patch, PatchParams};
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use kube::{Client, ResourceExt};
 use serde_json::json;
 use tracing::{debug, info, instrument};
@@ -37,8 +37,7 @@ pub async fn run_informer(client: Client, namespace: Option<&str>, writer: Cache
         Some(ns) => Api::<PodGroup>::namespaced(client, ns),
         None => Api::<PodGroup>::all(client),
     };
-    watcher(api, watcher::Config::default())
-        .default_backoff()
+    crate::kube_client::watch::watcher("podgroups", api, watcher::Config::default())
         .map(feed(writer))
         .for_each(|event| {
             super::cache::on_event("podgroups", event, |e| on_event(ctx, e));

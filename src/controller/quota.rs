@@ -38,7 +38,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::ResourceQuota;
 use kube::Client;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use tracing::{debug, info, warn};
 
 use super::Context;
@@ -279,8 +279,7 @@ pub async fn watch(client: Client, namespace: Option<String>, ctx: Arc<Context>)
     };
     let reported = AtomicBool::new(false);
     let mut listed: Option<HashSet<(String, String)>> = None;
-    watcher(api, watcher::Config::default())
-        .default_backoff()
+    crate::kube_client::watch::watcher("resourcequotas", api, watcher::Config::default())
         .for_each(|event| {
             let mut keys = Vec::new();
             match event {

@@ -42,8 +42,9 @@ pub fn builder(config: &kube::Config) -> Result<Option<ClientBuilder<Service>>, 
     http.set_keepalive_retries(Some(RETRIES));
     let https = config.rustls_https_connector_with_connector(http)?;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new()).build(https);
-    let retry =
-        config.default_retry.then(|| tower::retry::RetryLayer::new(kube::client::retry::RetryPolicy::server_retry()));
+    let retry = config
+        .default_retry
+        .then(|| tower::retry::RetryLayer::new(UnlessWatch(kube::client::retry::RetryPolicy::server_retry())));
     let service = ServiceBuilder::new()
         .layer(config.base_uri_layer())
         .option_layer(retry)
@@ -56,4 +57,57 @@ pub fn builder(config: &kube::Config) -> Result<Option<ClientBuilder<Service>>, 
         })
         .boxed();
     Ok(Some(ClientBuilder::new(service, config.default_namespace.clone())))
+}
+
+/// kube's retry of answers to retry (429, 503, 504: up to 15 times, backing off from 5 ms, or after `Retry-After`),
+/// for every request but a watch. A watch is retried by the watcher that made it, which must see why it failed: a
+/// watch refused because its resource version is newer than the server's (504, see [`super::watch`]) must list
+/// again, and was retried from the same version for minutes first (client-go: ten times, then it lists). Where
+/// kube's own builder is used (a proxy, exec credentials), kube retries watches too: their refusals reach the
+/// watcher after those retries, and it lists again then.
+#[derive(Clone)]
+struct UnlessWatch(kube::client::retry::RetryPolicy);
+
+impl<Res> tower::retry::Policy<Request<Body>, Response<Res>, BoxError> for UnlessWatch {
+    type Future = tokio::time::Sleep;
+
+    fn retry(
+        &mut self,
+        request: &mut Request<Body>,
+        result: &mut Result<Response<Res>, BoxError>,
+    ) -> Option<Self::Future> {
+        if is_watch(request.uri()) {
+            return None;
+        }
+        self.0.retry(request, result)
+    }
+
+    fn clone_request(&mut self, request: &Request<Body>) -> Option<Request<Body>> {
+        if is_watch(request.uri()) {
+            return None;
+        }
+        <kube::client::retry::RetryPolicy as tower::retry::Policy<Request<Body>, Response<Res>, BoxError>>::clone_request(
+            &mut self.0,
+            request,
+        )
+    }
+}
+
+/// Whether the request is a watch (`?watch=true`, as kube asks).
+fn is_watch(uri: &http::Uri) -> bool {
+    uri.query().is_some_and(|query| query.split('&').any(|pair| pair == "watch=true" || pair == "watch=1"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watches_are_told_apart() {
+        let uri = |s: &str| s.parse::<http::Uri>().expect("a URI");
+        assert!(is_watch(&uri("/api/v1/pods?allowWatchBookmarks=true&resourceVersion=12&watch=true")));
+        assert!(is_watch(&uri("/api/v1/namespaces/a/pods?watch=1")));
+        assert!(!is_watch(&uri("/api/v1/pods?limit=500")));
+        assert!(!is_watch(&uri("/api/v1/namespaces/watch/pods/watch")));
+    }
 }

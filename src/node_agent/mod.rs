@@ -40,7 +40,7 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use k8s_openapi::api::resource::v1::ResourceSlice;
 use kube::api::Api;
-use kube::runtime::{WatchStreamExt, watcher};
+use kube::runtime::watcher;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -643,8 +643,7 @@ async fn read_back_faults(
 /// Wakes the main loop whenever someone else touches this node's slices (a kubelet restart deletes them all).
 async fn watch_own_slices(client: kube::Client, field_selector: String, changed: Arc<Notify>) {
     let api = Api::<ResourceSlice>::all(client);
-    watcher(api, watcher::Config::default().fields(&field_selector))
-        .default_backoff()
+    crate::kube_client::watch::watcher("resourceslices", api, watcher::Config::default().fields(&field_selector))
         .for_each(|event| {
             match event {
                 Ok(watcher::Event::Delete(_) | watcher::Event::Apply(_) | watcher::Event::InitDone) => {

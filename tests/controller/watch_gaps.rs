@@ -83,6 +83,55 @@ pub(super) async fn what_was_deleted_while_the_watches_were_down_is_handled_afte
 }
 
 /// A controller for the test's namespace talking to the API server through the test's proxy, ready.
+/// etcd restored from a backup (or an API server whose watch cache lags behind the others'): the controller's watches
+/// resume from a resource version the server has not reached, and the server refuses them (504, the version too
+/// large, `Retry-After: 1`) for as long as its own revision is lower. client-go retries such a request ten times and
+/// its reflector then lists again from the server's current state; kube's watcher retried the same version for ever,
+/// so the controller saw no new pod (and, once etcd's revision passed the old one, would have resumed without the
+/// pods created in between), and kube's client first retried each refused watch 15 times, backing off to minutes.
+/// A pod created meanwhile must get its claim, and a claim deleted while the claim watch is refused must be
+/// replaced, each within the usual settling time.
+pub(super) async fn a_watch_refused_as_newer_than_the_server_lists_again(ctx: TestContext) -> anyhow::Result<()> {
+    let (proxy, controller) = controller_behind_a_proxy(&ctx).await?;
+    let ns = ctx.namespace.clone();
+    create_template(&ctx, "one-gpu", one_gpu()).await?;
+    let (claims, pods) = (objects::claims(&ctx), objects::pods(&ctx));
+
+    cut_watches(&proxy, &format!("/namespaces/{ns}/pods")).await?;
+    proxy.restore_held_watches();
+    let started = Instant::now();
+    create_pod(&ctx, "after-restore", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
+    let first = wait::until("the pod created after the restore to record its claim", SETTLE, || async {
+        Ok(claim_statuses(&pods.get("after-restore").await?).first().and_then(|s| s.1.clone()))
+    })
+    .await
+    .with_context(|| format!("controller log:\n{}", controller.log_tail()))?;
+    let pod_took = started.elapsed();
+
+    cut_watches(&proxy, &format!("/namespaces/{ns}/resourceclaims")).await?;
+    delete_claim(&ctx, &first).await?;
+    proxy.restore_held_watches();
+    let second = wait::until("a new claim once the claims are listed again", SETTLE, || async {
+        let name = claim_statuses(&pods.get("after-restore").await?).first().and_then(|s| s.1.clone());
+        Ok(match name.filter(|n| *n != first) {
+            Some(name) => claims.get_opt(&name).await?.map(|_| name),
+            None => None,
+        })
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    let listed_again = controller.log_text().matches("listing again").count();
+    ensure!(
+        listed_again == 2,
+        "the controller said it listed again {listed_again} times, not 2:\n{}",
+        controller.log_tail()
+    );
+    eprintln!(
+        "after the refused watches: the new pod got {first} after {pod_took:.1?}, replaced by {second} once deleted"
+    );
+    Ok(())
+}
+
 async fn controller_behind_a_proxy(ctx: &TestContext) -> anyhow::Result<(ApiProxy, Component)> {
     let proxy = ApiProxy::start(ctx.client.clone()).await?;
     let args = ["controller", "--namespace", ctx.namespace.as_str(), "--leader-elect=false"];

@@ -2,7 +2,8 @@
 //! component behaves when the server did what was asked but the answer cannot be decoded (a proxy or load balancer in
 //! the path mangling a body, a server answering with another version's shape), and when one request takes as long
 //! as the test wants (a slow or restarting API server), with everything else going on; and watches it ends and
-//! answers as a restarted API server does (410 Gone: the client must list again). Everything else passes through
+//! answers as a restarted API server does (410 Gone: the client must list again), or as one restored from an older
+//! etcd backup does (504, the version too large). Everything else passes through
 //! unchanged, watches streamed. The component under test talks plain HTTP to the proxy (a kubeconfig of its own); the proxy
 //! talks to the API server with the test's admin client.
 
@@ -108,6 +109,16 @@ struct Shared {
     expire: Arc<Mutex<Gate>>,
     /// Each cut: the path suffix of the watches it ends.
     cut: Arc<tokio::sync::watch::Sender<String>>,
+    too_large: Arc<Mutex<TooLarge>>,
+}
+
+/// Watches answered that their resource version is newer than the server's ([`ApiProxy::restore_held_watches`]).
+#[derive(Debug, Default)]
+struct TooLarge {
+    /// Whether the held watches are answered so when the gate opens (else: 410, expired).
+    held: bool,
+    /// The resource versions refused: every watch from one of them is refused again.
+    versions: std::collections::HashSet<String>,
 }
 
 /// The running proxy; stops when dropped.
@@ -119,6 +130,7 @@ pub struct ApiProxy {
     hold: Arc<Mutex<Gate>>,
     expire: Arc<Mutex<Gate>>,
     cut: Arc<tokio::sync::watch::Sender<String>>,
+    too_large: Arc<Mutex<TooLarge>>,
     task: tokio::task::JoinHandle<()>,
     _dir: tempfile::TempDir,
 }
@@ -132,8 +144,15 @@ impl ApiProxy {
         let hold = Arc::new(Mutex::new(Gate::default()));
         let expire = Arc::new(Mutex::new(Gate::default()));
         let cut = Arc::new(tokio::sync::watch::Sender::new(String::new()));
-        let shared =
-            Shared { client, garble: garble.clone(), hold: hold.clone(), expire: expire.clone(), cut: cut.clone() };
+        let too_large = Arc::new(Mutex::new(TooLarge::default()));
+        let shared = Shared {
+            client,
+            garble: garble.clone(),
+            hold: hold.clone(),
+            expire: expire.clone(),
+            cut: cut.clone(),
+            too_large: too_large.clone(),
+        };
         let app = axum::Router::new().fallback(forward).with_state(shared);
         let task = tokio::spawn(async move {
             if let Err(err) = axum::serve(listener, app).await {
@@ -143,7 +162,7 @@ impl ApiProxy {
         let dir = tempfile::tempdir()?;
         let kubeconfig = dir.path().join("kubeconfig");
         std::fs::write(&kubeconfig, kubeconfig_text(address)).context("write the proxy's kubeconfig")?;
-        Ok(Self { kubeconfig, address, garble, hold, expire, cut, task, _dir: dir })
+        Ok(Self { kubeconfig, address, garble, hold, expire, cut, too_large, task, _dir: dir })
     }
 
     /// The port the proxy listens on (127.0.0.1).
@@ -208,6 +227,14 @@ impl ApiProxy {
     pub fn expire_held_watches(&self) {
         self.expire.lock().unwrap_or_else(PoisonError::into_inner).open();
     }
+
+    /// Answers the held watches, and every later watch from the same resource versions, that their version is newer
+    /// than the server's (504, cause `ResourceVersionTooLarge`), as an API server whose etcd was restored from an
+    /// older backup does: retrying from that version never succeeds; the client must list again.
+    pub fn restore_held_watches(&self) {
+        self.too_large.lock().unwrap_or_else(PoisonError::into_inner).held = true;
+        self.expire.lock().unwrap_or_else(PoisonError::into_inner).open();
+    }
 }
 
 impl Drop for ApiProxy {
@@ -260,6 +287,29 @@ fn expired_watch() -> Response {
     response
 }
 
+/// The resource version a watch resumes from, if it names one.
+fn resource_version(uri: &http::Uri) -> Option<String> {
+    let query = uri.query()?;
+    let version = query.split('&').find_map(|pair| pair.strip_prefix("resourceVersion="))?;
+    (!version.is_empty() && version != "0").then(|| version.to_string())
+}
+
+/// What an API server restored from an older etcd backup answers to a watch from a version it has not reached.
+fn too_large_watch(version: &str) -> Response {
+    let status = json!({
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": "Timeout", "code": 504,
+        "message": format!("Too large resource version: {version}, current: 1 (refused by the test's proxy)"),
+        "details": {"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}],
+                    "retryAfterSeconds": 1}
+    });
+    let mut response = Response::new(Body::from(status.to_string()));
+    *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+    response.headers_mut().insert(header::CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    // As the API server sets it from the Status's retryAfterSeconds: clients retry the request after it.
+    response.headers_mut().insert(header::RETRY_AFTER, http::HeaderValue::from_static("1"));
+    response
+}
+
 /// A watch's body that ends when [`ApiProxy::cut_watches`] names its path.
 fn cuttable(body: Body, path: String, cut: &tokio::sync::watch::Sender<String>) -> Body {
     let mut cuts = cut.subscribe();
@@ -280,7 +330,18 @@ async fn forward_request(shared: &Shared, request: Request) -> anyhow::Result<Re
     pass(&shared.hold, &parts.method, &parts.uri).await;
     let watch = is_watch(&parts.uri);
     let request_path = parts.uri.path().to_string();
+    let version = resource_version(&parts.uri).filter(|_| watch);
+    if let Some(version) = &version
+        && shared.too_large.lock().unwrap_or_else(PoisonError::into_inner).versions.contains(version)
+    {
+        return Ok(too_large_watch(version));
+    }
     if watch && pass(&shared.expire, &parts.method, &parts.uri).await {
+        let mut too_large = shared.too_large.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(version) = version.filter(|_| too_large.held) {
+            too_large.versions.insert(version.clone());
+            return Ok(too_large_watch(&version));
+        }
         return Ok(expired_watch());
     }
     let garble = take_garble(&shared.garble, &parts.method, parts.uri.path());
