@@ -2,8 +2,11 @@
 //! node's ResourceSlice within a second; the real scheduler gives a tainted GPU to no new claim;
 //! kube-controller-manager's own device-taint-eviction controller evicts the pod of a `NoExecute` (lost) GPU;
 //! a reset or the healthy window untaints it; an agent restart keeps the fault with its `timeAdded`; an unreadable
-//! saved state is kept aside, reported, and its faults read back from the published taints.
+//! saved state is kept aside, reported, and its faults read back from the published taints; a failing or hung state
+//! disk neither holds up a fault's taint nor loses the fault once it answers again.
 
+#[path = "health/state_disk.rs"]
+mod state_disk;
 mod support;
 #[path = "health/unwatched.rs"]
 mod unwatched;
@@ -15,6 +18,10 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
+use state_disk::{
+    a_deleted_health_state_is_read_back_from_the_published_taints,
+    a_health_save_that_failed_is_tried_again_until_it_is_on_disk, a_hung_state_disk_does_not_hold_up_a_fault_taint,
+};
 use support::harness::KubeletHarness;
 use support::node::{DRIVER, NodeAgent, start_agent};
 use support::objects::{self, create_pod_on};
@@ -36,6 +43,9 @@ fn main() {
             test!(an_open_health_stream_does_not_hold_up_the_agents_shutdown),
             test!(an_unreadable_health_state_is_kept_aside_and_reported),
             test!(a_fault_during_a_request_the_api_server_never_answers_is_published_after_the_deadline),
+            test!(a_health_save_that_failed_is_tried_again_until_it_is_on_disk),
+            test!(a_hung_state_disk_does_not_hold_up_a_fault_taint),
+            test!(a_deleted_health_state_is_read_back_from_the_published_taints),
         ]
     } else {
         vec![

@@ -38,6 +38,7 @@ use mps::{
 use node_disks::{
     a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing, a_reboot_onto_a_full_state_disk_still_serves,
     a_spec_directory_deleted_on_the_host_fails_the_liveness_check,
+    a_state_directory_deleted_on_the_host_fails_the_liveness_check,
 };
 use serde_json::{Value, json};
 use shares::a_share_beside_a_force_deleted_pods_share_waits_for_its_memory;
@@ -69,6 +70,7 @@ fn main() {
             test!(a_reboot_onto_a_full_state_disk_still_serves),
             test!(a_spec_written_before_the_unified_memory_nodes_gets_them_once_they_appear),
             test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
+            test!(a_state_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
@@ -505,11 +507,12 @@ async fn kill_during_fifty_concurrent_prepares_leaves_a_consistent_state(ctx: Te
     let recorded: BTreeSet<String> = state.claims.keys().map(|uid| format!("{DRIVER}-gpu_{uid}.json")).collect();
     let on_disk: BTreeSet<String> = dirs.cdi_specs()?.into_iter().collect();
     ensure!(recorded == on_disk, "checkpoint {recorded:?} vs specs {on_disk:?}");
-    // No temporary file left; the killed agent's lock file is the new agent's now (the kernel dropped the lock).
+    // No temporary file left; the killed agent's lock file is the new agent's now (the kernel dropped the lock). The
+    // health state is saved at the first publish (read back from the published taints: there was none).
     let mut state_files: Vec<_> = std::fs::read_dir(dirs.state())?.flatten().map(|e| e.file_name()).collect();
     state_files.sort();
     ensure!(
-        state_files == ["agent.lock", "checkpoint.json", "device-metadata"],
+        state_files == ["agent.lock", "checkpoint.json", "device-metadata", "health.json"],
         "state dir after restart: {state_files:?}"
     );
     // Device metadata files only of the claims the checkpoint lists: those of the interrupted prepares went too.

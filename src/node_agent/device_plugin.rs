@@ -124,6 +124,8 @@ pub struct DevicePluginGuard {
     serving: Vec<String>,
     gauge: Gauge<i64>,
     recorder: Recorder,
+    /// Set while a write of the record runs (on a blocking thread): one still hung on the disk is not joined by more.
+    writing: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl std::fmt::Debug for DevicePluginGuard {
@@ -166,6 +168,7 @@ impl DevicePluginGuard {
             serving: Vec::new(),
             gauge,
             recorder,
+            writing: std::sync::Arc::default(),
         }
     }
 
@@ -261,9 +264,10 @@ impl DevicePluginGuard {
         (ago < self.grace).then(|| now.checked_sub(ago).unwrap_or(now))
     }
 
-    /// Writes that a plugin serves GPUs now. A failure is logged, not fatal: only a restart within the grace period
-    /// would miss it.
+    /// Writes that a plugin serves GPUs now, off the async threads (the write's fsyncs on a slow state disk held the
+    /// agent's main loop). A failure is logged, not fatal: only a restart within the grace period would miss it.
     fn remember(&self) {
+        use std::sync::atomic::Ordering;
         let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis());
         let served = Served {
             last_served_millis: u64::try_from(now).unwrap_or(u64::MAX),
@@ -271,9 +275,18 @@ impl DevicePluginGuard {
             boot_millis: boot_clock_millis(),
         };
         let text = serde_json::to_string(&served).unwrap_or_default();
-        if let Err(err) = crate::fsutil::write_atomic(&self.record, text.as_bytes()) {
-            warn!(file = %self.record.display(), error = %err, "cannot record that a device plugin serves GPUs");
+        if self.writing.swap(true, Ordering::AcqRel) {
+            warn!(file = %self.record.display(), "the last record that a device plugin serves GPUs is still being \
+                  written (a slow or hung disk?); not written again");
+            return;
         }
+        let (record, writing) = (self.record.clone(), self.writing.clone());
+        tokio::task::spawn_blocking(move || {
+            if let Err(err) = crate::fsutil::write_atomic(&record, text.as_bytes()) {
+                warn!(file = %record.display(), error = %err, "cannot record that a device plugin serves GPUs");
+            }
+            writing.store(false, Ordering::Release);
+        });
     }
 }
 

@@ -468,6 +468,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if let Some(state) = plugin_state {
         let _ = tokio::task::spawn_blocking(move || state.stop_mps_daemons()).await;
     }
+    // A health change not saved yet gets its last try (bounded: a hung disk does not hold up the stop).
+    monitor.saved_at_stop(Duration::from_secs(3)).await;
     info!("stopped");
     Ok(())
 }
@@ -635,7 +637,7 @@ async fn read_back_faults(
     monitor: &health::Monitor,
 ) -> Result<(), slices::publisher::PublishError> {
     if monitor.restore_pending() {
-        monitor.restore(&publisher.published_taints().await?);
+        monitor.restore(&publisher.published_taints().await?).await;
     }
     Ok(())
 }

@@ -117,7 +117,7 @@ pub(super) async fn start(
     tokio::spawn(warn_unregistered(settings, registered, client.clone(), stop.clone()));
     tokio::spawn(restore_lost_specs(state.clone(), stop));
     let sockets = settings.sockets.clone();
-    let host_dirs = HostDirs::new(&settings.sockets, &settings.cdi_dir);
+    let host_dirs = HostDirs::new(&settings.sockets, [&settings.cdi_dir, &settings.state_dir, &settings.mps_dir]);
     liveness.set(move || {
         let sockets = sockets.clone();
         let host_dirs = host_dirs.clone();
@@ -135,8 +135,9 @@ pub(super) async fn start(
     Ok((task, state))
 }
 
-/// The host directories the agent writes and others read: the sockets' (the kubelet's plugin watcher) and the CDI
-/// directory (the container runtime). Looked at by the liveness check.
+/// The host directories the agent writes: the sockets' (the kubelet's plugin watcher), the CDI directory (the
+/// container runtime), the state directory (the checkpoint, the health state: what a restarted agent reads) and the
+/// MPS directory (containers mount the daemons' pipes from there). Looked at by the liveness check.
 #[derive(Clone)]
 struct HostDirs {
     dirs: Arc<Vec<PathBuf>>,
@@ -146,9 +147,9 @@ struct HostDirs {
 }
 
 impl HostDirs {
-    fn new(sockets: &SocketPaths, cdi_dir: &Path) -> Self {
+    fn new(sockets: &SocketPaths, others: [&PathBuf; 3]) -> Self {
         let parents = [sockets.registration.parent(), sockets.dra.parent()].into_iter().flatten();
-        let dirs = parents.map(Path::to_path_buf).chain([cdi_dir.to_path_buf()]).collect();
+        let dirs = parents.chain(others.map(PathBuf::as_path)).map(Path::to_path_buf).collect();
         Self { dirs: Arc::new(dirs), looking: Arc::default() }
     }
 

@@ -206,13 +206,30 @@ pub(super) async fn a_full_disk_fails_the_prepare_with_the_reason_and_loses_noth
 pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_check(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
+    a_directory_deleted_on_the_host_fails_the_liveness_check(ctx, NodeDirs::cdi).await
+}
+
+/// The same with the state directory (`rm -rf /var/lib/gpu-dra`, a node clean-up script): every prepare failed to
+/// write its checkpoint and every unprepare to record itself (pods stuck Terminating) while the liveness check
+/// answered 200. The restarted agent rebuilds its checkpoint from the specs and prepares again.
+pub(super) async fn a_state_directory_deleted_on_the_host_fails_the_liveness_check(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    a_directory_deleted_on_the_host_fails_the_liveness_check(ctx, NodeDirs::state).await
+}
+
+async fn a_directory_deleted_on_the_host_fails_the_liveness_check(
+    ctx: TestContext,
+    which: fn(&NodeDirs) -> PathBuf,
+) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
-    let host = tempfile::Builder::new().prefix("gd-host-cdi-").tempdir_in("/tmp")?;
-    let mounted = Mount::bind(host.path(), &dirs.cdi())?;
+    let host = tempfile::Builder::new().prefix("gd-host-dir-").tempdir_in("/tmp")?;
+    let mounted = Mount::bind(host.path(), &which(&dirs))?;
     let mut agent = ready_agent(&ctx, &node, &dirs, "3xH100-80GB").await?;
     let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], serde_json::json!([])).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], serde_json::json!([])).await?;
     let ns = ctx.namespace.clone();
     prepares_fully(&dirs, &ns, "a", &a, "gpu-0").await?;
     let (code, _) = agent.get("/healthz").await?;
@@ -220,7 +237,7 @@ pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_chec
 
     std::fs::remove_dir_all(host.path())?;
     let (code, body) = agent.get("/healthz").await?;
-    let named = format!("{} was deleted on the host", dirs.cdi().display());
+    let named = format!("{} was deleted on the host", which(&dirs).display());
     ensure!(code != 200 && body.contains(&named), "/healthz after the deletion: {code} {body}");
 
     // The kubelet restarts the container: the new one mounts the host's new directory.
@@ -230,6 +247,8 @@ pub(super) async fn a_spec_directory_deleted_on_the_host_fails_the_liveness_chec
     ensure!(dirs.cdi_spec(&a).exists(), "the restarted agent did not write a's spec again");
     let (code, body) = agent.get("/healthz").await?;
     ensure!(code == 200, "/healthz of the restarted agent: {code} {body}");
+    prepares_fully(&dirs, &ns, "b", &b, "gpu-1").await?;
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.contains_key(&b), "b's prepare is not in the new checkpoint");
     Ok(())
 }
 

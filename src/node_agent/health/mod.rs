@@ -17,6 +17,7 @@ pub mod coverage;
 mod events;
 pub mod inject;
 pub mod nvml_events;
+mod saver;
 pub mod sources;
 pub mod state;
 pub mod store;
@@ -84,8 +85,13 @@ pub struct Monitor {
     policy: Policy,
     effects: Effects,
     book: Mutex<HealthBook>,
-    /// Notified whenever a GPU's taints change: the node agent republishes at once.
+    /// The book publishing shows ([`Monitor::taints`]): a copy of `book` made once it was saved, or once its save
+    /// was late or failed ([`saver`]), so that no taint is published before it is on disk (or known not to get there).
+    shown: Mutex<HealthBook>,
+    /// Notified whenever the book shown changes: the node agent republishes at once.
     pub changed: Notify,
+    /// The saver's side ([`saver`]): taint changes are saved off the async threads, and retried until saved.
+    saving: saver::Saving,
     metrics: HealthMetrics,
     /// What the kubelet's health stream sends (see [`crate::kubelet_plugin::health`]).
     health: watch::Sender<HealthReport>,
@@ -97,6 +103,13 @@ pub struct Monitor {
     holders: Arc<OnceLock<Arc<DriverState>>>,
     /// Why the saved state could not be read at start, for a Warning Event on the Node.
     unreadable: Option<String>,
+    /// Whether there was no saved state at start (a new node, or the state directory deleted or replaced): the
+    /// faults are read back from the published taints all the same, as for an unreadable one.
+    missing: bool,
+    /// Set while a save of [`Monitor::restore`] runs: one hung on the disk is not joined by another at each publish.
+    restore_saving: Arc<AtomicBool>,
+    /// When this boot began (wall clock seconds): taints added before are not read back ([`Monitor::restore`]).
+    booted: Option<i64>,
     /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
     /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
     restore_pending: AtomicBool,
@@ -113,9 +126,10 @@ pub struct Monitor {
 }
 
 impl Monitor {
-    /// The monitor with the state saved in `state_dir` (a missing file: every GPU healthy; an unreadable one is said
-    /// in the log and in a Warning Event on the Node, and its faults are read back from the published taints before
-    /// the next publish, when it is kept aside: see [`Monitor::restore`]), its metrics registered in `registry`.
+    /// The monitor with the state saved in `state_dir` (an unreadable one is said in the log and in a Warning Event
+    /// on the Node, and its faults are read back from the published taints before the next publish, when it is kept
+    /// aside: see [`Monitor::restore`]; so are a missing one's, which a new node has none of), its metrics registered
+    /// in `registry`.
     pub fn new(
         driver: &str,
         node: &str,
@@ -125,11 +139,13 @@ impl Monitor {
         registry: &mut Registry,
     ) -> Self {
         let mut unreadable = None;
-        let book = store::load(&state_dir).unwrap_or_else(|error| {
+        let loaded = store::load_if_present(&state_dir).unwrap_or_else(|error| {
             warn!(%error, "GPU health state unreadable; reading the faults back from the published taints");
             unreadable = Some(error.to_string());
-            HealthBook::default()
+            Some(HealthBook::default())
         });
+        let missing = loaded.is_none();
+        let book = loaded.unwrap_or_default();
         let unstamped = book.boot_id.is_empty() && !book.faulted.is_empty();
         let (mut book, forgotten) = book.carried_into(boot_id);
         let clock = Clock::start();
@@ -148,6 +164,13 @@ impl Monitor {
             info!(faulted = ?book.faulted.keys().collect::<Vec<_>>(), "GPU faults restored from the state directory");
         }
         let metrics = HealthMetrics::default();
+        let saving = saver::Saving::default();
+        registry.register(
+            "gpu_dra_node_agent_health_state_unsaved",
+            "1 while the GPU health state in memory is newer than the one in the state directory because saving it \
+             failed (tried again until it succeeds; an agent restarted meanwhile forgets the change)",
+            saving.unsaved.clone(),
+        );
         registry.register(
             "gpu_dra_node_agent_gpu_healthy",
             "1 when the GPU is healthy, 0 while it is tainted for a fault",
@@ -164,14 +187,19 @@ impl Monitor {
             state_dir,
             policy,
             effects,
+            shown: Mutex::new(book.clone()),
             book: Mutex::new(book),
             changed: Notify::new(),
+            saving,
             metrics,
             health: watch::Sender::new(HealthReport::default()),
             coverage: Arc::default(),
             devices: Mutex::default(),
             holders: Arc::default(),
-            restore_pending: AtomicBool::new(unreadable.is_some()),
+            restore_pending: AtomicBool::new(unreadable.is_some() || missing),
+            missing,
+            restore_saving: Arc::default(),
+            booted: boot_wall_time(),
             kept_aside: Mutex::default(),
             restore_save_failed: AtomicBool::new(false),
             unreadable,
@@ -190,11 +218,21 @@ impl Monitor {
         self.book.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn shown(&self) -> std::sync::MutexGuard<'_, HealthBook> {
+        self.shown.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Makes `book` the one publishing shows, and wakes the publisher.
+    fn show(&self, book: HealthBook) {
+        *self.shown() = book;
+        self.changed.notify_one();
+    }
+
     /// The `taints` of each of `gpus`' devices, by GPU UUID; also sets their health gauges and removes those of GPUs
     /// no longer among them (unbound for passthrough, renamed by a driver reload, all of them when the pool is
     /// emptied), so that no series speaks for a GPU that is gone.
     pub fn taints(&self, gpus: &[Gpu]) -> HashMap<String, Vec<Value>> {
-        let book = self.book();
+        let book = self.shown();
         let mut now = HashSet::with_capacity(gpus.len());
         let taints = gpus
             .iter()
@@ -280,6 +318,7 @@ impl Monitor {
         gpus: watch::Receiver<Arc<Vec<Gpu>>>,
         stop: CancellationToken,
     ) {
+        tokio::spawn(self.clone().save_changes(stop.clone()));
         let events = events::NodeEvents::new(client, &self.node, self.holders.clone());
         if let Some(why) = self.unreadable.clone() {
             let note = format!(
@@ -287,8 +326,11 @@ impl Monitor {
                  published again; check this node's GPUs (nvidia-smi -q) and reset any that need it"
             );
             events.send(EventType::Warning, "GpuHealthStateUnreadable", note);
-            // And once they were read back, what was found.
+        }
+        if self.restore_pending() {
+            // Once they were read back, what was found (for a missing state, only if something was).
             let (mut restored, events, stop) = (self.restored.subscribe(), events.clone(), stop.clone());
+            let missing = self.missing;
             tokio::spawn(async move {
                 let (gpus, kept) = tokio::select! {
                     () = stop.cancelled() => return,
@@ -297,7 +339,9 @@ impl Monitor {
                         Err(_) => return,
                     },
                 };
-                events.send(EventType::Normal, "GpuHealthStateRestored", restored_note(&gpus, &kept));
+                if !missing || !gpus.is_empty() {
+                    events.send(EventType::Normal, "GpuHealthStateRestored", restored_note(&gpus, &kept, missing));
+                }
             });
         }
         let mut coverage_check = tokio::time::interval(COVERAGE_CHECK);
@@ -339,17 +383,10 @@ impl Monitor {
             self.coverage.update(|seen| seen.set_unwatched(&gpu.uuid, (!watched).then_some(inject::UNWATCHED)));
             return self.report_health();
         }
-        let transition = {
-            let mut book = self.book();
-            let transition = match report.action {
-                Action::Fault(fault) => book.record(&gpu.uuid, fault, self.clock.now(), &self.policy),
-                Action::Reset => book.reset(&gpu.uuid),
-                Action::Watched(_) => return,
-            };
-            if transition.changes_taints() {
-                self.save(&book);
-            }
-            transition
+        let transition = match report.action {
+            Action::Fault(fault) => self.book().record(&gpu.uuid, fault, self.clock.now(), &self.policy),
+            Action::Reset => self.book().reset(&gpu.uuid),
+            Action::Watched(_) => return,
         };
         // A lost GPU is reported again at every discovery that finds it lost (to keep its window open): a fault
         // once, not once a round.
@@ -364,24 +401,19 @@ impl Monitor {
         }
         self.announce(gpu, report.action, &transition, events);
         if transition.changes_taints() {
-            self.changed.notify_one();
+            self.saving.want();
         }
     }
 
     fn expire(&self, events: &events::NodeEvents) {
-        let healed = {
-            let mut book = self.book();
-            let healed = book.expire(self.clock.now().steady, &self.policy);
-            if !healed.is_empty() {
-                self.save(&book);
-            }
-            healed
-        };
+        let healed = self.book().expire(self.clock.now().steady, &self.policy);
+        if !healed.is_empty() {
+            self.saving.want();
+        }
         for (uuid, was) in healed {
             info!(gpu = %uuid, class = was.class.as_str(), fault = %was.fault, "GPU healthy again: no fault for the healthy window");
             let note = format!("GPU {uuid} had no fault for the healthy window after {}; taint removed", was.fault);
             events.send(EventType::Normal, "GpuRecovered", note);
-            self.changed.notify_one();
         }
     }
 
@@ -390,56 +422,83 @@ impl Monitor {
         self.restore_pending.load(Ordering::Acquire)
     }
 
-    /// After an unreadable saved state: takes the faults back from the taints this node's devices were last
-    /// published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
-    /// before anything is published again; then copies the unreadable file aside and saves. The slices are the only
-    /// other record of the faults: without this, a GPU that needs a reset was untainted at the next publish and
-    /// handed out again. Until the save succeeds nothing is saved (a save replaces the unreadable file) and the
-    /// restore stays pending, so an agent restarted before reads them back as well, and a failed save is tried again
-    /// at the next publish. What was never published (a fault in the second before the state was lost) stays
+    /// After an unreadable or missing saved state: takes the faults back from the taints this node's devices were
+    /// last published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
+    /// before anything is published again, leaving out taints added before this boot (the reboot reset those GPUs);
+    /// then copies an unreadable file aside and saves. The slices are the only other record of the faults: without
+    /// this, a GPU that needs a reset was untainted at the next publish and handed out again (also after the state
+    /// directory was deleted on the host, which makes the liveness check restart the agent). Until the save succeeds
+    /// nothing is saved (a save replaces the unreadable file) and the restore stays pending, so an agent restarted
+    /// before reads them back as well, and a failed save is tried again at the next publish; the faults read back
+    /// are published all the same. What was never published (a fault in the second before the state was lost) stays
     /// forgotten; the Events say so.
-    pub fn restore(&self, published: &[(String, Vec<Value>)]) {
-        let now = self.clock.now();
+    pub async fn restore(&self, published: &[(String, Vec<Value>)]) {
+        let (now, booted) = (self.clock.now(), self.booted);
         let mut restored = Vec::new();
-        let mut book = self.book();
-        for (gpu, taints) in published {
-            for taint in taints {
-                if let Some(state) = taints::restored(&self.driver, taint, now)
-                    && book.restore(gpu, state)
-                    && !restored.contains(gpu)
-                {
-                    restored.push(gpu.clone());
+        let book = {
+            let mut book = self.book();
+            for (gpu, taints) in published {
+                for taint in taints {
+                    if let Some(state) = taints::restored(&self.driver, taint, now)
+                        && booted.is_none_or(|booted| state.since >= booted)
+                        && book.restore(gpu, state)
+                        && !restored.contains(gpu)
+                    {
+                        restored.push(gpu.clone());
+                    }
                 }
             }
+            book.clone()
+        };
+        self.show(book.clone());
+        if self.restore_saving.swap(true, Ordering::AcqRel) {
+            // The last one still hangs on the disk: published with the faults read back, saved when it answers.
+            return;
         }
-        let mut kept = self.kept_aside.lock().unwrap_or_else(PoisonError::into_inner);
-        let kept = kept
-            .get_or_insert_with(|| match store::keep_aside(&self.state_dir) {
-                Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
-                Err(e) => format!("the unreadable file could not be kept aside ({e})"),
-            })
-            .clone();
-        if let Err(error) = store::save(&self.state_dir, &book) {
-            // Published with them all the same (they are in the book); read back and saved again next time.
+        // Off the async threads, as every save (see `saver`), and waited for at most as long.
+        let (dir, kept_before, missing) = (self.state_dir.clone(), self.kept_note().clone(), self.missing);
+        let in_flight = self.restore_saving.clone();
+        let save = tokio::task::spawn_blocking(move || {
+            let kept = kept_before.unwrap_or_else(|| match missing {
+                true => "there was no file to keep aside".to_string(),
+                false => match store::keep_aside(&dir) {
+                    Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
+                    Err(e) => format!("the unreadable file could not be kept aside ({e})"),
+                },
+            });
+            let saved = store::save(&dir, &book);
+            in_flight.store(false, Ordering::Release);
+            (kept, saved)
+        });
+        let (kept, saved) = match tokio::time::timeout(saver::SLOW_SAVE, save).await {
+            Ok(Ok(done)) => done,
+            Ok(Err(joined)) => {
+                warn!(error = %joined, "saving the GPU faults read back failed; trying again at the next publish");
+                return;
+            }
+            Err(_) => {
+                warn!(dir = %self.state_dir.display(), "saving the GPU faults read back takes long (a slow or hung \
+                    disk?); published all the same, saved at a later publish");
+                return;
+            }
+        };
+        *self.kept_note() = Some(kept.clone());
+        if let Err(error) = saved {
+            // Published with them all the same (they are shown); read back and saved again next time.
             if !self.restore_save_failed.swap(true, Ordering::AcqRel) {
                 warn!(%error, "the GPU faults read back could not be saved; trying again at every publish");
             }
             return;
         }
         self.restore_pending.store(false, Ordering::Release);
-        drop(book);
+        // A change the monitor made while this save ran was not saved (the read-back was pending): saved now.
+        self.saving.want();
         info!(restored = ?restored, %kept, "GPU faults read back from the published taints");
         self.restored.send_replace(Some((restored, kept)));
     }
 
-    fn save(&self, book: &HealthBook) {
-        if self.restore_pending() {
-            // Saved with the faults read back (see `restore`).
-            return;
-        }
-        if let Err(error) = store::save(&self.state_dir, book) {
-            warn!(%error, "GPU health state not saved; a restart now would forget this change");
-        }
+    fn kept_note(&self) -> std::sync::MutexGuard<'_, Option<String>> {
+        self.kept_aside.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     fn announce(&self, gpu: &Gpu, action: Action, transition: &Transition, events: &events::NodeEvents) {
@@ -476,9 +535,9 @@ impl Monitor {
     }
 }
 
-/// The note of the Event saying what was read back after an unreadable saved state: the GPUs whose faults were found
-/// in the published taints, and where the unreadable file was kept.
-fn restored_note(restored: &[String], kept: &str) -> String {
+/// The note of the Event saying what was read back after an unreadable (or `missing`) saved state: the GPUs whose
+/// faults were found in the published taints, and where the unreadable file was kept.
+fn restored_note(restored: &[String], kept: &str, missing: bool) -> String {
     let found = match restored {
         [] => "this node's ResourceSlices carried no GPU fault taint of this driver to read back".to_string(),
         gpus => format!(
@@ -487,10 +546,21 @@ fn restored_note(restored: &[String], kept: &str) -> String {
             gpus.join(", ")
         ),
     };
+    let what = if missing {
+        "GPU health state missing at start (the state directory deleted or replaced?)"
+    } else {
+        "GPU health state unreadable at start"
+    };
     format!(
-        "GPU health state unreadable at start: {found}; {kept}. A fault recorded but not yet published, or published \
-         in slices deleted since (a kubelet restart deletes them), is forgotten"
+        "{what}: {found}; {kept}. A fault recorded but not yet published, or published in slices deleted since (a \
+         kubelet restart deletes them), is forgotten"
     )
+}
+
+/// When this boot began, on the wall clock (`btime` in /proc/stat); `None` where it cannot be read.
+fn boot_wall_time() -> Option<i64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    stat.lines().find_map(|line| line.strip_prefix("btime "))?.trim().parse().ok()
 }
 
 fn wall_now() -> i64 {
@@ -545,6 +615,7 @@ mod tests {
         let monitor = monitor_in(dir.path(), &mut registry);
         let gpus: Vec<Gpu> = (0..3).map(|i| crate::node_agent::gpu::test_gpu(i, &format!("0000:0{i}:00.0"))).collect();
         monitor.book().record(&gpus[2].uuid, Fault::GpuLost, monitor.clock.now(), &Policy::default());
+        monitor.show(monitor.book().clone());
         let series = |registry: &Registry| -> anyhow::Result<Vec<String>> {
             let mut text = String::new();
             prometheus_client::encoding::text::encode(&mut text, registry)?;
@@ -627,22 +698,24 @@ mod tests {
     /// An unreadable state stays where it is, and the read-back pending, until the faults read back are saved: a
     /// save meanwhile (a fault reported, a healthy window ending) writes nothing, and an agent restarted before
     /// finds the same file and reads them back too.
-    #[test]
-    fn an_unreadable_state_stays_until_the_faults_read_back_are_saved() -> anyhow::Result<()> {
+    #[tokio::test]
+    async fn an_unreadable_state_stays_until_the_faults_read_back_are_saved() -> anyhow::Result<()> {
         let dir = tempfile::tempdir()?;
         let torn = b"{\"version\": 1, \"faulted\": {\"GPU-";
         std::fs::write(store::path(dir.path()), torn)?;
         let first = monitor(dir.path());
         assert!(first.restore_pending());
-        first.save(&HealthBook::default());
+        first.saving.want();
+        assert!(first.save_once(true).await, "a save while the read-back is pending is no failure");
         assert_eq!(std::fs::read(store::path(dir.path()))?, torn, "saved over while the read-back was pending");
         drop(first);
 
-        let restarted = monitor(dir.path());
+        let mut restarted = monitor(dir.path());
         assert!(restarted.restore_pending(), "a restart before the read-back forgot it");
         let taint = json!({"key": "gpu.example.com/needs-reset", "value": "ecc-double-bit", "effect": "NoSchedule",
                            "timeAdded": "2026-12-01T10:00:00Z"});
-        restarted.restore(&[("GPU-1".into(), vec![taint])]);
+        restarted.booted = Some(1_796_083_200); // 2026-12-01T00:00:00Z
+        restarted.restore(&[("GPU-1".into(), vec![taint])]).await;
         assert!(!restarted.restore_pending());
         let saved = store::load(dir.path())?;
         let state = saved.get("GPU-1").map(|s| (s.class, s.fault));
@@ -653,6 +726,39 @@ mod tests {
             .map(|e| std::fs::read(e.path()))
             .collect::<Result<_, _>>()?;
         assert_eq!(kept, [torn.to_vec()]);
+        Ok(())
+    }
+
+    /// A missing state (the state directory deleted on the host, the liveness check then restarting the agent) is
+    /// read back from the published taints as an unreadable one is, without taints added before this boot (the
+    /// reboot reset those GPUs); nothing is kept aside, and the read-back is saved.
+    #[tokio::test]
+    async fn a_missing_state_is_read_back_from_this_boots_taints() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let mut monitor = monitor(dir.path());
+        assert!(monitor.restore_pending(), "a missing state is read back");
+        monitor.booted = Some(1_796_083_200); // 2026-12-01T00:00:00Z
+        let taint = |key: &str, value: &str, added: &str| json!({"key": format!("gpu.example.com/{key}"), "value": value, "effect": "NoSchedule", "timeAdded": added});
+        let published = [
+            ("GPU-1".to_string(), vec![taint("needs-reset", "ecc-double-bit", "2026-12-01T10:00:00Z")]),
+            ("GPU-2".to_string(), vec![taint("needs-reset", "ecc-double-bit", "2026-11-30T23:00:00Z")]),
+        ];
+        monitor.restore(&published).await;
+        assert!(!monitor.restore_pending());
+        let gpus: Vec<Gpu> = [(0, "GPU-1"), (1, "GPU-2")]
+            .into_iter()
+            .map(|(i, uuid)| Gpu {
+                uuid: uuid.into(),
+                ..crate::node_agent::gpu::test_gpu(i, &format!("0000:0{i}:00.0"))
+            })
+            .collect();
+        let shown = monitor.taints(&gpus);
+        assert_eq!(shown["GPU-1"].len(), 1, "this boot's fault is published");
+        assert!(shown["GPU-2"].is_empty(), "the previous boot's fault is not");
+        let saved = store::load(dir.path())?;
+        assert_eq!(saved.faulted.keys().collect::<Vec<_>>(), ["GPU-1"]);
+        let entries = std::fs::read_dir(dir.path())?.flatten().map(|e| e.file_name()).collect::<Vec<_>>();
+        assert_eq!(entries, [std::ffi::OsString::from(store::FILE_NAME)], "nothing kept aside");
         Ok(())
     }
 }

@@ -50,10 +50,15 @@ pub fn path(state_dir: &Path) -> PathBuf {
 
 /// Loads the state; a missing file is an empty book (every GPU healthy).
 pub fn load(state_dir: &Path) -> Result<HealthBook, StoreError> {
+    load_if_present(state_dir).map(Option::unwrap_or_default)
+}
+
+/// Loads the state; `None` when there is no file.
+pub fn load_if_present(state_dir: &Path) -> Result<Option<HealthBook>, StoreError> {
     let path = path(state_dir);
     let bytes = match std::fs::read(&path) {
         Ok(bytes) => bytes,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(HealthBook::default()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(StoreError::Read { path, source }),
     };
     let on_disk: OnDisk =
@@ -61,7 +66,7 @@ pub fn load(state_dir: &Path) -> Result<HealthBook, StoreError> {
     if on_disk.version != VERSION {
         return Err(StoreError::Version { path, found: on_disk.version });
     }
-    Ok(on_disk.book)
+    Ok(Some(on_disk.book))
 }
 
 /// Copies an unreadable state file to `health.json.corrupt-<unix seconds>` (`-<n>` appended when taken), so that
