@@ -448,9 +448,13 @@ impl Monitor {
                     }
                 }
             }
-            book.clone()
+            // Shown under the book's lock (a saver showing the book meanwhile shows this one or a later one), and
+            // without waking the publisher: the caller publishes next. (Woken, a publish that cannot save the
+            // read-back would read it back and wake itself again, listing the slices in a loop.)
+            let copy = book.clone();
+            *self.shown() = copy.clone();
+            copy
         };
-        self.show(book.clone());
         if self.restore_saving.swap(true, Ordering::AcqRel) {
             // The last one still hangs on the disk: published with the faults read back, saved when it answers.
             return;
@@ -734,6 +738,15 @@ mod tests {
     /// reboot reset those GPUs); nothing is kept aside, and the read-back is saved.
     #[tokio::test]
     async fn a_missing_state_is_read_back_from_this_boots_taints() -> anyhow::Result<()> {
+        // A read-back that cannot be saved does not wake the publisher, which would read it back again at once.
+        let file = tempfile::NamedTempFile::new()?;
+        let unsavable = monitor(&file.path().join("state"));
+        assert!(unsavable.restore_pending());
+        unsavable.restore(&[]).await;
+        assert!(unsavable.restore_pending(), "saved into a directory under a file");
+        let woken = tokio::time::timeout(Duration::ZERO, unsavable.changed.notified()).await;
+        assert!(woken.is_err(), "the read-back woke the publisher");
+
         let dir = tempfile::tempdir()?;
         let mut monitor = monitor(dir.path());
         assert!(monitor.restore_pending(), "a missing state is read back");

@@ -99,8 +99,9 @@ impl Monitor {
         if self.restore_pending() {
             // Saved with the faults read back (see `restore`); published all the same.
             self.saving.pending.store(false, Ordering::Release);
-            let book = self.book().clone();
-            self.show(book);
+            // Under the book's lock, as `restore` shows its read-back: never an older copy after a newer one.
+            *self.shown() = self.book().clone();
+            self.changed.notify_one();
             return true;
         }
         let copy = {
