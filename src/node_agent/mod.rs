@@ -631,13 +631,14 @@ async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(
     Ok(())
 }
 
-/// The health state was unreadable: its faults are read back from the node's slices before they are replaced.
+/// The health state was unreadable or missing: its faults are read back from the node's slices (once) before they
+/// are replaced.
 async fn read_back_faults(
     publisher: &Publisher,
     monitor: &health::Monitor,
 ) -> Result<(), slices::publisher::PublishError> {
-    if monitor.restore_pending() {
-        monitor.restore(&publisher.published_taints().await?).await;
+    if monitor.read_back_pending() {
+        monitor.restore(&publisher.published_taints().await?);
     }
     Ok(())
 }

@@ -106,19 +106,18 @@ pub struct Monitor {
     /// Whether there was no saved state at start (a new node, or the state directory deleted or replaced): the
     /// faults are read back from the published taints all the same, as for an unreadable one.
     missing: bool,
-    /// Set while a save of [`Monitor::restore`] runs: one hung on the disk is not joined by another at each publish.
-    restore_saving: Arc<AtomicBool>,
     /// When this boot began (wall clock seconds): taints added before are not read back ([`Monitor::restore`]).
     booted: Option<i64>,
-    /// Set while the faults are still to be read back from the published taints ([`Monitor::restore`]): the saved
-    /// state was unreadable, and nothing may be published before (it would untaint the faulted GPUs).
+    /// Set until the faults read back from the published taints ([`Monitor::restore`]) are saved: the saved state
+    /// was unreadable or missing, nothing may be published before they are read back (it would untaint the faulted
+    /// GPUs), and nothing is saved before (it would replace the unreadable file with a book without them).
     restore_pending: AtomicBool,
-    /// Whether a failed save of the faults read back was said.
-    restore_save_failed: AtomicBool,
-    /// Where [`Monitor::restore`] copied the unreadable file (or why it could not), once it did.
+    /// The GPUs whose faults [`Monitor::restore`] read back, once it did (it reads them back once).
+    read_back: Mutex<Option<Vec<String>>>,
+    /// Where the saver copied the unreadable file (or why it could not), once it did.
     kept_aside: Mutex<Option<String>>,
-    /// What [`Monitor::restore`] did, once it ran, for an Event on the Node: the GPUs whose faults it read back, and
-    /// where the unreadable file was kept (or why it could not be).
+    /// What the read-back did, once it was saved, for an Event on the Node: the GPUs whose faults were read back,
+    /// and where the unreadable file was kept (or why it could not be).
     restored: watch::Sender<Option<(Vec<String>, String)>>,
     clock: Clock,
     /// The GPUs the health gauge has a series for.
@@ -198,10 +197,9 @@ impl Monitor {
             holders: Arc::default(),
             restore_pending: AtomicBool::new(unreadable.is_some() || missing),
             missing,
-            restore_saving: Arc::default(),
             booted: boot_wall_time(),
+            read_back: Mutex::default(),
             kept_aside: Mutex::default(),
-            restore_save_failed: AtomicBool::new(false),
             unreadable,
             restored: watch::Sender::new(None),
             clock,
@@ -226,6 +224,18 @@ impl Monitor {
     fn show(&self, book: HealthBook) {
         *self.shown() = book;
         self.changed.notify_one();
+    }
+
+    /// Shows the book as it is now, copied under its lock so that no older copy is shown after a newer one; wakes
+    /// the publisher if `wake`.
+    fn show_live(&self, wake: bool) {
+        {
+            let book = self.book();
+            *self.shown() = book.clone();
+        }
+        if wake {
+            self.changed.notify_one();
+        }
     }
 
     /// The `taints` of each of `gpus`' devices, by GPU UUID; also sets their health gauges and removes those of GPUs
@@ -417,25 +427,39 @@ impl Monitor {
         }
     }
 
-    /// Whether the faults are still to be read back from the published taints (see [`Monitor::restore`]).
+    /// Whether the faults read back from the published taints (see [`Monitor::restore`]) are not saved yet: until
+    /// they are, the published slices are their only record, and must not be deleted.
     pub fn restore_pending(&self) -> bool {
         self.restore_pending.load(Ordering::Acquire)
     }
 
+    /// Whether [`Monitor::restore`] is still to read the faults back, before anything is published.
+    pub fn read_back_pending(&self) -> bool {
+        self.restore_pending() && self.read_back_gpus().is_none()
+    }
+
+    fn read_back_gpus(&self) -> std::sync::MutexGuard<'_, Option<Vec<String>>> {
+        self.read_back.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// After an unreadable or missing saved state: takes the faults back from the taints this node's devices were
     /// last published with (`published`, from [`Publisher::published_taints`](super::slices::publisher::Publisher::published_taints)),
-    /// before anything is published again, leaving out taints added before this boot (the reboot reset those GPUs);
-    /// then copies an unreadable file aside and saves. The slices are the only other record of the faults: without
-    /// this, a GPU that needs a reset was untainted at the next publish and handed out again (also after the state
-    /// directory was deleted on the host, which makes the liveness check restart the agent). Until the save succeeds
-    /// nothing is saved (a save replaces the unreadable file) and the restore stays pending, so an agent restarted
-    /// before reads them back as well, and a failed save is tried again at the next publish; the faults read back
-    /// are published all the same. What was never published (a fault in the second before the state was lost) stays
-    /// forgotten; the Events say so.
-    pub async fn restore(&self, published: &[(String, Vec<Value>)]) {
+    /// before anything is published again, leaving out taints added before this boot (the reboot reset those GPUs),
+    /// and asks the saver to save them (it copies an unreadable file aside first). The slices are the only other
+    /// record of the faults: without this, a GPU that needs a reset was untainted at the next publish and handed out
+    /// again (also after the state directory was deleted on the host, which makes the liveness check restart the
+    /// agent). Read back once: a reset or a healthy window's end after it is not undone by the taints still
+    /// published. Until the save succeeds (the saver tries again until it does) the restore stays pending, so an
+    /// agent restarted before reads them back as well; the faults read back are published all the same. What was
+    /// never published (a fault in the second before the state was lost) stays forgotten; the Events say so.
+    pub fn restore(&self, published: &[(String, Vec<Value>)]) {
+        let mut read_back = self.read_back_gpus();
+        if read_back.is_some() {
+            return;
+        }
         let (now, booted) = (self.clock.now(), self.booted);
         let mut restored = Vec::new();
-        let book = {
+        {
             let mut book = self.book();
             for (gpu, taints) in published {
                 for taint in taints {
@@ -448,56 +472,33 @@ impl Monitor {
                     }
                 }
             }
-            // Shown under the book's lock (a saver showing the book meanwhile shows this one or a later one), and
-            // without waking the publisher: the caller publishes next. (Woken, a publish that cannot save the
-            // read-back would read it back and wake itself again, listing the slices in a loop.)
-            let copy = book.clone();
-            *self.shown() = copy.clone();
-            copy
-        };
-        if self.restore_saving.swap(true, Ordering::AcqRel) {
-            // The last one still hangs on the disk: published with the faults read back, saved when it answers.
-            return;
         }
-        // Off the async threads, as every save (see `saver`), and waited for at most as long.
-        let (dir, kept_before, missing) = (self.state_dir.clone(), self.kept_note().clone(), self.missing);
-        let in_flight = self.restore_saving.clone();
-        let save = tokio::task::spawn_blocking(move || {
-            let kept = kept_before.unwrap_or_else(|| match missing {
-                true => "there was no file to keep aside".to_string(),
-                false => match store::keep_aside(&dir) {
-                    Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
-                    Err(e) => format!("the unreadable file could not be kept aside ({e})"),
-                },
-            });
-            let saved = store::save(&dir, &book);
-            in_flight.store(false, Ordering::Release);
-            (kept, saved)
-        });
-        let (kept, saved) = match tokio::time::timeout(saver::SLOW_SAVE, save).await {
-            Ok(Ok(done)) => done,
-            Ok(Err(joined)) => {
-                warn!(error = %joined, "saving the GPU faults read back failed; trying again at the next publish");
-                return;
-            }
-            Err(_) => {
-                warn!(dir = %self.state_dir.display(), "saving the GPU faults read back takes long (a slow or hung \
-                    disk?); published all the same, saved at a later publish");
-                return;
-            }
-        };
-        *self.kept_note() = Some(kept.clone());
-        if let Err(error) = saved {
-            // Published with them all the same (they are shown); read back and saved again next time.
-            if !self.restore_save_failed.swap(true, Ordering::AcqRel) {
-                warn!(%error, "the GPU faults read back could not be saved; trying again at every publish");
-            }
-            return;
-        }
-        self.restore_pending.store(false, Ordering::Release);
-        // A change the monitor made while this save ran was not saved (the read-back was pending): saved now.
+        // Without waking the publisher: the caller publishes next.
+        self.show_live(false);
+        info!(restored = ?restored, "GPU faults read back from the published taints; saving them");
+        *read_back = Some(restored);
+        drop(read_back);
         self.saving.want();
-        info!(restored = ?restored, %kept, "GPU faults read back from the published taints");
+    }
+
+    /// Copies an unreadable saved state aside, once, before the first save of the faults read back replaces it
+    /// (run on the saver's blocking thread); what was done, for the Event.
+    fn keep_aside(dir: &std::path::Path, missing: bool) -> String {
+        if missing {
+            return "there was no file to keep aside".to_string();
+        }
+        match store::keep_aside(dir) {
+            Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
+            Err(e) => format!("the unreadable file could not be kept aside ({e})"),
+        }
+    }
+
+    /// The read-back is saved: nothing is pending any more, and the Event says what was read back.
+    fn restore_saved(&self) {
+        self.restore_pending.store(false, Ordering::Release);
+        let restored = self.read_back_gpus().clone().unwrap_or_default();
+        let kept = self.kept_note().clone().unwrap_or_default();
+        info!(restored = ?restored, %kept, "GPU faults read back from the published taints saved");
         self.restored.send_replace(Some((restored, kept)));
     }
 
@@ -719,7 +720,9 @@ mod tests {
         let taint = json!({"key": "gpu.example.com/needs-reset", "value": "ecc-double-bit", "effect": "NoSchedule",
                            "timeAdded": "2026-12-01T10:00:00Z"});
         restarted.booted = Some(1_796_083_200); // 2026-12-01T00:00:00Z
-        restarted.restore(&[("GPU-1".into(), vec![taint])]).await;
+        restarted.restore(&[("GPU-1".into(), vec![taint])]);
+        assert!(restarted.restore_pending() && !restarted.read_back_pending(), "saved before the saver ran");
+        assert!(restarted.save_once(true).await);
         assert!(!restarted.restore_pending());
         let saved = store::load(dir.path())?;
         let state = saved.get("GPU-1").map(|s| (s.class, s.fault));
@@ -733,19 +736,59 @@ mod tests {
         Ok(())
     }
 
+    /// The faults are read back once: a reset after it is not undone by the taint still published (the next
+    /// publish removes it), and a read-back whose save failed is saved by the saver's next try, not at the next
+    /// publish (there may be none for long).
+    #[tokio::test]
+    async fn a_read_back_is_saved_by_a_retry_and_not_merged_again() -> anyhow::Result<()> {
+        let root = tempfile::tempdir()?;
+        let dir = root.path().join("state");
+        std::fs::write(&dir, b"a file where the directory should be")?;
+        let mut monitor = monitor(&dir);
+        monitor.booted = Some(1_796_083_200); // 2026-12-01T00:00:00Z
+        let mut restored = monitor.restored.subscribe();
+        let taint = json!({"key": "gpu.example.com/needs-reset", "value": "ecc-double-bit", "effect": "NoSchedule",
+                           "timeAdded": "2026-12-01T10:00:00Z"});
+        let published = [("GPU-1".to_string(), vec![taint])];
+        monitor.restore(&published);
+        assert!(monitor.book().get("GPU-1").is_some());
+        assert!(!monitor.save_once(true).await);
+
+        assert_eq!(
+            monitor.book().reset("GPU-1"),
+            Transition::Recovered { was: monitor.shown().faulted["GPU-1"].clone() }
+        );
+        monitor.restore(&published);
+        assert!(monitor.book().get("GPU-1").is_none(), "the reset undone by the taint still published");
+
+        std::fs::remove_file(&dir)?;
+        std::fs::create_dir(&dir)?;
+        assert!(monitor.save_once(false).await, "the retry failed");
+        assert!(!monitor.restore_pending(), "a retry did not save the read-back");
+        assert_eq!(monitor.saving.unsaved.get(), 0);
+        assert!(store::load(&dir)?.faulted.is_empty(), "the reset not saved with the read-back");
+        let (gpus, kept) = restored.borrow_and_update().clone().unwrap_or_default();
+        assert_eq!(gpus, ["GPU-1"]);
+        assert!(kept.starts_with("the unreadable file could not be kept aside"), "{kept}");
+        Ok(())
+    }
+
     /// A missing state (the state directory deleted on the host, the liveness check then restarting the agent) is
     /// read back from the published taints as an unreadable one is, without taints added before this boot (the
     /// reboot reset those GPUs); nothing is kept aside, and the read-back is saved.
     #[tokio::test]
     async fn a_missing_state_is_read_back_from_this_boots_taints() -> anyhow::Result<()> {
-        // A read-back that cannot be saved does not wake the publisher, which would read it back again at once.
+        // A read-back does not wake the publisher (its caller publishes next); one that cannot be saved stays
+        // pending, is tried again by the saver, and is not read back again.
         let file = tempfile::NamedTempFile::new()?;
         let unsavable = monitor(&file.path().join("state"));
         assert!(unsavable.restore_pending());
-        unsavable.restore(&[]).await;
-        assert!(unsavable.restore_pending(), "saved into a directory under a file");
+        unsavable.restore(&[]);
         let woken = tokio::time::timeout(Duration::ZERO, unsavable.changed.notified()).await;
         assert!(woken.is_err(), "the read-back woke the publisher");
+        assert!(!unsavable.save_once(true).await, "saved into a directory under a file");
+        assert!(unsavable.restore_pending() && !unsavable.read_back_pending());
+        assert_eq!(unsavable.saving.unsaved.get(), 1, "an unsaved read-back is not on the gauge");
 
         let dir = tempfile::tempdir()?;
         let mut monitor = monitor(dir.path());
@@ -756,7 +799,8 @@ mod tests {
             ("GPU-1".to_string(), vec![taint("needs-reset", "ecc-double-bit", "2026-12-01T10:00:00Z")]),
             ("GPU-2".to_string(), vec![taint("needs-reset", "ecc-double-bit", "2026-11-30T23:00:00Z")]),
         ];
-        monitor.restore(&published).await;
+        monitor.restore(&published);
+        assert!(monitor.save_once(true).await);
         assert!(!monitor.restore_pending());
         let gpus: Vec<Gpu> = [(0, "GPU-1"), (1, "GPU-2")]
             .into_iter()

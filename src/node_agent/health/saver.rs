@@ -12,6 +12,11 @@
 //! A failed save (a full or read-only disk) is tried again, [`RETRY_FIRST`] doubling to [`RETRY_MAX`], until one
 //! succeeds. Before, it was tried only at the next taint change, and an agent restarted meanwhile read the older
 //! book and untainted a GPU that needed a reset.
+//!
+//! After an unreadable or missing saved state, nothing is saved until [`Monitor::restore`] has read the faults back
+//! from the published taints (a save would replace the unreadable file with a book without them; the gauge is 1
+//! for a change meanwhile); the first save after it copies an unreadable file aside, and its success ends the
+//! restore. It is tried again as every save is: before, only at the next publish, which may not come for long.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,12 +101,15 @@ impl Monitor {
     pub(super) async fn save_once(&self, for_change: bool) -> bool {
         let mut shown = !for_change;
         let mut again = false;
-        if self.restore_pending() {
-            // Saved with the faults read back (see `restore`); published all the same.
+        let restoring = self.restore_pending();
+        if self.read_back_pending() {
+            // Not saved before the faults are read back (see `restore`): a save would replace the unreadable file
+            // with a book without them. Published all the same; saved with them, once read back.
             self.saving.pending.store(false, Ordering::Release);
-            // Under the book's lock, as `restore` shows its read-back: never an older copy after a newer one.
-            *self.shown() = self.book().clone();
-            self.changed.notify_one();
+            self.show_live(true);
+            if for_change {
+                self.saving.unsaved.set(1);
+            }
             return true;
         }
         let copy = {
@@ -110,7 +118,12 @@ impl Monitor {
             book.clone()
         };
         let (dir, saving) = (self.state_dir.clone(), copy.clone());
-        let mut save = tokio::task::spawn_blocking(move || store::save(&dir, &saving));
+        // The first save of the faults read back replaces an unreadable file: a copy is kept aside first, once.
+        let keep_aside = (restoring && self.kept_note().is_none()).then_some(self.missing);
+        let mut save = tokio::task::spawn_blocking(move || {
+            let kept = keep_aside.map(|missing| Self::keep_aside(&dir, missing));
+            (kept, store::save(&dir, &saving))
+        });
         let slow_at = Instant::now() + SLOW_SAVE;
         let result = loop {
             tokio::select! {
@@ -126,8 +139,7 @@ impl Monitor {
                     // Saved after this save; shown now if this save is already late (it waits for nothing).
                     again = true;
                     if shown {
-                        let book = self.book().clone();
-                        self.show(book);
+                        self.show_live(true);
                     }
                 }
             }
@@ -138,15 +150,27 @@ impl Monitor {
         if again {
             self.saving.wanted.notify_one();
         }
-        let result = result.unwrap_or_else(|joined| {
-            Err(store::StoreError::Write { path: store::path(&self.state_dir), source: std::io::Error::other(joined) })
-        });
+        let result = match result {
+            Ok((kept, saved)) => {
+                if kept.is_some() {
+                    *self.kept_note() = kept;
+                }
+                saved
+            }
+            Err(joined) => Err(store::StoreError::Write {
+                path: store::path(&self.state_dir),
+                source: std::io::Error::other(joined),
+            }),
+        };
         match result {
             Ok(()) => {
                 if self.saving.failing.swap(false, Ordering::AcqRel) || self.saving.unsaved.get() != 0 {
                     info!("GPU health state saved again");
                 }
                 self.saving.unsaved.set(0);
+                if restoring {
+                    self.restore_saved();
+                }
                 true
             }
             Err(error) => {
