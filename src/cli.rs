@@ -215,7 +215,8 @@ pub struct HealthArgs {
     pub health_ignore_xids: Vec<u64>,
     /// A faulted GPU with no new fault for this long is untainted again; `0s`: only a reset (or `clear` injected
     /// into a simulated GPU) untaints it.
-    #[arg(long, env = "GPU_DRA_HEALTH_HEALTHY_WINDOW", default_value = "5m", value_parser = humantime::parse_duration)]
+    /// Whole seconds (the window is kept and compared in seconds).
+    #[arg(long, env = "GPU_DRA_HEALTH_HEALTHY_WINDOW", default_value = "5m", value_parser = parse_healthy_window)]
     pub health_healthy_window: Duration,
     /// Taint effect for faults after which the GPU needs a reset (ECC double-bit, firmware, NVLink errors).
     #[arg(long, env = "GPU_DRA_HEALTH_NEEDS_RESET_EFFECT", value_enum, default_value_t = Effect::NoSchedule)]
@@ -375,9 +376,33 @@ fn parse_stale_claim_check_interval(text: &str) -> Result<Duration, String> {
     Ok(interval)
 }
 
+/// A healthy window: `0s`, or whole seconds. The window is kept in seconds, and `500ms`, cut to 0, untainted a GPU
+/// the moment it faulted (where `0s` means the opposite: only a reset untaints).
+fn parse_healthy_window(text: &str) -> Result<Duration, String> {
+    let window = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if window.subsec_nanos() != 0 {
+        return Err(format!(
+            "{text} is not a whole number of seconds: the healthy window is kept in seconds (give e.g. 90s, or 0s for \
+             only a reset to untaint)"
+        ));
+    }
+    Ok(window)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn healthy_windows_are_whole_seconds() {
+        assert_eq!(parse_healthy_window("0s"), Ok(Duration::ZERO));
+        assert_eq!(parse_healthy_window("5m"), Ok(Duration::from_secs(300)));
+        assert_eq!(parse_healthy_window("2000ms"), Ok(Duration::from_secs(2)));
+        for bad in ["500ms", "1s 500ms", "1ns"] {
+            let err = parse_healthy_window(bad).expect_err(bad);
+            assert!(err.contains("not a whole number of seconds"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn stale_claim_check_intervals_between_a_second_and_a_day() {
@@ -388,6 +413,34 @@ mod tests {
             assert!(err.contains("outside 1s..24h"), "{bad}: {err}");
         }
         assert!(parse_stale_claim_check_interval("often").is_err());
+    }
+
+    /// Names the API server would refuse at every try (a controller then stood by Ready and created nothing) and an
+    /// empty identity (every replica led) stop the controller at start, naming the flag.
+    #[test]
+    fn controller_names_are_checked_at_start() {
+        let check = |extra: &[&str]| -> Result<(), String> {
+            let args = ["gpu-dra", "controller"].iter().chain(extra).copied();
+            match Cli::try_parse_from(args).map_err(|e| e.to_string())?.command {
+                Command::Controller(args) => crate::controller::check_names(&args).map_err(|e| e.to_string()),
+                other => Err(format!("parsed as {other:?}")),
+            }
+        };
+        assert_eq!(check(&[]), Ok(()));
+        assert_eq!(check(&["--namespace", "team-a", "--leader-elect-lease-name", "gpu-dra.controller"]), Ok(()));
+        assert_eq!(check(&["--leader-elect=false", "--leader-elect-lease-name", "Any"]), Ok(()));
+        for (flag, bad) in [
+            ("--leader-elect-lease-name", "GPU_Lease"),
+            ("--leader-elect-lease-name", ""),
+            ("--namespace", "Team-A"),
+            ("--namespace", "team.a"),
+            ("--leader-elect-namespace", "ns-"),
+            ("--identity", ""),
+            ("--identity", "  "),
+        ] {
+            let err = check(&[flag, bad]).expect_err(bad);
+            assert!(err.starts_with(&format!("{flag} {bad:?}")), "{flag} {bad}: {err}");
+        }
     }
 
     #[test]

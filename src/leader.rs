@@ -85,6 +85,10 @@ impl Timing {
         if self.retry_period.is_zero() {
             return Err(LeaderError::Timing("the retry period must be positive"));
         }
+        // The Lease keeps it in whole seconds: 900ms was written as 0, and every standby took the lease at once.
+        if self.lease_duration < Duration::from_secs(1) || self.lease_duration.subsec_nanos() != 0 {
+            return Err(LeaderError::Timing("the lease duration must be whole seconds (the Lease keeps it so)"));
+        }
         if self.lease_duration <= self.renew_deadline {
             return Err(LeaderError::Timing("the lease duration must be longer than the renew deadline"));
         }
@@ -283,6 +287,9 @@ mod tests {
             (s(5), s(10), s(2), false),
             (s(15), ms(2400), s(2), false),
             (s(15), s(10), s(0), false),
+            // The Lease keeps whole seconds: 900ms was written as 0 (client-go cuts it the same way).
+            (ms(900), ms(800), ms(500), false),
+            (ms(1500), s(1), ms(500), false),
         ] {
             let timing = Timing { lease_duration, renew_deadline, retry_period };
             assert_eq!(timing.validate().is_ok(), valid, "{timing:?}");

@@ -34,6 +34,7 @@ use mps::{
     an_admin_access_claim_beside_an_mps_claim_changes_nothing,
     an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back,
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
+    start_up_removes_only_the_mps_directories_the_agent_made,
 };
 use node_disks::{
     a_full_disk_fails_the_prepare_with_the_reason_and_loses_nothing, a_reboot_onto_a_full_state_disk_still_serves,
@@ -81,6 +82,7 @@ fn main() {
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
             test!(mps_settings_naming_no_device_are_refused),
+            test!(start_up_removes_only_the_mps_directories_the_agent_made),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
             test!(a_hung_mps_daemon_holds_back_no_other_claim),
             test!(a_share_beside_a_force_deleted_pods_share_waits_for_its_memory),

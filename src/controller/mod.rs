@@ -192,6 +192,8 @@ pub enum ControllerError {
     Server(#[from] ServerError),
     #[error(transparent)]
     Leader(#[from] LeaderError),
+    #[error("{flag} {value:?} {why}")]
+    Flag { flag: &'static str, value: String, why: &'static str },
     #[error("the informer caches stopped before they synced")]
     CachesStopped,
     #[error("install the signal handler: {0}")]
@@ -218,6 +220,33 @@ impl std::fmt::Debug for Context {
     }
 }
 
+/// The names given in flags, checked as the API server would (which refused them only later, at every try, while
+/// the controller stood by Ready and created nothing): the Lease's name, its namespace and the watched one, and
+/// this replica's identity (client-go refuses an empty one; the Lease reads an empty holder as none, so every
+/// replica led).
+pub fn check_names(args: &ControllerArgs) -> Result<(), ControllerError> {
+    let flag = |flag, value: &str, why| ControllerError::Flag { flag, value: value.to_string(), why };
+    const LABEL: &str = "is not a namespace name (a DNS label: lowercase letters, digits and '-', at most 63)";
+    for (name, value) in [("--namespace", &args.namespace), ("--leader-elect-namespace", &args.leader_elect_namespace)]
+    {
+        if let Some(value) = value
+            && (value.contains('.') || !crate::node_agent::is_dns_subdomain(value))
+        {
+            return Err(flag(name, value, LABEL));
+        }
+    }
+    if args.leader_elect && !crate::node_agent::is_dns_subdomain_within(&args.leader_elect_lease_name, 253) {
+        let why = "is not a Lease name (a DNS subdomain: lowercase letters, digits, '-' and '.', at most 253)";
+        return Err(flag("--leader-elect-lease-name", &args.leader_elect_lease_name, why));
+    }
+    if let Some(identity) = &args.identity
+        && identity.trim().is_empty()
+    {
+        return Err(flag("--identity", identity, "is empty: leave it out for POD_NAME (or the host name and pid)"));
+    }
+    Ok(())
+}
+
 /// Runs the controller until SIGTERM/SIGINT (or until it loses the leader lease, which is an error).
 pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     let timing = Timing {
@@ -228,6 +257,7 @@ pub async fn run(args: ControllerArgs) -> Result<(), ControllerError> {
     if args.leader_elect {
         timing.validate()?;
     }
+    check_names(&args)?;
     let client = crate::kube_client::client(&args.client).await.map_err(ControllerError::Client)?;
     // The Event sender keeps `--events-qps` itself (it sends in batches), so its client has no limit of its own.
     let unlimited = args.client.unlimited(args.events_burst);

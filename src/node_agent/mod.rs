@@ -85,6 +85,11 @@ pub enum NodeAgentError {
     Signal(#[source] std::io::Error),
     #[error(transparent)]
     Lock(#[from] instance_lock::LockError),
+    #[error(
+        "--mps-dir {dir} {why}: start-up removes the claim directories it finds there that no prepared claim has; \
+         give the MPS daemons a directory of their own (the default is /run/gpu-dra/mps)"
+    )]
+    MpsDir { dir: String, why: String },
     #[error("find this program, to run it as the simulated MPS control daemon: {0}")]
     MpsProgram(#[source] std::io::Error),
 }
@@ -101,6 +106,14 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if !is_dns_subdomain(&gpu.driver_name) {
         return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
+    let others: [(&str, &std::path::Path); 4] = [
+        ("--state-dir", &args.state_dir),
+        ("--cdi-dir", &args.cdi_dir),
+        ("--kubelet-plugins-dir", &args.kubelet_plugins_dir),
+        ("--kubelet-registry-dir", &args.kubelet_registry_dir),
+    ];
+    mps_control::check_root(&args.mps_dir, &others)
+        .map_err(|why| NodeAgentError::MpsDir { dir: args.mps_dir.display().to_string(), why })?;
     let stop = CancellationToken::new();
     crate::signals::spawn_signal_handler(stop.clone()).map_err(NodeAgentError::Signal)?;
     // Before any state is read or socket bound: another agent on this node must be gone first.
@@ -669,8 +682,13 @@ fn serving_addresses(metrics: SocketAddr, health: Option<SocketAddr>) -> Vec<Soc
 
 /// A DNS subdomain (RFC 1123) of at most 63 characters: what the API accepts as a driver name.
 pub fn is_dns_subdomain(name: &str) -> bool {
+    is_dns_subdomain_within(name, 63)
+}
+
+/// A DNS subdomain (RFC 1123) of at most `max` characters (253 for most object names).
+pub fn is_dns_subdomain_within(name: &str, max: usize) -> bool {
     !name.is_empty()
-        && name.len() <= 63
+        && name.len() <= max
         && name.split('.').all(|label| {
             !label.is_empty()
                 && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')

@@ -334,12 +334,23 @@ impl MpsDaemons {
     /// (answers how many), then starts the daemons of `keep`, each failure logged (the claim's next prepare, or
     /// its unprepare, deals with it). Run again while serving (the plugin's recovery once the GPUs are discovered),
     /// the daemons this process supervises are left running when kept, stopped when not.
+    /// Only directories this agent made are touched ([`is_claims_dir`]): anything else in the root is left alone,
+    /// and said once.
     pub fn reconcile(&self, keep: &BTreeMap<String, MpsDaemon>) -> usize {
         let mut removed = 0;
-        let listed: BTreeSet<String> = match std::fs::read_dir(&self.root) {
-            Ok(entries) => entries.filter_map(Result::ok).filter_map(|e| e.file_name().into_string().ok()).collect(),
-            Err(_) => BTreeSet::new(),
+        let (listed, foreign): (BTreeSet<String>, Vec<String>) = match std::fs::read_dir(&self.root) {
+            Ok(entries) => {
+                let names = entries.filter_map(Result::ok).map(|e| e.file_name().to_string_lossy().into_owned());
+                let (ours, foreign): (Vec<String>, Vec<String>) =
+                    names.partition(|name| keep.contains_key(name) || is_claims_dir(name, &self.root.join(name)));
+                (ours.into_iter().collect(), foreign)
+            }
+            Err(_) => (BTreeSet::new(), Vec::new()),
         };
+        if !foreign.is_empty() {
+            warn!(root = %self.root.display(), entries = ?foreign, "the MPS directory holds entries this agent did not \
+                  make: left alone (give --mps-dir a directory of its own)");
+        }
         for uid in &listed {
             if self.supervises(uid) {
                 if !keep.contains_key(uid) {
@@ -479,6 +490,90 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     Ok(child)
 }
 
+/// Host directories other software keeps its own entries in: refused as `--mps-dir`.
+const SHARED_DIRS: [&str; 17] = [
+    "/",
+    "/run",
+    "/var/run",
+    "/tmp",
+    "/var/tmp",
+    "/var",
+    "/var/lib",
+    "/dev",
+    "/dev/shm",
+    "/etc",
+    "/usr",
+    "/home",
+    "/root",
+    "/opt",
+    "/mnt",
+    "/srv",
+    "/var/lib/kubelet",
+];
+
+/// Why `root` cannot be the MPS directory, if it cannot: it must be absolute, not a directory other software keeps
+/// its entries in, and neither inside nor around one of the agent's `others` (`(flag, dir)`): start-up removes the
+/// claim directories there that no prepared claim has, and the claims' tmpfs mounts go there. Compared as written
+/// (`.` and `..` resolved, links not followed).
+pub fn check_root(root: &Path, others: &[(&str, &Path)]) -> Result<(), String> {
+    if !root.is_absolute() {
+        return Err("is not an absolute path".into());
+    }
+    let root = lexical(root);
+    if SHARED_DIRS.iter().any(|shared| root == Path::new(shared)) {
+        return Err("is a directory other software keeps its own files in".into());
+    }
+    for (flag, other) in others {
+        let other = lexical(other);
+        if root == other {
+            return Err(format!("is the same directory as {flag}"));
+        }
+        if root.starts_with(&other) {
+            return Err(format!("is inside {flag} ({})", other.display()));
+        }
+        if other.starts_with(&root) {
+            return Err(format!("holds {flag} ({})", other.display()));
+        }
+    }
+    Ok(())
+}
+
+/// `path` with `.` and `..` resolved, as written.
+fn lexical(path: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for part in path.components() {
+        match part {
+            std::path::Component::CurDir => {}
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    out
+}
+
+/// What a claim's directory holds (see [`MpsDirs`]): the daemon's pipe, log and shared memory directories, its pid
+/// record and the links to the driver's libraries.
+const CLAIM_DIR_ENTRIES: [&str; 5] = ["pipe", "log", "shm", PID_FILE, "driver-libraries"];
+
+/// Whether `path` (named `name` in the MPS root) is a directory this agent made for a claim: named by a claim UID (a
+/// UUID, as the API server gives every object) and holding nothing but what [`CLAIM_DIR_ENTRIES`] names (nothing at
+/// all after a prepare killed just after making it). Start-up removes such directories of claims no longer prepared;
+/// an `--mps-dir` pointed at a shared directory (the host's `/run`) must not cost its other contents, as it did.
+fn is_claims_dir(name: &str, path: &Path) -> bool {
+    let uuid = name.len() == 36
+        && name.char_indices().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => c == '-',
+            _ => c.is_ascii_digit() || ('a'..='f').contains(&c),
+        });
+    let is_dir = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
+    uuid && is_dir
+        && std::fs::read_dir(path).is_ok_and(|entries| {
+            entries.filter_map(Result::ok).all(|e| CLAIM_DIR_ENTRIES.iter().any(|ours| e.file_name() == *ours))
+        })
+}
+
 /// Where the links to the driver's libraries the daemon and its clients load are made (see
 /// [`DriverTool::link_driver_libraries`]), at each start of the daemon: in the claim's directory, removed with it.
 fn driver_libraries(dirs: &MpsDirs) -> PathBuf {
@@ -577,6 +672,65 @@ fn remove_dirs(claim_uid: &str, dirs: &MpsDirs) -> Result<(), MpsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An `--mps-dir` that shares its directory with other software or the agent's other directories is refused
+    /// at start: start-up removes what it finds there.
+    #[test]
+    fn an_mps_directory_of_its_own_is_required() {
+        let others: [(&str, &Path); 2] =
+            [("--state-dir", Path::new("/var/lib/gpu-dra")), ("--cdi-dir", Path::new("/var/run/cdi"))];
+        let cases = [
+            ("/run/gpu-dra/mps", None),
+            ("/run/mps", None),
+            ("/var/lib/gpu-dra-mps", None),
+            ("run/gpu-dra/mps", Some("is not an absolute path")),
+            ("/run", Some("other software")),
+            ("/run/", Some("other software")),
+            ("/run/gpu-dra/..", Some("other software")),
+            ("/tmp", Some("other software")),
+            ("/", Some("other software")),
+            ("/var/lib/gpu-dra", Some("the same directory as --state-dir")),
+            ("/var/lib/gpu-dra/mps", Some("inside --state-dir")),
+            ("/var/run/./cdi/x", Some("inside --cdi-dir")),
+            ("/var/lib/kubelet", Some("other software")),
+        ];
+        for (root, want) in cases {
+            let got = check_root(Path::new(root), &others).err();
+            match want {
+                None => assert_eq!(got, None, "{root}"),
+                Some(want) => assert!(got.as_deref().is_some_and(|g| g.contains(want)), "{root}: {got:?}"),
+            }
+        }
+        let around = [("--state-dir", Path::new("/srv/gpu/state"))];
+        assert!(check_root(Path::new("/srv/gpu"), &around).is_err_and(|e| e.contains("holds --state-dir")));
+    }
+
+    /// Only a directory named by a claim UID holding what a claim's directory holds is one this agent made.
+    #[test]
+    fn only_a_claims_own_directory_is_taken_for_one() -> std::io::Result<()> {
+        let root = tempfile::tempdir()?;
+        let uid = "0f8fad5b-d9cb-469f-a165-70867728950e";
+        let make = |name: &str, entries: &[&str]| -> std::io::Result<PathBuf> {
+            let dir = root.path().join(name);
+            std::fs::create_dir_all(&dir)?;
+            for entry in entries {
+                std::fs::create_dir_all(dir.join(entry))?;
+            }
+            Ok(dir)
+        };
+        assert!(is_claims_dir(uid, &make(uid, &["pipe", "log", "shm", "driver-libraries"])?));
+        let empty = "7c9e6679-7425-40de-944b-e07fc1f90ae7";
+        assert!(is_claims_dir(empty, &make(empty, &[])?), "a prepare killed after making it");
+        let other = "16fd2706-8baf-433b-82eb-8c7fada847da";
+        assert!(!is_claims_dir(other, &make(other, &["pipe", "data"])?), "a directory with more in it");
+        assert!(!is_claims_dir("containerd", &make("containerd", &["log"])?), "a name that is no claim UID");
+        let upper = "0F8FAD5B-D9CB-469F-A165-70867728950E";
+        assert!(!is_claims_dir(upper, &make(upper, &[])?));
+        let file = "6ba7b810-9dad-11d1-80b4-00c04fd430c8";
+        std::fs::write(root.path().join(file), b"")?;
+        assert!(!is_claims_dir(file, &root.path().join(file)), "a file");
+        Ok(())
+    }
 
     #[test]
     fn only_a_recorded_daemon_still_running_in_this_boot_is_a_leftover() {

@@ -238,6 +238,15 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("driverName=GPU_driver", "at '/driverName'"),
         ("nodeAgent.kubeletDir=var/lib/kubelet", "at '/nodeAgent/kubeletDir'"),
         ("controller.leaderElection.leaseDuration=15", "at '/controller/leaderElection/leaseDuration'"),
+        // The Lease keeps whole seconds: 900ms was written as 0 and every replica led.
+        ("controller.leaderElection.leaseDuration=900ms", "at '/controller/leaderElection/leaseDuration'"),
+        // Names the API server refuses at every try, while the controller stood by Ready and created nothing.
+        ("controller.leaderElection.leaseName=GPU_Lease", "at '/controller/leaderElection/leaseName'"),
+        ("controller.watchNamespace=Team-A", "at '/controller/watchNamespace'"),
+        // The agent removes what it did not make in its MPS directory no more, but refuses one shared with others.
+        ("nodeAgent.mpsDir=/run", "at '/nodeAgent/mpsDir'"),
+        // The window is kept in seconds: 500ms was cut to 0 and untainted a GPU the moment it faulted.
+        ("nodeAgent.health.healthyWindow=500ms", "at '/nodeAgent/health/healthyWindow'"),
         ("controller.resources.requests.memory=lots", "at '/controller/resources/requests/memory'"),
         ("nodeAgent.tolerations[0].operator=Maybe", "at '/nodeAgent/tolerations/0/operator'"),
         ("deviceClasses.gpu.extendedResourceName=gpu", "at '/deviceClasses/gpu/extendedResourceName'"),
@@ -266,6 +275,19 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         );
         ensure!(stderr.contains(expected), "--set {set}: the refusal does not name the value ({expected}):\n{stderr}");
     }
+    // Large integers in a values file (YAML numbers, floats to Helm) are rendered as the integers the binaries
+    // read, not as `1e+06`, which they refused, naming a value nobody wrote.
+    let big = tempfile::NamedTempFile::new()?;
+    let numbers = "controller:\n  kubeApiBurst: 1000000\n  eventsBurst: 2000000\n  workers: 1000\n  threads: 2\n\
+                   nodeAgent:\n  kubeApiBurst: 3000000\n";
+    std::fs::write(big.path(), numbers)?;
+    let rendered = helm(&["template", "gpu-dra", chart, "-f", big.path().to_str().context("values path")?])?;
+    ensure!(rendered.status.success(), "large integers refused: {}", text(&rendered.stderr));
+    let rendered = text(&rendered.stdout);
+    for value in ["\"1000000\"", "\"2000000\"", "\"3000000\"", "\"1000\"", "\"2\""] {
+        ensure!(rendered.contains(&format!("value: {value}")), "{value} not rendered as an integer:\n{rendered}");
+    }
+    ensure!(!rendered.contains("e+0"), "an integer rendered in exponent form:\n{rendered}");
     // One class per extended resource name (the scheduler serves a name through one class only): a MIG profile's
     // class and an extra class both serving nvidia.com/mig-1g.10gb would leave one of them serving nothing.
     let sets = [

@@ -407,3 +407,49 @@ pub(super) async fn a_hung_mps_daemon_holds_back_no_other_claim(ctx: TestContext
     ensure!(!dirs.cdi_spec(&beside_uid).exists(), "the other claim's spec is back");
     Ok(())
 }
+
+/// An MPS directory holding what the agent did not make (`--mps-dir` pointed at a shared directory such as the
+/// host's `/run`, or an operator's files beside the claims'): start-up removes only the claim directories it made
+/// (named by a claim UID, holding only a daemon's directories) and says what it left alone; before, it removed every
+/// entry no prepared claim had, and unmounted the mounts among them. A directory other software keeps files in, or
+/// one inside another of the agent's, is refused at start, naming the flag.
+pub(super) async fn start_up_removes_only_the_mps_directories_the_agent_made(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mps = dirs.mps();
+    let foreign = mps.join("containerd/io.containerd.runtime.v2.task/k8s.io/state.json");
+    let foreign_uid = mps.join("16fd2706-8baf-433b-82eb-8c7fada847da");
+    let ours = mps.join("0f8fad5b-d9cb-469f-a165-70867728950e");
+    std::fs::create_dir_all(foreign.parent().context("parent")?)?;
+    std::fs::write(&foreign, b"{}")?;
+    std::fs::create_dir_all(foreign_uid.join("pipe"))?;
+    std::fs::write(foreign_uid.join("data"), b"not a daemon's")?;
+    for dir in ["pipe", "log", "shm"] {
+        std::fs::create_dir_all(ours.join(dir))?;
+    }
+    let agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    wait::until("the orphaned claim directory removed", Duration::from_secs(10), || async {
+        Ok((!ours.exists()).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    ensure!(foreign.exists(), "start-up removed {}", foreign.display());
+    ensure!(foreign_uid.join("data").exists(), "start-up removed {}", foreign_uid.display());
+    ensure!(agent.log_text().contains("left alone"), "what was left is not said:\n{}", agent.log_tail());
+
+    let state = tempfile::tempdir()?;
+    let inside = state.path().join("mps");
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-dra"))
+        .args(["node-agent", "--node-name", &node, "--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB"])
+        .arg("--state-dir")
+        .arg(state.path())
+        .arg("--mps-dir")
+        .arg(&inside)
+        .env("KUBECONFIG", ctx.cluster.kubeconfig())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    ensure!(!refused.status.success(), "an MPS directory inside the state directory was taken: {stderr}");
+    ensure!(stderr.contains(&format!("--mps-dir {} is inside --state-dir", inside.display())), "{stderr}");
+    Ok(())
+}
