@@ -255,6 +255,23 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         ("deviceClasses.mig.profiles={1g.10gb+me}", "at '/deviceClasses/mig/profiles/0'"),
         ("deviceClasses.gpu.sharing.timeSlicing.interval=Long", "at '/deviceClasses/gpu/sharing'"),
         ("deviceClasses.mig.sharing.strategy=Shared", "at '/deviceClasses/mig/sharing/strategy'"),
+        // A class's sharing as a claim's GpuConfig spells it: a typo failed every prepare of the class, not the install.
+        (
+            "deviceClasses.gpu.sharing.strategy=TimeSlicing,deviceClasses.gpu.sharing.timeslicing.interval=Long",
+            "additional properties 'timeslicing' not allowed",
+        ),
+        (
+            "deviceClasses.gpu.sharing.strategy=TimeSlicing,deviceClasses.gpu.sharing.timeSlicing.interval=Lng",
+            "at '/deviceClasses/gpu/sharing/timeSlicing/interval'",
+        ),
+        (
+            "deviceClasses.gpu.sharing.strategy=MPS,deviceClasses.gpu.sharing.mps.defaultActiveThreadPercentage=0",
+            "at '/deviceClasses/gpu/sharing/mps/defaultActiveThreadPercentage'",
+        ),
+        (
+            "deviceClasses.gpu.sharing.strategy=Exclusive,deviceClasses.gpu.sharing.mps.defaultActiveThreadPercentage=5",
+            "at '/deviceClasses/gpu/sharing/strategy'",
+        ),
         // The admission policy would hold every namespace's `default` account to the agent's node.
         ("nodeAgent.serviceAccount.name=default", "at '/nodeAgent/serviceAccount/name'"),
         // With maxSurge 0 the API server refuses maxUnavailable 0 at apply: refused at install instead.
