@@ -34,9 +34,10 @@ use crate::fsutil::write_atomic;
 use crate::node_agent::gpu::stable_hash;
 
 /// The only file format version this agent reads and writes. Any other version is treated as corrupt (kept aside),
-/// so a downgraded agent never misreads a newer agent's file. Within a version, fields added later are ignored by an
-/// agent that lacks them, and dropped at its next save: what they record (a time slice or compute mode to set
-/// back, a MIG device made for a claim) is lost to a downgrade (CHANGELOG, Upgrading).
+/// so a downgraded agent never misreads a newer agent's file. Within a version, fields added later are not acted on
+/// by an agent that lacks them, but kept as they were at its saves (the `unknown` maps), so that what they record
+/// (a setting to set back, a MIG device made for a claim) is there again once the newer agent is back; an entry
+/// the older agent removes (its claim unprepared) goes with its fields.
 pub const CHECKPOINT_VERSION: u64 = 1;
 
 /// The checkpoint's file name inside the state directory.
@@ -64,6 +65,9 @@ pub struct Checkpoint {
     /// leaves them to the next unprepare or start-up. See [`super::mps`].
     #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
     pub exclusive_process: BTreeSet<String>,
+    /// Fields of a newer agent's file this one does not know: kept as they were (see [`CHECKPOINT_VERSION`]).
+    #[serde(flatten)]
+    pub unknown: BTreeMap<String, Value>,
 }
 
 /// One claim's prepare record.
@@ -88,6 +92,9 @@ pub struct ClaimEntry {
     /// `--device-metadata=false`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata: Option<MetadataRecord>,
+    /// Fields of a newer agent's file this one does not know: kept as they were (see [`CHECKPOINT_VERSION`]).
+    #[serde(flatten)]
+    pub unknown: BTreeMap<String, Value>,
 }
 
 /// What a claim's device metadata mounts are made from besides its entry: the name its pod gave it.
@@ -143,6 +150,9 @@ pub struct PreparedDevice {
     /// none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub memory_bytes: Option<u64>,
+    /// Fields of a newer agent's file this one does not know: kept as they were (see [`CHECKPOINT_VERSION`]).
+    #[serde(flatten)]
+    pub unknown: BTreeMap<String, Value>,
 }
 
 impl Checkpoint {
@@ -365,6 +375,7 @@ impl CheckpointStore {
                     claims: stored.claims,
                     time_sliced: stored.time_sliced,
                     exclusive_process: stored.exclusive_process,
+                    unknown: stored.unknown,
                     ..fresh
                 },
                 outcome: LoadOutcome::Loaded,
@@ -510,6 +521,7 @@ mod tests {
 
     fn device(pool: &str, device: &str, share_id: Option<&str>) -> PreparedDevice {
         PreparedDevice {
+            unknown: Default::default(),
             request_names: vec!["gpu".to_owned()],
             pool: pool.to_owned(),
             device: device.to_owned(),
@@ -524,6 +536,7 @@ mod tests {
 
     fn entry(name: &str, state: PrepareState, devices: Vec<PreparedDevice>) -> ClaimEntry {
         ClaimEntry {
+            unknown: Default::default(),
             namespace: "default".to_owned(),
             name: name.to_owned(),
             state,
@@ -766,6 +779,38 @@ mod tests {
         assert_eq!(store.load("boot-1")?, Loaded { checkpoint: checkpoint.clone(), outcome: LoadOutcome::Loaded });
         store.save(&checkpoint)?;
         assert_eq!(fs::read_to_string(store.path())?, golden);
+        Ok(())
+    }
+
+    /// A newer agent's fields (same format version) are kept through this agent's saves, at every level, so that a
+    /// rollback and an upgrade again lose nothing they record; a claim this agent changes keeps them too.
+    #[test]
+    fn fields_of_a_newer_agent_are_kept_through_a_save() -> TestResult {
+        let dir = tempfile::tempdir()?;
+        let store = CheckpointStore::new(dir.path());
+        let mut newer = serde_json::to_value(Checkpoint::new("boot-1"))?;
+        let mut claim = serde_json::to_value(entry(
+            "a",
+            PrepareState::PrepareCompleted,
+            vec![device("node1", "gpu-0", None)],
+        ))?;
+        claim["devices"][0]["madeVgpu"] = serde_json::json!("vgpu-7");
+        claim["resetOnUnprepare"] = serde_json::json!(true);
+        newer["claims"] = serde_json::json!({ "uid-a": claim });
+        newer["gpusToReset"] = serde_json::json!(["gpu-1"]);
+        let file = serde_json::json!({"version": 1, "checksum": checksum(&newer)?, "checkpoint": newer});
+        fs::write(store.path(), serde_json::to_vec(&file)?)?;
+
+        let mut loaded = store.load("boot-1")?;
+        assert_eq!(loaded.outcome, LoadOutcome::Loaded);
+        loaded.checkpoint.time_sliced.insert("gpu-0".into());
+        store.save(&loaded.checkpoint)?;
+        let saved: Value = serde_json::from_slice(&fs::read(store.path())?)?;
+        let saved = &saved["checkpoint"];
+        assert_eq!(saved["gpusToReset"], serde_json::json!(["gpu-1"]));
+        assert_eq!(saved["claims"]["uid-a"]["resetOnUnprepare"], serde_json::json!(true));
+        assert_eq!(saved["claims"]["uid-a"]["devices"][0]["madeVgpu"], serde_json::json!("vgpu-7"));
+        assert_eq!(store.load("boot-1")?.checkpoint, loaded.checkpoint, "the saved file reads back the same");
         Ok(())
     }
 

@@ -422,12 +422,14 @@ mod tests {
         assert_eq!(exclusive_gpus(&daemon, planned.iter().map(|p| &p.device)), BTreeSet::from(["gpu-0".to_string()]));
 
         let entry = |devices: &[(&str, bool)], daemon: &[&str], state| ClaimEntry {
+            unknown: Default::default(),
             namespace: "ns".into(),
             name: "c".into(),
             state,
             devices: devices
                 .iter()
                 .map(|(device, admin_access)| PreparedDevice {
+                    unknown: Default::default(),
                     request_names: vec!["gpu".into()],
                     pool: "node-a".into(),
                     device: device.to_string(),

@@ -555,6 +555,7 @@ impl DriverState {
                 }
             }
             let mut entry = ClaimEntry {
+                unknown: Default::default(),
                 namespace: claim.namespace.clone(),
                 name: claim.name.clone(),
                 state: PrepareState::PrepareStarted,
@@ -685,6 +686,7 @@ impl DriverState {
         let mut devices: Vec<PreparedDevice> = planned
             .iter()
             .map(|p| PreparedDevice {
+                unknown: Default::default(),
                 request_names: vec![p.base_request().to_string()],
                 pool: p.pool.clone(),
                 device: p.device.name(),
@@ -725,6 +727,7 @@ impl DriverState {
             let devices = adopted_devices(&self.cdi_dir, &self.cdi_kind, &self.pool, uid);
             info!(%uid, devices = devices.len(), record = ?lost, "adopted the CDI spec of a prepared claim whose record was lost");
             let entry = ClaimEntry {
+                unknown: Default::default(),
                 namespace: String::new(),
                 name: String::new(),
                 state: PrepareState::PrepareCompleted,
@@ -1110,6 +1113,7 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
     devices
         .into_iter()
         .map(|(device, _)| PreparedDevice {
+            unknown: Default::default(),
             request_names: Vec::new(),
             pool: pool.to_string(),
             cdi_device_ids: vec![cdi::device_id(kind, uid, &device)],

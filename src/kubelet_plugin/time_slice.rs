@@ -180,6 +180,7 @@ mod tests {
         let mut checkpoint = Checkpoint::new("boot");
         for (uid, device, time_slice, recovered) in entries {
             let entry = checkpoint.claims.entry(uid.to_string()).or_insert_with(|| ClaimEntry {
+                unknown: std::collections::BTreeMap::new(),
                 namespace: "ns".into(),
                 name: format!("claim-{uid}"),
                 state: PrepareState::PrepareCompleted,
@@ -189,6 +190,7 @@ mod tests {
                 metadata: None,
             });
             entry.devices.push(PreparedDevice {
+                unknown: std::collections::BTreeMap::new(),
                 request_names: vec!["gpu".into()],
                 pool: "node-a".into(),
                 device: device.to_string(),
