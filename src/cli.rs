@@ -68,7 +68,7 @@ pub struct ControllerArgs {
     pub metrics_addr: SocketAddr,
     /// Events per second, sent on a client of their own so that Events never hold up claims (0: unlimited). The
     /// Event sender keeps this rate itself, sending what is queued in batches.
-    #[arg(long, env = "GPU_DRA_EVENTS_QPS", default_value_t = 50.0)]
+    #[arg(long, env = "GPU_DRA_EVENTS_QPS", default_value_t = 50.0, value_parser = crate::kube_client::parse_qps)]
     pub events_qps: f64,
     /// Events allowed at once above the average; when limited, also the largest batch (at most 25).
     #[arg(long, env = "GPU_DRA_EVENTS_BURST", default_value_t = 200)]
@@ -176,7 +176,7 @@ pub struct NodeAgentArgs {
     pub refuse_with_device_plugin: bool,
     /// The extended resources a device plugin serves GPUs as, comma-separated; a trailing `*` matches any rest of
     /// the name. Add the names of a plugin configured to rename its resources (e.g. `nvidia.com/a100`).
-    #[arg(long, env = "GPU_DRA_DEVICE_PLUGIN_RESOURCES", value_delimiter = ',',
+    #[arg(long, env = "GPU_DRA_DEVICE_PLUGIN_RESOURCES", value_delimiter = ',', value_parser = parse_resource_name,
           default_value = crate::node_agent::device_plugin::DEFAULT_RESOURCES)]
     pub device_plugin_resources: Vec<String>,
     /// How long no device plugin must have served GPUs before the agent publishes them again: the kubelet zeroes a
@@ -328,9 +328,9 @@ pub struct GpuCheckArgs {
     /// Where to write the CDI spec of the sample claim (a scratch directory, not the runtime's).
     #[arg(long)]
     pub cdi_dir: PathBuf,
-    /// GPUs in the sample claim (the first N discovered).
-    #[arg(long, default_value_t = 1)]
-    pub claim_gpus: usize,
+    /// GPUs in the sample claim (the first N discovered), at least 1.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub claim_gpus: u16,
     /// How long to watch NVML's health events (critical XIDs, ECC errors, GPU lost) and report what the node agent's
     /// health monitor would see, e.g. 5s; 0s skips it.
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
@@ -376,6 +376,14 @@ fn parse_stale_claim_check_interval(text: &str) -> Result<Duration, String> {
     Ok(interval)
 }
 
+/// An extended resource name in a list: spaces around it (`a, b`) dropped, as they never match a resource name.
+fn parse_resource_name(text: &str) -> Result<String, String> {
+    match text.trim() {
+        "" => Err("an empty name (two commas in a row, or one at the end?)".to_string()),
+        name => Ok(name.to_string()),
+    }
+}
+
 /// A healthy window: `0s`, or whole seconds. The window is kept in seconds, and `500ms`, cut to 0, untainted a GPU
 /// the moment it faulted (where `0s` means the opposite: only a reset untaints).
 fn parse_healthy_window(text: &str) -> Result<Duration, String> {
@@ -392,6 +400,30 @@ fn parse_healthy_window(text: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rates_are_zero_or_positive_and_resource_names_trimmed() {
+        assert_eq!(crate::kube_client::parse_qps("0"), Ok(0.0));
+        assert_eq!(crate::kube_client::parse_qps("0.5"), Ok(0.5));
+        for bad in ["-5", "NaN", "inf", "fast"] {
+            let err = crate::kube_client::parse_qps(bad).expect_err(bad);
+            assert!(err.contains("is not a rate"), "{bad}: {err}");
+        }
+        let parsed = Cli::try_parse_from([
+            "gpu-dra",
+            "node-agent",
+            "--device-plugin-resources",
+            "nvidia.com/gpu, nvidia.com/mig-*",
+        ]);
+        match parsed.map_err(|e| e.to_string()).map(|cli| cli.command) {
+            Ok(Command::NodeAgent(args)) => {
+                assert_eq!(args.device_plugin_resources, ["nvidia.com/gpu", "nvidia.com/mig-*"]);
+            }
+            other => panic!("{other:?}"),
+        }
+        let empty = Cli::try_parse_from(["gpu-dra", "node-agent", "--device-plugin-resources", "a,,b"]);
+        assert!(empty.is_err_and(|e| e.to_string().contains("an empty name")));
+    }
 
     #[test]
     fn healthy_windows_are_whole_seconds() {

@@ -15,12 +15,21 @@ use tower::{Layer, Service};
 pub mod keepalive;
 pub mod watch;
 
+/// A rate flag: 0 (unlimited) or a positive, finite number per second. A negative number or `NaN` meant unlimited
+/// without a word.
+pub fn parse_qps(text: &str) -> Result<f64, String> {
+    match text.trim().parse::<f64>() {
+        Ok(qps) if qps.is_finite() && qps >= 0.0 => Ok(qps),
+        _ => Err(format!("{text} is not a rate: give 0 (unlimited) or a positive number per second")),
+    }
+}
+
 /// API client flags shared by the components.
 #[derive(Debug, Clone, Args)]
 pub struct ClientArgs {
     /// Requests per second to the API server, averaged (0: unlimited). Above 100, throttled requests are sent in
     /// groups every 10 ms.
-    #[arg(long, env = "GPU_DRA_KUBE_API_QPS", default_value_t = 50.0)]
+    #[arg(long, env = "GPU_DRA_KUBE_API_QPS", default_value_t = 50.0, value_parser = parse_qps)]
     pub kube_api_qps: f64,
     /// Requests allowed at once above the average.
     #[arg(long, env = "GPU_DRA_KUBE_API_BURST", default_value_t = 100)]

@@ -4,7 +4,30 @@ use anyhow::Context as _;
 use clap::Parser;
 use gpu_dra::cli::{Cli, Command};
 
-fn main() -> anyhow::Result<()> {
+fn main() -> std::process::ExitCode {
+    match start() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("Error: {}", error_text(&error));
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error followed by each of its causes that its text does not already say. Most of the crate's errors and the
+/// client's put their cause in their own text too: printed as a chain (anyhow's default), a missing kubeconfig was
+/// said four times over, with a backtrace where `RUST_BACKTRACE` was set.
+fn error_text(error: &anyhow::Error) -> String {
+    let mut text = error.to_string();
+    for cause in error.chain().skip(1).map(ToString::to_string) {
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
+}
+
+fn start() -> anyhow::Result<()> {
     let cli = Cli::parse();
     if let Command::SimulatedMpsControl { foreground, server } = cli.command {
         return gpu_dra::node_agent::mps_stand_in::run(foreground, server);
@@ -51,5 +74,27 @@ fn raise_open_files_limit() {
         Ok((before, after)) if before != after => tracing::info!(before, after, "raised the open-file limit"),
         Ok(_) => {}
         Err(error) => tracing::warn!(%error, "could not raise the open-file limit; running with it as it is"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("read the kubeconfig: {0}")]
+    struct Says(#[source] std::io::Error);
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("read the kubeconfig")]
+    struct Hides(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let missing = || std::io::Error::new(std::io::ErrorKind::NotFound, "no such file");
+        let says = anyhow::Error::new(Says(missing())).context("create the client");
+        assert_eq!(error_text(&says), "create the client: read the kubeconfig: no such file");
+        let hides = anyhow::Error::new(Hides(missing()));
+        assert_eq!(error_text(&hides), "read the kubeconfig: no such file");
     }
 }

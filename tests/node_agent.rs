@@ -750,7 +750,7 @@ async fn a_replacement_agent_waits_for_the_old_one_and_keeps_its_sockets(ctx: Te
     let ready = replacement.get("/readyz").await.is_ok_and(|(code, _)| code == 200);
     ensure!(!ready, "the replacement went on beside the running agent:\n{}", replacement.log_tail());
     ensure!(
-        replacement.log_text().contains("another node agent runs on this node"),
+        replacement.log_text().contains("another node agent holds this state directory"),
         "the waiting replacement does not say why:\n{}",
         replacement.log_tail()
     );

@@ -789,11 +789,8 @@ mod tests {
         let dir = tempfile::tempdir()?;
         let store = CheckpointStore::new(dir.path());
         let mut newer = serde_json::to_value(Checkpoint::new("boot-1"))?;
-        let mut claim = serde_json::to_value(entry(
-            "a",
-            PrepareState::PrepareCompleted,
-            vec![device("node1", "gpu-0", None)],
-        ))?;
+        let mut claim =
+            serde_json::to_value(entry("a", PrepareState::PrepareCompleted, vec![device("node1", "gpu-0", None)]))?;
         claim["devices"][0]["madeVgpu"] = serde_json::json!("vgpu-7");
         claim["resetOnUnprepare"] = serde_json::json!(true);
         newer["claims"] = serde_json::json!({ "uid-a": claim });

@@ -21,6 +21,8 @@ use crate::cli::{GpuBackend, GpuCheckArgs};
 pub enum GpuCheckError {
     #[error(transparent)]
     Discovery(#[from] discovery::DiscoveryError),
+    #[error("--driver-name {0:?} is not a DNS subdomain of at most 63 characters (e.g. gpu.example.com)")]
+    DriverName(String),
     #[error("no GPU found: nothing to publish or prepare")]
     NoGpus,
     #[error(
@@ -81,6 +83,9 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
         return Err(GpuCheckError::AgentRunning { state_dir: args.state_dir.display().to_string(), holder });
     }
     let gpu = &args.gpu;
+    if !super::is_dns_subdomain(&gpu.driver_name) {
+        return Err(GpuCheckError::DriverName(gpu.driver_name.clone()));
+    }
     let backend = discovery::backend(gpu, &args.node_name, None)?;
     let found = backend.discover_all()?;
     if !found.unreadable.is_empty() {
@@ -108,7 +113,14 @@ pub fn run(args: &GpuCheckArgs) -> Result<(), GpuCheckError> {
     let kind = CdiKind::from_driver_name(&gpu.driver_name)?;
     // Devices that exist now: a dynamic MIG partition is made only for a claim (see --check-mig-device).
     let existing = device::devices(&gpus, device::MigLayout::Static);
-    let claim: Vec<Device> = existing.iter().take(args.claim_gpus.max(1)).cloned().collect();
+    let claim: Vec<Device> = existing.iter().take(args.claim_gpus.into()).cloned().collect();
+    if claim.len() < usize::from(args.claim_gpus) && !claim.is_empty() {
+        println!(
+            "\n--claim-gpus {}: this node has {} device(s); the sample claim takes them all",
+            args.claim_gpus,
+            claim.len()
+        );
+    }
     if claim.is_empty() {
         // The profiles are what an administrator needs to make MIG devices.
         mig_profiles(args, &gpus)?;

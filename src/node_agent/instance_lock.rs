@@ -56,7 +56,9 @@ pub async fn acquire(state_dir: &Path, stop: &CancellationToken) -> Result<Optio
                     warn!(
                         lock = %path.display(),
                         holder = %holder,
-                        "another node agent runs on this node (its pod being replaced?): waiting for it to exit"
+                        "another node agent holds this state directory (its pod being replaced? or another release's \
+                         agent given the same --state-dir: give each release its own nodeAgent.stateDir): waiting for \
+                         it to exit"
                     );
                     said = true;
                 }

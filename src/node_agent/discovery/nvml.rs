@@ -50,10 +50,19 @@ fn query<T>(what: &str, result: Result<T, NvmlError>) -> Result<T, DiscoveryErro
 impl NvmlDiscovery {
     fn init(&self) -> Result<Nvml, DiscoveryError> {
         let library = self.library();
-        Nvml::builder().lib_path(&library).init().map_err(|source| DiscoveryError::NvmlUnavailable {
-            library: library.to_string_lossy().into_owned(),
-            source,
-        })
+        // Say where it was looked for: a wrong --driver-root falls back to the loader's own search.
+        let shown = match Path::new(&library).is_absolute() {
+            true => library.to_string_lossy().into_owned(),
+            false => format!(
+                "{}, not under --driver-root {}, so from the loader's default paths",
+                library.to_string_lossy(),
+                self.driver_root.display()
+            ),
+        };
+        Nvml::builder()
+            .lib_path(&library)
+            .init()
+            .map_err(|source| DiscoveryError::NvmlUnavailable { library: shown, source })
     }
 }
 

@@ -87,7 +87,7 @@ const MODELS: &[Model] = &[
 /// A spec that cannot be read.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum SpecError {
-    #[error("--simulated-gpus is empty; give e.g. 4xH100-80GB")]
+    #[error("--simulated-gpus names no GPU (empty, or counts of 0); give e.g. 4xH100-80GB")]
     Empty,
     #[error("--simulated-gpus entry {entry:?} is not <count>x<model> (e.g. 4xH100-80GB)")]
     Malformed { entry: String },
