@@ -78,6 +78,7 @@ fn main() {
             test!(a_spec_lost_while_the_agent_runs_is_written_again),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
+            test!(a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
@@ -1049,6 +1050,60 @@ async fn an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made
     let kept_mig = recorded.claims.get(done).and_then(|e| e.devices[0].made_mig.clone());
     ensure!(kept_mig == done_mig, "the MIG device made for done is recorded as {kept_mig:?}, was {done_mig:?}");
     drop(agent);
+    Ok(())
+}
+
+/// Dynamic MIG: an agent killed after making a claim's MIG device, before its UUID was saved. The placement was
+/// marked in the checkpoint before the make (`makingMig`), so the restarted agent destroys the device, and the
+/// kubelet's retry prepares the claim. Before, the device stayed, nobody's: every retry failed as overlapping it,
+/// and the pod never started.
+async fn a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB/mig=", "--mig-layout", "dynamic"];
+    let ns = ctx.namespace.as_str();
+    if support::cluster::kubernetes_minor()? < 36 {
+        return Ok(()); // No partitions without the counters (README's version table; the test above checks that).
+    }
+    let uid = allocated_claim(&ctx, "killed", &node, &["gpu-0-mig-19-1-1"], json!([])).await?;
+    let mut agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+    let hang = dirs.state().join("simulated-mig-made-hung");
+    std::fs::write(&hang, b"")?;
+    let kubelet = Kubelet::register(&dirs).await?;
+    let claims = [(ns.to_string(), "killed".to_string(), uid.clone())];
+    let prepare = tokio::spawn(async move {
+        let claims: Vec<(&str, &str, &str)> =
+            claims.iter().map(|(n, c, u)| (n.as_str(), c.as_str(), u.as_str())).collect();
+        let mut kubelet = kubelet;
+        kubelet.prepare(&claims).await
+    });
+    let kept = dirs.state().join("simulated-mig-devices.json");
+    wait::until("the MIG device made", Duration::from_secs(20), || async {
+        let text = std::fs::read_to_string(&kept).unwrap_or_default();
+        let kept: Value = serde_json::from_str(&text).unwrap_or_default();
+        Ok(kept["gpus"]["0"].as_array().is_some_and(|d| d.len() == 1).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    let marked = checkpoint(&dirs, "boot-1")?;
+    let device = marked.claims.get(&uid).and_then(|e| e.devices.first()).context("no entry")?;
+    ensure!(device.making_mig && device.made_mig.is_none(), "the make is not marked before it: {marked:?}");
+    agent.kill()?;
+    let _ = prepare.await;
+    std::fs::remove_file(&hang)?;
+
+    let agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+    let kept_now: Value = serde_json::from_str(&std::fs::read_to_string(&kept)?)?;
+    ensure!(kept_now["gpus"]["0"] == json!([]), "the unrecorded MIG device is left: {kept_now}\n{}", agent.log_tail());
+    ensure!(agent.log_text().contains("a prepare killed before recording it had made"), "{}", agent.log_tail());
+    let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "killed", uid.as_str())]).await?;
+    ensure!(again.get(&uid).is_some_and(|a| a.error.is_empty()), "the kubelet's retry: {again:?}");
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    let device = recorded.claims.get(&uid).and_then(|e| e.devices.first()).context("no entry")?;
+    ensure!(device.made_mig.is_some() && !device.making_mig, "recorded after the retry: {recorded:?}");
     Ok(())
 }
 

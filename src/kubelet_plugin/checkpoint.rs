@@ -145,6 +145,12 @@ pub struct PreparedDevice {
     /// at with admin access, or one whose making is not known (a recovered entry).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub made_mig: Option<String>,
+    /// Dynamic MIG: set (and saved) before the agent makes this partition's MIG device on a placement it found
+    /// empty, cleared once the device's UUID is in `made_mig`. Left set by a prepare killed between the make and
+    /// that save: start-up destroys the MIG device at the placement (no claim records it), which otherwise stayed,
+    /// nobody's, and failed every retry of the claim's prepare as overlapping it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub making_mig: bool,
     /// The GPU memory a share (`share_id`) consumed, as the scheduler recorded it: what a new share of the GPU is
     /// counted beside ([`Checkpoint::memory_taken`]). Absent in files written before it was recorded (counted as
     /// none).
@@ -530,6 +536,7 @@ mod tests {
             admin_access: false,
             time_slice: None,
             made_mig: None,
+            making_mig: false,
             memory_bytes: None,
         }
     }

@@ -438,6 +438,7 @@ mod tests {
                     admin_access: *admin_access,
                     time_slice: None,
                     made_mig: None,
+                    making_mig: false,
                     memory_bytes: None,
                 })
                 .collect(),

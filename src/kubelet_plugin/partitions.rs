@@ -2,11 +2,13 @@
 //! destroyed when the claim is unprepared or its prepare is abandoned (see [`crate::node_agent::device::Partition`]).
 //!
 //! The checkpoint records the UUID of every MIG device made for a claim, before the claim's spec is written; only a
-//! recorded UUID is ever destroyed. A MIG device an administrator made, one a claim only looks at (admin access),
-//! or one made for a claim whose record was lost (a recovered entry) is never touched. Calls go through the discovery
+//! recorded UUID is ever destroyed, or the MIG device at a placement the checkpoint says a prepare was making a MIG
+//! device on, having found it empty (`makingMig`: the prepare was killed between the make and the save of its
+//! UUID). A MIG device an administrator made, one a claim only looks at (admin access), or one made for a claim
+//! whose record was lost (a recovered entry) is never touched. Calls go through the discovery
 //! backend (NVML, or the simulated GPUs) and may block: callers hold the state lock off the async threads.
 
-use crate::node_agent::device::{Device, Partition};
+use crate::node_agent::device::{Device, MigLayout, Partition, devices};
 use crate::node_agent::discovery::Discovery;
 use crate::node_agent::gpu::{Gpu, MigDevice};
 
@@ -32,7 +34,15 @@ fn at_placement<'a>(gpu: &'a Gpu, partition: &Partition) -> Option<&'a MigDevice
     })
 }
 
-fn discover(control: &dyn Discovery) -> Result<Vec<Gpu>, String> {
+/// The MIG device at the placement of the dynamic MIG partition named `name` on `gpus` (as discovered now), if one
+/// exists there; `None` also for a name that is no partition of theirs.
+pub fn at_partition(gpus: &[Gpu], name: &str) -> Option<MigDevice> {
+    let device = devices(gpus, MigLayout::Dynamic).into_iter().find(|d| d.partition.is_some() && d.name() == name)?;
+    let gpu = gpus.iter().find(|g| g.uuid == device.gpu.uuid)?;
+    at_placement(gpu, &device.partition?).cloned()
+}
+
+pub fn discover(control: &dyn Discovery) -> Result<Vec<Gpu>, String> {
     control.discover().map_err(|e| format!("discover the GPUs to find their MIG devices: {e}"))
 }
 
@@ -86,7 +96,6 @@ pub fn destroy(control: &dyn Discovery, uuid: &str) -> Result<bool, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::node_agent::device::{MigLayout, devices};
     use crate::node_agent::discovery::simulated::Simulated;
 
     #[test]

@@ -606,6 +606,7 @@ impl DriverState {
         if todo.is_empty() {
             return results;
         }
+        self.mark_making(checkpoint, &todo);
         if let Err(e) = self.save(checkpoint) {
             // Nothing was changed: GPUs listed for this batch only are not to be set back by anyone.
             for device in newly_listed {
@@ -622,8 +623,8 @@ impl DriverState {
         }
         // Dynamic MIG: the batch's MIG devices are made first and their UUIDs saved before any spec is written, so
         // that a crash after that save leaves only MIG devices known to be this agent's (start-up destroys them). A
-        // crash between a make and that save leaves one nobody records: published around, never destroyed, until an
-        // administrator removes it (`nvidia-smi mig -dci`, `-dgi`).
+        // crash between a make and that save leaves the placement marked (`mark_making`): start-up destroys the
+        // MIG device there.
         let mut ready = Vec::with_capacity(todo.len());
         for mut claim in todo {
             match self.make_partitions(checkpoint, &mut claim) {
@@ -695,6 +696,7 @@ impl DriverState {
                 admin_access: p.admin_access,
                 time_slice: time_slice::asked(p),
                 made_mig: None,
+                making_mig: false,
                 memory_bytes: p.memory_bytes,
             })
             .collect();
@@ -776,9 +778,7 @@ impl DriverState {
         for uid in &half_done {
             self.remove_spec_logged(uid);
             self.remove_metadata_logged(uid);
-            if let Some(entry) = checkpoint.claims.get(uid)
-                && let Err(e) = self.destroy_made(entry)
-            {
+            if let Err(e) = self.destroy_made(&checkpoint, uid) {
                 // Left listed, so that it stays this agent's: the kubelet prepares the claim again.
                 warn!(%uid, error = %e, "a MIG device made for an interrupted prepare could not be destroyed");
                 continue;
@@ -938,7 +938,10 @@ impl DriverState {
             if making != partitions::Making::Look
                 && let Some(entry) = checkpoint.claims.get_mut(&todo.claim.uid)
             {
-                entry.devices.iter_mut().filter(|d| d.device == name).for_each(|d| d.made_mig = Some(uuid.clone()));
+                for recorded in entry.devices.iter_mut().filter(|d| d.device == name) {
+                    recorded.made_mig = Some(uuid.clone());
+                    recorded.making_mig = false;
+                }
             }
         }
         Ok(())
@@ -976,6 +979,7 @@ impl DriverState {
                 for device in &mut entry.devices {
                     if device.made_mig.as_ref().is_some_and(|u| destroyed.contains(u)) {
                         device.made_mig = None;
+                        device.making_mig = false;
                     }
                 }
             }
@@ -988,15 +992,65 @@ impl DriverState {
         (claim.uid, Err(error))
     }
 
-    /// Destroys the MIG devices the agent made for `entry` (the UUIDs it records; dynamic MIG).
-    fn destroy_made(&self, entry: &ClaimEntry) -> Result<(), String> {
+    /// Destroys the MIG devices the agent made for the entry of claim `uid` (dynamic MIG): the UUIDs it records,
+    /// and the MIG device at each placement it was making one on (`making_mig`: killed between the make and the save
+    /// of its UUID) unless another claim records that device.
+    fn destroy_made(&self, checkpoint: &Checkpoint, uid: &str) -> Result<(), String> {
+        let Some(entry) = checkpoint.claims.get(uid) else { return Ok(()) };
         let uuids: BTreeSet<&String> = entry.devices.iter().filter_map(|d| d.made_mig.as_ref()).collect();
         for uuid in uuids {
             if partitions::destroy(&*self.mig_control, uuid)? {
                 info!(mig = %uuid, "destroyed a MIG device");
             }
         }
+        let making: BTreeSet<&str> =
+            entry.devices.iter().filter(|d| d.making_mig && !d.admin_access).map(|d| d.device.as_str()).collect();
+        if making.is_empty() {
+            return Ok(());
+        }
+        let gpus = partitions::discover(&*self.mig_control)?;
+        let recorded: BTreeSet<&String> =
+            checkpoint.claims.values().flat_map(|e| e.devices.iter().filter_map(|d| d.made_mig.as_ref())).collect();
+        for name in making {
+            let Some(mig) = partitions::at_partition(&gpus, name).filter(|m| !recorded.contains(&m.uuid)) else {
+                continue;
+            };
+            if partitions::destroy(&*self.mig_control, &mig.uuid)? {
+                warn!(%uid, device = name, mig = %mig.uuid, "destroyed the MIG device a prepare killed before \
+                      recording it had made");
+            }
+        }
         Ok(())
+    }
+
+    /// Dynamic MIG: marks, in the batch's entries (saved next, before anything is made), each partition whose MIG
+    /// device the batch may make and whose placement is empty now (`making_mig`): a kill between a make and the
+    /// save of its UUID then leaves the device known to be this agent's, and start-up destroys it. A placement
+    /// holding a MIG device already is not marked (the make fails, or adopts the claim's own).
+    fn mark_making(&self, checkpoint: &mut Checkpoint, todo: &[Todo]) {
+        let wanted: Vec<(&str, &str)> = todo
+            .iter()
+            .flat_map(|t| {
+                let made = t.making.iter().filter(|(_, making)| **making != partitions::Making::Look);
+                made.map(|(name, _)| (t.claim.uid.as_str(), name.as_str()))
+            })
+            .collect();
+        if wanted.is_empty() {
+            return;
+        }
+        let gpus = match partitions::discover(&*self.mig_control) {
+            Ok(gpus) => gpus,
+            // The make discovers too, and fails the prepare with the reason.
+            Err(e) => return warn!(error = %e, "the MIG devices to make cannot be marked"),
+        };
+        for (uid, name) in wanted {
+            if partitions::at_partition(&gpus, name).is_some() {
+                continue;
+            }
+            if let Some(entry) = checkpoint.claims.get_mut(uid) {
+                entry.devices.iter_mut().filter(|d| d.device == name).for_each(|d| d.making_mig = true);
+            }
+        }
     }
 
     fn write_spec(&self, uid: &str, devices: &[Device], edits: &cdi::ClaimEdits) -> Result<(), cdi::CdiError> {
@@ -1122,6 +1176,7 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             admin_access: false,
             time_slice: None,
             made_mig: None,
+            making_mig: false,
             memory_bytes: None,
         })
         .collect()

@@ -199,6 +199,7 @@ mod tests {
                 admin_access: false,
                 time_slice: *time_slice,
                 made_mig: None,
+                making_mig: false,
                 memory_bytes: None,
             });
         }

@@ -71,7 +71,7 @@ impl DriverState {
             let result = cdi::remove_claim_spec(&self.cdi_dir, &self.cdi_kind, &claim.uid)
                 .map_err(|e| e.to_string())
                 .and_then(|()| self.remove_metadata(&claim.uid))
-                .and_then(|()| checkpoint.claims.get(&claim.uid).map_or(Ok(()), |e| self.destroy_made(e)));
+                .and_then(|()| self.destroy_made(checkpoint, &claim.uid));
             match result {
                 Ok(()) if self.mps.supervises(&claim.uid) => {
                     // Marked unfinished meanwhile: its spec is not written again by the look for lost specs.

@@ -127,12 +127,18 @@ pub struct Simulated {
     /// While this file exists, discovery does not return, as an NVML call on a wedged GPU or driver:
     /// `<state-dir>/simulated-driver-hung`.
     hung_marker: Option<std::path::PathBuf>,
+    /// While this file exists, a MIG device's make does not return once done: [`SIMULATED_MIG_MADE_HUNG_FILE`].
+    made_hung_marker: Option<std::path::PathBuf>,
 }
 
 /// The file under the state directory that makes simulated GPUs' discovery fail while it exists.
 pub const SIMULATED_DRIVER_UNUSABLE_FILE: &str = "simulated-driver-unusable";
 /// The file under the state directory that makes simulated GPUs' discovery hang while it exists.
 pub const SIMULATED_DRIVER_HUNG_FILE: &str = "simulated-driver-hung";
+
+/// The file under the state directory that makes a MIG device's make, once done, not return while it exists: an
+/// agent killed there has made a MIG device it has not recorded.
+pub const SIMULATED_MIG_MADE_HUNG_FILE: &str = "simulated-mig-made-hung";
 
 /// The file that keeps simulated MIG layouts: `{"spec": …, "boot": …, "gpus": {"<index>": [[profile ID, first
 /// memory slice, GPU instance, UUID], …]}}`, written after every change.
@@ -212,6 +218,7 @@ impl Simulated {
             kept: None,
             unusable_marker: None,
             hung_marker: None,
+            made_hung_marker: None,
         })
     }
 
@@ -227,6 +234,7 @@ impl Simulated {
         let mut simulated = Self::new(node, spec)?;
         simulated.unusable_marker = Some(state_dir.join(SIMULATED_DRIVER_UNUSABLE_FILE));
         simulated.hung_marker = Some(state_dir.join(SIMULATED_DRIVER_HUNG_FILE));
+        simulated.made_hung_marker = Some(state_dir.join(SIMULATED_MIG_MADE_HUNG_FILE));
         let kept = KeptLayouts {
             path: state_dir.join(SIMULATED_MIG_FILE),
             spec: spec.trim().into(),
@@ -314,6 +322,10 @@ impl Discovery for Simulated {
         gpu.mig_devices.push(made.clone());
         gpu.mig_devices.sort_by_key(|m| (m.placement_start, m.compute_instance));
         self.keep(&gpus);
+        drop(gpus);
+        while self.made_hung_marker.as_deref().is_some_and(std::path::Path::exists) {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
         Ok(made)
     }
 
