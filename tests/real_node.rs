@@ -126,8 +126,7 @@ fn node_values(node: &RealNode) -> anyhow::Result<Vec<String>> {
         format!("nodeAgent.kubeletDir={}", node.kubelet_dir()?.display()),
         format!("nodeAgent.cdiDir={}", node.cdi_dir()?.display()),
         format!("nodeAgent.stateDir={}", node.agent_state_dir()?.display()),
-        // Beside the state directory, not in it: the agent refuses an MPS directory inside another of its own.
-        format!("nodeAgent.mpsDir={}-mps", node.agent_state_dir()?.display()),
+        format!("nodeAgent.mpsDir={}", node.agent_mps_dir()?.display()),
         "nodeAgent.gpuBackend=simulated".into(),
         format!("nodeAgent.simulatedGpus={GPUS}xH100-80GB"),
         "nodeAgent.privileged=false".into(),

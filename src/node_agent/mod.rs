@@ -106,12 +106,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
     if !is_dns_subdomain(&gpu.driver_name) {
         return Err(NodeAgentError::DriverName { name: gpu.driver_name.clone() });
     }
-    let others: [(&str, &std::path::Path); 4] = [
-        ("--state-dir", &args.state_dir),
-        ("--cdi-dir", &args.cdi_dir),
-        ("--kubelet-plugins-dir", &args.kubelet_plugins_dir),
-        ("--kubelet-registry-dir", &args.kubelet_registry_dir),
-    ];
+    let others: [(&str, &std::path::Path); 2] =
+        [("--kubelet-plugins-dir", &args.kubelet_plugins_dir), ("--kubelet-registry-dir", &args.kubelet_registry_dir)];
     mps_control::check_root(&args.mps_dir, &others)
         .map_err(|why| NodeAgentError::MpsDir { dir: args.mps_dir.display().to_string(), why })?;
     let stop = CancellationToken::new();

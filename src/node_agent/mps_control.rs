@@ -512,9 +512,10 @@ const SHARED_DIRS: [&str; 17] = [
 ];
 
 /// Why `root` cannot be the MPS directory, if it cannot: it must be absolute, not a directory other software keeps
-/// its entries in, and neither inside nor around one of the agent's `others` (`(flag, dir)`): start-up removes the
-/// claim directories there that no prepared claim has, and the claims' tmpfs mounts go there. Compared as written
-/// (`.` and `..` resolved, links not followed).
+/// its entries in, and neither one of the kubelet's `others` (`(flag, dir)`) nor around one: the claims' tmpfs
+/// mounts go there, and start-up removes the claim directories there that no prepared claim has (only those:
+/// [`is_claims_dir`], so the agent's own state directory may hold it). Compared as written (`.` and `..`
+/// resolved, links not followed).
 pub fn check_root(root: &Path, others: &[(&str, &Path)]) -> Result<(), String> {
     if !root.is_absolute() {
         return Err("is not an absolute path".into());
@@ -527,9 +528,6 @@ pub fn check_root(root: &Path, others: &[(&str, &Path)]) -> Result<(), String> {
         let other = lexical(other);
         if root == other {
             return Err(format!("is the same directory as {flag}"));
-        }
-        if root.starts_with(&other) {
-            return Err(format!("is inside {flag} ({})", other.display()));
         }
         if other.starts_with(&root) {
             return Err(format!("holds {flag} ({})", other.display()));
@@ -677,21 +675,22 @@ mod tests {
     /// at start: start-up removes what it finds there.
     #[test]
     fn an_mps_directory_of_its_own_is_required() {
-        let others: [(&str, &Path); 2] =
-            [("--state-dir", Path::new("/var/lib/gpu-dra")), ("--cdi-dir", Path::new("/var/run/cdi"))];
+        let others: [(&str, &Path); 2] = [
+            ("--kubelet-plugins-dir", Path::new("/var/lib/kubelet/plugins")),
+            ("--kubelet-registry-dir", Path::new("/var/lib/kubelet/plugins_registry")),
+        ];
         let cases = [
             ("/run/gpu-dra/mps", None),
             ("/run/mps", None),
-            ("/var/lib/gpu-dra-mps", None),
+            ("/var/lib/gpu-dra/mps", None), // inside the state directory: nothing there is taken for a claim's
             ("run/gpu-dra/mps", Some("is not an absolute path")),
             ("/run", Some("other software")),
             ("/run/", Some("other software")),
             ("/run/gpu-dra/..", Some("other software")),
             ("/tmp", Some("other software")),
             ("/", Some("other software")),
-            ("/var/lib/gpu-dra", Some("the same directory as --state-dir")),
-            ("/var/lib/gpu-dra/mps", Some("inside --state-dir")),
-            ("/var/run/./cdi/x", Some("inside --cdi-dir")),
+            ("/var/lib/kubelet/plugins", Some("the same directory as --kubelet-plugins-dir")),
+            ("/var/lib/kubelet/./plugins_registry/../plugins", Some("the same directory as --kubelet-plugins-dir")),
             ("/var/lib/kubelet", Some("other software")),
         ];
         for (root, want) in cases {
@@ -701,8 +700,10 @@ mod tests {
                 Some(want) => assert!(got.as_deref().is_some_and(|g| g.contains(want)), "{root}: {got:?}"),
             }
         }
-        let around = [("--state-dir", Path::new("/srv/gpu/state"))];
-        assert!(check_root(Path::new("/srv/gpu"), &around).is_err_and(|e| e.contains("holds --state-dir")));
+        let around = [("--kubelet-plugins-dir", Path::new("/srv/kubelet/plugins"))];
+        assert!(
+            check_root(Path::new("/srv/kubelet"), &around).is_err_and(|e| e.contains("holds --kubelet-plugins-dir"))
+        );
     }
 
     /// Only a directory named by a claim UID holding what a claim's directory holds is one this agent made.

@@ -61,7 +61,7 @@ fn processes_of(pipe: &Path, which: impl Fn(&str) -> bool) -> Vec<u32> {
 }
 
 async fn mps_clients(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
-    let mps_dir: PathBuf = node.agent_state_dir()?.join("mps");
+    let mps_dir: PathBuf = node.agent_mps_dir()?;
     install_with(ctx, node, &["nodeAgent.privileged=true"])?;
     objects::create_template(
         ctx,

@@ -51,6 +51,13 @@ impl RealNode {
         self.path("GPU_DRA_NODE_STATE_DIR")
     }
 
+    /// The agent's MPS directory: beside its state directory, not in it (the agent refuses an MPS directory inside
+    /// another of its own).
+    pub fn agent_mps_dir(&self) -> anyhow::Result<PathBuf> {
+        let state = self.agent_state_dir()?;
+        Ok(PathBuf::from(format!("{}-mps", state.display())))
+    }
+
     /// Imports OCI image archives into the node's containerd.
     pub fn import(&self, archives: &[PathBuf]) -> anyhow::Result<()> {
         let mut args = vec!["import".to_string(), self.name.clone()];
