@@ -35,9 +35,10 @@ use crate::node_agent::gpu::stable_hash;
 
 /// The only file format version this agent reads and writes. Any other version is treated as corrupt (kept aside),
 /// so a downgraded agent never misreads a newer agent's file. Within a version, fields added later are not acted on
-/// by an agent that lacks them, but kept as they were at its saves (the `unknown` maps), so that what they record
-/// (a setting to set back, a MIG device made for a claim) is there again once the newer agent is back; an entry
-/// the older agent removes (its claim unprepared) goes with its fields.
+/// by an agent that lacks them, but kept as they were at its saves (the `unknown` maps of the checkpoint, each claim
+/// and each device; also when the claim is prepared again), so that what they record (a setting to set back, a MIG
+/// device made for a claim) is there again once the newer agent is back; an entry the older agent removes (its
+/// claim unprepared) goes with its fields. Fields within the MPS and metadata records are not kept.
 pub const CHECKPOINT_VERSION: u64 = 1;
 
 /// The checkpoint's file name inside the state directory.

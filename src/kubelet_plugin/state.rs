@@ -565,11 +565,14 @@ impl DriverState {
                 metadata: self.device_metadata.then_some(MetadataRecord { pod_claim_name }),
             };
             // MIG devices made for this claim before stay recorded from the first save on: a crash before the last
-            // one must not turn them into nobody's.
+            // one must not turn them into nobody's. So do a newer agent's fields (see `CHECKPOINT_VERSION`).
             if let Some(before) = checkpoint.claims.get(&claim.uid) {
+                entry.unknown = before.unknown.clone();
                 for device in &mut entry.devices {
                     let made = before.devices.iter().find(|d| d.device == device.device && d.made_mig.is_some());
                     device.made_mig = made.and_then(|d| d.made_mig.clone());
+                    let same = before.devices.iter().find(|d| d.device == device.device);
+                    device.unknown = same.map(|d| d.unknown.clone()).unwrap_or_default();
                 }
             }
             let previous = checkpoint.claims.insert(claim.uid.clone(), entry);

@@ -631,8 +631,8 @@ async fn publish(
 /// those are saved).
 async fn unpublish(publisher: &Publisher, monitor: &health::Monitor) -> Result<(), slices::publisher::PublishError> {
     read_back_faults(publisher, monitor).await?;
-    if monitor.restore_pending() {
-        // Not saved: the slices stay the only record of the faults.
+    if monitor.restore_pending() && !monitor.read_back_saved().await {
+        // Not saved (the saver tries again): the slices stay the only record of the faults.
         return Ok(());
     }
     publisher.publish(&[]).await?;

@@ -339,15 +339,17 @@ impl Monitor {
         }
         if self.restore_pending() {
             // Once they were read back, what was found (for a missing state, only if something was).
-            let (mut restored, events, stop) = (self.restored.subscribe(), events.clone(), stop.clone());
+            let (mut restored, events, monitor) = (self.restored.subscribe(), events.clone(), self.clone());
             let missing = self.missing;
             tokio::spawn(async move {
+                // Until the saver's last save at stop: it may be the one that saves the read-back.
                 let (gpus, kept) = tokio::select! {
-                    () = stop.cancelled() => return,
+                    biased;
                     done = restored.wait_for(Option::is_some) => match done {
                         Ok(done) => done.clone().unwrap_or_default(),
                         Err(_) => return,
                     },
+                    () = monitor.saving.stopped.cancelled() => return,
                 };
                 if !missing || !gpus.is_empty() {
                     events.send(EventType::Normal, "GpuHealthStateRestored", restored_note(&gpus, &kept, missing));
@@ -438,6 +440,14 @@ impl Monitor {
         self.restore_pending() && self.read_back_gpus().is_none()
     }
 
+    /// Waits, as long as a save may take before it counts as late, for the faults read back to be saved; whether
+    /// they are (the pool may be emptied then: the slices are no longer their only record).
+    pub async fn read_back_saved(&self) -> bool {
+        let mut restored = self.restored.subscribe();
+        let saved = tokio::time::timeout(saver::SLOW_SAVE, restored.wait_for(Option::is_some)).await;
+        saved.is_ok_and(|done| done.is_ok())
+    }
+
     fn read_back_gpus(&self) -> std::sync::MutexGuard<'_, Option<Vec<String>>> {
         self.read_back.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -481,15 +491,16 @@ impl Monitor {
         self.saving.want();
     }
 
-    /// Copies an unreadable saved state aside, once, before the first save of the faults read back replaces it
-    /// (run on the saver's blocking thread); what was done, for the Event.
-    fn keep_aside(dir: &std::path::Path, missing: bool) -> String {
+    /// Copies an unreadable saved state aside before the first save of the faults read back replaces it (run on the
+    /// saver's blocking thread): what was done, for the Event, and whether it is done (a failed copy is tried again
+    /// with the next save, unless that save succeeds: the file is gone then).
+    fn keep_aside(dir: &std::path::Path, missing: bool) -> (String, bool) {
         if missing {
-            return "there was no file to keep aside".to_string();
+            return ("there was no file to keep aside".to_string(), true);
         }
         match store::keep_aside(dir) {
-            Ok(aside) => format!("the unreadable file was kept as {}", aside.display()),
-            Err(e) => format!("the unreadable file could not be kept aside ({e})"),
+            Ok(aside) => (format!("the unreadable file was kept as {}", aside.display()), true),
+            Err(e) => (format!("the unreadable file could not be kept aside ({e})"), false),
         }
     }
 
@@ -761,15 +772,24 @@ mod tests {
         monitor.restore(&published);
         assert!(monitor.book().get("GPU-1").is_none(), "the reset undone by the taint still published");
 
+        // The directory back with the unreadable file in it: the copy that failed with the save is made now.
         std::fs::remove_file(&dir)?;
         std::fs::create_dir(&dir)?;
+        let torn = b"{\"version\": 1, \"faulted\": {";
+        std::fs::write(store::path(&dir), torn)?;
         assert!(monitor.save_once(false).await, "the retry failed");
+        let kept_copies: Vec<Vec<u8>> = std::fs::read_dir(&dir)?
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("health.json.corrupt-"))
+            .map(|e| std::fs::read(e.path()))
+            .collect::<Result<_, _>>()?;
+        assert_eq!(kept_copies, [torn.to_vec()], "the unreadable file was replaced without a copy");
         assert!(!monitor.restore_pending(), "a retry did not save the read-back");
         assert_eq!(monitor.saving.unsaved.get(), 0);
         assert!(store::load(&dir)?.faulted.is_empty(), "the reset not saved with the read-back");
         let (gpus, kept) = restored.borrow_and_update().clone().unwrap_or_default();
         assert_eq!(gpus, ["GPU-1"]);
-        assert!(kept.starts_with("the unreadable file could not be kept aside"), "{kept}");
+        assert!(kept.starts_with("the unreadable file was kept as"), "{kept}");
         Ok(())
     }
 
@@ -788,6 +808,7 @@ mod tests {
         assert!(woken.is_err(), "the read-back woke the publisher");
         assert!(!unsavable.save_once(true).await, "saved into a directory under a file");
         assert!(unsavable.restore_pending() && !unsavable.read_back_pending());
+        assert!(!unsavable.read_back_saved().await, "emptying the pool would lose the only record");
         assert_eq!(unsavable.saving.unsaved.get(), 1, "an unsaved read-back is not on the gauge");
 
         let dir = tempfile::tempdir()?;
@@ -800,7 +821,9 @@ mod tests {
             ("GPU-2".to_string(), vec![taint("needs-reset", "ecc-double-bit", "2026-11-30T23:00:00Z")]),
         ];
         monitor.restore(&published);
-        assert!(monitor.save_once(true).await);
+        // Emptying the pool right after a read-back waits for its save, made by the saver meanwhile.
+        let (saved, waited) = tokio::join!(monitor.save_once(true), monitor.read_back_saved());
+        assert!(saved && waited, "saved {saved}, seen saved {waited}");
         assert!(!monitor.restore_pending());
         let gpus: Vec<Gpu> = [(0, "GPU-1"), (1, "GPU-2")]
             .into_iter()

@@ -50,7 +50,7 @@ pub(super) struct Saving {
     /// Whether the last save failed (said once, not at every retry).
     failing: AtomicBool,
     /// Cancelled once the saver has made its last save at the agent's stop.
-    stopped: CancellationToken,
+    pub(super) stopped: CancellationToken,
 }
 
 impl Saving {
@@ -152,8 +152,10 @@ impl Monitor {
         }
         let result = match result {
             Ok((kept, saved)) => {
-                if kept.is_some() {
-                    *self.kept_note() = kept;
+                if let Some((note, done)) = kept
+                    && (done || saved.is_ok())
+                {
+                    *self.kept_note() = Some(note);
                 }
                 saved
             }
