@@ -79,6 +79,7 @@ fn main() {
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
             test!(a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed),
+            test!(a_renamed_driver_does_not_take_over_claims_prepared_for_the_old_name),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
@@ -1104,6 +1105,48 @@ async fn a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed(ct
     let recorded = checkpoint(&dirs, "boot-1")?;
     let device = recorded.claims.get(&uid).and_then(|e| e.devices.first()).context("no entry")?;
     ensure!(device.made_mig.is_some() && !device.making_mig, "recorded after the retry: {recorded:?}");
+    Ok(())
+}
+
+/// `driverName` changed (a `helm upgrade`) while a claim is prepared on the node: the kubelet unprepares it only
+/// through the old driver's plugin, so an agent of the new name taking the checkpoint over would never see its
+/// unprepare, and would publish its GPU as free beside it. The renamed agent refuses to start its plugin, naming
+/// the claim and what to do (it stays up, not ready, publishing nothing); the old name serves again as before.
+async fn a_renamed_driver_does_not_take_over_claims_prepared_for_the_old_name(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let uid = allocated_claim(&ctx, "held", &node, &["gpu-0"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "held", uid.as_str())]).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "{answers:?}");
+    agent.kill()?;
+
+    let renamed = "renamed.example.com";
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB", "--driver-name", renamed];
+    let mut other = start_agent(&ctx, &node, &dirs, &args)?;
+    let said = format!("holds 1 claim(s) prepared for driver {DRIVER}, not {renamed} ({ns}/held)");
+    wait::until("the renamed agent to refuse", Duration::from_secs(20), || async {
+        Ok(other.log_text().contains(&said).then_some(()))
+    })
+    .await
+    .with_context(|| other.log_tail())?;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let ready = other.get("/readyz").await.is_ok_and(|(code, _)| code == 200);
+    ensure!(!ready, "the renamed agent is ready:\n{}", other.log_tail());
+    let published = Api::<ResourceSlice>::all(ctx.client.clone())
+        .list(&ListParams::default().fields(&format!("spec.nodeName={node},spec.driver={renamed}")))
+        .await?;
+    ensure!(published.items.is_empty(), "the renamed agent published the held GPU: {:?}", published.items);
+    ensure!(dirs.cdi_spec(&uid).exists(), "the held claim's spec was removed");
+    other.kill()?;
+
+    let agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let answers = Kubelet::register(&dirs).await?.unprepare(&[(ns, "held", uid.as_str())]).await?;
+    ensure!(answers.values().all(String::is_empty), "unprepare through the old name: {answers:?}");
+    ensure!(checkpoint(&dirs, "boot-1")?.claims.is_empty(), "the claim is still recorded");
+    drop(agent);
     Ok(())
 }
 

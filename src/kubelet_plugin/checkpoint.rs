@@ -53,6 +53,10 @@ pub const BOOT_ID_PATH: &str = "/proc/sys/kernel/random/boot_id";
 pub struct Checkpoint {
     /// The kernel boot ID the entries belong to (see [`boot_id`]); empty when it could not be read.
     pub boot_id: String,
+    /// The driver name the claims were prepared for (empty in files of versions before it was kept): an agent of
+    /// another name (`driverName` changed) must not take them over, see [`Checkpoint::prepared_for_another`].
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub driver: String,
     /// Claim UID → what was prepared for it.
     #[serde(default)]
     pub claims: BTreeMap<String, ClaimEntry>,
@@ -166,6 +170,16 @@ impl Checkpoint {
     /// An empty checkpoint for the boot `boot_id`.
     pub fn new(boot_id: &str) -> Self {
         Self { boot_id: boot_id.to_owned(), ..Self::default() }
+    }
+
+    /// The claims (namespace/name) this checkpoint holds for a driver other than `driver`: the kubelet unprepares a
+    /// claim only through the plugin of the driver it was prepared by, so an agent renamed (`driverName` changed)
+    /// with claims prepared would never see their unprepare, and would publish their GPUs as free beside them.
+    pub fn prepared_for_another(&self, driver: &str) -> Vec<String> {
+        if self.driver.is_empty() || self.driver == driver {
+            return Vec::new();
+        }
+        self.claims.values().map(|e| format!("{}/{}", e.namespace, e.name)).collect()
     }
 
     /// The UID of a claim (the first by UID) holding `device` of `pool` in any state, shared or not.
@@ -382,6 +396,7 @@ impl CheckpointStore {
                     claims: stored.claims,
                     time_sliced: stored.time_sliced,
                     exclusive_process: stored.exclusive_process,
+                    driver: stored.driver,
                     unknown: stored.unknown,
                     ..fresh
                 },

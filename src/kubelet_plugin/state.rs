@@ -69,6 +69,13 @@ pub enum StateError {
     },
     #[error("start-up clean-up task failed: {0}")]
     Task(String),
+    #[error(
+        "the checkpoint in {state_dir} holds {} claim(s) prepared for driver {recorded}, not {driver} ({}): the \
+         kubelet unprepares them only through {recorded}'s plugin, and their GPUs would be published as free. Set \
+         the driver name back to {recorded} until no pod on this node holds them (drain the node), then change it",
+        claims.len(), claims.join(", ")
+    )]
+    OtherDriver { state_dir: PathBuf, recorded: String, driver: String, claims: Vec<String> },
 }
 
 /// What writing missing specs again did: how many were written, and the claims (UID) whose spec could not be, with
@@ -194,7 +201,18 @@ impl DriverState {
             .map_err(|source| StateError::CdiKind { driver: config.driver.clone(), source })?;
         let store = CheckpointStore::new(&config.state_dir);
         let state_dir = config.state_dir.clone();
-        let loaded = store.load(&config.boot_id)?;
+        let mut loaded = store.load(&config.boot_id)?;
+        let claims = loaded.checkpoint.prepared_for_another(&config.driver);
+        if !claims.is_empty() {
+            let recorded = loaded.checkpoint.driver.clone();
+            return Err(StateError::OtherDriver {
+                state_dir: config.state_dir,
+                recorded,
+                driver: config.driver,
+                claims,
+            });
+        }
+        loaded.checkpoint.driver = config.driver.clone();
         let state = Arc::new(Self {
             driver: config.driver,
             pool: config.pool,

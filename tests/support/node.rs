@@ -187,7 +187,10 @@ pub fn start_agent_with(
     extra: &[&str],
 ) -> anyhow::Result<Component> {
     let dir_args = dirs.args()?;
-    let mut args = vec!["node-agent", "--node-name", node, "--driver-name", DRIVER];
+    let mut args = vec!["node-agent", "--node-name", node];
+    if !extra.contains(&"--driver-name") {
+        args.extend(["--driver-name", DRIVER]);
+    }
     args.extend(dir_args.iter().map(String::as_str));
     args.extend_from_slice(extra);
     Component::start(kubeconfig, log_name, &args)
