@@ -327,6 +327,16 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
+    #[error(
+        "read the checkpoint {}: {source}; an I/O error, not a bad file: it is left as it is and read again (check \
+         the state directory's disk)",
+        path.display()
+    )]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
     #[error("keep the untrusted checkpoint {} aside before replacing it: {source}", path.display())]
     KeepAside {
         path: PathBuf,
@@ -380,6 +390,11 @@ impl CheckpointStore {
             Ok(bytes) => bytes,
             Err(err) if err.kind() == io::ErrorKind::NotFound => {
                 return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Fresh });
+            }
+            // Not the file's fault: taken for corrupt, a good record was replaced by one rebuilt from the specs
+            // (names, shares and the MIG devices made lost). The caller's start fails and is tried again.
+            Err(source) if is_io_failure(&source) => {
+                return Err(CheckpointError::Read { path: self.path.clone(), source });
             }
             Err(source) => {
                 let outcome = LoadOutcome::Corrupt { reason: format!("unreadable: {source}") };
@@ -489,6 +504,14 @@ fn same_boot(stored: &str, current: &str) -> bool {
 
 /// FNV-1a 64 over the canonical compact serialization of `value`, as 16 hex digits (a string, because JSON tools
 /// lose precision on integers above 2^53).
+/// Whether a read failed for the disk's sake (an I/O error, a timeout, an interruption), not for what is at the
+/// path (a directory, a file it may not read): the first may read fine again, the second is a bad file.
+fn is_io_failure(error: &io::Error) -> bool {
+    const EIO: i32 = 5;
+    matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)
+        || error.raw_os_error() == Some(EIO)
+}
+
 fn checksum(value: &Value) -> Result<String, serde_json::Error> {
     Ok(format!("{:016x}", stable_hash(&serde_json::to_vec(value)?)))
 }
@@ -697,6 +720,23 @@ mod tests {
         let moved_to = store.replace_corrupt(&Checkpoint::new("boot-1"))?;
         assert!(moved_to.is_dir() && store.path().is_file());
         Ok(())
+    }
+
+    /// An I/O error reading the file (a failing or overloaded disk) fails the load, leaving the file as it is; what
+    /// is wrong with the path itself (a directory there, no permission) makes it corrupt.
+    #[test]
+    fn an_io_error_is_no_corrupt_file() {
+        let cases = [
+            (io::Error::from_raw_os_error(5), true), // EIO
+            (io::Error::from(io::ErrorKind::TimedOut), true),
+            (io::Error::from(io::ErrorKind::Interrupted), true),
+            (io::Error::from_raw_os_error(21), false), // EISDIR
+            (io::Error::from_raw_os_error(13), false), // EACCES
+            (io::Error::from(io::ErrorKind::InvalidData), false),
+        ];
+        for (error, failure) in cases {
+            assert_eq!(is_io_failure(&error), failure, "{error}");
+        }
     }
 
     #[test]
