@@ -484,7 +484,8 @@ fn spawn(program: &MpsProgram, daemon: &MpsDaemon, dirs: &MpsDirs, claim_uid: &s
     mps_sys::own_dev_shm(&mut command, &dirs.shm).map_err(failed)?;
     let child = command.spawn().map_err(failed)?;
     let record = format!("{} {} {}\n", child.id(), start_time(child.id()).unwrap_or_default(), boot_id());
-    if let Err(e) = std::fs::write(dirs.claim.join(PID_FILE), record) {
+    // Whole or not at all: a record torn by a kill named no daemon, and start-up left that daemon running.
+    if let Err(e) = crate::fsutil::write_atomic(&dirs.claim.join(PID_FILE), record.as_bytes()) {
         warn!(claim_uid, error = %e, "recording the MPS daemon's pid failed");
     }
     Ok(child)
@@ -556,8 +557,8 @@ fn lexical(path: &Path) -> PathBuf {
 const CLAIM_DIR_ENTRIES: [&str; 5] = ["pipe", "log", "shm", PID_FILE, "driver-libraries"];
 
 /// Whether `path` (named `name` in the MPS root) is a directory this agent made for a claim: named by a claim UID (a
-/// UUID, as the API server gives every object) and holding nothing but what [`CLAIM_DIR_ENTRIES`] names (nothing at
-/// all after a prepare killed just after making it). Start-up removes such directories of claims no longer prepared;
+/// UUID, as the API server gives every object) and holding nothing but what [`CLAIM_DIR_ENTRIES`] names, or the
+/// temporary file of a pid record a kill interrupted (nothing at all after a prepare killed just after making it). Start-up removes such directories of claims no longer prepared;
 /// an `--mps-dir` pointed at a shared directory (the host's `/run`) must not cost its other contents, as it did.
 fn is_claims_dir(name: &str, path: &Path) -> bool {
     let uuid = name.len() == 36
@@ -568,7 +569,11 @@ fn is_claims_dir(name: &str, path: &Path) -> bool {
     let is_dir = std::fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
     uuid && is_dir
         && std::fs::read_dir(path).is_ok_and(|entries| {
-            entries.filter_map(Result::ok).all(|e| CLAIM_DIR_ENTRIES.iter().any(|ours| e.file_name() == *ours))
+            entries.filter_map(Result::ok).all(|e| {
+                let entry = e.file_name();
+                let temporary = entry.to_string_lossy().starts_with(&format!(".{PID_FILE}.tmp-"));
+                temporary || CLAIM_DIR_ENTRIES.iter().any(|ours| entry == *ours)
+            })
         })
 }
 
@@ -720,6 +725,8 @@ mod tests {
             Ok(dir)
         };
         assert!(is_claims_dir(uid, &make(uid, &["pipe", "log", "shm", "driver-libraries"])?));
+        let torn = "9b2d5a3c-6f1e-4c7a-8d4b-2e5f6a7b8c9d";
+        assert!(is_claims_dir(torn, &make(torn, &["pipe", ".daemon.pid.tmp-42"])?), "a pid record a kill tore");
         let empty = "7c9e6679-7425-40de-944b-e07fc1f90ae7";
         assert!(is_claims_dir(empty, &make(empty, &[])?), "a prepare killed after making it");
         let other = "16fd2706-8baf-433b-82eb-8c7fada847da";
