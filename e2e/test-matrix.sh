@@ -14,6 +14,8 @@
 # (controller HA and API outage, PodGroup upgrade, gRPC clients, image, cluster script, gpu-check, real node, soak)
 # are not version-specific or need a real node, and run with `make test` on the default version.
 set -euo pipefail
+# A test binary whose cluster cannot start fails the version instead of being ignored (and counted as passing).
+export CI=true
 
 E2E_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VERSIONS=${GPU_DRA_MATRIX_VERSIONS:-v1.34.4 v1.35.4 v1.36.3 v1.37.2}
@@ -49,7 +51,13 @@ for version in $VERSIONS; do
         K8S_VERSION=$version "$E2E_DIR/build-kubelet-harness.sh" >>"$out" 2>&1 &&
         K8S_VERSION=$version "$CARGO" test --locked "${args[@]}" >>"$out" 2>&1; then
         passed=$(grep -oE '^test result: ok\. [0-9]+ passed' "$out" | awk '{s += $4} END {print s + 0}')
-        results+=("$version: passed, $passed tests in $((${#args[@]} / 2)) binaries ($((SECONDS - t0)) s)")
+        ignored=$(grep -oE '^test result: ok\. [0-9]+ passed; [0-9]+ failed; [0-9]+ ignored' "$out" | awk '{s += $8} END {print s + 0}')
+        if ((ignored > 0)); then
+            failed=1
+            results+=("$version: FAILED: $ignored tests ignored (a test never run is no pass); log: $out")
+        else
+            results+=("$version: passed, $passed tests in $((${#args[@]} / 2)) binaries ($((SECONDS - t0)) s)")
+        fi
     else
         failed=1
         results+=("$version: FAILED after $((SECONDS - t0)) s; log: $out")

@@ -714,6 +714,13 @@ async fn many_gone_pods_reservations_go_over_several_syncs(ctx: TestContext) -> 
     .with_context(|| controller.log_tail())?;
     eprintln!("{} of 150 reservations dropped {:?} after they were written", 150 - left, started.elapsed());
     ensure!(controller.log_text().contains("checking the rest in another sync"), "{}", controller.log_tail());
+    // The rest in the next sync: every reservation goes.
+    wait::until("every gone worker's reservation to be dropped", Duration::from_secs(60), || async {
+        Ok(reserved(&claims.get("c").await?).is_empty().then_some(()))
+    })
+    .await
+    .with_context(|| controller.log_tail())?;
+    eprintln!("all 150 reservations dropped {:?} after they were written", started.elapsed());
     Ok(())
 }
 
