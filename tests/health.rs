@@ -280,7 +280,12 @@ async fn the_pod_of_a_lost_gpu_is_evicted_by_kubernetes(ctx: TestContext) -> any
 
     // An application error on the same GPU changes nothing.
     inject(&agent.dirs.state(), &format!("{device} xid 13"))?;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Once the agent has taken it (else the check below could run before, and the next inject replace it unread).
+    wait::until("XID 13 to be classified", Duration::from_secs(10), || async {
+        Ok(agent.log_text().contains("GPU fault ignored (application error)").then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
     ensure!(taints(&ctx, &node).await?.iter().all(|(_, t)| t.is_empty()), "XID 13 tainted a GPU");
 
     inject(&agent.dirs.state(), &format!("{device} xid 79"))?;
