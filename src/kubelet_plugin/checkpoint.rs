@@ -175,11 +175,33 @@ impl Checkpoint {
     /// The claims (namespace/name) this checkpoint holds for a driver other than `driver`: the kubelet unprepares a
     /// claim only through the plugin of the driver it was prepared by, so an agent renamed (`driverName` changed)
     /// with claims prepared would never see their unprepare, and would publish their GPUs as free beside them.
-    pub fn prepared_for_another(&self, driver: &str) -> Vec<String> {
-        if self.driver.is_empty() || self.driver == driver {
-            return Vec::new();
+    /// In a file written before the name was kept, a claim's driver is its CDI ids' vendor (`<driver>/gpu=…`).
+    /// Named by namespace/name, or by UID for an entry adopted from its spec; at most ten, then how many more.
+    /// Answers that driver's name and the claims.
+    pub fn prepared_for_another(&self, driver: &str) -> Option<(String, Vec<String>)> {
+        let of = |entry: &ClaimEntry| -> Option<String> {
+            match self.driver.as_str() {
+                "" => entry.devices.iter().flat_map(|d| &d.cdi_device_ids).find_map(|id| {
+                    id.split_once('/').map(|(vendor, _)| vendor.to_string()).filter(|vendor| vendor != driver)
+                }),
+                recorded => (recorded != driver).then(|| recorded.to_string()),
+            }
+        };
+        let recorded = self.claims.values().find_map(of)?;
+        let mut named: Vec<String> = self
+            .claims
+            .iter()
+            .filter(|(_, entry)| of(entry).is_some())
+            .map(
+                |(uid, e)| if e.name.is_empty() { format!("UID {uid}") } else { format!("{}/{}", e.namespace, e.name) },
+            )
+            .collect();
+        if named.len() > 10 {
+            let more = named.len() - 10;
+            named.truncate(10);
+            named.push(format!("and {more} more"));
         }
-        self.claims.values().map(|e| format!("{}/{}", e.namespace, e.name)).collect()
+        Some((recorded, named))
     }
 
     /// The UID of a claim (the first by UID) holding `device` of `pool` in any state, shared or not.
@@ -327,16 +349,6 @@ pub enum CheckpointError {
         #[source]
         source: io::Error,
     },
-    #[error(
-        "read the checkpoint {}: {source}; an I/O error, not a bad file: it is left as it is and read again (check \
-         the state directory's disk)",
-        path.display()
-    )]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: io::Error,
-    },
     #[error("keep the untrusted checkpoint {} aside before replacing it: {source}", path.display())]
     KeepAside {
         path: PathBuf,
@@ -386,19 +398,28 @@ impl CheckpointStore {
             tracing::warn!(dir = %dir.display(), error = %e, "removing abandoned temporary checkpoint files failed");
         }
         let fresh = Checkpoint::new(current_boot_id);
-        let bytes = match fs::read(&self.path) {
-            Ok(bytes) => bytes,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Fresh });
-            }
-            // Not the file's fault: taken for corrupt, a good record was replaced by one rebuilt from the specs
-            // (names, shares and the MIG devices made lost). The caller's start fails and is tried again.
-            Err(source) if is_io_failure(&source) => {
-                return Err(CheckpointError::Read { path: self.path.clone(), source });
-            }
-            Err(source) => {
-                let outcome = LoadOutcome::Corrupt { reason: format!("unreadable: {source}") };
-                return Ok(Loaded { checkpoint: fresh, outcome });
+        let mut tries = 1;
+        let bytes = loop {
+            match fs::read(&self.path) {
+                Ok(bytes) => break bytes,
+                Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                    return Ok(Loaded { checkpoint: fresh, outcome: LoadOutcome::Fresh });
+                }
+                // Not the file's fault, maybe for a moment: read again before it is taken for corrupt (a good record
+                // replaced by one rebuilt from the specs loses the claims' names, shares and MIG devices made). A
+                // lasting one is taken for corrupt all the same: refusing to start, the plugin could unprepare
+                // nothing, and every pod with a claim here would stay Terminating.
+                Err(source) if is_io_failure(&source) && tries < READ_TRIES => {
+                    tracing::warn!(path = %self.path.display(), error = %source, try_number = tries,
+                                   "reading the checkpoint failed (an I/O error); reading it again");
+                    tries += 1;
+                    std::thread::sleep(READ_RETRY);
+                }
+                Err(source) => {
+                    let how = if is_io_failure(&source) { format!(" ({tries} reads)") } else { String::new() };
+                    let outcome = LoadOutcome::Corrupt { reason: format!("unreadable{how}: {source}") };
+                    return Ok(Loaded { checkpoint: fresh, outcome });
+                }
             }
         };
         let stored = match decode(&bytes) {
@@ -445,7 +466,10 @@ impl CheckpointStore {
         let bytes = self.encode(checkpoint)?;
         let stored = match fs::read(&self.path) {
             Ok(stored) => stored == bytes,
-            Err(err) if err.kind() == io::ErrorKind::NotFound => *checkpoint == Checkpoint::new(&checkpoint.boot_id),
+            // The driver name alone is nothing to record.
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                *checkpoint == Checkpoint { driver: checkpoint.driver.clone(), ..Checkpoint::new(&checkpoint.boot_id) }
+            }
             Err(_) => false,
         };
         if stored {
@@ -502,16 +526,21 @@ fn same_boot(stored: &str, current: &str) -> bool {
     stored.is_empty() || current.is_empty() || stored == current
 }
 
-/// FNV-1a 64 over the canonical compact serialization of `value`, as 16 hex digits (a string, because JSON tools
-/// lose precision on integers above 2^53).
-/// Whether a read failed for the disk's sake (an I/O error, a timeout, an interruption), not for what is at the
-/// path (a directory, a file it may not read): the first may read fine again, the second is a bad file.
+/// How many times a read failing with an I/O error is made before the file is taken for corrupt, and the pause
+/// between them.
+const READ_TRIES: u32 = 5;
+const READ_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Whether a read failed for the disk's sake (an I/O error, a timeout), not for what is at the path (a directory,
+/// a file it may not read): the first may read fine again, the second is a bad file.
 fn is_io_failure(error: &io::Error) -> bool {
     const EIO: i32 = 5;
     matches!(error.kind(), io::ErrorKind::Interrupted | io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock)
         || error.raw_os_error() == Some(EIO)
 }
 
+/// FNV-1a 64 over the canonical compact serialization of `value`, as 16 hex digits (a string, because JSON tools
+/// lose precision on integers above 2^53).
 fn checksum(value: &Value) -> Result<String, serde_json::Error> {
     Ok(format!("{:016x}", stable_hash(&serde_json::to_vec(value)?)))
 }
@@ -722,8 +751,36 @@ mod tests {
         Ok(())
     }
 
-    /// An I/O error reading the file (a failing or overloaded disk) fails the load, leaving the file as it is; what
-    /// is wrong with the path itself (a directory there, no permission) makes it corrupt.
+    /// Claims prepared for another driver name: the name recorded, or in a file of a version before it was kept,
+    /// the vendor of the claims' CDI ids; named by namespace/name (by UID when adopted from a spec), ten at most.
+    #[test]
+    fn claims_of_another_driver_are_found_by_the_name_recorded_or_their_cdi_ids() {
+        let mut checkpoint = Checkpoint::new("boot-1");
+        assert_eq!(checkpoint.prepared_for_another("k8s.gpu.nvidia.com"), None, "nothing prepared");
+        checkpoint
+            .claims
+            .insert("uid-a".into(), entry("a", PrepareState::PrepareCompleted, vec![device("n", "gpu-0", None)]));
+        assert_eq!(checkpoint.prepared_for_another("k8s.gpu.nvidia.com"), None, "its CDI ids are this driver's");
+        let others = Some(("k8s.gpu.nvidia.com".to_string(), vec!["default/a".to_string()]));
+        assert_eq!(checkpoint.prepared_for_another("renamed.example.com"), others, "read from the CDI ids");
+        checkpoint.driver = "k8s.gpu.nvidia.com".into();
+        assert_eq!(checkpoint.prepared_for_another("k8s.gpu.nvidia.com"), None);
+        assert_eq!(checkpoint.prepared_for_another("renamed.example.com"), others, "the name recorded");
+        for i in 0..11 {
+            let adopted = ClaimEntry {
+                name: String::new(),
+                recovered: true,
+                ..entry("", PrepareState::PrepareCompleted, Vec::new())
+            };
+            checkpoint.claims.insert(format!("uid-r{i:02}"), adopted);
+        }
+        let (_, named) = checkpoint.prepared_for_another("renamed.example.com").unwrap_or_default();
+        assert_eq!((named.len(), named[1].as_str(), named[10].as_str()), (11, "UID uid-r00", "and 2 more"));
+    }
+
+    /// An I/O error reading the file (a failing or overloaded disk) is read again (five times in a second) before
+    /// the file is taken for corrupt; what is wrong with the path itself (a directory there, no permission) makes
+    /// it corrupt at once.
     #[test]
     fn an_io_error_is_no_corrupt_file() {
         let cases = [

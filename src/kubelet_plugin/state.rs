@@ -70,10 +70,10 @@ pub enum StateError {
     #[error("start-up clean-up task failed: {0}")]
     Task(String),
     #[error(
-        "the checkpoint in {state_dir} holds {} claim(s) prepared for driver {recorded}, not {driver} ({}): the \
-         kubelet unprepares them only through {recorded}'s plugin, and their GPUs would be published as free. Set \
-         the driver name back to {recorded} until no pod on this node holds them (drain the node), then change it",
-        claims.len(), claims.join(", ")
+        "the checkpoint in {state_dir} holds claims prepared for driver {recorded}, not {driver} ({}): the kubelet \
+         unprepares them only through {recorded}'s plugin, and their GPUs would be published as free. Set the driver \
+         name back to {recorded} until no pod on this node holds them (drain the node), then change it",
+        claims.join(", ")
     )]
     OtherDriver { state_dir: PathBuf, recorded: String, driver: String, claims: Vec<String> },
 }
@@ -202,9 +202,7 @@ impl DriverState {
         let store = CheckpointStore::new(&config.state_dir);
         let state_dir = config.state_dir.clone();
         let mut loaded = store.load(&config.boot_id)?;
-        let claims = loaded.checkpoint.prepared_for_another(&config.driver);
-        if !claims.is_empty() {
-            let recorded = loaded.checkpoint.driver.clone();
+        if let Some((recorded, claims)) = loaded.checkpoint.prepared_for_another(&config.driver) {
             return Err(StateError::OtherDriver {
                 state_dir: config.state_dir,
                 recorded,
@@ -1000,8 +998,10 @@ impl DriverState {
                 for device in &mut entry.devices {
                     if device.made_mig.as_ref().is_some_and(|u| destroyed.contains(u)) {
                         device.made_mig = None;
-                        device.making_mig = false;
                     }
+                    // Every make of this prepare has an outcome now (made and recorded, or not made): a mark left
+                    // could later take a device someone else made at the placement for this claim's.
+                    device.making_mig = false;
                 }
             }
         } else {
