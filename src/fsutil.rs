@@ -134,8 +134,8 @@ fn remove_if_unlocked(path: &Path) -> io::Result<bool> {
     }
 }
 
-/// `.<name>.tmp-<pid>` → `<name>`.
-fn temporary_of(file_name: &str) -> Option<&str> {
+/// `.<name>.tmp-<pid>` (a temporary of [`write_atomic`]) → `<name>`.
+pub fn temporary_of(file_name: &str) -> Option<&str> {
     let (target, pid) = file_name.strip_prefix('.')?.rsplit_once(".tmp-")?;
     pid.parse::<u32>().ok().map(|_| target)
 }

@@ -570,9 +570,9 @@ fn is_claims_dir(name: &str, path: &Path) -> bool {
     uuid && is_dir
         && std::fs::read_dir(path).is_ok_and(|entries| {
             entries.filter_map(Result::ok).all(|e| {
-                let entry = e.file_name();
-                let temporary = entry.to_string_lossy().starts_with(&format!(".{PID_FILE}.tmp-"));
-                temporary || CLAIM_DIR_ENTRIES.iter().any(|ours| entry == *ours)
+                let entry = e.file_name().to_string_lossy().into_owned();
+                let entry = crate::fsutil::temporary_of(&entry).filter(|t| *t == PID_FILE).unwrap_or(&entry);
+                CLAIM_DIR_ENTRIES.contains(&entry)
             })
         })
 }
