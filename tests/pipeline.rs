@@ -768,15 +768,19 @@ async fn share_one_gpu(
     ensure!(trainer.iter().chain(&notebook).all(|id| id.ends_with("-gpu-0")), "CDI ids {trainer:?} {notebook:?}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs: {:?}", dirs.cdi_specs()?);
 
-    // 78Gi of the H100's 81,559 MiB consumed: 8Gi more does not fit until a share is released.
-    pod_with_memory_share(ctx, ns, "late", node, class, "8Gi").await?;
+    // 78Gi of the H100's 81,559 MiB consumed: 8 GB more does not fit until a share is released. Asked in the
+    // exponent form, which the scheduler records as given.
+    pod_with_memory_share(ctx, ns, "late", node, class, "8e9").await?;
     let why = objects::unschedulable(&ctx.client, ns, "late", PREPARE_TIMEOUT).await?;
     objects::pods(ctx).delete("trainer", &DeleteParams { grace_period_seconds: Some(0), ..Default::default() }).await?;
     kubelet.wait_for("unprepared", &format!("{ns}/trainer"), PREPARE_TIMEOUT).await?;
     objects::claims(ctx).delete("trainer", &DeleteParams::default()).await?;
     kubelet.wait_for("prepared", &format!("{ns}/late"), PREPARE_TIMEOUT).await?;
     let late = shares(ctx, ns, "late").await?;
-    ensure!(late.len() == 1 && late[0].0 == "gpu-0" && late[0].2 == "8Gi", "late: {late:?}");
+    ensure!(late.len() == 1 && late[0].0 == "gpu-0" && late[0].2 == "8e9", "late: {late:?}");
+    // The agent recorded the share's memory in bytes, to count it beside the next share.
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint())?;
+    ensure!(checkpoint.contains("\"memoryBytes\": 8000000000"), "late's share not recorded in:\n{checkpoint}");
     ensure!(dirs.cdi_specs()?.len() == 2, "specs after the swap: {:?}", dirs.cdi_specs()?);
     eprintln!("two namespaces shared gpu-0 by memory; the third share waited ({why}) until one was released");
     shares_ask_one_time_slice(ctx, other, node, dirs, kubelet, class).await?;

@@ -146,41 +146,48 @@ pub fn pinned_limit_mib(quantity: &str) -> Result<u64, String> {
     Ok(bytes / MIB)
 }
 
-/// A Kubernetes memory quantity in bytes: a number (decimals allowed) with an optional binary (`Ki` … `Ei`) or
-/// decimal (`k`, `M` … `E`) suffix.
+/// A Kubernetes memory quantity in whole bytes, rounded up as upstream's `Quantity.Value()` does: an optional `+`, a
+/// number (decimals allowed), and a binary (`Ki` … `Ei`), decimal (`m`, `k`, `M` … `E`) or exponent (`e9`, `E-3`)
+/// suffix. The exponent form is how the API server writes back a quantity given as one (`memory: 10e9` in a claim's
+/// capacity request is `1e10` in its allocation's `consumedCapacity`).
 pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
     let invalid = || format!("{quantity:?} is not a memory quantity such as 10Gi, 512Mi or 1G");
-    let split = quantity.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(quantity.len());
-    let (number, suffix) = quantity.split_at(split);
-    let multiplier: u64 = match suffix {
-        "" => 1,
-        "k" => 1_000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "P" => 1_000_000_000_000_000,
-        "E" => 1_000_000_000_000_000_000,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        "Pi" => 1 << 50,
-        "Ei" => 1 << 60,
-        _ => return Err(invalid()),
+    let unsigned = quantity.strip_prefix('+').unwrap_or(quantity);
+    let split = unsigned.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(unsigned.len());
+    let (number, suffix) = unsigned.split_at(split);
+    // The suffix as a power of two and a power of ten.
+    let (two, ten): (u32, i32) = match suffix {
+        "" => (0, 0),
+        "m" => (0, -3),
+        "k" => (0, 3),
+        "M" => (0, 6),
+        "G" => (0, 9),
+        "T" => (0, 12),
+        "P" => (0, 15),
+        "E" => (0, 18),
+        "Ki" => (10, 0),
+        "Mi" => (20, 0),
+        "Gi" => (30, 0),
+        "Ti" => (40, 0),
+        "Pi" => (50, 0),
+        "Ei" => (60, 0),
+        exponent => {
+            let power = exponent.strip_prefix(['e', 'E']).and_then(|p| p.parse::<i32>().ok());
+            (0, power.filter(|p| p.abs() <= 40).ok_or_else(invalid)?)
+        }
     };
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
     if whole.is_empty() && fraction.is_empty() || fraction.contains('.') {
         return Err(invalid());
     }
-    let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| invalid())? };
-    let mut bytes = whole.checked_mul(u128::from(multiplier)).ok_or_else(invalid)?;
-    if !fraction.is_empty() {
-        let digits = u32::try_from(fraction.len()).map_err(|_| invalid())?;
-        let scale = 10u128.checked_pow(digits).ok_or_else(invalid)?;
-        let numerator: u128 = fraction.parse().map_err(|_| invalid())?;
-        bytes += numerator.checked_mul(u128::from(multiplier)).ok_or_else(invalid)? / scale;
-    }
-    u64::try_from(bytes).map_err(|_| invalid())
+    let digits: u128 = format!("{whole}{fraction}").parse().map_err(|_| invalid())?;
+    let scale = u32::try_from(fraction.len()).map_err(|_| invalid())? + ten.min(0).unsigned_abs();
+    let numerator = digits
+        .checked_mul(1u128 << two)
+        .and_then(|n| n.checked_mul(10u128.checked_pow(ten.max(0).unsigned_abs())?))
+        .ok_or_else(invalid)?;
+    let denominator = 10u128.checked_pow(scale).ok_or_else(invalid)?;
+    u64::try_from(numerator.div_ceil(denominator)).map_err(|_| invalid())
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -509,11 +516,20 @@ mod tests {
             ("1G", Ok(1_000_000_000)),
             ("1048576", Ok(1 << 20)),
             ("0.5Ki", Ok(512)),
+            // The exponent form the API server writes back for a quantity given as one, and the other valid forms.
+            ("1e10", Ok(10_000_000_000)),
+            ("5E9", Ok(5_000_000_000)),
+            ("1.5e3", Ok(1500)),
+            ("25e-1", Ok(3)),
+            ("+1Gi", Ok(1 << 30)),
+            ("1500m", Ok(2)),
+            ("0.0001k", Ok(1)),
+            ("1E", Ok(1_000_000_000_000_000_000)),
         ];
         for (quantity, want) in cases {
             assert_eq!(memory_bytes(quantity), want, "{quantity}");
         }
-        for bad in ["", "Gi", "1GB", "-1Gi", "1..5Gi", "1e3", "99999999999Ei"] {
+        for bad in ["", "Gi", "1GB", "-1Gi", "1..5Gi", "1e", "1e+", "e3", "1e99", "1e3Gi", "99999999999Ei", "1.5.e3"] {
             assert!(memory_bytes(bad).is_err(), "{bad:?} accepted");
         }
         // NVIDIA's driver rounds down to MiB the same way: 10M is 9 MiB, 1G is 953.
