@@ -79,6 +79,7 @@ fn main() {
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
             test!(a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed),
+            test!(a_claim_needing_nothing_slow_is_not_held_back_by_mig_work_in_its_batch),
             test!(a_renamed_driver_does_not_take_over_claims_prepared_for_the_old_name),
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
@@ -1110,6 +1111,93 @@ async fn a_prepare_killed_after_making_a_mig_device_leaves_it_to_be_destroyed(ct
     let recorded = checkpoint(&dirs, "boot-1")?;
     let device = recorded.claims.get(&uid).and_then(|e| e.devices.first()).context("no entry")?;
     ensure!(device.made_mig.is_some() && !device.making_mig, "recorded after the retry: {recorded:?}");
+    Ok(())
+}
+
+/// A node starting pods together, one of them on a dynamic MIG partition whose MIG work is slow (NVML stuck on a
+/// faulted GPU, here the simulated backend's hung markers): a pod asking a whole GPU, in the same batch, is
+/// prepared and answered at once, not after the MIG work (the kubelet gives a call 45 s; before, every call of the
+/// batch waited for it, and their retries queued behind the next batch's). The order is set by the test, not by
+/// timing: a first MIG make holds the state lock until both calls are seen waiting for it (`calls_waiting`), and
+/// NVML is stuck before it is let go, so the batch holding both calls finds the partition's look (an admin-access
+/// claim's) stuck.
+async fn a_claim_needing_nothing_slow_is_not_held_back_by_mig_work_in_its_batch(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    use k8s_openapi::api::core::v1::Namespace;
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let args =
+        ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB/mig=,1xL4-24GB", "--mig-layout", "dynamic"];
+    let ns = ctx.namespace.as_str();
+    let label = json!({"metadata": {"labels": {"resource.kubernetes.io/admin-access": "true"}}});
+    Api::<Namespace>::all(ctx.client.clone()).patch(ns, &PatchParams::default(), &Patch::Merge(&label)).await?;
+    let partition = "gpu-0-mig-19-0-1";
+    let made_uid = allocated_claim(&ctx, "made", &node, &[partition], json!([])).await?;
+    let whole_uid = allocated_claim(&ctx, "whole", &node, &["gpu-1"], json!([])).await?;
+    let monitor: ResourceClaim = serde_json::from_value(json!({"metadata": {"name": "monitor"}, "spec": {"devices": {
+        "requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu", "adminAccess": true}}]}}}))?;
+    let monitor_uid = objects::claims(&ctx).create(&PostParams::default(), &monitor).await?.metadata.uid;
+    let monitor_uid = monitor_uid.context("no UID")?;
+    let status = json!({"status": {"allocation": {"devices": {"results": [
+        {"request": "gpus", "driver": DRIVER, "pool": node, "device": partition, "adminAccess": true}]}}}});
+    objects::claims(&ctx).patch_status("monitor", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let agent = start_agent(&ctx, &node, &dirs, &args)?;
+    agent.wait_ready().await?;
+    let kubelet = Kubelet::register(&dirs).await?;
+    if support::cluster::kubernetes_minor()? < 36 {
+        // The API server drops the counters (README's version table): the agent serves static MIG, and a claim
+        // allocated a partition is refused, naming the device.
+        let refused = Kubelet::register(&dirs).await?.prepare(&[(ns, "made", made_uid.as_str())]).await?;
+        let error = refused.get(&made_uid).map(|a| a.error.clone()).unwrap_or_default();
+        ensure!(error.contains(&format!("\"{partition}\", which this node does not have")), "prepare: {refused:?}");
+        return Ok(());
+    }
+    let call = |name: &str, uid: &str| {
+        let mut client = kubelet.v1.clone();
+        let claim = v1::Claim { namespace: ns.to_string(), name: name.to_string(), uid: uid.to_string() };
+        tokio::spawn(async move {
+            let answer = client.node_prepare_resources(v1::NodePrepareResourcesRequest { claims: vec![claim] }).await;
+            anyhow::Ok(answer?.into_inner().claims)
+        })
+    };
+    let made_hung = dirs.state().join("simulated-mig-made-hung");
+    let nvml_hung = dirs.state().join("simulated-driver-hung");
+    std::fs::write(&made_hung, b"")?;
+    let made = call("made", &made_uid);
+    let kept = dirs.state().join("simulated-mig-devices.json");
+    wait::until("the first MIG device made", Duration::from_secs(20), || async {
+        let kept: Value = serde_json::from_str(&std::fs::read_to_string(&kept).unwrap_or_default()).unwrap_or_default();
+        Ok(kept["gpus"]["0"].as_array().is_some_and(|d| d.len() == 1).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    let (whole, monitor) = (call("whole", &whole_uid), call("monitor", &monitor_uid));
+    let waiting = [("operation", "Prepare")];
+    wait::until("both calls to wait for the state lock", Duration::from_secs(20), || async {
+        let now = agent.metric("gpu_dra_kubelet_plugin_calls_waiting", &waiting).await?;
+        Ok((now >= 2.0).then_some(()))
+    })
+    .await?;
+    std::fs::write(&nvml_hung, b"")?;
+    std::fs::remove_file(&made_hung)?;
+    let answers = tokio::time::timeout(Duration::from_secs(20), made).await.context("the first make hangs")???;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "the first MIG claim: {answers:?}");
+
+    let answers = tokio::time::timeout(Duration::from_secs(15), whole)
+        .await
+        .with_context(|| format!("the whole GPU's claim waited for the stuck MIG look:\n{}", agent.log_tail()))???;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "the whole GPU's claim: {answers:?}");
+    ensure!(dirs.cdi_spec(&whole_uid).exists(), "answered before its spec was written");
+    ensure!(!monitor.is_finished(), "the admin-access claim was answered while NVML is stuck: the test proves nothing");
+    let recorded = checkpoint(&dirs, "boot-1")?;
+    let done = recorded.claims.get(&whole_uid).map(|e| e.state);
+    ensure!(done == Some(PrepareState::PrepareCompleted), "the whole GPU's claim is recorded {done:?}");
+
+    std::fs::remove_file(&nvml_hung)?;
+    let answers = tokio::time::timeout(Duration::from_secs(30), monitor).await.context("the look still hangs")???;
+    ensure!(answers.values().all(|a| a.error.is_empty()), "the admin-access claim: {answers:?}");
     Ok(())
 }
 

@@ -6,7 +6,10 @@
 //! of milliseconds adds up to seconds for a node starting dozens of GPU pods. So a call joins a [`Queue`] instead,
 //! and whichever waiting call takes the state lock first does the work of every call queued by then in one pass
 //! (one save before the specs, one after) and answers each of them; a call whose work another took only waits for
-//! its answer. The price: a failed save fails every claim of the batch (the kubelet retries them).
+//! its answer. The price: a failed save fails every claim of the batch (the kubelet retries them). A call is
+//! answered as soon as all its claims are settled ([`Replies::answer_settled`]): a claim prepared before, or one
+//! needing nothing slow of the GPUs, is not held back by another call's MIG make or MPS daemon start in the same
+//! batch (see `State::prepare_planned`).
 //!
 //! Pure bookkeeping, no I/O: the batch (each claim once, in the order asked, so two pods sharing a claim that start
 //! together prepare it once) and the answers split back per call.
@@ -106,6 +109,26 @@ pub struct Replies<A> {
 }
 
 impl<A: Clone> Replies<A> {
+    /// Answers now each call whose claims all have a result in `results` (the batch's so far), so that it does not
+    /// wait for the rest of the batch; the others stay for [`Self::answer`].
+    pub fn answer_settled(&mut self, results: &[ClaimResult<A>]) {
+        let done: HashMap<&str, &Result<A, String>> = results.iter().map(|(uid, r)| (uid.as_str(), r)).collect();
+        let (settled, waiting) = std::mem::take(&mut self.calls)
+            .into_iter()
+            .partition(|(uids, _): &(Vec<String>, _)| uids.iter().all(|uid| done.contains_key(uid.as_str())));
+        self.calls = waiting;
+        for (uids, reply) in settled {
+            let answers = uids
+                .into_iter()
+                .filter_map(|uid| {
+                    let result = (*done.get(uid.as_str())?).clone();
+                    Some((uid, result))
+                })
+                .collect();
+            let _ = reply.send(answers);
+        }
+    }
+
     /// Answers every call from the batch's results; a claim the batch left unanswered is an error to retry.
     pub fn answer(self, results: Vec<ClaimResult<A>>) {
         let results: HashMap<String, Result<A, String>> = results.into_iter().collect();
@@ -185,6 +208,20 @@ mod tests {
         let answers = call.try_recv().expect("answered");
         assert_eq!(answers[0], ("a".into(), Ok(1)));
         assert!(matches!(&answers[1], (uid, Err(e)) if uid == "b" && e.contains("no answer")), "{answers:?}");
+    }
+
+    #[test]
+    fn a_call_whose_claims_are_all_settled_is_answered_before_the_batch_ends() {
+        let queue: Queue<ClaimRef, u32> = Queue::new(Gauge::default());
+        let mut quick = queue.join(vec![claim("a")]);
+        let mut mixed = queue.join(vec![claim("a"), claim("slow")]);
+        let Some((_, mut replies)) = queue.take() else { panic!("nothing taken") };
+        replies.answer_settled(&[("a".into(), Ok(1))]);
+        assert_eq!(quick.try_recv().expect("answered at once"), vec![("a".into(), Ok(1))]);
+        assert!(mixed.try_recv().is_err(), "a call with a claim still in work was answered");
+        replies.answer_settled(&[("a".into(), Ok(1))]);
+        replies.answer(vec![("a".into(), Ok(1)), ("slow".into(), Ok(2))]);
+        assert_eq!(mixed.try_recv().expect("answered at the end"), vec![("a".into(), Ok(1)), ("slow".into(), Ok(2))]);
     }
 
     #[test]

@@ -481,14 +481,24 @@ impl DriverState {
     /// Does every prepare queued by the time the lock is free, in one batch; nothing when another call took them.
     fn commit_prepares(&self) {
         let mut checkpoint = self.lock();
-        if let Some((batch, replies)) = self.prepares.take() {
-            replies.answer(self.prepare_planned(&mut checkpoint, batch));
+        if let Some((batch, mut replies)) = self.prepares.take() {
+            let results = self.prepare_planned(&mut checkpoint, batch, &mut |so_far| replies.answer_settled(so_far));
+            replies.answer(results);
         }
     }
 
     /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
-    /// then one save records them completed.
-    fn prepare_planned(&self, checkpoint: &mut Checkpoint, reads: Vec<Asked>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
+    /// then one save records them completed. Claims that need something slow of the GPUs (a MIG device made or looked
+    /// at, `nvidia-smi`, an MPS daemon: seconds each, up to the tools' time limits) go after the others, which are
+    /// committed first and told to `settled` (with the claims the checks settled: refused, or prepared before), so
+    /// that their calls are answered without waiting for them: the kubelet gives a call 45 s, and its retries after a
+    /// missed deadline, cheap as they are, would otherwise queue behind the next batch's slow work again.
+    fn prepare_planned(
+        &self,
+        checkpoint: &mut Checkpoint,
+        reads: Vec<Asked>,
+        settled: &mut dyn FnMut(&[PrepareResult]),
+    ) -> Vec<PrepareResult> {
         let mut results = Vec::with_capacity(reads.len());
         let mut todo: Vec<Todo> = Vec::new();
         let mut newly_listed = Vec::new();
@@ -625,6 +635,33 @@ impl DriverState {
         if todo.is_empty() {
             return results;
         }
+        let (slow, quick): (Vec<Todo>, Vec<Todo>) = todo.into_iter().partition(|t| needs_the_gpus(checkpoint, t));
+        if slow.is_empty() {
+            self.commit(checkpoint, quick, newly_listed, newly_exclusive, &mut results);
+            return results;
+        }
+        settled(&results);
+        if !quick.is_empty() {
+            // The GPU lists this batch added are the slow claims' (time slices, MPS): theirs to take back.
+            self.commit(checkpoint, quick, Vec::new(), Vec::new(), &mut results);
+            settled(&results);
+        }
+        self.commit(checkpoint, slow, newly_listed, newly_exclusive, &mut results);
+        results
+    }
+
+    /// Does the prepares `todo` (entries inserted as started by [`Self::prepare_planned`]): saves them started, makes
+    /// their MIG devices, writes their specs, saves them completed; each one's result added to `results`.
+    /// `newly_listed` and `newly_exclusive` are the GPUs `todo` added to the checkpoint's time-sliced and
+    /// exclusive-process lists, taken back if the first save fails.
+    fn commit(
+        &self,
+        checkpoint: &mut Checkpoint,
+        todo: Vec<Todo>,
+        newly_listed: Vec<String>,
+        newly_exclusive: Vec<String>,
+        results: &mut Vec<PrepareResult>,
+    ) {
         self.mark_making(checkpoint, &todo);
         if let Err(e) = self.save(checkpoint) {
             // Nothing was changed: GPUs listed for this batch only are not to be set back by anyone.
@@ -638,7 +675,7 @@ impl DriverState {
                 restore(checkpoint, &claim.uid, previous);
                 results.push((claim.uid, Err(format!("record the prepare in the checkpoint: {e}"))));
             }
-            return results;
+            return;
         }
         // Dynamic MIG: the batch's MIG devices are made first and their UUIDs saved before any spec is written, so
         // that a crash after that save leaves only MIG devices known to be this agent's (start-up destroys them). A
@@ -698,7 +735,6 @@ impl DriverState {
             }
         }
         self.update_gauges(checkpoint);
-        results
     }
 
     /// The answer for each planned device: CDI id, base request name, pool and device.
@@ -1140,6 +1176,19 @@ struct Todo {
 
 /// The devices to prepare for a claim read from the API, or why it is refused.
 type Plan = Result<Vec<PlannedDevice>, String>;
+
+/// A prepare's answer for one claim.
+type PrepareResult = ClaimResult<Vec<PreparedDevice>>;
+
+/// Whether preparing `todo` asks something slow of the GPUs: a dynamic MIG partition (made, adopted or looked at,
+/// through NVML), a time slice or a compute mode to set (`nvidia-smi`, also for a GPU an MPS claim left in
+/// `EXCLUSIVE_PROCESS`), or an MPS daemon to start.
+fn needs_the_gpus(checkpoint: &Checkpoint, todo: &Todo) -> bool {
+    !todo.making.is_empty()
+        || !todo.asks.is_empty()
+        || todo.mps.is_some()
+        || todo.devices.iter().any(|d| checkpoint.exclusive_process.contains(&d.name()))
+}
 
 /// Why a device of `claim` cannot be prepared: it is held for another claim (an admin-access claim may look at a
 /// device in use, so it never conflicts).
