@@ -75,6 +75,7 @@ fn main() {
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
+            test!(a_rollback_and_upgrade_keep_the_metadata_device_the_kubelet_was_given),
             test!(a_spec_lost_while_the_agent_runs_is_written_again),
             test!(an_interrupted_prepare_and_stray_specs_are_cleaned_up_on_start),
             test!(an_interrupted_dynamic_mig_prepare_destroys_only_the_mig_device_it_made),
@@ -923,6 +924,43 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
     ensure!(!spec.exists(), "the spec of the earlier boot was kept");
     let again = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
     ensure!(again.get(&uid).is_some_and(|a| a.error.is_empty()) && spec.exists(), "{again:?}");
+    Ok(())
+}
+
+/// A `helm rollback` to an agent version that does not record device metadata, then an upgrade again: the older
+/// agent's save of the checkpoint dropped the claim's metadata record (here taken out by hand, as it would be),
+/// while the kubelet still hands the claim's containers the metadata device's CDI id. The upgraded agent's start-up
+/// check of the specs keeps that device, as the spec on disk has it; before, it wrote the spec again without it,
+/// and every restart of a container of the claim failed ("unresolvable CDI devices").
+async fn a_rollback_and_upgrade_keep_the_metadata_device_the_kubelet_was_given(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let uid = allocated_claim(&ctx, "a", &node, &["gpu-1"], json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
+    let given: Vec<String> =
+        answers.get(&uid).into_iter().flat_map(|a| &a.devices).flat_map(|d| d.cdi_device_ids.clone()).collect();
+    let metadata_device = format!("{uid}_gpus");
+    ensure!(given.contains(&format!("{DRIVER}/gpu={metadata_device}")), "the kubelet was given {given:?}");
+    let spec = dirs.cdi_spec(&uid);
+    let written = std::fs::read(&spec)?;
+    agent.terminate()?;
+
+    let mut state = checkpoint(&dirs, "boot-1")?;
+    let entry = state.claims.get_mut(&uid).context("no entry")?;
+    ensure!(entry.metadata.take().is_some(), "no metadata record to drop: {entry:?}");
+    CheckpointStore::new(&dirs.state()).save(&state)?;
+
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let now = std::fs::read(&spec)?;
+    ensure!(
+        check_cdi_spec(&spec)?.contains(&metadata_device) && now == written,
+        "the spec was written again without the metadata device:\n{}\n{}",
+        String::from_utf8_lossy(&now),
+        agent.log_tail()
+    );
     Ok(())
 }
 

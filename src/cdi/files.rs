@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use container_device_interface::specs::config::Spec;
 
-use super::{CdiError, CdiKind, check_claim_uid};
+use super::{CdiError, CdiKind, FileDevice, check_claim_uid};
 use crate::fsutil::{remove_if_exists, write_atomic};
 
 /// The file name of a claim's spec, `<vendor>-<class>_<claimUID>.json`: the transient per-claim convention, so the
@@ -99,6 +99,30 @@ pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Re
             let env = d["containerEdits"]["env"].as_array().into_iter().flatten().filter_map(|e| e.as_str());
             let uuid = env.into_iter().find_map(|e| e.strip_prefix(&wanted)).map(str::to_string);
             Some((name.to_string(), uuid))
+        })
+        .collect())
+}
+
+/// The devices named in `names` of a claim's spec on disk that each only mount one file ([`FileDevice`], a request's
+/// device metadata), as written there; names it lacks, or devices of another shape, are left out.
+pub fn claim_spec_file_devices(
+    dir: &Path,
+    kind: &CdiKind,
+    claim_uid: &str,
+    names: &[String],
+) -> io::Result<Vec<FileDevice>> {
+    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
+    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let devices = spec["devices"].as_array().into_iter().flatten();
+    Ok(devices
+        .filter_map(|d| {
+            let name = d["name"].as_str().filter(|name| names.iter().any(|n| n == name))?;
+            let [mount] = d["containerEdits"]["mounts"].as_array()?.as_slice() else { return None };
+            Some(FileDevice {
+                name: name.to_string(),
+                host_path: PathBuf::from(mount["hostPath"].as_str()?),
+                container_path: PathBuf::from(mount["containerPath"].as_str()?),
+            })
         })
         .collect())
 }

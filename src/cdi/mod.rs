@@ -21,7 +21,7 @@ use std::path::PathBuf;
 
 pub use driver_files::{DriverFiles, DriverMount, existing_in_root};
 pub use files::{
-    claim_spec_devices, claim_spec_env, claim_spec_exists, claim_spec_is, list_claim_specs,
+    claim_spec_devices, claim_spec_env, claim_spec_exists, claim_spec_file_devices, claim_spec_is, list_claim_specs,
     remove_abandoned_spec_temporaries, remove_claim_spec, spec_file_name, write_claim_spec,
 };
 pub use spec::{

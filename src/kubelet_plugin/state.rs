@@ -932,6 +932,7 @@ impl DriverState {
             let devices = unique_devices_of(devices);
             let mut edits = entry.mps.as_ref().map(|daemon| self.mps_edits(uid, daemon)).unwrap_or_default();
             edits.file_devices = self.metadata_mounts(uid, entry);
+            edits.file_devices.extend(self.metadata_mounts_kept(uid, entry, &edits.file_devices));
             let written = cdi::build_claim_spec_with(&self.cdi_kind, uid, &devices, &self.driver_files, &edits)
                 .and_then(|spec| {
                     // A stale spec that says what it would say now is left alone.

@@ -68,6 +68,36 @@ impl DriverState {
             .collect()
     }
 
+    /// The metadata devices the kubelet was handed for `entry` (its recorded CDI ids) that `made` lacks, as the spec
+    /// on disk has them: a rewrite keeps them. An agent of an earlier version (`helm rollback`) drops the entry's
+    /// metadata record when it saves the checkpoint, and once upgraded again, the rewrite at start would take the
+    /// devices out of the spec, and every restart of a container of the claim would fail ("unresolvable CDI
+    /// devices").
+    pub(super) fn metadata_mounts_kept(
+        &self,
+        uid: &str,
+        entry: &ClaimEntry,
+        made: &[cdi::FileDevice],
+    ) -> Vec<cdi::FileDevice> {
+        let ids = entry.devices.iter().flat_map(|d| &d.cdi_device_ids);
+        let prefix = self.cdi_kind.qualified_name(&metadata::cdi_device_name(uid, ""));
+        let missing: Vec<String> = ids
+            .filter(|id| id.starts_with(&prefix))
+            .filter_map(|id| id.split_once('=').map(|(_, name)| name.to_string()))
+            .filter(|name| made.iter().all(|device| device.name != *name))
+            .collect();
+        if missing.is_empty() {
+            return Vec::new();
+        }
+        let kept = cdi::claim_spec_file_devices(&self.cdi_dir, &self.cdi_kind, uid, &missing).unwrap_or_default();
+        if kept.len() < missing.len() {
+            warn!(%uid, ?missing, "the device metadata mounts the kubelet was given for this claim are not recorded \
+                  (dropped by an earlier agent version) and not all in its spec on disk: a restarted container of \
+                  the claim that asks one will not start until its pod is recreated");
+        }
+        kept
+    }
+
     /// Removes a claim's metadata files (after its spec, which mounts them, is gone).
     pub(super) fn remove_metadata(&self, uid: &str) -> Result<(), String> {
         metadata::remove_files(&self.state_dir, uid)
