@@ -508,8 +508,8 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     })
     .await?;
 
-    // helm upgrade with a changed value rolls the agent; a running pod keeps its GPU and its spec, and a pod
-    // created after the roll is prepared by the new agent.
+    // helm upgrade with a changed value rolls the agent; a running pod keeps its GPU and its spec, its container
+    // restarting gets them again, and a pod created after the roll is prepared by the new agent.
     let second_uid = claim_uid(ctx, &second_claim).await?;
     helm(
         ctx,
@@ -547,6 +547,23 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
         "pod second did not keep running through the agent's roll (restarts {restarts:?})"
     );
     ensure!(!specs_of(node, &second_uid)?.is_empty(), "the roll lost pod second's CDI spec");
+    // Its container restarting after the roll (a crash; here stopped through the CRI) is created again from the
+    // claim's spec as the new agent found it at its start: the same GPU, and its device metadata.
+    let sandbox = node.crictl(&["pods", "-q", "--name", "^second$", "--namespace", &ctx.namespace])?;
+    let container = node.crictl(&["ps", "-q", "--name", "^main$", "--pod", sandbox.trim()])?;
+    ensure!(!container.trim().is_empty(), "no running container of pod second (sandbox {sandbox:?})");
+    node.crictl(&["stop", "--timeout", "0", container.trim()])?;
+    wait::until("pod second's container to run again", WAIT, || async {
+        let pod = pods.get("second").await?;
+        let status = pod.status.and_then(|s| s.container_statuses).and_then(|c| c.into_iter().next());
+        Ok(status.filter(|c| c.restart_count == 1 && c.ready).map(drop))
+    })
+    .await?;
+    let restarted = seen_by(ctx, "second").await?;
+    ensure!(restarted == second, "pod second's restarted container sees {restarted:?}, before {second:?}");
+    let path =
+        "/var/run/kubernetes.io/dra-device-attributes/resourceclaimtemplates/gpu/gpu/gpu.gpu-dra.dev-metadata.json";
+    check_device_metadata(ctx, "second", path, &second_claim, &restarted).await?;
     workload(ctx, "third", n, false).await?;
     let third_claim = claim_of(ctx, "third").await?;
     let third = seen_by(ctx, "third").await?;

@@ -160,7 +160,12 @@ pub fn plan(
 /// `allowMultipleAllocations` consumes).
 fn consumed_memory(result: &DeviceRequestAllocationResult) -> Option<u64> {
     let consumed = result.consumed_capacity.as_ref()?.get("memory")?;
-    memory_bytes_of(&consumed.0).ok()
+    memory_bytes_of(&consumed.0)
+        .inspect_err(|error| {
+            tracing::warn!(device = %result.device, %error, "the memory a share consumed cannot be read: it is not \
+                           counted beside the GPU's other shares");
+        })
+        .ok()
 }
 
 #[cfg(test)]

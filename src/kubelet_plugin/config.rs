@@ -147,8 +147,8 @@ pub fn pinned_limit_mib(quantity: &str) -> Result<u64, String> {
 }
 
 /// A Kubernetes memory quantity in whole bytes, rounded up as upstream's `Quantity.Value()` does: an optional `+`, a
-/// number (decimals allowed), and a binary (`Ki` … `Ei`), decimal (`m`, `k`, `M` … `E`) or exponent (`e9`, `E-3`)
-/// suffix. The exponent form is how the API server writes back a quantity given as one (`memory: 10e9` in a claim's
+/// number (decimals allowed), and a binary (`Ki` … `Ei`), decimal (`n`, `u`, `m`, `k`, `M` … `E`) or exponent
+/// (`e9`, `E-3`) suffix. The exponent form is how the API server writes back a quantity given as one (`memory: 10e9` in a claim's
 /// capacity request is `1e10` in its allocation's `consumedCapacity`).
 pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
     let invalid = || format!("{quantity:?} is not a memory quantity such as 10Gi, 512Mi or 1G");
@@ -158,6 +158,8 @@ pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
     // The suffix as a power of two and a power of ten.
     let (two, ten): (u32, i32) = match suffix {
         "" => (0, 0),
+        "n" => (0, -9),
+        "u" => (0, -6),
         "m" => (0, -3),
         "k" => (0, 3),
         "M" => (0, 6),
@@ -173,7 +175,7 @@ pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
         "Ei" => (60, 0),
         exponent => {
             let power = exponent.strip_prefix(['e', 'E']).and_then(|p| p.parse::<i32>().ok());
-            (0, power.filter(|p| p.abs() <= 40).ok_or_else(invalid)?)
+            (0, power.filter(|p| p.unsigned_abs() <= 40).ok_or_else(invalid)?)
         }
     };
     let (whole, fraction) = number.split_once('.').unwrap_or((number, ""));
@@ -523,13 +525,29 @@ mod tests {
             ("25e-1", Ok(3)),
             ("+1Gi", Ok(1 << 30)),
             ("1500m", Ok(2)),
+            ("1500000u", Ok(2)),
+            ("1n", Ok(1)),
             ("0.0001k", Ok(1)),
             ("1E", Ok(1_000_000_000_000_000_000)),
         ];
         for (quantity, want) in cases {
             assert_eq!(memory_bytes(quantity), want, "{quantity}");
         }
-        for bad in ["", "Gi", "1GB", "-1Gi", "1..5Gi", "1e", "1e+", "e3", "1e99", "1e3Gi", "99999999999Ei", "1.5.e3"] {
+        for bad in [
+            "",
+            "Gi",
+            "1GB",
+            "-1Gi",
+            "1..5Gi",
+            "1e",
+            "1e+",
+            "e3",
+            "1e99",
+            "1e-2147483648",
+            "1e3Gi",
+            "99999999999Ei",
+            "1.5.e3",
+        ] {
             assert!(memory_bytes(bad).is_err(), "{bad:?} accepted");
         }
         // NVIDIA's driver rounds down to MiB the same way: 10M is 9 MiB, 1G is 953.

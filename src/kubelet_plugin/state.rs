@@ -394,7 +394,7 @@ impl DriverState {
     }
 
     /// Prepares each claim; one claim's refusal never affects another's answer (a failed checkpoint save fails every
-    /// claim of its batch: see [`group_commit`](super::group_commit)).
+    /// claim of its part of the batch: see [`group_commit`](super::group_commit) and [`Self::prepare_planned`]).
     pub async fn prepare(self: &Arc<Self>, claims: Vec<ClaimRef>) -> Vec<ClaimResult<Vec<PreparedDevice>>> {
         // Taken first: an unprepare of one of these claims done from here on overtakes this call (see `call_order`).
         let tickets: Vec<Ticket> = claims.iter().map(|_| self.order.arrive()).collect();
@@ -488,7 +488,8 @@ impl DriverState {
     }
 
     /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
-    /// then one save records them completed. Claims that need something slow of the GPUs (a MIG device made or looked
+    /// then one save records them completed (twice that when the batch has both kinds below). Claims that need
+    /// something slow of the GPUs (a MIG device made or looked
     /// at, `nvidia-smi`, an MPS daemon: seconds each, up to the tools' time limits) go after the others, which are
     /// committed first and told to `settled` (with the claims the checks settled: refused, or prepared before), so
     /// that their calls are answered without waiting for them: the kubelet gives a call 45 s, and its retries after a
@@ -642,8 +643,13 @@ impl DriverState {
         }
         settled(&results);
         if !quick.is_empty() {
-            // The GPU lists this batch added are the slow claims' (time slices, MPS): theirs to take back.
+            // The quick commit's saves record none of the slow claims (their entries and the GPU lists they added,
+            // which are theirs alone: time slices, MPS), so that a failure of the slow commit's first save leaves
+            // the disk without them, as a failed save of one batch does.
+            let replaced = slow.iter().map(|t| (t.claim.uid.as_str(), t.previous.as_ref()));
+            let hidden = hide(checkpoint, replaced, &newly_listed, &newly_exclusive);
             self.commit(checkpoint, quick, Vec::new(), Vec::new(), &mut results);
+            unhide(checkpoint, hidden, &newly_listed, &newly_exclusive);
             settled(&results);
         }
         self.commit(checkpoint, slow, newly_listed, newly_exclusive, &mut results);
@@ -1301,6 +1307,39 @@ fn rewritable(checkpoint: &Checkpoint) -> BTreeSet<String> {
     completed.map(|(uid, _)| uid.clone()).collect()
 }
 
+/// Takes the entries of the prepares in flight (each claim's UID, with the entry its new one replaced) and the GPUs
+/// they added to the time-sliced and exclusive-process lists out of `checkpoint`, putting back the entries they
+/// replaced; returns the taken entries for [`unhide`].
+fn hide<'a>(
+    checkpoint: &mut Checkpoint,
+    replaced: impl Iterator<Item = (&'a str, Option<&'a ClaimEntry>)>,
+    listed: &[String],
+    exclusive: &[String],
+) -> Vec<(String, ClaimEntry)> {
+    for device in listed {
+        checkpoint.time_sliced.remove(device);
+    }
+    for device in exclusive {
+        checkpoint.exclusive_process.remove(device);
+    }
+    let mut hidden = Vec::new();
+    for (uid, previous) in replaced {
+        let entry = match previous {
+            Some(previous) => checkpoint.claims.insert(uid.to_string(), previous.clone()),
+            None => checkpoint.claims.remove(uid),
+        };
+        hidden.extend(entry.map(|entry| (uid.to_string(), entry)));
+    }
+    hidden
+}
+
+/// Undoes [`hide`].
+fn unhide(checkpoint: &mut Checkpoint, hidden: Vec<(String, ClaimEntry)>, listed: &[String], exclusive: &[String]) {
+    checkpoint.time_sliced.extend(listed.iter().cloned());
+    checkpoint.exclusive_process.extend(exclusive.iter().cloned());
+    checkpoint.claims.extend(hidden);
+}
+
 /// Puts back the entry a failed prepare replaced, or drops the new one.
 fn restore(checkpoint: &mut Checkpoint, uid: &str, previous: Option<ClaimEntry>) {
     match previous {
@@ -1317,4 +1356,37 @@ fn unique_devices(planned: &[PlannedDevice]) -> Vec<Device> {
 fn unique_devices_of(devices: Vec<Device>) -> Vec<Device> {
     let mut seen = BTreeSet::new();
     devices.into_iter().filter(|d| seen.insert(d.name())).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, state: PrepareState) -> Result<ClaimEntry, serde_json::Error> {
+        serde_json::from_value(serde_json::json!({"namespace": "ns", "name": name, "state": state, "devices": []}))
+    }
+
+    #[test]
+    fn hidden_prepares_leave_the_checkpoint_as_before_them_until_put_back() -> Result<(), serde_json::Error> {
+        let mut before = Checkpoint::new("boot");
+        before.claims.insert("kept".into(), entry("kept", PrepareState::PrepareCompleted)?);
+        before.claims.insert("replaced".into(), entry("replaced", PrepareState::PrepareCompleted)?);
+        before.time_sliced.insert("gpu-0".into());
+        let previous = before.claims.get("replaced").cloned();
+
+        let mut during = before.clone();
+        during.claims.insert("new".into(), entry("new", PrepareState::PrepareStarted)?);
+        during.claims.insert("replaced".into(), entry("replaced", PrepareState::PrepareStarted)?);
+        let (listed, exclusive) = (vec!["gpu-1".to_string()], vec!["gpu-2".to_string()]);
+        during.time_sliced.insert("gpu-1".into());
+        during.exclusive_process.insert("gpu-2".into());
+
+        let mut checkpoint = during.clone();
+        let replaced = [("new", None), ("replaced", previous.as_ref())].into_iter();
+        let hidden = hide(&mut checkpoint, replaced, &listed, &exclusive);
+        assert_eq!(checkpoint, before);
+        unhide(&mut checkpoint, hidden, &listed, &exclusive);
+        assert_eq!(checkpoint, during);
+        Ok(())
+    }
 }

@@ -288,6 +288,13 @@ pub(super) async fn schema_refuses_wrong_values_naming_them(_ctx: TestContext) -
         );
         ensure!(stderr.contains(expected), "--set {set}: the refusal does not name the value ({expected}):\n{stderr}");
     }
+    // A class's MPS pinned memory limit in each form the agent reads (upstream's quantities), and one it cannot.
+    let mps = "deviceClasses.gpu.sharing.strategy=MPS";
+    for (limit, taken) in [("1E9", true), ("+512Mi", true), ("1.5e9", true), (".5Gi", true), ("1e999", false)] {
+        let set = format!("deviceClasses.gpu.sharing.mps.defaultPinnedDeviceMemoryLimit={limit}");
+        let output = helm(&["template", "gpu-dra", chart, "--set", mps, "--set-string", &set])?;
+        ensure!(output.status.success() == taken, "--set-string {set}: {}", text(&output.stderr));
+    }
     // Large integers in a values file (YAML numbers, floats to Helm) are rendered as the integers the binaries
     // read, not as `1e+06`, which they refused, naming a value nobody wrote.
     let big = tempfile::NamedTempFile::new()?;
