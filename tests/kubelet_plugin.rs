@@ -901,14 +901,32 @@ async fn pods_started_together_share_the_checkpoint_saves(ctx: TestContext) -> a
     Ok(())
 }
 
-async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestContext) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
+/// A node of the test's own whose agent has two H100s, and claim `a` allocated its `gpu-1` and prepared.
+struct OnePrepared {
+    node: String,
+    dirs: NodeDirs,
+    agent: Component,
+    uid: String,
+    /// The CDI ids the kubelet was given for the claim.
+    given: Vec<String>,
+}
+
+async fn one_prepared_claim(ctx: &TestContext) -> anyhow::Result<OnePrepared> {
+    let node = node_name(ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
-    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    let uid = allocated_claim(&ctx, "a", &node, &["gpu-1"], json!([])).await?;
+    let agent = ready_agent(ctx, &node, &dirs, "2xH100-80GB").await?;
+    let uid = allocated_claim(ctx, "a", &node, &["gpu-1"], json!([])).await?;
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ctx.namespace.as_str(), "a", &uid)]).await?;
+    let answer = answers.get(&uid).context("no answer")?;
+    ensure!(answer.error.is_empty(), "prepare: {answer:?}");
+    let given = answer.devices.iter().flat_map(|d| d.cdi_device_ids.clone()).collect();
+    Ok(OnePrepared { node, dirs, agent, uid, given })
+}
+
+async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestContext) -> anyhow::Result<()> {
+    let OnePrepared { node, dirs, mut agent, uid, .. } = one_prepared_claim(&ctx).await?;
     let ns = ctx.namespace.as_str();
-    Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
     let spec = dirs.cdi_spec(&uid);
     let written = std::fs::read(&spec)?;
     agent.terminate()?;
@@ -933,15 +951,7 @@ async fn restart_rewrites_lost_specs_and_a_reboot_drops_old_entries(ctx: TestCon
 /// check of the specs keeps that device, as the spec on disk has it; before, it wrote the spec again without it,
 /// and every restart of a container of the claim failed ("unresolvable CDI devices").
 async fn a_rollback_and_upgrade_keep_the_metadata_device_the_kubelet_was_given(ctx: TestContext) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let mut agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
-    let uid = allocated_claim(&ctx, "a", &node, &["gpu-1"], json!([])).await?;
-    let ns = ctx.namespace.as_str();
-    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "a", &uid)]).await?;
-    let given: Vec<String> =
-        answers.get(&uid).into_iter().flat_map(|a| &a.devices).flat_map(|d| d.cdi_device_ids.clone()).collect();
+    let OnePrepared { node, dirs, mut agent, uid, given } = one_prepared_claim(&ctx).await?;
     let metadata_device = format!("{uid}_gpus");
     ensure!(given.contains(&format!("{DRIVER}/gpu={metadata_device}")), "the kubelet was given {given:?}");
     let spec = dirs.cdi_spec(&uid);
