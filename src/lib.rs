@@ -9,6 +9,7 @@
 pub mod cdi;
 pub mod cli;
 pub mod controller;
+pub mod event_note;
 pub mod fsutil;
 pub mod kube_client;
 pub mod kubelet_plugin;

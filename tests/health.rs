@@ -426,7 +426,7 @@ async fn the_kubelet_writes_device_health_into_the_pod_status(ctx: TestContext) 
         .with_context(|| kubelet.log_tail())?;
 
     let ns = &ctx.namespace;
-    let on_node = format!("claim {ns}/both (pods {ns}/worker)");
+    let on_node = format!("claim {ns}/both (pod {ns}/worker)");
     let events = node_events(&ctx, &node).await?;
     ensure!(
         events.iter().any(|(t, r, n)| t == "Warning" && r == "GpuFault" && n.contains("gpu-0") && n.contains(&on_node)),

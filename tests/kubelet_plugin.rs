@@ -46,7 +46,7 @@ use shares::a_share_beside_a_force_deleted_pods_share_waits_for_its_memory;
 use stale_claims::{
     a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done,
     a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more,
-    with_warn_a_forgotten_claim_is_reported_and_kept,
+    a_stale_claim_of_many_devices_is_reported_within_the_note_limit, with_warn_a_forgotten_claim_is_reported_and_kept,
 };
 use support::node::{DRIVER, Kubelet, NodeDirs, start_agent, start_agent_with};
 use support::process::Component;
@@ -94,6 +94,7 @@ fn main() {
             test!(an_admin_access_claim_beside_an_mps_claim_changes_nothing),
             test!(a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more),
             test!(with_warn_a_forgotten_claim_is_reported_and_kept),
+            test!(a_stale_claim_of_many_devices_is_reported_within_the_note_limit),
             test!(a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done),
             test!(a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared),
         ],

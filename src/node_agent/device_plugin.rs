@@ -229,8 +229,13 @@ impl DevicePluginGuard {
             }
             _ => return,
         };
-        let event =
-            Event { type_, reason: reason.into(), note: Some(note), action: "PublishGpus".into(), secondary: None };
+        let event = Event {
+            type_,
+            reason: reason.into(),
+            note: Some(crate::event_note::fit(note)),
+            action: "PublishGpus".into(),
+            secondary: None,
+        };
         if let Err(error) = self.recorder.publish(&event, &node.object_ref(&())).await {
             warn!(%error, reason, "publishing an event about the device plugin failed");
         }

@@ -302,7 +302,7 @@ pub(super) async fn node_warning(client: kube::Client, node: &str, reason: &str,
     let event = Event {
         type_: EventType::Warning,
         reason: reason.into(),
-        note: Some(note),
+        note: Some(crate::event_note::fit(note)),
         action: action.into(),
         secondary: None,
     };

@@ -119,6 +119,33 @@ pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestCo
     Ok(())
 }
 
+/// A stale claim of many devices (32 static MIG devices of a big node, as a monitoring or training claim holds) with
+/// a long name: the Warning that reports it, listing them all, is longer than the 1,024 bytes the API takes for a
+/// note, and is sent cut to them, naming the claim. Before, the API server refused it, and the warning, sent once
+/// per stale claim, was lost.
+pub(super) async fn a_stale_claim_of_many_devices_is_reported_within_the_note_limit(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let sevenths = ["1g.10gb"; 7].join("+");
+    let checks = ["--stale-claim-check-interval", CHECK_EVERY, "--stale-claims", "warn"];
+    let _agent = ready_agent_with(&ctx, &node, &dirs, &format!("8xH100-80GB/mig={sevenths}"), &checks).await?;
+    let devices: Vec<String> = (0..32).map(|i| format!("gpu-{}-mig-19-{}-1", i / 7, i % 7)).collect();
+    let devices: Vec<&str> = devices.iter().map(String::as_str).collect();
+    let name = ["a".repeat(62), "b".repeat(62), "c".repeat(62), "d".repeat(50)].join(".");
+    let uid = allocated_claim(&ctx, &name, &node, &devices, json!([])).await?;
+    let ns = ctx.namespace.as_str();
+    let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, &name, &uid)]).await?;
+    ensure!(answers.values().all(|a| a.error.is_empty() && a.devices.len() == 32), "{answers:?}");
+    let status = json!({"status": {"allocation": null, "reservedFor": null}});
+    objects::claims(&ctx).patch_status(&name, &PatchParams::default(), &Patch::Merge(&status)).await?;
+    let note = node_event(&ctx, &node, "StaleClaimPrepared").await?;
+    ensure!(note.len() <= 1024 && note.ends_with('…') && note.contains(&format!("{ns}/{name}")), "{note}");
+    Ok(())
+}
+
 /// A pod bound to `node` naming `claim`, with no kubelet to run it (its phase is what the test writes); its UID.
 async fn pod_naming(ctx: &TestContext, name: &str, node: &str, claim: &str) -> anyhow::Result<String> {
     let pod: Pod = serde_json::from_value(json!({

@@ -202,7 +202,7 @@ impl Sender {
             type_: Some(type_.as_str().into()),
             reason: Some(reason.as_str().into()),
             action: Some(reason.action().into()),
-            note: Some(truncate_note(note.clone())),
+            note: Some(crate::event_note::fit(note.clone())),
             regarding: Some(regarding.clone()),
             related: related.clone(),
             reporting_controller: Some(crate::controller::CLAIM_FIELD_MANAGER.into()),
@@ -226,19 +226,6 @@ fn unique_nanos(last: i128, now: i128) -> i128 {
 /// Requests on events.k8s.io/v1 Events in `namespace`.
 fn events_request(namespace: &str) -> kube::core::Request {
     kube::core::Request::new(Event::url_path(&(), Some(namespace)))
-}
-
-/// The API limits an Event's note to 1 kB.
-fn truncate_note(mut note: String) -> String {
-    if note.len() > 1024 {
-        let mut cut = 1021;
-        while !note.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        note.truncate(cut);
-        note.push_str("...");
-    }
-    note
 }
 
 /// Logs an Event the API server did not take; names the permission only when the refusal is one (a namespace being
@@ -286,12 +273,5 @@ mod tests {
         assert_eq!(unique_nanos(1_000, 1_000), 1_001, "the same reading twice");
         assert_eq!(unique_nanos(1_001, 1_000), 1_002, "and a third time");
         assert_eq!(unique_nanos(5_000, 1_000), 5_001, "a clock stepped back");
-    }
-
-    #[test]
-    fn notes_are_cut_to_the_api_limit_on_a_character_boundary() {
-        assert_eq!(truncate_note("short".into()), "short");
-        let cut = truncate_note("é".repeat(600));
-        assert!(cut.len() <= 1024 && cut.ends_with("..."), "{}", cut.len());
     }
 }

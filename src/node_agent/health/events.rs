@@ -11,10 +11,12 @@ use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::{Client, Resource as _};
 use tracing::{debug, warn};
 
+use crate::event_note::{NOTE_LIMIT, fit};
 use crate::kubelet_plugin::state::DriverState;
 
-/// The API's limit on an Event's note (events.k8s.io/v1 refuses a longer one).
-const NOTE_LIMIT: usize = 1024;
+/// At most this many pods of one claim are named in the Node's Event (the rest counted): a claim shared by a Job's
+/// hundreds of pods would otherwise fill the note before its own name.
+const POD_NAMES_MAX: usize = 5;
 
 /// At most this many pods get an Event of their own per fault (the Node's Event counts them all).
 const POD_EVENTS_MAX: usize = 32;
@@ -28,6 +30,8 @@ pub(super) struct Affected {
     pub claim: String,
     /// `(namespace, name, uid)` of each pod in the claim's `reservedFor`.
     pub pods: Vec<(String, String, String)>,
+    /// `namespace/name` of each PodGroup in the claim's `reservedFor` (a gang's shared claim).
+    pub groups: Vec<String>,
 }
 
 /// `base` followed by the claims and pods a fault affects, cut to the API's note limit (what does not fit is
@@ -39,10 +43,14 @@ pub(super) fn fault_note(base: &str, affected: &[Affected]) -> String {
     let items: Vec<String> = affected
         .iter()
         .map(|a| {
-            let pods: Vec<String> = a.pods.iter().map(|(ns, name, _)| format!("{ns}/{name}")).collect();
-            match pods.as_slice() {
+            let mut users: Vec<String> = a.groups.iter().map(|group| format!("PodGroup {group}")).collect();
+            users.extend(a.pods.iter().take(POD_NAMES_MAX).map(|(ns, name, _)| format!("pod {ns}/{name}")));
+            if a.pods.len() > POD_NAMES_MAX {
+                users.push(format!("{} more pods", a.pods.len() - POD_NAMES_MAX));
+            }
+            match users.as_slice() {
                 [] => format!("claim {} (no pod reserved)", a.claim),
-                _ => format!("claim {} (pods {})", a.claim, pods.join(", ")),
+                _ => format!("claim {} ({})", a.claim, users.join(", ")),
             }
         })
         .collect();
@@ -51,26 +59,15 @@ pub(super) fn fault_note(base: &str, affected: &[Affected]) -> String {
         let rest = items.len() - i;
         let more = if rest > 1 { format!(" … and {} more claims", rest - 1) } else { String::new() };
         let separator = if i == 0 { "" } else { ", " };
-        if note.len() + separator.len() + item.len() + more.len() > NOTE_LIMIT {
+        // The first claim is always named, cut if it must be.
+        if i > 0 && note.len() + separator.len() + item.len() + more.len() > NOTE_LIMIT {
             note.push_str(&format!(" … and {rest} more claims"));
             break;
         }
         note.push_str(separator);
         note.push_str(item);
     }
-    truncate(note)
-}
-
-fn truncate(mut note: String) -> String {
-    if note.len() > NOTE_LIMIT {
-        let mut end = NOTE_LIMIT - '…'.len_utf8();
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
-        note.push('…');
-    }
-    note
+    fit(note)
 }
 
 /// Events about this node, sent in the background so that a slow API server never delays a taint.
@@ -124,8 +121,7 @@ impl NodeEvents {
                 .take(POD_EVENTS_MAX)
                 .collect();
             for (claim, (namespace, name, uid)) in pods {
-                let note =
-                    truncate(format!("{what}; allocated to this pod through claim {claim} on node {}", this.node));
+                let note = fit(format!("{what}; allocated to this pod through claim {claim} on node {}", this.node));
                 let pod = ObjectReference {
                     api_version: Some("v1".into()),
                     kind: Some("Pod".into()),
@@ -152,14 +148,9 @@ impl NodeEvents {
         let mut affected = Vec::with_capacity(held.len());
         for (uid, namespace, name) in held {
             let claim = Api::<ResourceClaim>::namespaced(self.client.clone(), &namespace).get_opt(&name).await;
-            let pods = match claim {
+            let reserved = match claim {
                 Ok(Some(claim)) if claim.metadata.uid.as_deref() == Some(uid.as_str()) => {
-                    let reserved = claim.status.and_then(|s| s.reserved_for).unwrap_or_default();
-                    reserved
-                        .into_iter()
-                        .filter(|r| r.resource == "pods" && r.api_group.as_deref().unwrap_or_default().is_empty())
-                        .map(|r| (namespace.clone(), r.name, r.uid))
-                        .collect()
+                    claim.status.and_then(|s| s.reserved_for).unwrap_or_default()
                 }
                 Ok(_) => Vec::new(),
                 Err(error) => {
@@ -167,7 +158,15 @@ impl NodeEvents {
                     Vec::new()
                 }
             };
-            affected.push(Affected { claim: format!("{namespace}/{name}"), pods });
+            let (mut pods, mut groups) = (Vec::new(), Vec::new());
+            for consumer in reserved {
+                match (consumer.api_group.as_deref().unwrap_or_default(), consumer.resource.as_str()) {
+                    ("", "pods") => pods.push((namespace.clone(), consumer.name, consumer.uid)),
+                    ("scheduling.k8s.io", "podgroups") => groups.push(format!("{namespace}/{}", consumer.name)),
+                    _ => {}
+                }
+            }
+            affected.push(Affected { claim: format!("{namespace}/{name}"), pods, groups });
         }
         affected
     }
@@ -186,7 +185,7 @@ impl NodeEvents {
 }
 
 fn event(type_: EventType, reason: &str, note: String) -> Event {
-    Event { type_, reason: reason.into(), note: Some(note), action: "MonitorGpuHealth".into(), secondary: None }
+    Event { type_, reason: reason.into(), note: Some(fit(note)), action: "MonitorGpuHealth".into(), secondary: None }
 }
 
 #[cfg(test)]
@@ -195,17 +194,21 @@ mod tests {
 
     fn affected(claim: &str, pods: &[&str]) -> Affected {
         let pods = pods.iter().map(|p| ("ns".to_owned(), (*p).to_owned(), format!("uid-{p}"))).collect();
-        Affected { claim: format!("ns/{claim}"), pods }
+        Affected { claim: format!("ns/{claim}"), pods, groups: Vec::new() }
     }
 
     #[test]
     fn the_fault_note_names_claims_and_pods() {
         let cases: &[(&[Affected], &str)] = &[
             (&[], "F; no claim prepared on this node holds it"),
-            (&[affected("a", &["p"])], "F; in use by claim ns/a (pods ns/p)"),
+            (&[affected("a", &["p"])], "F; in use by claim ns/a (pod ns/p)"),
             (
                 &[affected("a", &["p", "q"]), affected("b", &[])],
-                "F; in use by claim ns/a (pods ns/p, ns/q), claim ns/b (no pod reserved)",
+                "F; in use by claim ns/a (pod ns/p, pod ns/q), claim ns/b (no pod reserved)",
+            ),
+            (
+                &[Affected { groups: vec!["ns/gang".into()], ..affected("g", &[]) }],
+                "F; in use by claim ns/g (PodGroup ns/gang)",
             ),
         ];
         for (given, want) in cases {
@@ -223,5 +226,13 @@ mod tests {
 
         let huge = fault_note(&"x".repeat(2000), &[affected("a", &["p"])]);
         assert!(huge.len() <= NOTE_LIMIT && huge.ends_with('…'), "{} bytes", huge.len());
+
+        // A claim shared by a Job's 200 pods, beside another: both claims named, five of the pods, the rest counted.
+        let job: Vec<String> = (0..200).map(|i| format!("worker-with-a-long-generated-name-{i:03}")).collect();
+        let job: Vec<&str> = job.iter().map(String::as_str).collect();
+        let note = fault_note("F", &[affected("shared", &job), affected("other", &["p"])]);
+        assert!(note.len() <= NOTE_LIMIT, "{} bytes", note.len());
+        assert!(note.contains("claim ns/shared (pod ns/worker-with-a-long-generated-name-000, "), "{note}");
+        assert!(note.contains("195 more pods), claim ns/other (pod ns/p)"), "{note}");
     }
 }
