@@ -403,7 +403,13 @@ cmd_add_node() {
     [[ -n "$name" ]] || die "usage: e2e/cluster.sh add-node NAME [KEY=VALUE ...]"
     shift
     state_is_live || die "no running cluster in $STATE; start one with: e2e/cluster.sh up"
-    local labels="    kubernetes.io/hostname: \"$name\"
+    # A label value has at most 63 characters: a longer node name (a fully qualified one) keeps its host part there.
+    local hostname=$name
+    if (( ${#name} > 63 )); then
+        hostname=${name%%.*}
+        hostname=${hostname:0:63}
+    fi
+    local labels="    kubernetes.io/hostname: \"$hostname\"
     kubernetes.io/os: linux
     kubernetes.io/arch: amd64"
     for kv in "$@"; do

@@ -24,6 +24,7 @@ fn main() {
         &[
             test!(publishes_simulated_gpus_as_slices_of_its_node),
             test!(deleted_slices_are_published_again),
+            test!(a_node_with_the_longest_name_publishes_its_gpus),
             test!(scheduler_allocates_from_published_gpus),
             test!(many_gpus_split_and_a_change_bumps_the_generation),
             test!(a_change_to_one_slice_of_a_pool_updates_it_in_place),
@@ -121,6 +122,23 @@ async fn publishes_simulated_gpus_as_slices_of_its_node(ctx: TestContext) -> any
     let unprepares = [("operation", "Unprepare")];
     let counted = agent.metric("gpu_dra_kubelet_plugin_request_duration_seconds_count", &unprepares).await?;
     ensure!(counted == 0.0, "{counted} unprepare calls counted; the kubelet made none");
+    Ok(())
+}
+
+/// A node whose name is as long as Kubernetes takes (253 characters; some clouds' hostnames come close): its GPUs
+/// are published. The slices' `generateName` is cut to what the API server keeps of it; before, a node name of more
+/// than 236 characters made a `generateName` over 253, and every slice of the node was refused.
+async fn a_node_with_the_longest_name_publishes_its_gpus(ctx: TestContext) -> anyhow::Result<()> {
+    let mut node = node_name(&ctx);
+    while node.len() + 1 < 253 {
+        let room = 253 - node.len() - 1;
+        node = format!("{node}.{}", "n".repeat(room.min(63)));
+    }
+    ensure!(node.len() == 253, "{} characters", node.len());
+    ctx.cluster.add_node(&node)?;
+    let agent = agent(&ctx, &node, &["--gpu-backend", "simulated", "--simulated-gpus", "2xL4-24GB"]).await?;
+    let slices = wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
+    ensure!(slices.iter().all(|s| s.spec.pool.name == node), "pools {:?}", slices.iter().map(|s| &s.spec.pool));
     Ok(())
 }
 

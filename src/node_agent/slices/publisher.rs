@@ -206,7 +206,7 @@ impl Publisher {
         let slice = |content: &SliceContent, hash: &str| -> Result<ResourceSlice, PublishError> {
             serde_json::from_value(json!({
                 "metadata": {
-                    "generateName": format!("{}-{}-", self.node, self.driver),
+                    "generateName": generate_name(&self.node, &self.driver),
                     "annotations": {DEVICES_HASH_ANNOTATION: hash},
                     "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.node, "uid": node_uid, "controller": true}]
                 },
@@ -538,6 +538,23 @@ fn consumes_counters(devices: &[Value]) -> bool {
 
 /// A stable hash of a slice's content: of its device list as before counter slices existed (a pool published by
 /// an older agent is not rewritten for nothing), of the field and its items for a counter slice.
+/// The `generateName` of this node's slices, `<node>-<driver>-`, cut to the 58 characters of it the API server keeps
+/// (a longer one is cut there anyway): a node name of more than 236 characters would otherwise make one longer than
+/// the 253 the API server takes, and every slice of the node was refused. A cut never leaves a dot last, which the
+/// API server refuses in a name's prefix.
+fn generate_name(node: &str, driver: &str) -> String {
+    const KEPT: usize = 58;
+    let mut name = format!("{node}-{driver}-");
+    if name.len() > KEPT {
+        let mut end = KEPT;
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        name.truncate(end);
+    }
+    name.trim_end_matches('.').to_string()
+}
+
 fn content_hash(content: &SliceContent) -> String {
     match content {
         SliceContent::Devices(devices) => devices_hash(devices),
@@ -562,7 +579,19 @@ fn refuses_counter_layout(code: u16, message: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::refuses_counter_layout;
+    use super::{generate_name, refuses_counter_layout};
+
+    #[test]
+    fn a_slice_generate_name_stays_within_what_the_api_server_takes() {
+        assert_eq!(generate_name("node-1", "gpu.gpu-dra.dev"), "node-1-gpu.gpu-dra.dev-");
+        let long = ["a".repeat(63), "b".repeat(63), "c".repeat(63), "d".repeat(61)].join(".");
+        assert_eq!(long.len(), 253);
+        let name = generate_name(&long, "gpu.gpu-dra.dev");
+        assert_eq!(name, "a".repeat(58));
+        // Cut just after a dot: the dot goes.
+        let dotted = format!("{}.{}", "a".repeat(57), "b".repeat(40));
+        assert_eq!(generate_name(&dotted, "gpu.gpu-dra.dev"), "a".repeat(57));
+    }
 
     #[test]
     fn only_the_1_34_layout_refusals_switch_to_static() {
