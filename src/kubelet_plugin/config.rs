@@ -148,8 +148,8 @@ pub fn pinned_limit_mib(quantity: &str) -> Result<u64, String> {
 
 /// A Kubernetes memory quantity in whole bytes, rounded up as upstream's `Quantity.Value()` does: an optional `+`, a
 /// number (decimals allowed), and a binary (`Ki` … `Ei`), decimal (`n`, `u`, `m`, `k`, `M` … `E`) or exponent
-/// (`e9`, `E-3`) suffix. The exponent form is how the API server writes back a quantity given as one (`memory: 10e9` in a claim's
-/// capacity request is `1e10` in its allocation's `consumedCapacity`).
+/// (`e9`, `E-3`) suffix. The exponent form is how the API server writes back a quantity given as one
+/// (`memory: 10e9` in a claim's capacity request is `1e10` in its allocation's `consumedCapacity`).
 pub fn memory_bytes(quantity: &str) -> Result<u64, String> {
     let invalid = || format!("{quantity:?} is not a memory quantity such as 10Gi, 512Mi or 1G");
     let unsigned = quantity.strip_prefix('+').unwrap_or(quantity);

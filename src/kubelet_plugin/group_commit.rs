@@ -6,11 +6,11 @@
 //! of milliseconds adds up to seconds for a node starting dozens of GPU pods. So a call joins a [`Queue`] instead,
 //! and whichever waiting call takes the state lock first does the work of every call queued by then in one pass
 //! (one save before the specs, one after; two of each when some of its claims need slow GPU work and some do not)
-//! and answers each of them; a call whose work another took only waits for
-//! its answer. The price: a failed save fails every claim of the batch (the kubelet retries them). A call is
-//! answered as soon as all its claims are settled ([`Replies::answer_settled`]): a claim prepared before, or one
-//! needing nothing slow of the GPUs, is not held back by another call's MIG make or MPS daemon start in the same
-//! batch (see `State::prepare_planned`).
+//! and answers each of them; a call whose work another took only waits for its answer. The price: a failed save
+//! fails every claim of its part of the batch (the kubelet retries them). A call is answered as soon as all its
+//! claims are settled ([`Replies::answer_settled`]): a claim prepared before, or one needing nothing slow of the
+//! GPUs, is not held back by another call's MIG make or MPS daemon start in the same batch (see
+//! `DriverState::prepare_planned`).
 //!
 //! Pure bookkeeping, no I/O: the batch (each claim once, in the order asked, so two pods sharing a claim that start
 //! together prepare it once) and the answers split back per call.

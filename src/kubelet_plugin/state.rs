@@ -489,11 +489,11 @@ impl DriverState {
 
     /// Prepares a batch of claims (each once): one save records them all as started, then their specs are written,
     /// then one save records them completed (twice that when the batch has both kinds below). Claims that need
-    /// something slow of the GPUs (a MIG device made or looked
-    /// at, `nvidia-smi`, an MPS daemon: seconds each, up to the tools' time limits) go after the others, which are
-    /// committed first and told to `settled` (with the claims the checks settled: refused, or prepared before), so
-    /// that their calls are answered without waiting for them: the kubelet gives a call 45 s, and its retries after a
-    /// missed deadline, cheap as they are, would otherwise queue behind the next batch's slow work again.
+    /// something slow of the GPUs (a MIG device made or looked at, `nvidia-smi`, an MPS daemon: seconds each, up to
+    /// the tools' time limits) go after the others, which are committed first and told to `settled` (with the claims
+    /// the checks settled: refused, or prepared before), so that their calls are answered without waiting for them:
+    /// the kubelet gives a call 45 s, and its retries after a missed deadline, cheap as they are, would otherwise
+    /// queue behind the next batch's slow work again.
     fn prepare_planned(
         &self,
         checkpoint: &mut Checkpoint,
