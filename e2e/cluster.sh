@@ -408,6 +408,7 @@ cmd_add_node() {
     if (( ${#name} > 63 )); then
         hostname=${name%%.*}
         hostname=${hostname:0:63}
+        while [[ "$hostname" == *[-_.] ]]; do hostname=${hostname%?}; done
     fi
     local labels="    kubernetes.io/hostname: \"$hostname\"
     kubernetes.io/os: linux

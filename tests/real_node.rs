@@ -304,13 +304,19 @@ async fn listing(ctx: &TestContext, namespace: &str, pod: &str) -> anyhow::Resul
     .await
 }
 
-/// What the scheduler allocated to `claim`: the minors and UUIDs the node agent published for those devices.
+/// What the scheduler allocated to `claim`, once it has: the minors and UUIDs the node agent published for those
+/// devices. (A claim just recorded in its pod's status may not be allocated yet.)
 async fn allocated(ctx: &TestContext, node: &str, claim: &str) -> anyhow::Result<Seen> {
-    let claim = objects::claims(ctx).get(claim).await?;
-    let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+    let claims = objects::claims(ctx);
+    let results = wait::until(&format!("claim {claim} to be allocated"), WAIT, || async {
+        let claim = claims.get(claim).await?;
+        let results = claim.status.and_then(|s| s.allocation).and_then(|a| a.devices).and_then(|d| d.results);
+        Ok(results.filter(|r| !r.is_empty()))
+    })
+    .await?;
     let devices = objects::published_devices(&ctx.client, node).await?;
     let mut seen = Seen { minors: BTreeSet::new(), uuids: BTreeSet::new() };
-    for result in results.unwrap_or_default() {
+    for result in results {
         let device = devices
             .iter()
             .find(|d| d.name == result.device)
@@ -549,7 +555,8 @@ async fn install_use_upgrade_uninstall(ctx: &TestContext, node: &RealNode) -> an
     ensure!(!specs_of(node, &second_uid)?.is_empty(), "the roll lost pod second's CDI spec");
     // Its container restarting after the roll (a crash; here stopped through the CRI) is created again from the
     // claim's spec as the new agent found it at its start: the same GPU, and its device metadata.
-    let sandbox = node.crictl(&["pods", "-q", "--name", "^second$", "--namespace", &ctx.namespace])?;
+    let namespace = format!("^{}$", ctx.namespace);
+    let sandbox = node.crictl(&["pods", "-q", "--state", "ready", "--name", "^second$", "--namespace", &namespace])?;
     let container = node.crictl(&["ps", "-q", "--name", "^main$", "--pod", sandbox.trim()])?;
     ensure!(!container.trim().is_empty(), "no running container of pod second (sandbox {sandbox:?})");
     node.crictl(&["stop", "--timeout", "0", container.trim()])?;

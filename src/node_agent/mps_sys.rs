@@ -1,6 +1,6 @@
 //! The system calls an MPS daemon's supervision needs and the standard library lacks: a child's own mount
 //! namespace with a directory at `/dev/shm`, a kill of a daemon's process group, and reaping the MPS servers a
-//! dead daemon leaves to the agent. `unsafe` is kept here (and in the NVML MIG calls).
+//! dead daemon leaves to the agent. `unsafe` is kept here (and in the NVML MIG calls and the open-file limit).
 
 #![allow(unsafe_code)]
 

@@ -199,8 +199,8 @@ pub(super) async fn pod_status_naming_another_pods_claim_gets_no_reservation(ctx
     let forged = json!({"status": {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": owners_claim}]}});
     pods.patch_status("intruder", &PatchParams::default(), &Patch::Merge(&forged)).await?;
 
-    // Evidence the controller has looked at the forged status: a pod created after it, bound and with its claim
-    // allocated, gets its reservation (the pod watch delivers the forged status first).
+    // Evidence the forged status reached the controller: a pod created after it, bound and with its claim allocated,
+    // gets its reservation (the pod watch delivers the forged status first); the wait below covers its sync.
     create_bound_pod(&ctx, "witness", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let witness_claim = claim_statuses(&wait_recorded(&ctx, "witness", 1).await?)[0].1.clone().context("no claim")?;
     objects::allocate(&ctx, &witness_claim, json!([]), true).await?;

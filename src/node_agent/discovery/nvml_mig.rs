@@ -1,7 +1,7 @@
 //! The NVML calls for MIG that `nvml-wrapper` 0.13 lacks or gets wrong, made directly through `nvml-wrapper-sys`:
-//! one of the crate's two places of `unsafe`. Each call passes handles that belong to a `Device` borrowing the
+//! one of the crate's three places of `unsafe`. Each call passes handles that belong to a `Device` borrowing the
 //! initialised `Nvml`, and buffers NVML writes at most their given length into. (The MPS daemon's system calls,
-//! `node_agent::mps_sys`, are the other place.)
+//! `node_agent::mps_sys`, and the open-file limit, `open_files`, are the others.)
 
 #![allow(unsafe_code)]
 

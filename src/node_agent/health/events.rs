@@ -59,9 +59,20 @@ pub(super) fn fault_note(base: &str, affected: &[Affected]) -> String {
         let rest = items.len() - i;
         let more = if rest > 1 { format!(" … and {} more claims", rest - 1) } else { String::new() };
         let separator = if i == 0 { "" } else { ", " };
-        // The first claim is always named, cut if it must be.
-        if i > 0 && note.len() + separator.len() + item.len() + more.len() > NOTE_LIMIT {
-            note.push_str(&format!(" … and {rest} more claims"));
+        if note.len() + separator.len() + item.len() + more.len() > NOTE_LIMIT {
+            if i > 0 {
+                note.push_str(&format!(" … and {rest} more claims"));
+                break;
+            }
+            // The first claim is always named, its list of pods cut to leave room for the count of the others.
+            let room = NOTE_LIMIT.saturating_sub(note.len() + more.len() + '…'.len_utf8());
+            let mut end = room.min(item.len());
+            while !item.is_char_boundary(end) {
+                end -= 1;
+            }
+            note.push_str(&item[..end]);
+            note.push('…');
+            note.push_str(&more);
             break;
         }
         note.push_str(separator);
@@ -234,5 +245,12 @@ mod tests {
         assert!(note.len() <= NOTE_LIMIT, "{} bytes", note.len());
         assert!(note.contains("claim ns/shared (pod ns/worker-with-a-long-generated-name-000, "), "{note}");
         assert!(note.contains("195 more pods), claim ns/other (pod ns/p)"), "{note}");
+
+        // A first claim whose five pods' names fill the note: cut, and the other claims still counted.
+        let long: Vec<String> = (0..5).map(|i| format!("{i}{}", "p".repeat(250))).collect();
+        let long: Vec<&str> = long.iter().map(String::as_str).collect();
+        let note = fault_note("F", &[affected("first", &long), affected("second", &["p"]), affected("third", &["p"])]);
+        assert!(note.len() <= NOTE_LIMIT && note.starts_with("F; in use by claim ns/first (pod ns/0"), "{note}");
+        assert!(note.ends_with("… … and 2 more claims"), "{note}");
     }
 }

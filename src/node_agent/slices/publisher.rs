@@ -536,8 +536,6 @@ fn consumes_counters(devices: &[Value]) -> bool {
     devices.iter().any(|device| device.get("consumesCounters").is_some())
 }
 
-/// A stable hash of a slice's content: of its device list as before counter slices existed (a pool published by
-/// an older agent is not rewritten for nothing), of the field and its items for a counter slice.
 /// The `generateName` of this node's slices, `<node>-<driver>-`, cut to the 58 characters of it the API server keeps
 /// (a longer one is cut there anyway): a node name of more than 236 characters would otherwise make one longer than
 /// the 253 the API server takes, and every slice of the node was refused. A cut never leaves a dot last, which the
@@ -555,6 +553,8 @@ fn generate_name(node: &str, driver: &str) -> String {
     name.trim_end_matches('.').to_string()
 }
 
+/// A stable hash of a slice's content: of its device list as before counter slices existed (a pool published by
+/// an older agent is not rewritten for nothing), of the field and its items for a counter slice.
 fn content_hash(content: &SliceContent) -> String {
     match content {
         SliceContent::Devices(devices) => devices_hash(devices),
