@@ -112,8 +112,8 @@ async fn lifecycle(ctx: &TestContext, node: &RealNode) -> anyhow::Result<()> {
         .await?;
         ensure!(why.contains("unschedulable"), "{pod} pending for another reason: {why}");
         let claim = claim_of(ctx, pod).await?;
-        let allocation = allocated(ctx, n, &claim).await?;
-        ensure!(allocation.minors.is_empty(), "{pod} is not scheduled, yet its claim {claim} has {allocation:?}");
+        let allocation = objects::claims(ctx).get(&claim).await?.status.and_then(|s| s.allocation);
+        ensure!(allocation.is_none(), "{pod} is not scheduled, yet its claim {claim} has {allocation:?}");
     }
     gone(ctx, node, &claims, &uids).await?;
     objects::cordon(&ctx.client, n, false).await?;
