@@ -84,12 +84,17 @@ pub fn list_claim_specs(dir: &Path, kind: &CdiKind) -> Result<Vec<String>, CdiEr
     Ok(uids)
 }
 
+/// A claim's spec on disk, as JSON (what the adoption and rewrite paths read back from it).
+fn read_spec(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<serde_json::Value> {
+    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
+    serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)
+}
+
 /// The ResourceSlice devices a claim's spec on disk names (its CDI devices are `<claimUID>-<device>`), each with the
 /// UUID its own environment gives it (`GPU_DRA_DEVICE_<DEVICE>=<uuid>`, when the spec has it), so the spec can be
 /// adopted when the checkpoint that recorded it was lost. Devices named otherwise are skipped.
 pub fn claim_spec_devices(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<(String, Option<String>)>> {
-    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
-    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let spec = read_spec(dir, kind, claim_uid)?;
     let prefix = format!("{claim_uid}-");
     let devices = spec["devices"].as_array().into_iter().flatten();
     Ok(devices
@@ -111,8 +116,7 @@ pub fn claim_spec_file_devices(
     claim_uid: &str,
     names: &[String],
 ) -> io::Result<Vec<FileDevice>> {
-    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
-    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let spec = read_spec(dir, kind, claim_uid)?;
     let devices = spec["devices"].as_array().into_iter().flatten();
     Ok(devices
         .filter_map(|d| {
@@ -130,8 +134,7 @@ pub fn claim_spec_file_devices(
 /// The spec-wide environment of a claim's spec on disk (`NAME=value`), from which an adopted claim's MPS daemon is
 /// known again ([`crate::kubelet_plugin::mps::from_client_env`]).
 pub fn claim_spec_env(dir: &Path, kind: &CdiKind, claim_uid: &str) -> io::Result<Vec<String>> {
-    let path = spec_path(dir, kind, claim_uid).map_err(io::Error::other)?;
-    let spec: serde_json::Value = serde_json::from_slice(&fs::read(&path)?).map_err(io::Error::other)?;
+    let spec = read_spec(dir, kind, claim_uid)?;
     let env = spec["containerEdits"]["env"].as_array().into_iter().flatten().filter_map(|e| e.as_str());
     Ok(env.map(str::to_string).collect())
 }
