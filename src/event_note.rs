@@ -8,11 +8,7 @@ pub const NOTE_LIMIT: usize = 1024;
 /// `note`, cut to [`NOTE_LIMIT`] bytes when longer.
 pub fn fit(mut note: String) -> String {
     if note.len() > NOTE_LIMIT {
-        let mut end = NOTE_LIMIT - '…'.len_utf8();
-        while !note.is_char_boundary(end) {
-            end -= 1;
-        }
-        note.truncate(end);
+        note.truncate(note.floor_char_boundary(NOTE_LIMIT - '…'.len_utf8()));
         note.push('…');
     }
     note

@@ -24,11 +24,8 @@ pub fn claim_generate_name(pod: &str, claim: &str) -> String {
 
 /// The first `len` bytes of `s`, backing off to a character boundary (object names are ASCII once validated, but
 /// a slice must never panic on input from outside).
-fn prefix(s: &str, mut len: usize) -> &str {
-    while !s.is_char_boundary(len) {
-        len -= 1;
-    }
-    &s[..len]
+fn prefix(s: &str, len: usize) -> &str {
+    &s[..s.floor_char_boundary(len)]
 }
 
 #[cfg(test)]

@@ -66,11 +66,7 @@ pub(super) fn fault_note(base: &str, affected: &[Affected]) -> String {
             }
             // The first claim is always named, its list of pods cut to leave room for the count of the others.
             let room = NOTE_LIMIT.saturating_sub(note.len() + more.len() + '…'.len_utf8());
-            let mut end = room.min(item.len());
-            while !item.is_char_boundary(end) {
-                end -= 1;
-            }
-            note.push_str(&item[..end]);
+            note.push_str(&item[..item.floor_char_boundary(room)]);
             note.push('…');
             note.push_str(&more);
             break;

@@ -543,13 +543,7 @@ fn consumes_counters(devices: &[Value]) -> bool {
 fn generate_name(node: &str, driver: &str) -> String {
     const KEPT: usize = 58;
     let mut name = format!("{node}-{driver}-");
-    if name.len() > KEPT {
-        let mut end = KEPT;
-        while !name.is_char_boundary(end) {
-            end -= 1;
-        }
-        name.truncate(end);
-    }
+    name.truncate(name.floor_char_boundary(KEPT));
     name.trim_end_matches('.').to_string()
 }
 
