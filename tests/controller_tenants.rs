@@ -41,7 +41,7 @@ async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str
     // The strictest setting an operator can choose: even with the cluster-wide switch allowed, only evidence a
     // tenant cannot forge may turn it on.
     let args = ["controller", "--leader-elect=false", "--on-another-claim-controller=observe-only"];
-    let controller = Component::start(&ctx.cluster.kubeconfig(), tenant_ns, &args)?;
+    let mut controller = Component::start(&ctx.cluster.kubeconfig(), tenant_ns, &args)?;
     controller.wait_ready().await?;
 
     let tenant = tenant_client(ctx).await?;
@@ -134,6 +134,36 @@ async fn run_tenant_scenario(ctx: &TestContext, tenant_ns: &str, victim_ns: &str
     ensure!(adopted.is_some_and(|n| n >= 1.0), "the adopted forged claim is not counted: {foreign_lines:?}");
     let log = controller.log_text();
     ensure!(!log.contains("OBSERVE-ONLY"), "turned observe-only:\n{}", controller.log_tail());
+
+    // 5. A template whose opaque parameters nest 200 deep: the API server takes any JSON object of up to 10 KiB
+    //    there. Parsed as a tree (serde_json stops at 128 levels) it made the whole template list undecodable: a
+    //    controller started after it (a restart, a failover, a relist) never synced, and no pod of any namespace
+    //    got a claim. The tenant's own pod gets its claim, with the parameters exactly as written.
+    let mut deep = json!(0);
+    for _ in 0..200 {
+        deep = json!([deep]);
+    }
+    let mut spec = one_gpu();
+    let parameters = json!({"apiVersion": "gpu.gpu-dra.dev/v1alpha1", "kind": "GpuConfig", "x": deep});
+    spec["spec"]["devices"]["config"] = json!([{"opaque": {"driver": "gpu.gpu-dra.dev", "parameters": parameters}}]);
+    let template: kube::api::DynamicObject = serde_json::from_value(json!({
+        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate", "metadata": {"name": "deep"}, "spec": spec
+    }))?;
+    match tenant_templates.create(&PostParams::default(), &template).await {
+        // Created: only the test's client cannot read the answer back.
+        Ok(_) | Err(kube::Error::SerdeError(_)) => {}
+        Err(error) => return Err(error).context("the tenant creates the deep template"),
+    }
+    tenant_pods.create(&PostParams::default(), &pod("deep", "deep")?).await?;
+    let deep_claim = recorded_claim(&pods, "deep").await.with_context(|| controller.log_tail())?;
+    controller.kill()?;
+    let restarted = Component::start(&ctx.cluster.kubeconfig(), tenant_ns, &args)?;
+    restarted.wait_ready().await?;
+    victim_pod_gets_its_claim(ctx, &restarted, victim_ns, "after-deep-template").await?;
+    let path = format!("/apis/resource.k8s.io/v1/namespaces/{tenant_ns}/resourceclaims/{deep_claim}");
+    let text = ctx.client.request_text(http::Request::get(path).body(Vec::new())?).await?;
+    let nested = format!("{}0{}", "[".repeat(200), "]".repeat(200));
+    ensure!(text.contains(&nested), "the claim's parameters are not the template's: {text}");
     Ok(())
 }
 

@@ -10,11 +10,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
 use super::slim_pod_group::PodGroup;
+use super::slim_template::ResourceClaimTemplate;
 use super::store::{Act, Cache, CacheWriter, Change, WriterDropped, feed};
 use futures::StreamExt;
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind};
+use kube::Client;
+use kube::api::Api;
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::{Client, ResourceExt};
 use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::{debug, warn};
 
@@ -28,17 +29,11 @@ use super::queue::{ObjectKey, WorkKey};
 /// API call. Deletions older than this are found by a live GET instead.
 const DELETED_PODS_REMEMBERED: usize = 500;
 
-/// The API resource of ResourceClaimTemplates, watched untyped so that the template's `spec.spec` reaches the
-/// claim exactly as the server sent it, fields unknown to this build included.
-pub fn template_resource() -> ApiResource {
-    ApiResource::from_gvk(&GroupVersionKind::gvk("resource.k8s.io", "v1", "ResourceClaimTemplate"))
-}
-
 /// Informer caches and indexes.
 pub struct Caches {
     pub pods: Cache<Pod>,
     pub claims: Cache<ResourceClaim>,
-    pub templates: Cache<DynamicObject>,
+    pub templates: Cache<ResourceClaimTemplate>,
     /// PodGroups (`scheduling.k8s.io/v1beta1`); stays empty when the API server does not serve them.
     pub pod_groups: Cache<PodGroup>,
     /// Whether PodGroups are handled: served, listable and listed ([`super::group_api`]); until then pods that
@@ -70,7 +65,7 @@ impl std::fmt::Debug for Caches {
 pub struct Writers {
     pods: CacheWriter<Pod>,
     claims: CacheWriter<ResourceClaim>,
-    templates: CacheWriter<DynamicObject>,
+    templates: CacheWriter<ResourceClaimTemplate>,
     pod_groups: CacheWriter<PodGroup>,
 }
 
@@ -181,7 +176,7 @@ impl Caches {
         self.claims.get(namespace, name)
     }
 
-    pub fn template(&self, namespace: &str, name: &str) -> Option<Arc<DynamicObject>> {
+    pub fn template(&self, namespace: &str, name: &str) -> Option<Arc<ResourceClaimTemplate>> {
         self.templates.get(namespace, name)
     }
 
@@ -461,19 +456,17 @@ pub async fn run_informers(client: Client, namespace: Option<String>, writers: W
         on_event("resourceclaims", event, |e| on_claim_event(&ctx, e));
         futures::future::ready(())
     });
-    let client_for_groups = client.clone();
-    let templates_api = match namespace {
-        Some(ns) => Api::<DynamicObject>::namespaced_with(client, ns, &template_resource()),
-        None => Api::<DynamicObject>::all_with(client, &template_resource()),
-    };
-    let templates =
-        crate::kube_client::watch::watcher("resourceclaimtemplates", templates_api, watcher::Config::default())
-            .map(feed(writers.templates))
-            .for_each(|event| {
-                on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
-                futures::future::ready(())
-            });
-    let pod_groups = super::group_api::run_informer(client_for_groups, namespace, writers.pod_groups, &ctx);
+    let templates = crate::kube_client::watch::watcher(
+        "resourceclaimtemplates",
+        api::<ApiObject<ResourceClaimTemplate>>(&client, namespace),
+        watcher::Config::default(),
+    )
+    .map(feed(writers.templates))
+    .for_each(|event| {
+        on_event("resourceclaimtemplates", event, |e| on_template_event(&ctx, e));
+        futures::future::ready(())
+    });
+    let pod_groups = super::group_api::run_informer(client, namespace, writers.pod_groups, &ctx);
     tokio::join!(pods, claims, templates, pod_groups);
 }
 
@@ -631,7 +624,7 @@ fn enqueue_users(ctx: &Context, claim: &ResourceClaim) {
     }
 }
 
-fn on_template_event(ctx: &Context, change: &Change<DynamicObject>) {
+fn on_template_event(ctx: &Context, change: &Change<ResourceClaimTemplate>) {
     for act in change.acts() {
         if let Act::Shown(template) = act {
             template_shown(ctx, template);
@@ -640,7 +633,7 @@ fn on_template_event(ctx: &Context, change: &Change<DynamicObject>) {
 }
 
 /// Pods and PodGroups waiting for the template may go on now.
-fn template_shown(ctx: &Context, template: &DynamicObject) {
+fn template_shown(ctx: &Context, template: &ResourceClaimTemplate) {
     let namespace = template.namespace().unwrap_or_default();
     super::podgroup::enqueue_groups_using(ctx, &namespace, &template.name_any());
     for key in ctx.caches.pods_by_template.get(&format!("{namespace}/{}", template.name_any())) {

@@ -148,6 +148,7 @@ pub mod quota;
 pub mod slim_claim;
 pub mod slim_pod;
 pub mod slim_pod_group;
+pub mod slim_template;
 pub mod store;
 pub mod wire_meta;
 

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use super::api_object::{self, ApiObject};
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
+use super::slim_template::{NewClaim, ResourceClaimTemplate};
 use k8s_openapi::api::core::v1::PodResourceClaim;
 use kube::Resource;
-use kube::api::{DynamicObject, Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams, PostParams};
 use serde_json::json;
 use tracing::{debug, info, instrument};
 
@@ -185,7 +186,11 @@ async fn create_claim(
 }
 
 /// A template from the informer cache, or the error naming the missing one.
-pub(super) fn cached_template(ctx: &Context, namespace: &str, template_name: &str) -> Option<Arc<DynamicObject>> {
+pub(super) fn cached_template(
+    ctx: &Context,
+    namespace: &str,
+    template_name: &str,
+) -> Option<Arc<ResourceClaimTemplate>> {
     ctx.caches.template(namespace, template_name)
 }
 
@@ -198,12 +203,12 @@ pub(super) fn template_not_found(namespace: &str, template_name: &str) -> SyncEr
 pub(super) async fn post_claim(
     ctx: &Context,
     namespace: &str,
-    desired: serde_json::Value,
+    desired: NewClaim,
     claim_name: &str,
     template_name: &str,
     owner: (&'static str, &'static str),
 ) -> Result<Arc<ResourceClaim>, SyncError> {
-    let admin_access = super::slim_claim::spec_requests_admin_access(&desired["spec"]);
+    let admin_access = super::slim_claim::spec_requests_admin_access(&desired.spec);
     let created = match post_claim_json(ctx, namespace, &desired).await {
         Ok(claim) => Ok(Arc::new(claim)),
         // Created, but the answer is not a claim: not a failed create. The informer brings the claim; a retry
@@ -222,7 +227,7 @@ pub(super) async fn post_claim(
 
 /// POSTs the claim as built (fields unknown to this build included) and decodes the answer straight into the
 /// cached form: no typed or untyped copy of the whole claim is made on the way in or out.
-async fn post_claim_json(ctx: &Context, namespace: &str, desired: &serde_json::Value) -> kube::Result<ResourceClaim> {
+async fn post_claim_json(ctx: &Context, namespace: &str, desired: &NewClaim) -> kube::Result<ResourceClaim> {
     let body = serde_json::to_vec(desired).map_err(kube::Error::SerdeError)?;
     let params = PostParams { field_manager: Some(CLAIM_FIELD_MANAGER.to_string()), ..Default::default() };
     let path = ApiObject::<ResourceClaim>::url_path(&(), Some(namespace));

@@ -82,10 +82,11 @@ impl WireSpec {
     }
 }
 
-/// Whether a claim spec (JSON, as a template carries it) asks for admin access, by the same rule as
-/// [`ResourceClaim::admin_access`]: for the creation metric, before the claim exists.
-pub fn spec_requests_admin_access(spec: &serde_json::Value) -> bool {
-    WireSpec::deserialize(spec).is_ok_and(|spec| spec.requests_admin_access())
+/// Whether a claim spec (JSON text, as a template carries it) asks for admin access, by the same rule as
+/// [`ResourceClaim::admin_access`]: for the creation metric, before the claim exists. What it does not read (the
+/// opaque parameters, however deep) is skipped unparsed.
+pub fn spec_requests_admin_access(spec: &serde_json::value::RawValue) -> bool {
+    serde_json::from_str::<WireSpec>(spec.get()).is_ok_and(|spec| spec.requests_admin_access())
 }
 
 #[derive(Deserialize)]
@@ -189,14 +190,15 @@ mod tests {
 
     #[test]
     fn a_template_spec_asks_for_admin_access_by_the_same_rule() {
-        let spec = |requests: serde_json::Value| json!({"devices": {"requests": requests}});
+        let raw = |spec: serde_json::Value| serde_json::value::RawValue::from_string(spec.to_string());
+        let spec = |requests: serde_json::Value| raw(json!({"devices": {"requests": requests}})).expect("JSON text");
         assert!(spec_requests_admin_access(&spec(json!([
             {"name": "a", "exactly": {"deviceClassName": "gpu"}},
             {"name": "b", "exactly": {"deviceClassName": "gpu", "adminAccess": true}}
         ]))));
         assert!(!spec_requests_admin_access(&spec(json!([{"name": "a", "exactly": {"adminAccess": false}}]))));
         assert!(!spec_requests_admin_access(&spec(json!([{"name": "a", "firstAvailable": [{"name": "x"}]}]))));
-        assert!(!spec_requests_admin_access(&json!({})));
+        assert!(!spec_requests_admin_access(&raw(json!({})).expect("JSON text")));
     }
 
     #[test]

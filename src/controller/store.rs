@@ -283,14 +283,6 @@ pub trait IntoCached {
     fn into_cached(self) -> Self::Cached;
 }
 
-impl IntoCached for kube::api::DynamicObject {
-    type Cached = Self;
-
-    fn into_cached(self) -> Self {
-        self
-    }
-}
-
 fn cached<W: IntoCached>(event: watcher::Event<W>) -> watcher::Event<W::Cached> {
     match event {
         watcher::Event::Apply(obj) => watcher::Event::Apply(obj.into_cached()),

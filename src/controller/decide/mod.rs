@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 
 use super::slim_claim::ResourceClaim;
 use super::slim_pod::Pod;
+use super::slim_template::{NewClaim, ResourceClaimTemplate};
 use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
-use kube::api::DynamicObject;
 use serde_json::{Value, json};
 
 use super::naming::claim_generate_name;
@@ -307,12 +307,12 @@ pub enum TemplateError {
     NoSpec,
 }
 
-/// The claim to create for pod claim `pod_claim` of `pod` from `template`, as JSON.
+/// The claim to create for pod claim `pod_claim` of `pod` from `template`.
 ///
 /// The spec is the template's `spec.spec` exactly as the server returned it, fields unknown to this build
 /// included; labels and annotations are copied from the template's `spec.metadata` (the cached template itself is
 /// never touched), plus the pod-claim-name annotation; the pod is the controlling owner.
-pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &DynamicObject) -> Result<Value, TemplateError> {
+pub fn desired_claim(pod: &Pod, pod_claim: &str, template: &ResourceClaimTemplate) -> Result<NewClaim, TemplateError> {
     let pod_name = pod.metadata.name.as_deref().unwrap_or_default();
     let owner =
         json!({"apiVersion": "v1", "kind": "Pod", "name": pod_name, "uid": pod.metadata.uid, "controller": true});
@@ -326,27 +326,23 @@ fn claim_from_template(
     namespace: Option<&str>,
     owner: Value,
     claim_name: &str,
-    template: &DynamicObject,
-) -> Result<Value, TemplateError> {
-    let template_spec = template.data.get("spec").ok_or(TemplateError::NoSpec)?;
-    let spec = template_spec.get("spec").ok_or(TemplateError::NoSpec)?.clone();
-    let template_meta = template_spec.get("metadata");
-    let mut annotations =
-        template_meta.and_then(|m| m.get("annotations")).and_then(Value::as_object).cloned().unwrap_or_default();
-    annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), Value::String(claim_name.into()));
-    let labels = template_meta.and_then(|m| m.get("labels")).cloned().unwrap_or_else(|| json!({}));
-    Ok(json!({
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaim",
-        "metadata": {
+    template: &ResourceClaimTemplate,
+) -> Result<NewClaim, TemplateError> {
+    let spec = template.claim_spec.clone().ok_or(TemplateError::NoSpec)?;
+    let mut annotations = template.annotations.clone();
+    annotations.insert(POD_CLAIM_NAME_ANNOTATION.into(), claim_name.into());
+    Ok(NewClaim {
+        api_version: "resource.k8s.io/v1",
+        kind: "ResourceClaim",
+        metadata: json!({
             "generateName": claim_generate_name(owner_name, claim_name),
             "namespace": namespace,
             "annotations": annotations,
-            "labels": labels,
+            "labels": template.labels,
             "ownerReferences": [owner],
-        },
-        "spec": spec,
-    }))
+        }),
+        spec,
+    })
 }
 
 #[cfg(test)]

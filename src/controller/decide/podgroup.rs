@@ -9,13 +9,13 @@
 
 use k8s_openapi::api::core::v1::{PodResourceClaim, PodResourceClaimStatus};
 use k8s_openapi::api::resource::v1::ResourceClaimConsumerReference;
-use kube::api::DynamicObject;
-use serde_json::{Value, json};
+use serde_json::json;
 
 use super::{Recorded, Seen, TemplateError, claim_from_template, is_owned_by, reserved_for};
 use crate::controller::slim_claim::ResourceClaim;
 use crate::controller::slim_pod::Pod;
 use crate::controller::slim_pod_group::{GROUP, PodGroup, RESOURCE, VERSION};
+use crate::controller::slim_template::{NewClaim, ResourceClaimTemplate};
 
 /// The PodGroup `pod` belongs to, by name (same namespace).
 pub fn pod_group_name(pod: &Pod) -> Option<&str> {
@@ -160,8 +160,8 @@ where
 pub fn desired_group_claim(
     group: &PodGroup,
     group_claim: &str,
-    template: &DynamicObject,
-) -> Result<Value, TemplateError> {
+    template: &ResourceClaimTemplate,
+) -> Result<NewClaim, TemplateError> {
     let name = group.metadata.name.as_deref().unwrap_or_default();
     let owner = json!({
         "apiVersion": format!("{GROUP}/{VERSION}"), "kind": "PodGroup",

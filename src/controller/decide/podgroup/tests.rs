@@ -144,13 +144,17 @@ fn a_scheduled_member_reserves_the_group_claim_for_its_group_once() {
 
 #[test]
 fn the_group_claim_is_owned_by_the_group_and_named_after_it() -> Result<(), TemplateError> {
-    let template: DynamicObject = serde_json::from_value(json!({
-        "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "t", "namespace": "ns"},
-        "spec": {"metadata": {"labels": {"l": "v"}}, "spec": {"devices": {"requests": [{"name": "gpu"}]}}}
-    }))
+    let template: ResourceClaimTemplate = serde_json::from_str(
+        &json!({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "t", "namespace": "ns"},
+            "spec": {"metadata": {"labels": {"l": "v"}}, "spec": {"devices": {"requests": [{"name": "gpu"}]}}}
+        })
+        .to_string(),
+    )
     .expect("template");
     let got = desired_group_claim(&group(json!([]), json!([])), "gpu", &template)?;
+    let got = serde_json::to_value(got).expect("JSON");
     assert_eq!(got["metadata"]["generateName"], "g-gpu-");
     assert_eq!(got["metadata"]["annotations"]["resource.kubernetes.io/pod-claim-name"], "gpu");
     assert_eq!(
