@@ -43,8 +43,20 @@ fn start() -> anyhow::Result<()> {
         }
         _ => tokio::runtime::Builder::new_multi_thread(),
     };
-    runtime.enable_all().build().context("start the async runtime")?.block_on(run(cli))
+    let runtime = runtime.enable_all().build().context("start the async runtime")?;
+    let outcome = runtime.block_on(run(cli));
+    // Dropping the runtime would wait for every blocking task, and one nothing waits for may never end: a GPU
+    // discovery hung in NVML, a late health save or a directory check on a hung disk. The stop has done what it
+    // must by now (sockets removed, MPS daemons stopped, the health state given its time to save): those are given
+    // a moment, then left behind, so that the process exits instead of at the kubelet's SIGKILL (its pod
+    // Terminating until then, holding up a rollout). Every file is written aside and renamed into place, so one
+    // left mid-write leaves at most a temporary file.
+    runtime.shutdown_timeout(BLOCKING_TASKS_AT_EXIT);
+    outcome
 }
+
+/// How long the exit waits for blocking tasks still running (see [`start`]).
+const BLOCKING_TASKS_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     gpu_dra::telemetry::init_logging(&cli.log)?;

@@ -26,12 +26,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail, ensure};
 use gpu_dra::kubelet_plugin::checkpoint::{Checkpoint, CheckpointStore, ClaimEntry, LoadOutcome, PrepareState};
 use gpu_dra::kubelet_plugin::proto::dra_v1 as v1;
-use hung_discovery::a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared;
+use hung_discovery::{
+    a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared,
+    an_agent_whose_discovery_hangs_stops_on_sigterm,
+};
 use k8s_openapi::api::resource::v1::{DeviceClass, ResourceClaim, ResourceSlice};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use mps::{
-    a_claim_asking_mps_gets_its_own_daemon_while_prepared, a_hung_mps_daemon_holds_back_no_other_claim,
-    an_admin_access_claim_beside_an_mps_claim_changes_nothing,
+    a_claim_asking_mps_gets_its_own_daemon_while_prepared,
+    a_control_pipe_replaced_by_a_link_sends_no_quit_to_another_claims_daemon,
+    a_hung_mps_daemon_holds_back_no_other_claim, an_admin_access_claim_beside_an_mps_claim_changes_nothing,
     an_mps_daemon_outlives_the_recovery_once_the_gpus_are_back,
     an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default, mps_settings_naming_no_device_are_refused,
     start_up_removes_only_the_mps_directories_the_agent_made,
@@ -42,7 +46,10 @@ use node_disks::{
     a_state_directory_deleted_on_the_host_fails_the_liveness_check,
 };
 use serde_json::{Value, json};
-use shares::a_share_beside_a_force_deleted_pods_share_waits_for_its_memory;
+use shares::{
+    a_claim_allocated_again_as_another_share_is_not_answered_with_the_old_one,
+    a_share_beside_a_force_deleted_pods_share_waits_for_its_memory,
+};
 use stale_claims::{
     a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done,
     a_claim_the_kubelet_forgot_is_unprepared_once_the_api_has_it_no_more,
@@ -73,6 +80,7 @@ fn main() {
             test!(a_spec_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_state_directory_deleted_on_the_host_fails_the_liveness_check),
             test!(a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare),
+            test!(a_prepare_the_kubelet_stops_waiting_for_is_counted_and_logged),
             test!(pods_started_together_share_the_checkpoint_saves),
             test!(restart_rewrites_lost_specs_and_a_reboot_drops_old_entries),
             test!(a_rollback_and_upgrade_keep_the_metadata_device_the_kubelet_was_given),
@@ -85,6 +93,7 @@ fn main() {
             test!(a_time_slice_is_set_while_its_claim_is_prepared_and_set_back_after),
             test!(claims_sharing_a_gpu_must_ask_the_same_time_slice),
             test!(a_claim_asking_mps_gets_its_own_daemon_while_prepared),
+            test!(a_control_pipe_replaced_by_a_link_sends_no_quit_to_another_claims_daemon),
             test!(mps_settings_naming_no_device_are_refused),
             test!(start_up_removes_only_the_mps_directories_the_agent_made),
             test!(an_mps_daemon_that_cannot_start_leaves_the_gpu_at_default),
@@ -97,6 +106,8 @@ fn main() {
             test!(a_stale_claim_of_many_devices_is_reported_within_the_note_limit),
             test!(a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_done),
             test!(a_discovery_that_hangs_at_start_still_lets_prepared_claims_be_unprepared),
+            test!(a_claim_allocated_again_as_another_share_is_not_answered_with_the_old_one),
+            test!(an_agent_whose_discovery_hangs_stops_on_sigterm),
         ],
     )
 }
@@ -770,23 +781,39 @@ async fn health_answers_while_a_prepare_hangs_on_the_disk(ctx: TestContext) -> a
     Ok(())
 }
 
-/// The kubelet gives up on a prepare after 45 s; the agent may still be waiting for the claim's API read (a slow or
-/// restarting API server). The pod is deleted meanwhile and the kubelet unprepares the claim, which the agent does
-/// not hold yet, so that succeeds and the kubelet forgets the claim. The late prepare must then be refused, not
-/// done: done, it would leave the claim prepared for nobody and its GPU refused to every later claim. The claim's
-/// read is held in a proxy in front of the real API server.
-async fn a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare(ctx: TestContext) -> anyhow::Result<()> {
-    let node = node_name(&ctx);
+/// A node whose agent reaches the API server through a proxy that can hold its requests, one GPU, claim `a`
+/// allocated it, and the kubelet stand-in registered.
+struct BehindProxy {
+    node: String,
+    dirs: NodeDirs,
+    proxy: support::api_proxy::ApiProxy,
+    agent: Component,
+    a: String,
+    kubelet: Kubelet,
+}
+
+async fn behind_proxy(ctx: &TestContext) -> anyhow::Result<BehindProxy> {
+    let node = node_name(ctx);
     ctx.cluster.add_node(&node)?;
     let dirs = NodeDirs::new()?;
     let proxy = support::api_proxy::ApiProxy::start(ctx.cluster.client().await?).await?;
     let gpus = ["--gpu-backend", "simulated", "--simulated-gpus", "1xH100-80GB"];
     let agent = start_agent_with(proxy.kubeconfig(), &format!("{}-agent", ctx.namespace), &node, &dirs, &gpus)?;
     agent.wait_ready().await?;
-    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let a = allocated_claim(ctx, "a", &node, &["gpu-0"], json!([])).await?;
+    let kubelet = Kubelet::register(&dirs).await?;
+    Ok(BehindProxy { node, dirs, proxy, agent, a, kubelet })
+}
+
+/// The kubelet gives up on a prepare after 45 s; the agent may still be waiting for the claim's API read (a slow or
+/// restarting API server). The pod is deleted meanwhile and the kubelet unprepares the claim, which the agent does
+/// not hold yet, so that succeeds and the kubelet forgets the claim. The late prepare must then be refused, not
+/// done: done, it would leave the claim prepared for nobody and its GPU refused to every later claim. The claim's
+/// read is held in a proxy in front of the real API server.
+async fn a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare(ctx: TestContext) -> anyhow::Result<()> {
+    let BehindProxy { node, dirs, proxy, agent: _agent, a, mut kubelet } = behind_proxy(&ctx).await?;
     let b = allocated_claim(&ctx, "b", &node, &["gpu-0"], json!([])).await?;
     let ns = ctx.namespace.clone();
-    let mut kubelet = Kubelet::register(&dirs).await?;
 
     proxy.hold(http::Method::GET, &format!("/namespaces/{ns}/resourceclaims/a"));
     let mut client = kubelet.v1.clone();
@@ -815,6 +842,53 @@ async fn a_prepare_the_kubelet_gave_up_on_is_not_done_after_its_unprepare(ctx: T
     let again = kubelet.prepare(&[(&ns, "a", &a)]).await?;
     ensure!(again.get(&a).is_some_and(|r| r.error.is_empty()), "a asked again: {again:?}");
     eprintln!("the late prepare was refused: {error}");
+    Ok(())
+}
+
+/// The kubelet stops waiting for a prepare after 45 s (here a 2 s deadline; the claim's API read held in a proxy, as
+/// by a slow API server). The call is counted `abandoned` and said in the log with how long it waited, its duration
+/// observed over a second (and within 5 s); nothing is counted a success or an error. Asked again once the API answers, the claim is
+/// prepared.
+async fn a_prepare_the_kubelet_stops_waiting_for_is_counted_and_logged(ctx: TestContext) -> anyhow::Result<()> {
+    let BehindProxy { proxy, agent, a, mut kubelet, .. } = behind_proxy(&ctx).await?;
+    let ns = ctx.namespace.clone();
+
+    proxy.hold(http::Method::GET, &format!("/namespaces/{ns}/resourceclaims/a"));
+    let claim = v1::Claim { namespace: ns.clone(), name: "a".into(), uid: a.clone() };
+    let mut request = tonic::Request::new(v1::NodePrepareResourcesRequest { claims: vec![claim] });
+    request.set_timeout(Duration::from_secs(2));
+    let answer = kubelet.v1.clone().node_prepare_resources(request).await;
+    let status = answer.err().context("the prepare was answered although its claim's read was held")?;
+    ensure!(proxy.held() > 0, "the claim's read was not held: the test proves nothing");
+    ensure!(
+        matches!(status.code(), tonic::Code::DeadlineExceeded | tonic::Code::Cancelled),
+        "the call ended with {status:?}"
+    );
+
+    let prepare = |result| [("operation", "Prepare"), ("result", result)];
+    let claims = "gpu_dra_kubelet_plugin_claims_total";
+    wait::until("the claim to be counted abandoned", Duration::from_secs(10), || async {
+        Ok((agent.metric(claims, &prepare("abandoned")).await? == 1.0).then_some(()))
+    })
+    .await
+    .with_context(|| agent.log_tail())?;
+    for result in ["success", "error"] {
+        ensure!(agent.metric(claims, &prepare(result)).await? == 0.0, "a {result} counted for the abandoned call");
+    }
+    let log = agent.log_text();
+    let said = log.lines().find(|l| l.contains("the kubelet stopped waiting for the call"));
+    let said = said.context("the abandoned call is not in the log")?;
+    ensure!(said.contains("WARN") && said.contains(&format!("{ns}/a")), "said as: {said}");
+    let bucket = |le| [("operation", "Prepare"), ("le", le)];
+    let durations = "gpu_dra_kubelet_plugin_request_duration_seconds_bucket";
+    ensure!(agent.metric(durations, &bucket("1.0")).await? == 0.0, "observed within a second");
+    ensure!(agent.metric(durations, &bucket("5.0")).await? == 1.0, "not observed within 5 s");
+
+    proxy.release();
+    let again = kubelet.prepare(&[(&ns, "a", &a)]).await?;
+    ensure!(again.get(&a).is_some_and(|r| r.error.is_empty()), "a asked again: {again:?}");
+    ensure!(agent.metric(claims, &prepare("success")).await? == 1.0, "the prepare asked again is not counted");
+    eprintln!("abandoned and said: {said}");
     Ok(())
 }
 

@@ -569,6 +569,9 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
         "1s",
         "--device-plugin-grace-period",
         "6s",
+        // No kubelet registers these agents: their readiness below must not hang on the registration's timeout.
+        "--kubelet-registration-timeout",
+        "10m",
     ];
     let both = agent(&ctx, &tolerant, &[&gpus[..], &["--refuse-with-device-plugin=false"]].concat()).await?;
     let mut agent = agent(&ctx, &node, &gpus).await?;
@@ -831,7 +834,8 @@ async fn a_failed_publish_leaves_no_partial_pool_and_backs_off(ctx: TestContext)
 
 /// An agent whose registry directory the kubelet does not watch (the chart's `kubeletDir` left at its default on a
 /// node whose kubelet lives elsewhere: k0s, MicroK8s) publishes GPUs the kubelet cannot prepare: it says so with a
-/// Warning on its Node once the kubelet has had time to find it; one the kubelet registered says nothing.
+/// Warning on its Node once the kubelet has had time to find it, and its /readyz fails from then on (its DaemonSet
+/// shows it not ready, where it would look healthy); one the kubelet registered says nothing and stays ready.
 async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestContext) -> anyhow::Result<()> {
     let node = node_name(&ctx);
     let registered = format!("{node}-r");
@@ -854,6 +858,8 @@ async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestConte
         ensure!(warned.2.contains(part), "the Event lacks {part:?}: {}", warned.2);
     }
     ensure!(lonely.metric("gpu_dra_kubelet_plugin_registered", &[]).await? == 0.0, "registered metric set");
+    let (code, why) = lonely.get("/readyz").await?;
+    ensure!(code == 503 && why.contains("has not registered the plugin 5s after"), "/readyz: {code} {why}");
     // The registered one: past its timeout, no warning.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let events = objects::events_in(&ctx, "default", &registered).await?;
@@ -863,6 +869,8 @@ async fn an_agent_the_kubelet_never_registers_says_so_on_its_node(ctx: TestConte
         registry.display()
     );
     ensure!(watched.metric("gpu_dra_kubelet_plugin_registered", &[]).await? == 1.0, "registered metric not set");
+    let (code, why) = watched.get("/readyz").await?;
+    ensure!(code == 200, "/readyz of the registered agent: {code} {why}");
     Ok(())
 }
 

@@ -84,6 +84,7 @@ fn main() {
             test!(restarts_of_agent_kubelet_and_controller_lose_nothing),
             test!(a_monitoring_pod_with_admin_access_never_makes_gpus_busy),
             test!(pods_of_two_namespaces_share_one_gpu_by_memory),
+            test!(two_requests_of_one_claim_get_two_shares_of_one_gpu),
             test!(inference_pods_share_one_gpu_by_compute),
             test!(an_mps_claim_naming_no_memory_holds_a_shared_gpu_whole),
             test!(a_node_in_mig_mode_hands_out_its_mig_devices),
@@ -686,6 +687,49 @@ fn consumed(result: &DeviceRequestAllocationResult, capacity: &str) -> String {
     result.consumed_capacity.as_ref().and_then(|c| c.get(capacity)).map(|q| q.0.clone()).unwrap_or_default()
 }
 
+/// A claim of two requests of 20Gi each on a node sharing its one H100 by memory: the scheduler gives both requests
+/// shares of the same GPU, each its own share ID (a request's `count: 2` would not: that takes two GPUs, so the
+/// second claim, asking two of 20Gi in one request, waits), and the agent prepares them as one claim, one spec,
+/// the GPU once in the container's devices, both shares recorded with their memory. Before 1.36 a GPU is never
+/// shared and the first claim waits too.
+async fn two_requests_of_one_claim_get_two_shares_of_one_gpu(ctx: TestContext) -> anyhow::Result<()> {
+    // Every part bound: one left to `..` is dropped here, and a dropped agent is killed.
+    let SharedGpuNode { node, dirs, kubelet, agent: _agent, _controller } =
+        SharedGpuNode::start(&ctx, "two-requests").await?;
+    let (ns, class) = (ctx.namespace.as_str(), ctx.namespace.as_str());
+    let request = |name: &str, count: u32| {
+        json!({"name": name, "exactly": {"deviceClassName": class, "count": count,
+                                         "capacity": {"requests": {"memory": "20Gi"}}}})
+    };
+    for (name, requests) in [("pair", json!([request("a", 1), request("b", 1)])), ("counted", json!([request("a", 2)]))]
+    {
+        let claim: ResourceClaim =
+            serde_json::from_value(json!({"metadata": {"name": name}, "spec": {"devices": {"requests": requests}}}))?;
+        objects::claims(&ctx).create(&PostParams::default(), &claim).await?;
+        objects::pods(&ctx).create(&PostParams::default(), &pod_using(name, &node, name)?).await?;
+    }
+    if support::cluster::kubernetes_minor()? < 36 {
+        let why = objects::unschedulable(&ctx.client, ns, "pair", PREPARE_TIMEOUT).await?;
+        eprintln!("before 1.36 a GPU is never shared: {why}");
+        return Ok(());
+    }
+    let prepared = kubelet.wait_for("prepared", &format!("{ns}/pair"), PREPARE_TIMEOUT).await?;
+    let pair = shares(&ctx, ns, "pair").await?;
+    ensure!(pair.len() == 2 && pair.iter().all(|s| s.0 == "gpu-0" && s.2 == "20Gi"), "allocated {pair:?}");
+    ensure!(!pair[0].1.is_empty() && pair[0].1 != pair[1].1, "share IDs {pair:?}");
+    let ids: Vec<String> = serde_json::from_value(prepared["containers"]["app"].clone()).unwrap_or_default();
+    let gpus = gpu_cdi_ids(&ids)?;
+    ensure!(!gpus.is_empty() && gpus.iter().all(|id| id.ends_with("-gpu-0")), "the container's CDI ids {ids:?}");
+    let uid = objects::claims(&ctx).get("pair").await?.metadata.uid.unwrap_or_default();
+    ensure!(dirs.cdi_specs()?.len() == 1 && dirs.cdi_spec(&uid).exists(), "specs {:?}", dirs.cdi_specs()?);
+    let checkpoint = std::fs::read_to_string(dirs.checkpoint())?;
+    let twenty_gib = format!("\"memoryBytes\": {}", 20u64 << 30);
+    ensure!(checkpoint.matches(&twenty_gib).count() == 2, "both shares' memory not recorded in:\n{checkpoint}");
+    let why = objects::unschedulable(&ctx.client, ns, "counted", PREPARE_TIMEOUT).await?;
+    eprintln!("two requests shared gpu-0 ({pair:?}); one request of count 2 waited: {why}");
+    Ok(())
+}
+
 /// A node whose agent publishes its one H100 for sharing by memory (`--gpu-sharing by-memory`): a training pod and
 /// a notebook in two namespaces get 39Gi each of the same GPU (an H100 80GB has 81,559 MiB: two of 40Gi would not
 /// fit) — allocated by the real scheduler with a share ID each,
@@ -788,7 +832,8 @@ async fn share_one_gpu(
 }
 
 /// Two tenants' pods on shares of one GPU asking different time slices (`GpuConfig` TimeSlicing, one in NVIDIA's
-/// spelling): the GPU is set for the first; the second's prepare fails naming the first, the kubelet retries, and
+/// spelling): the GPU is set for the first; the second's prepare fails (the reason, which the second tenant reads
+/// in its pod's Events, does not name the first tenant's claim: the agent's log does), the kubelet retries, and
 /// once the first pod is gone the GPU is set for the second; when that one goes too, back to the default. The
 /// shares already on the GPU ask nothing and are not disturbed.
 async fn shares_ask_one_time_slice(
@@ -811,7 +856,9 @@ async fn shares_ask_one_time_slice(
     pod_with_configured_share(ctx, other, "fast", node, class, "8Gi", short).await?;
     let failed = kubelet.wait_for("prepare-failed", &format!("{other}/fast"), PREPARE_TIMEOUT).await?;
     let error = failed["error"].as_str().unwrap_or_default();
-    ensure!(error.contains(&format!("is time-sliced Long for claim {ns}/slow")), "prepare-failed: {failed}");
+    ensure!(error.contains("is time-sliced Long for a claim of another namespace"), "prepare-failed: {failed}");
+    let slow_uid = objects::claims(ctx).get("slow").await?.metadata.uid.unwrap_or_default();
+    ensure!(!error.contains(ns) && !error.contains(&slow_uid), "the other tenant's claim named: {failed}");
     let now = DeleteParams { grace_period_seconds: Some(0), ..Default::default() };
     objects::pods(ctx).delete("slow", &now).await?;
     kubelet.wait_for("unprepared", &format!("{ns}/slow"), PREPARE_TIMEOUT).await?;

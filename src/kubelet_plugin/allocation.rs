@@ -33,6 +33,23 @@ impl std::fmt::Display for ClaimRef {
     }
 }
 
+impl ClaimRef {
+    /// How a refusal of this claim names the claim `uid` (`namespace/name`) that is in its way: in full when it is
+    /// of the same namespace, otherwise only as another namespace's. A refusal reaches the kubelet, which puts it in
+    /// the pod's Events, readable by whoever reads that namespace; the agent's log names the other claim (see
+    /// [`super::checkpoint::Checkpoint::holders_beside`]).
+    pub fn other(&self, namespace: &str, name: &str, uid: &str) -> String {
+        if namespace.is_empty() {
+            // Adopted from its CDI spec after the checkpoint was lost: only its UID is known.
+            "a claim recovered from its CDI spec (the node agent's log names it)".to_string()
+        } else if namespace == self.namespace {
+            format!("claim {namespace}/{name} (UID {uid})")
+        } else {
+            "a claim of another namespace (the node agent's log names it)".to_string()
+        }
+    }
+}
+
 /// One allocated device, ready to be prepared.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PlannedDevice {
@@ -171,6 +188,17 @@ fn consumed_memory(result: &DeviceRequestAllocationResult) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_names_only_claims_of_the_refused_claims_namespace() {
+        let claim = ClaimRef { namespace: "team-a".into(), name: "mine".into(), uid: "u1".into() };
+        assert_eq!(claim.other("team-a", "theirs", "u2"), "claim team-a/theirs (UID u2)");
+        let other = claim.other("team-b", "secret-project", "u3");
+        assert!(!other.contains("team-b") && !other.contains("secret-project") && !other.contains("u3"), "{other}");
+        assert!(other.contains("another namespace"), "{other}");
+        let recovered = claim.other("", "", "u4");
+        assert!(recovered.contains("recovered from its CDI spec") && !recovered.contains("u4"), "{recovered}");
+    }
     use crate::node_agent::gpu::test_gpu;
     use serde_json::json;
 

@@ -245,6 +245,39 @@ impl Checkpoint {
             .map(|(uid, held)| (uid, held.device.as_str()))
     }
 
+    /// The claim of `uid` as a refusal of `refused` names it: in full only when it is of `refused`'s namespace
+    /// ([`ClaimRef::other`]).
+    ///
+    /// [`ClaimRef::other`]: super::allocation::ClaimRef::other
+    pub fn holder_named_to(&self, refused: &super::allocation::ClaimRef, uid: &str) -> String {
+        let (namespace, name) = self.claims.get(uid).map(|e| (e.namespace.as_str(), e.name.as_str())).unzip();
+        refused.other(namespace.unwrap_or_default(), name.unwrap_or_default(), uid)
+    }
+
+    /// The other claims (not `claim_uid`) holding any of `devices` or a device overlapping one (a MIG device of a
+    /// GPU, the GPU of a MIG device), as `namespace/name (UID …)`: what the agent's log names beside a refusal, whose
+    /// text names only the claims of the refused claim's own namespace ([`ClaimRef::other`]).
+    ///
+    /// [`ClaimRef::other`]: super::allocation::ClaimRef::other
+    pub fn holders_beside(&self, claim_uid: &str, devices: &[PreparedDevice]) -> Vec<String> {
+        self.claims
+            .iter()
+            .filter(|(uid, _)| *uid != claim_uid)
+            .filter(|(_, entry)| {
+                entry.devices.iter().any(|held| {
+                    devices.iter().any(|wanted| {
+                        held.pool == wanted.pool
+                            && crate::node_agent::device::devices_overlap(&held.device, &wanted.device)
+                    })
+                })
+            })
+            .map(|(uid, entry)| match entry.namespace.is_empty() {
+                true => format!("UID {uid} (recovered from its CDI spec)"),
+                false => format!("{}/{} (UID {uid})", entry.namespace, entry.name),
+            })
+            .collect()
+    }
+
     /// Another claim (not `claim_uid`) holding a share of `wanted`'s device when the two shares cannot be side by
     /// side: shares of one GPU never conflict ([`Self::conflicting_owner`]), unless MPS runs there, whose daemon sets
     /// the GPU to `EXCLUSIVE_PROCESS` and so locks every other share's processes out. A share asking MPS (one of all

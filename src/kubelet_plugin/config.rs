@@ -233,8 +233,16 @@ struct Document {
 }
 
 impl GpuConfig {
-    /// Decodes and validates one opaque parameter object for `driver`. The error names the offending field.
+    /// Decodes and validates one opaque parameter object for `driver`. The error names the offending field, its
+    /// control characters escaped: serde repeats a field name as the tenant wrote it, and the error goes to the
+    /// agent's log, where a line break would begin a line of the tenant's making, and to the pod's Events.
     pub fn decode(driver: &str, parameters: &serde_json::Value) -> Result<GpuConfig, String> {
+        Self::decode_as_written(driver, parameters).map_err(|error| {
+            error.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
+        })
+    }
+
+    fn decode_as_written(driver: &str, parameters: &serde_json::Value) -> Result<GpuConfig, String> {
         let meta =
             TypeMeta::deserialize(parameters).map_err(|e| format!("not an object with apiVersion and kind: {e}"))?;
         let expected = format!("{driver}/{GPU_CONFIG_VERSION}");
@@ -471,6 +479,15 @@ mod tests {
             map.extend(extra);
         }
         value
+    }
+
+    #[test]
+    fn an_error_naming_a_tenants_field_escapes_its_control_characters() {
+        let parameters = json!({"apiVersion": format!("{DRIVER}/v1alpha1"), "kind": "GpuConfig",
+                                "x\nINFO forged line\u{1b}[31m": 1});
+        let error = GpuConfig::decode(DRIVER, &parameters).expect_err("an unknown field");
+        assert!(!error.chars().any(char::is_control), "{error:?}");
+        assert!(error.contains("x\\nINFO forged line\\u{1b}[31m"), "{error}");
     }
 
     #[test]

@@ -10,6 +10,14 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+/// Call durations' bucket bounds, in seconds. A prepare is expected in milliseconds (a claim read and a few fsync'd
+/// writes); the slow steps' own limits then fall in buckets of their own: an MPS daemon's start (15 s), an
+/// `nvidia-smi` run or a MIG change stuck in the driver (tens of seconds), and the kubelet's deadline (45 s: a call it
+/// gave up on is observed at about 45 s, in the `60` bucket with the few answered after 44 s, and counted
+/// `abandoned`).
+const DURATION_BUCKETS: [f64; 17] =
+    [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 44.0, 60.0];
+
 /// The two calls the kubelet makes.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum Operation {
@@ -52,10 +60,7 @@ impl PluginMetrics {
     pub fn register(registry: &mut Registry) -> Self {
         let metrics = Self {
             claims: Family::default(),
-            // Prepares are expected in milliseconds (a claim read and a few fsync'd writes); 45 s is kubelet's limit.
-            durations: Family::new_with_constructor(|| {
-                Histogram::new([0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 45.0])
-            }),
+            durations: Family::new_with_constructor(|| Histogram::new(DURATION_BUCKETS)),
             prepared_claims: Gauge::default(),
             prepared_devices: Gauge::default(),
             checkpoint_corruptions: Counter::default(),
@@ -70,7 +75,13 @@ impl PluginMetrics {
             stale_claims_unprepared: Counter::default(),
         };
         let sub = registry.sub_registry_with_prefix("gpu_dra_kubelet_plugin");
-        sub.register("claims", "Claims prepared or unprepared, by operation and result", metrics.claims.clone());
+        sub.register(
+            "claims",
+            "Claims in the kubelet's calls, by operation and result: success, error (the kubelet was told why), \
+             abandoned (the kubelet stopped waiting for the call, e.g. its 45 s deadline passed; the kubelet asks \
+             again). A claim in several calls counts once for each",
+            metrics.claims.clone(),
+        );
         sub.register(
             "request_duration_seconds",
             "Duration of NodePrepareResources / NodeUnprepareResources calls",
@@ -84,14 +95,15 @@ impl PluginMetrics {
         );
         sub.register(
             "checkpoint_corruptions",
-            "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside)",
+            "Corrupt checkpoints found at start (rebuilt from the CDI specs on disk, then kept aside); counted before \
+             the first scrape, so alert on a value above 0, not on increase()",
             metrics.checkpoint_corruptions.clone(),
         );
         sub.register(
             "specs_rewritten",
             "CDI specs of prepared claims written again: found missing (deleted on the host), or saying something else \
              than they would now (the driver upgraded in place, or while no agent ran; a changed driver root or MPS \
-             directory, found at start)",
+             directory, found at start: counted before the first scrape, where increase() misses them)",
             metrics.specs_rewritten.clone(),
         );
         sub.register(
@@ -125,7 +137,8 @@ impl PluginMetrics {
         sub.register(
             "stale_claims",
             "Claims prepared here that the last check found no longer allocated what was prepared (the kubelet lost \
-             its record of them; see --stale-claims)",
+             its record of them; see --stale-claims); 0 while the Node is not Ready or cannot be read (nothing is \
+             checked then)",
             metrics.stale_claims.clone(),
         );
         sub.register(
@@ -140,6 +153,13 @@ impl PluginMetrics {
     pub fn claim(&self, operation: Operation, ok: bool) {
         let result = if ok { "success" } else { "error" };
         self.claims.get_or_create(&ClaimLabels { operation, result }).inc();
+    }
+
+    /// Watches a call of `operation` for `claims` until [`Abandonment::answered`]: dropped before that (the kubelet
+    /// stopped waiting, and the gRPC server dropped the call), it counts each claim `abandoned` and says so in the
+    /// log. Otherwise nothing would: the kubelet's pods sit in ContainerCreating while every count stays flat.
+    pub fn watch_call(&self, operation: Operation, claims: Vec<String>) -> Abandonment {
+        Abandonment { metrics: self.clone(), operation, claims, start: Instant::now(), answered: false }
     }
 
     /// The gauge of calls of `operation` waiting for the state lock.
@@ -166,5 +186,43 @@ pub struct CallTimer {
 impl Drop for CallTimer {
     fn drop(&mut self) {
         self.histogram.observe(self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// A call in flight; see [`PluginMetrics::watch_call`].
+#[derive(Debug)]
+pub struct Abandonment {
+    metrics: PluginMetrics,
+    operation: Operation,
+    /// The claims asked, as `namespace/name`.
+    claims: Vec<String>,
+    start: Instant,
+    answered: bool,
+}
+
+impl Abandonment {
+    /// The call is answered (its claims counted by their outcome).
+    pub fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Abandonment {
+    fn drop(&mut self) {
+        // A panic in the call is its own fault, logged as one. (A call in flight when the agent stops is counted
+        // here too: its answer is lost all the same.)
+        if self.answered || std::thread::panicking() {
+            return;
+        }
+        let labels = ClaimLabels { operation: self.operation, result: "abandoned" };
+        self.metrics.claims.get_or_create(&labels).inc_by(self.claims.len() as u64);
+        tracing::warn!(
+            operation = ?self.operation,
+            claims = ?self.claims,
+            after = ?self.start.elapsed(),
+            "the kubelet stopped waiting for the call (its deadline passed, or it went away): what was queued of it \
+             goes on, its answer is lost, and the kubelet asks again. A slow API server (the claims' reads), a hung \
+             disk or slow GPU work (calls_waiting, the request durations) holds calls this long"
+        );
     }
 }

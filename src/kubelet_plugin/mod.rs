@@ -44,18 +44,20 @@ use proto::dra_v1beta1::dra_plugin_server::DraPluginServer as DraV1beta1Server;
 use proto::registration::registration_server::RegistrationServer;
 use proto::v1::dra_resource_health_server::DraResourceHealthServer as HealthV1Server;
 use proto::v1alpha1::dra_resource_health_server::DraResourceHealthServer as HealthV1alpha1Server;
+pub use registration::Registration;
 use registration::RegistrationService;
 use service::DraService;
 pub use socket::{SocketError, SocketPaths, is_registration_of};
 use state::DriverState;
 
 /// Serves the plugin until `stop`; the returned task removes both sockets before it ends. Every connection on
-/// either socket goes through [`authority::incoming`], so that any gRPC client is answered (not only grpc-go).
+/// either socket goes through [`authority::incoming`], so that any gRPC client is answered (not only grpc-go). What
+/// the kubelet says of the registration goes to `registration`.
 pub fn serve(
     paths: SocketPaths,
     driver: String,
     state: Arc<DriverState>,
-    health: health::HealthService,
+    (health, registration): (health::HealthService, &Registration),
     stop: CancellationToken,
 ) -> Result<JoinHandle<()>, SocketError> {
     let dra_listener = socket::bind(&paths.dra)?;
@@ -81,10 +83,9 @@ pub fn serve(
         }
     };
     let registration_bound = socket::identity(&paths.registration);
-    let registration =
-        RegistrationService { driver, dra_socket: paths.dra.clone(), registered: state.metrics().registered.clone() };
+    let service = RegistrationService { driver, dra_socket: paths.dra.clone(), registration: registration.clone() };
     let registration = Server::builder()
-        .add_service(RegistrationServer::new(registration))
+        .add_service(RegistrationServer::new(service))
         .serve_with_incoming_shutdown(authority::incoming(registration_listener), stop.cancelled_owned());
     info!(socket = %paths.registration.display(), "registration socket ready for the kubelet");
     Ok(tokio::spawn(async move {

@@ -31,7 +31,11 @@ fn claim_refs<'a>(claims: impl Iterator<Item = (&'a str, &'a str, &'a str)>) -> 
 impl DraService {
     async fn prepare(&self, claims: Vec<ClaimRef>) -> Vec<(String, Result<Vec<PreparedDevice>, String>)> {
         let _timer = self.state.metrics().time(Operation::Prepare);
-        self.state.prepare(claims).await
+        let call =
+            self.state.metrics().watch_call(Operation::Prepare, claims.iter().map(ClaimRef::to_string).collect());
+        let results = self.state.prepare(claims).await;
+        call.answered();
+        results
     }
 
     async fn unprepare(&self, claims: Vec<ClaimRef>) -> Vec<(String, Result<(), String>)> {
@@ -41,7 +45,11 @@ impl DraService {
             return Vec::new();
         }
         let _timer = self.state.metrics().time(Operation::Unprepare);
-        self.state.unprepare(claims).await
+        let call =
+            self.state.metrics().watch_call(Operation::Unprepare, claims.iter().map(ClaimRef::to_string).collect());
+        let results = self.state.unprepare(claims).await;
+        call.answered();
+        results
     }
 }
 

@@ -535,12 +535,13 @@ impl DriverState {
             if let Some(entry) = checkpoint.completed(&claim.uid)
                 && cdi::claim_spec_exists(&self.cdi_dir, &self.cdi_kind, &claim.uid)
             {
-                // Prepared before: answered from the checkpoint while the allocation is the one prepared. Another
-                // one means the claim was deallocated and allocated again without the kubelet unpreparing it (its
-                // record of the claim lost): handing out the old devices would give the pod GPUs not its own.
-                let had: BTreeSet<&str> = entry.devices.iter().map(|d| d.device.as_str()).collect();
-                let wanted: Vec<String> = planned.iter().map(|p| p.device.name()).collect();
-                let result = if had == wanted.iter().map(String::as_str).collect() {
+                // Prepared before: answered from the checkpoint while the allocation is the one prepared (each
+                // device for the same request, share and access). Another one means the claim was deallocated and
+                // allocated again without the kubelet unpreparing it (its record of the claim lost): handing out
+                // the old devices would give the pod GPUs, or shares of them, not its own.
+                let had: BTreeSet<String> = entry.devices.iter().map(held_as).collect();
+                let wanted: BTreeSet<String> = planned.iter().map(planned_as).collect();
+                let result = if had == wanted {
                     Ok(entry.devices.clone())
                 } else {
                     let reason = format!(
@@ -563,7 +564,8 @@ impl DriverState {
             let (asks, mps) = match checked {
                 Ok(checked) => checked,
                 Err(reason) => {
-                    warn!(claim = %claim, uid = %claim.uid, %reason, "refusing to prepare claim");
+                    let beside = checkpoint.holders_beside(&claim.uid, &devices);
+                    warn!(claim = %claim, uid = %claim.uid, %reason, ?beside, "refusing to prepare claim");
                     results.push((claim.uid, Err(reason)));
                     continue;
                 }
@@ -1205,7 +1207,7 @@ fn conflict(
     planned: &[PlannedDevice],
     devices: &[PreparedDevice],
 ) -> Option<String> {
-    let holder = |owner: &str| checkpoint.claims.get(owner).map(|e| format!("{}/{}", e.namespace, e.name));
+    let holder = |owner: &str| checkpoint.holder_named_to(claim, owner);
     planned.iter().zip(devices).filter(|(p, _)| !p.admin_access).find_map(|(planned, device)| {
         let wants_mps = planned.config.sharing.strategy == super::config::SharingStrategy::Mps;
         let held = checkpoint
@@ -1214,21 +1216,19 @@ fn conflict(
         if let Some((owner, held)) = held {
             let what = if held == device.device { String::new() } else { format!(" (as part of {held:?})") };
             return Some(format!(
-                "claim {claim}: device {:?} is already prepared{what} for claim {} (UID {owner}); it must be \
-                 unprepared first",
+                "claim {claim}: device {:?} is already prepared{what} for {}; it must be unprepared first",
                 device.device,
-                holder(owner).unwrap_or_default()
+                holder(owner)
             ));
         }
         let (owner, taken) = checkpoint.memory_taken(&claim.uid, device, planned.device.gpu.memory_bytes)?;
         Some(format!(
             "claim {claim}: the shares of device {:?} prepared on this node hold {taken} bytes of its memory, too \
              much to add this share of {} bytes beside them: one is no longer allocated (its pod deleted by force, \
-             its containers perhaps still running), e.g. claim {} (UID {owner}); retried until the kubelet \
-             unprepares it",
+             its containers perhaps still running), e.g. {}; retried until the kubelet unprepares it",
             device.device,
             device.memory_bytes.unwrap_or_default(),
-            holder(owner).unwrap_or_default()
+            holder(owner)
         ))
     })
 }
@@ -1257,6 +1257,35 @@ fn adopted_devices(dir: &Path, kind: &CdiKind, pool: &str, uid: &str) -> Vec<Pre
             memory_bytes: None,
         })
         .collect()
+}
+
+/// How a prepared device is held, as a repeated prepare compares it with the allocation ([`planned_as`]): the
+/// device, its pool, the request, the share and admin access.
+fn held_as(device: &PreparedDevice) -> String {
+    hold_text(
+        &device.device,
+        &device.pool,
+        &device.request_names.join(","),
+        device.share_id.as_deref(),
+        device.admin_access,
+    )
+}
+
+/// How the allocation holds a planned device (see [`held_as`]).
+fn planned_as(device: &PlannedDevice) -> String {
+    hold_text(
+        &device.device.name(),
+        &device.pool,
+        device.base_request(),
+        device.share_id.as_deref(),
+        device.admin_access,
+    )
+}
+
+fn hold_text(device: &str, pool: &str, request: &str, share: Option<&str>, admin_access: bool) -> String {
+    let share = share.map(|s| format!(" share {s}")).unwrap_or_default();
+    let admin = if admin_access { " with admin access" } else { "" };
+    format!("{device} of pool {pool}{share}{admin} for request {request}")
 }
 
 /// Marks the entry of a claim whose unprepare failed part-way (its spec may be gone already) as started, not

@@ -88,10 +88,10 @@ pub fn conflict(
     asks.iter().find_map(|(device, interval)| {
         let (uid, held) =
             holders_asking(checkpoint, pool, device).find(|(uid, held)| *uid != claim.uid && held != interval)?;
-        let holder = checkpoint.claims.get(uid).map(|e| format!("{}/{}", e.namespace, e.name)).unwrap_or_default();
+        let holder = checkpoint.holder_named_to(claim, uid);
         Some(format!(
-            "claim {claim}: device {device:?} is time-sliced {held:?} for claim {holder} (UID {uid}); this claim asks \
-             {interval:?}. Claims sharing a GPU must ask the same time slice, or none"
+            "claim {claim}: device {device:?} is time-sliced {held:?} for {holder}; this claim asks {interval:?}. \
+             Claims sharing a GPU must ask the same time slice, or none"
         ))
     })
 }

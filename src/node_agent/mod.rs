@@ -248,7 +248,7 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             inventory_rx.clone(),
             plugin_metrics.clone(),
             monitor.health_updates(),
-            &liveness,
+            (&liveness, &readiness),
             stop.clone(),
         )
     };
@@ -260,6 +260,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
         // The GPUs this round's discovery found lost: (kept with their last reading, left out); `None`: it
         // discovered nothing.
         let mut unreadable_now = None;
+        // When the discovery that found them began.
+        let mut unreadable_read_at = None;
         let round = async {
             // Nothing is published while a device plugin serves the GPUs; the next full round looks again.
             if health_only && (device_plugins.refusing() || other_drivers.refusing()) {
@@ -285,12 +287,13 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
             // Also while serving without GPUs: each round gives up on a discovery that hangs, so that what the
             // round does besides (emptying the pool, the Node and device plugin checks) is retried meanwhile.
             let patience = (plugin_task.is_none() || without_gpus).then_some(discovery_timeout);
-            let found = discover(discovery.clone(), &mut pending_discovery, patience)
+            let (read_at, found) = discover(discovery.clone(), &mut pending_discovery, patience)
                 .await
                 .inspect_err(|_| discovery_failed = true)?;
             let discovery::Filled { mut gpus, filled, unknown } =
                 found.filled_from(known.as_ref().map(|(g, _, _)| g.as_slice()));
             unreadable_now = Some((filled, unknown));
+            unreadable_read_at = Some(read_at);
             discovered.send_replace(Arc::new(gpus.clone()));
             // The plugin serves before the devices are published: a slice must never advertise GPUs that nothing
             // on this node could prepare.
@@ -314,10 +317,11 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 }
                 // Its start-up recovery destroys the MIG devices of interrupted prepares: publish what is left.
                 if devices.iter().any(|d| d.partition.is_some()) {
-                    let discovery::Filled { gpus: found, filled, unknown } =
-                        discover(discovery.clone(), &mut pending_discovery, None).await?.filled_from(Some(&gpus));
+                    let (read_at, found) = discover(discovery.clone(), &mut pending_discovery, None).await?;
+                    let discovery::Filled { gpus: found, filled, unknown } = found.filled_from(Some(&gpus));
                     gpus = found;
                     unreadable_now = Some((filled, unknown));
+                    unreadable_read_at = Some(read_at);
                     discovered.send_replace(Arc::new(gpus.clone()));
                 }
             }
@@ -397,6 +401,8 @@ pub async fn run(args: NodeAgentArgs) -> Result<(), NodeAgentError> {
                 let fault = health::inject::Injection {
                     gpu: uuid.clone(),
                     action: health::inject::Action::Fault(health::classify::Fault::GpuLost),
+                    // Read before this round published: a reset reported meanwhile makes it stale.
+                    read_at: unreadable_read_at,
                 };
                 let _ = health_reports.send(fault);
             }
@@ -564,20 +570,23 @@ async fn made_mig_devices(
 }
 
 /// A GPU discovery a round started and did not see finish.
-type PendingDiscovery = Option<tokio::task::JoinHandle<Result<discovery::Discovered, discovery::DiscoveryError>>>;
+type PendingDiscovery =
+    Option<tokio::task::JoinHandle<(std::time::Instant, Result<discovery::Discovered, discovery::DiscoveryError>)>>;
 
 /// Discovers the GPUs, with the blocking NVML calls off the async threads. A discovery an earlier round left running
 /// is awaited rather than another started: an NVML call that hangs (a wedged GPU or driver) must not take one more
 /// blocking thread each round. With `patience` (until the kubelet plugin serves with GPUs), one that has not
 /// answered by then fails the round and stays pending, so that the plugin serves without GPUs meanwhile: claims
 /// prepared before this start can be unprepared (but for dynamic MIG claims, whose MIG devices are destroyed
-/// through NVML), and their pods stop.
+/// through NVML), and their pods stop. Answers when the discovery began, too.
 async fn discover(
     discovery: Arc<dyn discovery::Discovery>,
     pending: &mut PendingDiscovery,
     patience: Option<Duration>,
-) -> Result<discovery::Discovered, RoundFailure> {
-    let task = pending.get_or_insert_with(|| tokio::task::spawn_blocking(move || discovery.discover_all()));
+) -> Result<(std::time::Instant, discovery::Discovered), RoundFailure> {
+    let task = pending.get_or_insert_with(|| {
+        tokio::task::spawn_blocking(move || (std::time::Instant::now(), discovery.discover_all()))
+    });
     let joined = match patience {
         None => task.await,
         Some(patience) => tokio::time::timeout(patience, task).await.map_err(|_| RoundFailure {
@@ -591,13 +600,15 @@ async fn discover(
         })?,
     };
     *pending = None;
-    joined.map_err(|e| format!("discovery task failed: {e}"))?.map_err(|e| RoundFailure {
+    let (began, found) = joined.map_err(|e| format!("discovery task failed: {e}"))?;
+    let found = found.map_err(|e| RoundFailure {
         kind: match e {
             discovery::DiscoveryError::NvmlUnavailable { .. } => FailureKind::DriverMissing,
             _ => FailureKind::Other,
         },
         reason: e.to_string(),
-    })
+    })?;
+    Ok((began, found))
 }
 
 /// Builds the node's slices from `devices` (those of `gpus`), with the taints of faulted GPUs (a MIG device has its

@@ -300,7 +300,8 @@ impl MpsDaemons {
             // client failed with the pipe there may still be quitting, and gets the rest of the time.
             let deadline = Instant::now() + STOP_TIMEOUT;
             let asked = send(&self.program, &dirs, "quit");
-            let may_quit = asked.is_ok() || dirs.pipe.join(CONTROL_PIPE).exists();
+            let pipe = dirs.pipe.join(CONTROL_PIPE);
+            let may_quit = asked.is_ok() || (pipe.exists() && control_pipe_is_its_own(&pipe).is_ok());
             while may_quit && !supervised.thread.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }
@@ -586,6 +587,7 @@ fn driver_libraries(dirs: &MpsDirs) -> PathBuf {
 /// Sends one command line to the daemon through its control pipe, as `echo <command> | nvidia-cuda-mps-control`
 /// does, and answers what the client printed; the client is killed after [`STOP_TIMEOUT`].
 fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<String> {
+    control_pipe_is_its_own(&dirs.pipe.join(CONTROL_PIPE))?;
     let mut command = program.tool.command_with_links(&driver_libraries(dirs));
     command.args(&program.args).env("CUDA_MPS_PIPE_DIRECTORY", &dirs.pipe).env("CUDA_MPS_LOG_DIRECTORY", &dirs.log);
     match bounded_run::run(command, Some(format!("{line}\n").as_bytes()), STOP_TIMEOUT)? {
@@ -597,6 +599,24 @@ fn send(program: &MpsProgram, dirs: &MpsDirs, line: &str) -> std::io::Result<Str
             Err(std::io::Error::new(std::io::ErrorKind::TimedOut, format!("no answer within {STOP_TIMEOUT:?}")))
         }
     }
+}
+
+/// Checks that `pipe` is a socket or a FIFO itself, not a symbolic link nor anything else. The claim's containers
+/// share its pipe directory, and as root one may replace what is there: the client follows a link, so a link to
+/// another claim's control pipe would send that claim's daemon the `quit` meant for this one, and its workload's
+/// MPS servers would go with it. (A swap between this look and the client's is not excluded; it needs a container
+/// of the claim itself to race the agent's unprepare.)
+fn control_pipe_is_its_own(pipe: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    let kind = std::fs::symlink_metadata(pipe)?.file_type();
+    if kind.is_socket() || kind.is_fifo() {
+        return Ok(());
+    }
+    let what = if kind.is_symlink() { "a symbolic link" } else { "not a socket" };
+    Err(std::io::Error::other(format!(
+        "{} is {what}: replaced from a container sharing the pipe directory; the daemon is not asked through it",
+        pipe.display()
+    )))
 }
 
 /// Waits until the daemon's control pipe exists; gives up at once when the daemon exits (its supervisor clears

@@ -21,7 +21,7 @@ use crate::kubelet_plugin::metrics::PluginMetrics;
 use crate::kubelet_plugin::state::{DriverState, Recovery, StateConfig};
 use crate::kubelet_plugin::{self, SocketPaths};
 use crate::node_agent::gpu_settings::GpuSettings;
-use crate::telemetry::server::Liveness;
+use crate::telemetry::server::{Liveness, Readiness};
 
 /// Everything the plugin needs that does not change while the agent runs.
 #[derive(Debug)]
@@ -57,7 +57,8 @@ pub(super) struct PluginSettings {
 }
 
 /// Recovers the plugin's state and starts serving; the returned task ends (sockets removed) after `stop`. The state
-/// is returned too, for the health monitor to name the claims a faulted GPU affects. Without the driver's files
+/// is returned too, for the health monitor to name the claims a faulted GPU affects. From then on `readiness` also
+/// needs the kubelet's registration (see [`kubelet_plugin::Registration::readiness`]). Without the driver's files
 /// under the driver root it fails, unless `without_driver` (serving while the GPUs cannot be discovered, so that
 /// prepared claims can be unprepared): prepares then fail, naming what is missing, until the files are there.
 #[allow(clippy::too_many_arguments)]
@@ -68,7 +69,7 @@ pub(super) async fn start(
     inventory: watch::Receiver<Arc<Inventory>>,
     metrics: PluginMetrics,
     health: watch::Receiver<HealthReport>,
-    liveness: &Liveness,
+    (liveness, readiness): (&Liveness, &Readiness),
     stop: CancellationToken,
 ) -> Result<(JoinHandle<()>, Arc<DriverState>), String> {
     let (root, host_root) = (settings.driver_root.as_deref(), settings.host_driver_root.as_deref());
@@ -97,14 +98,17 @@ pub(super) async fn start(
         mig_control: settings.mig_control.clone(),
         device_metadata: settings.device_metadata,
     };
-    let registered = metrics.registered.clone();
+    let registration = kubelet_plugin::Registration::new(metrics.registered.clone());
     let (state, recovery) =
         DriverState::start(config, client.clone(), inventory, metrics).await.map_err(|e| e.to_string())?;
     report(&recovery, &settings.node, client.clone()).await;
     let health = HealthService::new(settings.node.clone(), health);
-    let task =
-        kubelet_plugin::serve(settings.sockets.clone(), settings.driver.clone(), state.clone(), health, stop.clone())
-            .map_err(|e| e.to_string())?;
+    let (sockets, driver) = (settings.sockets.clone(), settings.driver.clone());
+    let task = kubelet_plugin::serve(sockets, driver, state.clone(), (health, &registration), stop.clone())
+        .map_err(|e| e.to_string())?;
+    let (socket_appeared, timeout) = (std::time::Instant::now(), settings.registration_timeout);
+    let said = registration.clone();
+    readiness.require(move || said.readiness(socket_appeared.elapsed(), timeout));
     // Only once it serves: a start that fails is tried again with a new state, and a task of this one would act on
     // its stale copy of the checkpoint beside it.
     tokio::spawn(super::stale_claims::run(
@@ -114,7 +118,7 @@ pub(super) async fn start(
         settings.stale_claims,
         stop.clone(),
     ));
-    tokio::spawn(warn_unregistered(settings, registered, client.clone(), stop.clone()));
+    tokio::spawn(warn_unregistered(settings, registration, client.clone(), stop.clone()));
     tokio::spawn(restore_lost_specs(state.clone(), stop));
     let sockets = settings.sockets.clone();
     let host_dirs = HostDirs::new(&settings.sockets, [&settings.cdi_dir, &settings.state_dir, &settings.mps_dir]);
@@ -261,7 +265,7 @@ async fn report(recovery: &Recovery, node: &str, client: kube::Client) {
 /// then fails with "DRA driver … is not registered" while the agent itself looks healthy.
 fn warn_unregistered(
     settings: &PluginSettings,
-    registered: prometheus_client::metrics::gauge::Gauge,
+    registration: kubelet_plugin::Registration,
     client: kube::Client,
     stop: CancellationToken,
 ) -> impl std::future::Future<Output = ()> + Send + 'static {
@@ -272,7 +276,7 @@ fn warn_unregistered(
             () = stop.cancelled() => return,
             () = tokio::time::sleep(timeout) => {}
         }
-        if registered.get() == 1 {
+        if registration.registered() {
             return;
         }
         let dir = socket.parent().unwrap_or(&socket).display().to_string();

@@ -50,7 +50,10 @@ pub async fn run(
             () = tokio::time::sleep(interval) => {}
         }
         if !node_ready(&client, &node).await {
+            // Nothing is checked while the Node is not Ready (the kubelet may be down, its pods still running), and
+            // what was suspected starts again: the gauge says none, rather than what a check before said.
             suspects.node_not_ready();
+            state.metrics().stale_claims.set(0);
             continue;
         }
         let this = state.clone();

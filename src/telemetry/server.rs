@@ -96,21 +96,40 @@ impl Drop for Slot {
     }
 }
 
-/// Readiness, set by the component: `Ok(())` when ready, `Err(reason)` otherwise.
-#[derive(Clone, Debug)]
-pub struct Readiness(Arc<Mutex<Result<(), String>>>);
+/// Readiness, set by the component: `Ok(())` when ready, `Err(reason)` otherwise; and a condition it may add, looked
+/// at on each ask (a state that changes without the component's loop knowing, such as the kubelet's registration).
+#[derive(Clone)]
+pub struct Readiness {
+    state: Arc<Mutex<Result<(), String>>>,
+    condition: Arc<Mutex<Option<Condition>>>,
+}
+
+type Condition = Arc<dyn Fn() -> Result<(), String> + Send + Sync>;
+
+impl std::fmt::Debug for Readiness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Readiness").field(&self.get()).finish()
+    }
+}
 
 impl Readiness {
     pub fn not_ready(reason: impl Into<String>) -> Self {
-        Self(Arc::new(Mutex::new(Err(reason.into()))))
+        Self { state: Arc::new(Mutex::new(Err(reason.into()))), condition: Arc::default() }
     }
 
     pub fn set(&self, state: Result<(), String>) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = state;
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner) = state;
+    }
+
+    /// From now on, ready also needs `condition` to hold (it replaces the one set before).
+    pub fn require(&self, condition: impl Fn() -> Result<(), String> + Send + Sync + 'static) {
+        *self.condition.lock().unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(condition));
     }
 
     pub fn get(&self) -> Result<(), String> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).clone()
+        self.state.lock().unwrap_or_else(PoisonError::into_inner).clone()?;
+        let condition = self.condition.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        condition.map_or(Ok(()), |condition| condition())
     }
 }
 

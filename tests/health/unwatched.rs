@@ -16,7 +16,8 @@ use super::{claim_for, device_class, inject, node_name};
 
 /// A running pod's two GPUs: one that NVML reports no health events for is Unknown in the pod's status, and Healthy
 /// again once watched; both are Unknown while the driver is unusable (NVML cannot watch anything), and while the
-/// watch hangs (an NVML call on a wedged driver) for longer than the kubelet's own timeout.
+/// watch hangs (an NVML call on a wedged driver) for longer than the kubelet's own timeout. The agent's
+/// `gpu_health_watched` gauge says the same of each GPU (0 while Unknown), and `gpu_healthy` stays 1: no fault.
 pub(crate) async fn a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_status(
     ctx: TestContext,
 ) -> anyhow::Result<()> {
@@ -30,14 +31,17 @@ pub(crate) async fn a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_
     create_pod_on(&ctx, "worker", &node, json!([{"name": "gpu", "resourceClaimName": "both"}])).await?;
     let healthy = [("gpu-0", "Healthy", ""), ("gpu-1", "Healthy", "")];
     reported(&ctx, "worker", &healthy, Duration::from_secs(60)).await.with_context(|| kubelet.log_tail())?;
+    watched(&agent, [1, 1]).await?;
 
     let state = agent.dirs.state();
     inject(&state, "gpu-1 unwatched")?;
     let not_watched = "health not watched: NVML reports none of the watched events (XID, ECC) for this GPU (injected)";
     let want = [("gpu-0", "Healthy", ""), ("gpu-1", "Unknown", not_watched)];
     reported(&ctx, "worker", &want, Duration::from_secs(20)).await?;
+    watched(&agent, [1, 0]).await?;
     inject(&state, "gpu-1 watched")?;
     reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
+    watched(&agent, [1, 1]).await?;
 
     // The driver unusable, then hung: for the hung one, 30 s without an answer, then the monitor's look (2 s) and
     // the stream's resend (on the change, at once).
@@ -47,8 +51,27 @@ pub(crate) async fn a_gpu_whose_faults_would_go_unnoticed_is_unknown_in_the_pod_
         std::fs::write(state.join(marker), "")?;
         let want = [("gpu-0", "Unknown", why), ("gpu-1", "Unknown", why)];
         reported(&ctx, "worker", &want, Duration::from_secs(within)).await?;
+        watched(&agent, [0, 0]).await?;
         std::fs::remove_file(state.join(marker))?;
         reported(&ctx, "worker", &healthy, Duration::from_secs(20)).await?;
+        watched(&agent, [1, 1]).await?;
+    }
+    Ok(())
+}
+
+/// Checks the agent's `gpu_health_watched` of gpu-0 and gpu-1 (read after the kubelet was told, from the same
+/// report) and that `gpu_healthy` reads 1 for both: no GPU is faulted here.
+async fn watched(agent: &NodeAgent, want: [u8; 2]) -> anyhow::Result<()> {
+    let (_, metrics) = agent.process.get("/metrics").await?;
+    for (gpu, want) in ["gpu-0", "gpu-1"].into_iter().zip(want) {
+        let sample = |name: &str| {
+            let prefix = format!("{name}{{device=\"{gpu}\",");
+            metrics.lines().find(|l| l.starts_with(&prefix)).and_then(|l| l.rsplit(' ').next()).map(str::to_owned)
+        };
+        let watched = sample("gpu_dra_node_agent_gpu_health_watched");
+        anyhow::ensure!(watched.as_deref() == Some(&want.to_string()), "{gpu}: health watched {watched:?}, not {want}");
+        let healthy = sample("gpu_dra_node_agent_gpu_healthy");
+        anyhow::ensure!(healthy.as_deref() == Some("1"), "{gpu}: healthy {healthy:?}");
     }
     Ok(())
 }

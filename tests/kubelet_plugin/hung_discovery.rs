@@ -9,6 +9,7 @@ use gpu_dra::node_agent::discovery::simulated::SIMULATED_DRIVER_HUNG_FILE;
 use serde_json::json;
 
 use super::support::node::{Kubelet, NodeDirs, start_agent};
+use super::support::process::Component;
 use super::support::{TestContext, wait};
 use super::{allocated_claim, node_name, prepares_fully, ready_agent};
 
@@ -38,9 +39,50 @@ pub(super) async fn a_discovery_that_hangs_at_start_still_lets_prepared_claims_b
     let unprepared = kubelet.unprepare(&[(ns, "held", &held)]).await?;
     ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
     ensure!(!dirs.cdi_spec(&held).exists(), "the claim's spec is still there");
-    // Once the discovery timeout (2 s from the agent's start) is up, /readyz says why it is not ready.
-    let said = wait::until("/readyz to name the hung discovery", std::time::Duration::from_secs(10), || async {
-        let (code, why) = agent.get("/readyz").await?;
+    says_discovery_hangs(&agent, std::time::Duration::from_secs(10)).await?;
+
+    // NVML answers again: the GPUs are prepared, no restart needed.
+    std::fs::remove_file(&hung)?;
+    agent.wait_ready().await.with_context(|| agent.log_tail())?;
+    let next = allocated_claim(&ctx, "next", &node, &["gpu-0"], json!([])).await?;
+    prepares_fully(&dirs, ns, "next", &next, "gpu-0").await
+}
+
+/// An agent on a node whose NVML hangs, stopped (a rollout, `kubectl delete pod`, `helm uninstall`): it exits on
+/// SIGTERM with its sockets removed. The discovery still hung in its blocking thread used to hold the exit (the
+/// async runtime waited for it when dropped) until the kubelet's SIGKILL, 30 s later, its pod Terminating
+/// meanwhile.
+pub(super) async fn an_agent_whose_discovery_hangs_stops_on_sigterm(ctx: TestContext) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    std::fs::create_dir_all(dirs.state())?;
+    std::fs::write(dirs.state().join(SIMULATED_DRIVER_HUNG_FILE), b"")?;
+    let args = ["--gpu-backend", "simulated", "--simulated-gpus", "2xH100-80GB", "--discovery-timeout", "2s"];
+    let mut agent = start_agent(&ctx, &node, &dirs, &args)?;
+    // From a fresh start: the agent's start-up and then the 2 s discovery timeout.
+    says_discovery_hangs(&agent, std::time::Duration::from_secs(30)).await?;
+
+    let started = std::time::Instant::now();
+    std::process::Command::new("kill").args(["-TERM", &agent.pid().to_string()]).status()?;
+    let exited = wait::until("the agent to exit after SIGTERM", std::time::Duration::from_secs(10), || {
+        let exited = agent.try_wait();
+        async move { exited }
+    })
+    .await
+    .with_context(|| format!("the hung discovery held up the exit:\n{}", agent.log_tail()))?;
+    ensure!(exited.success(), "the agent exited with {exited} after SIGTERM");
+    let (dra, registration) = (dirs.dra_socket(), dirs.registration_socket());
+    ensure!(!dra.exists() && !registration.exists(), "sockets left after the exit: {dra:?} {registration:?}");
+    eprintln!("the agent exited {:?} after SIGTERM with its discovery hung", started.elapsed());
+    Ok(())
+}
+
+/// Waits up to `patience` for `agent`'s /readyz to say its discovery has not answered in its 2 s timeout.
+async fn says_discovery_hangs(agent: &Component, patience: std::time::Duration) -> anyhow::Result<()> {
+    let said = wait::until("/readyz to name the hung discovery", patience, || async {
+        // Not serving yet (an agent just started) is asked again.
+        let Ok((code, why)) = agent.get("/readyz").await else { return Ok(None) };
         Ok((code == 503 && why.contains("has not answered in 2s")).then_some(()))
     })
     .await;
@@ -48,10 +90,5 @@ pub(super) async fn a_discovery_that_hangs_at_start_still_lets_prepared_claims_b
         let (code, why) = agent.get("/readyz").await?;
         anyhow::bail!("/readyz: {code} {why}");
     }
-
-    // NVML answers again: the GPUs are prepared, no restart needed.
-    std::fs::remove_file(&hung)?;
-    agent.wait_ready().await.with_context(|| agent.log_tail())?;
-    let next = allocated_claim(&ctx, "next", &node, &["gpu-0"], json!([])).await?;
-    prepares_fully(&dirs, ns, "next", &next, "gpu-0").await
+    Ok(())
 }

@@ -451,3 +451,41 @@ pub(super) async fn start_up_removes_only_the_mps_directories_the_agent_made(ctx
     ensure!(stderr.contains("--mps-dir /run/ is a directory other software keeps its own files in"), "{stderr}");
     Ok(())
 }
+
+/// Two tenants' MPS claims, one GPU each. A root container of the first replaces its claim's control pipe (the
+/// pipe directory is shared with the claim's containers) with a link to the second claim's, and its pod is deleted:
+/// the first claim's unprepare must not send its `quit` down the link. Before, the second claim's daemon quit, its
+/// servers with it, while its workload ran.
+pub(super) async fn a_control_pipe_replaced_by_a_link_sends_no_quit_to_another_claims_daemon(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let node = node_name(&ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(&ctx, &node, &dirs, "2xH100-80GB").await?;
+    let ns = ctx.namespace.as_str();
+    let a = allocated_claim(&ctx, "a", &node, &["gpu-0"], nvidia_mps(json!({}))).await?;
+    let b = allocated_claim(&ctx, "b", &node, &["gpu-1"], nvidia_mps(json!({}))).await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let answers = kubelet.prepare(&[(ns, "a", a.as_str()), (ns, "b", b.as_str())]).await?;
+    ensure!(answers.values().all(|r| r.error.is_empty()), "{answers:?}");
+    let (a_dir, b_dir) = (dirs.mps().join(&a), dirs.mps().join(&b));
+    let (a_daemon, b_daemon) = (next_daemon(&a_dir, 0).await?, next_daemon(&b_dir, 0).await?);
+
+    let control = a_dir.join("pipe/control");
+    std::fs::remove_file(&control)?;
+    std::os::unix::fs::symlink(b_dir.join("pipe/control"), &control)?;
+    let unprepared = kubelet.unprepare(&[(ns, "a", a.as_str())]).await?;
+    ensure!(unprepared.values().all(String::is_empty), "{unprepared:?}");
+    ensure!(!alive(a_daemon), "the first claim's daemon {a_daemon} still runs after its unprepare");
+    ensure!(!a_dir.exists(), "{} is left", a_dir.display());
+    // The second daemon got no quit: still the first one started, never restarted.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    ensure!(alive(b_daemon), "the second claim's daemon {b_daemon} quit:\n{}", agent.log_tail());
+    ensure!(started_pids(&b_dir) == [b_daemon], "the second claim's daemon was restarted: {:?}", started_pids(&b_dir));
+    ensure!(!std::fs::read_to_string(b_dir.join("log/control.log"))?.contains("quit"), "quit reached the second");
+    ensure!(agent.log_text().contains("is a symbolic link"), "the replaced pipe is not said:\n{}", agent.log_tail());
+    let unprepared = kubelet.unprepare(&[(ns, "b", b.as_str())]).await?;
+    ensure!(unprepared.values().all(String::is_empty) && !alive(b_daemon), "{unprepared:?}");
+    Ok(())
+}

@@ -2,10 +2,12 @@
 //! new share may be prepared beside them.
 
 use anyhow::{Context as _, ensure};
+use kube::api::{Patch, PatchParams};
 use serde_json::json;
 
 use super::support::node::{DRIVER, Kubelet, NodeDirs};
-use super::support::{TestContext, cluster};
+use super::support::process::Component;
+use super::support::{TestContext, cluster, objects};
 use super::{allocated_claim_with, node_name, ready_agent};
 
 /// A pod holding a 60 GiB share of an 80 GB GPU is deleted with `--force --grace-period=0` (or its node's kubelet is
@@ -19,16 +21,9 @@ pub(super) async fn a_share_beside_a_force_deleted_pods_share_waits_for_its_memo
     ctx: TestContext,
 ) -> anyhow::Result<()> {
     let shares_served = cluster::kubernetes_minor()? >= 36;
-    let node = node_name(&ctx);
-    ctx.cluster.add_node(&node)?;
-    let dirs = NodeDirs::new()?;
-    let agent = ready_agent(&ctx, &node, &dirs, "1xH100-80GB").await?;
+    let (node, dirs, agent) = one_gpu_node(&ctx).await?;
     let ns = ctx.namespace.as_str();
-    let share = |n: u32, memory: &str| {
-        vec![json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": "gpu-0",
-            "shareID": format!("00000000-0000-4000-8000-00000000000{n}"),
-            "consumedCapacity": {"memory": memory}})]
-    };
+    let share = |n, memory| vec![share_of_gpu_0(&node, n, memory)];
     let gone = allocated_claim_with(&ctx, "gone", share(1, "60Gi"), json!([])).await?;
     let next = allocated_claim_with(&ctx, "next", share(2, "40Gi"), json!([])).await?;
     let small = allocated_claim_with(&ctx, "small", share(3, "16Gi"), json!([])).await?;
@@ -55,4 +50,60 @@ pub(super) async fn a_share_beside_a_force_deleted_pods_share_waits_for_its_memo
     let again = kubelet.prepare(&[(ns, "next", &next)]).await?;
     ensure!(again.get(&next).is_some_and(|a| a.error.is_empty()), "once the old share went: {again:?}");
     Ok(())
+}
+
+/// A claim prepared as one share of a GPU is deallocated and allocated again as another share of the same GPU while
+/// the kubelet never unprepared it (its record of the claim lost, a pod force-deleted while its node's kubelet was
+/// down). Its prepare is refused, naming both, not answered with the old share: the share ID is what the scheduler
+/// counted the memory under, and before, only device names were compared. Before 1.36 the API server drops share
+/// IDs, and the same GPU allocated again is the allocation prepared: it is answered from the checkpoint.
+pub(super) async fn a_claim_allocated_again_as_another_share_is_not_answered_with_the_old_one(
+    ctx: TestContext,
+) -> anyhow::Result<()> {
+    let shares_served = cluster::kubernetes_minor()? >= 36;
+    let (node, dirs, agent) = one_gpu_node(&ctx).await?;
+    let ns = ctx.namespace.as_str();
+    let share = |n| json!([share_of_gpu_0(&node, n, "20Gi")]);
+    let uid = allocated_claim_with(&ctx, "moved", vec![share_of_gpu_0(&node, 1, "20Gi")], json!([])).await?;
+    let mut kubelet = Kubelet::register(&dirs).await?;
+    let first = kubelet.prepare(&[(ns, "moved", &uid)]).await?;
+    ensure!(first.get(&uid).is_some_and(|a| a.error.is_empty()), "{first:?}");
+
+    // Deallocated, then allocated again as another share, without an unprepare between.
+    let claims = objects::claims(&ctx);
+    let cleared = json!({"status": {"allocation": null, "reservedFor": null}});
+    claims.patch_status("moved", &PatchParams::default(), &Patch::Merge(&cleared)).await?;
+    let again = json!({"status": {"allocation": {"devices": {"results": share(2)}},
+        "reservedFor": [{"resource": "pods", "name": "again", "uid": format!("{uid}-again")}]}});
+    claims.patch_status("moved", &PatchParams::default(), &Patch::Merge(&again)).await?;
+    let answers = kubelet.prepare(&[(ns, "moved", &uid)]).await?;
+    let answer = answers.get(&uid).context("no answer")?;
+    if !shares_served {
+        ensure!(answer.error.is_empty(), "the same GPU allocated again was refused: {answer:?}");
+        return Ok(());
+    }
+    ensure!(
+        answer.devices.is_empty()
+            && answer.error.contains("now allocated")
+            && answer.error.contains("share 00000000-0000-4000-8000-000000000001")
+            && answer.error.contains("share 00000000-0000-4000-8000-000000000002"),
+        "{answer:?}\n{}",
+        agent.log_tail()
+    );
+    Ok(())
+}
+
+/// A node of one H100 (80 GB) and its ready agent: (node name, directories, agent).
+async fn one_gpu_node(ctx: &TestContext) -> anyhow::Result<(String, NodeDirs, Component)> {
+    let node = node_name(ctx);
+    ctx.cluster.add_node(&node)?;
+    let dirs = NodeDirs::new()?;
+    let agent = ready_agent(ctx, &node, &dirs, "1xH100-80GB").await?;
+    Ok((node, dirs, agent))
+}
+
+/// An allocation result: share `n` of `node`'s GPU 0, consuming `memory`.
+fn share_of_gpu_0(node: &str, n: u32, memory: &str) -> serde_json::Value {
+    json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": "gpu-0",
+        "shareID": format!("00000000-0000-4000-8000-00000000000{n}"), "consumedCapacity": {"memory": memory}})
 }

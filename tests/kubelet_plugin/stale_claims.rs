@@ -101,6 +101,16 @@ pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestCo
     let note = node_event(&ctx, &node, "StaleClaimPrepared").await?;
     ensure!(note.contains("no longer allocated") && note.contains("gpu-0"), "{note}");
     ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims", &[]).await? == 1.0, "gauge");
+    // Nothing is checked while the Node is not Ready: the gauge says no claim is stale, not what a check before said;
+    // once Ready, two checks later, it is said again.
+    for (ready, want) in [(false, 0.0), (true, 1.0)] {
+        set_ready(&ctx, &node, ready).await?;
+        wait::until("the stale claims gauge to follow the Node", Duration::from_secs(15), || async {
+            Ok((agent.metric("gpu_dra_kubelet_plugin_stale_claims", &[]).await? == want).then_some(()))
+        })
+        .await
+        .with_context(|| format!("Node Ready {ready}"))?;
+    }
     tokio::time::sleep(Duration::from_secs(3)).await;
     ensure!(dirs.cdi_spec(&forgotten).exists(), "unprepared with --stale-claims=warn");
     ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims_unprepared_total", &[]).await? == 0.0, "counter");

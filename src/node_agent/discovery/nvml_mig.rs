@@ -13,9 +13,9 @@ use nvml_wrapper_sys::bindings::{
     NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED, NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE,
     NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE,
     NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_6_SLICE,
-    NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE, nvmlComputeInstance_t,
-    nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t, nvmlGpuInstanceInfo_t,
-    nvmlGpuInstancePlacement_t,
+    NVML_COMPUTE_INSTANCE_PROFILE_7_SLICE, NVML_COMPUTE_INSTANCE_PROFILE_8_SLICE, NVML_GPU_INSTANCE_PROFILE_COUNT,
+    nvmlComputeInstance_t, nvmlComputeInstanceInfo_t, nvmlComputeInstanceProfileInfo_t, nvmlGpuInstance_t,
+    nvmlGpuInstanceInfo_t, nvmlGpuInstancePlacement_t, nvmlGpuInstanceProfileInfo_v2_t,
 };
 
 use tracing::warn;
@@ -202,12 +202,15 @@ fn mig_device(
         return Ok(None);
     }
     let info = gpu_instance_info(nvml, parent, gpu_instance).map_err(step("its GPU instance"))?;
-    // Matched by NVML's profile ID (what a GPU instance reports), not by the profile index.
-    let profile = profiles.iter().find(|p| p.id == info.profileId).map_or_else(
-        // A profile the table does not know is named the way NVIDIA names profiles.
-        || format!("{}g.{}gb", attributes.gpu_instance_slice_count, attributes.memory_size_mb.div_ceil(1024)),
-        |p| p.name.to_string(),
-    );
+    // Matched by NVML's profile ID (what a GPU instance reports), not by the profile index. A profile the table does
+    // not know (a model it does not list: GH200, H100 NVL, H20, A30, …) gets NVML's own name, which says `+me` and
+    // the memory as NVIDIA rounds it; the name built from the instance's size is the last resort.
+    let profile = match profiles.iter().find(|p| p.id == info.profileId) {
+        Some(known) => known.name.to_string(),
+        None => nvml_profile_name(nvml, parent, info.profileId).unwrap_or_else(|| {
+            format!("{}g.{}gb", attributes.gpu_instance_slice_count, attributes.memory_size_mb.div_ceil(1024))
+        }),
+    };
     let (gi_cap_minor, ci_cap_minor) = cap_minors(gpu.minor, gpu_instance, compute_instance);
     Ok(Some(MigDevice {
         uuid,
@@ -223,6 +226,53 @@ fn mig_device(
         ci_cap_minor,
         caps_major,
     }))
+}
+
+/// `nvmlGpuInstanceProfileInfo_v2`: the structure's size and version, as `NVML_STRUCT_VERSION` makes it.
+const PROFILE_INFO_V2: u32 = std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t>() as u32 | (2 << 24);
+
+/// NVML's name of GPU instance profile `profile_id` on `device` (see [`profile_name`]), found by asking each profile
+/// index (what NVML's profile information is asked by; a GPU instance reports the ID). `None` where the driver
+/// has no such call or names no profile of that ID.
+fn nvml_profile_name(nvml: &Nvml, device: &Device<'_>, profile_id: u32) -> Option<String> {
+    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).ok()?;
+    (0..NVML_GPU_INSTANCE_PROFILE_COUNT).find_map(|index| {
+        // SAFETY: see the module documentation; the structure is plain C data NVML fills in, its version set.
+        let info = unsafe {
+            let mut info: nvmlGpuInstanceProfileInfo_v2_t = std::mem::zeroed();
+            info.version = PROFILE_INFO_V2;
+            nvml_try(sym(device.handle(), index, &mut info)).ok()?;
+            info
+        };
+        if info.id != profile_id {
+            return None;
+        }
+        let name = profile_name(&info.name);
+        if name.is_none() {
+            // Once: discovery asks again every round.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            let raw: String = info.name.iter().take_while(|c| **c != 0).map(|c| *c as u8 as char).collect();
+            SAID.call_once(|| {
+                warn!(profile_id, raw, "NVML's name of a MIG profile is not shaped like one; named from its size")
+            });
+        }
+        name
+    })
+}
+
+/// A MIG profile's name from NVML's (`MIG 1g.12gb+me` → `1g.12gb+me`): up to its NUL, without the `MIG ` prefix,
+/// and only when shaped as NVIDIA's names are (`<compute>g.<memory>gb`, then suffixes such as `+me`, `-me`,
+/// `+gfx`, `+me.all`), at most 64 bytes (a device attribute's limit).
+fn profile_name(raw: &[std::os::raw::c_char]) -> Option<String> {
+    let bytes: Vec<u8> = raw.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
+    let text = std::str::from_utf8(&bytes).ok()?.trim();
+    let name = text.strip_prefix("MIG ").unwrap_or(text).trim();
+    let (compute, rest) = name.split_once("g.")?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let memory_end = rest.find("gb")?;
+    let suffix = &rest[memory_end + 2..];
+    let suffix_ok = suffix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
+    (digits(compute) && digits(&rest[..memory_end]) && suffix_ok && name.len() <= 64).then(|| name.to_string())
 }
 
 fn instance_ids(nvml: &Nvml, mig: &Device<'_>) -> Result<(u32, u32), NvmlError> {
@@ -269,4 +319,44 @@ fn cap_minors(gpu_minor: u32, gi: u32, ci: u32) -> (u32, u32) {
     let gi_minor = read(&base.join("access")).unwrap_or(table.0);
     let ci_minor = read(&base.join(format!("ci{ci}/access"))).unwrap_or(table.1);
     (gi_minor, ci_minor)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn raw(text: &str) -> [std::os::raw::c_char; 96] {
+        let mut buffer = [0; 96];
+        for (to, from) in buffer.iter_mut().zip(text.bytes()) {
+            *to = from as std::os::raw::c_char;
+        }
+        buffer
+    }
+
+    /// NVML's names as `nvidia-smi mig -lgip` shows them, of models the profile table does not list.
+    #[test]
+    fn profile_names_from_nvml() {
+        let cases = [
+            ("MIG 1g.12gb", Some("1g.12gb")),
+            ("MIG 1g.12gb+me", Some("1g.12gb+me")),
+            ("MIG 1g.24gb+gfx", Some("1g.24gb+gfx")),
+            ("MIG 1g.23gb-me", Some("1g.23gb-me")),
+            ("MIG 2g.48gb+me.all", Some("2g.48gb+me.all")),
+            ("7g.94gb", Some("7g.94gb")),
+            ("", None),
+            ("MIG", None),
+            ("MIG 1g.", None),
+            ("MIG xg.10gb", None),
+            ("MIG 1g.10gb extra", None),
+            ("MIG 1g.10GB", None),
+        ];
+        for (text, want) in cases {
+            assert_eq!(profile_name(&raw(text)).as_deref(), want, "{text:?}");
+        }
+        // Not NUL-terminated within the buffer: refused by the 64-byte limit of an attribute.
+        let mut full = [b'1' as std::os::raw::c_char; 96];
+        assert_eq!(profile_name(&full), None);
+        full[..7].copy_from_slice(&raw("1g.10gb")[..7]);
+        assert_eq!(profile_name(&full), None, "a name running to the end of the buffer");
+    }
 }

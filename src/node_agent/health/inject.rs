@@ -40,12 +40,16 @@ pub enum Action {
 /// Why a GPU injected `unwatched` is not watched.
 pub const UNWATCHED: &str = "NVML reports none of the watched events (XID, ECC) for this GPU (injected)";
 
-/// One injected line.
+/// One injected line, or one report of a health source.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Injection {
     /// A device name (`gpu-2`) or a GPU UUID.
     pub gpu: String,
     pub action: Action,
+    /// When the GPU was read so, where that may be well before the report is sent: a discovery round reads a GPU
+    /// lost, then publishes, then reports it. A reading taken before the GPU's last reset is stale, and dropped
+    /// (it would fault the GPU the reset just cleared). `None`: read as it is sent.
+    pub read_at: Option<std::time::Instant>,
 }
 
 /// A line that says nothing we understand.
@@ -88,7 +92,7 @@ fn parse_line(text: &str) -> Result<Injection, &'static str> {
         [] => return Err("no action after the GPU"),
         _ => return Err("unknown action"),
     };
-    Ok(Injection { gpu: words[0].to_string(), action })
+    Ok(Injection { gpu: words[0].to_string(), action, read_at: None })
 }
 
 /// Takes the fault file in `state_dir` if there is one: renamed to `inject-faults.applied` (replacing the last one)

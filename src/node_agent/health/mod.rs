@@ -40,7 +40,7 @@ use prometheus_client::registry::Registry;
 use serde_json::Value;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use super::device::Device;
 use super::gpu::Gpu;
@@ -73,6 +73,7 @@ struct FaultLabels {
 #[derive(Clone, Debug, Default)]
 struct HealthMetrics {
     healthy: Family<GpuLabels, Gauge>,
+    watched: Family<GpuLabels, Gauge>,
     faults: Family<FaultLabels, Counter>,
 }
 
@@ -99,6 +100,8 @@ pub struct Monitor {
     pub coverage: Arc<Coverage>,
     /// The devices last published (name, GPU UUID): what the health stream reports on.
     devices: Mutex<Vec<(String, String)>>,
+    /// When each GPU (by UUID) was last reported reset: a report read before is stale ([`Injection::read_at`]).
+    resets: Mutex<HashMap<String, std::time::Instant>>,
     /// The kubelet plugin's state once it serves: which claims (and so pods) a faulted GPU affects.
     holders: Arc<OnceLock<Arc<DriverState>>>,
     /// Why the saved state could not be read at start, for a Warning Event on the Node.
@@ -172,8 +175,16 @@ impl Monitor {
         );
         registry.register(
             "gpu_dra_node_agent_gpu_healthy",
-            "1 when the GPU is healthy, 0 while it is tainted for a fault",
+            "0 while the GPU is tainted for a fault, 1 otherwise (also when its faults would go unnoticed: see \
+             gpu_dra_node_agent_gpu_health_watched)",
             metrics.healthy.clone(),
+        );
+        registry.register(
+            "gpu_dra_node_agent_gpu_health_watched",
+            "1 while the GPU's faults would be seen (or one was: it is tainted), 0 while they would go unnoticed and \
+             the kubelet is told its health is Unknown: NVML reports no health events for it, the driver is \
+             unusable, or the watch has not answered for 30 s (no series while the watch starts)",
+            metrics.watched.clone(),
         );
         registry.register(
             "gpu_dra_node_agent_gpu_faults",
@@ -194,6 +205,7 @@ impl Monitor {
             health: watch::Sender::new(HealthReport::default()),
             coverage: Arc::default(),
             devices: Mutex::default(),
+            resets: Mutex::default(),
             holders: Arc::default(),
             restore_pending: AtomicBool::new(unreadable.is_some() || missing),
             missing,
@@ -257,6 +269,7 @@ impl Monitor {
         let mut gauged = self.gauged.lock().unwrap_or_else(PoisonError::into_inner);
         for gone in gauged.difference(&now) {
             self.metrics.healthy.remove(gone);
+            self.metrics.watched.remove(gone);
         }
         *gauged = now;
         taints
@@ -282,6 +295,21 @@ impl Monitor {
         // and an older view sent last would stand until the next look.
         let devices = self.devices.lock().unwrap_or_else(PoisonError::into_inner);
         let (seen, silent) = (self.coverage.seen(), self.coverage.silent());
+        // A faulted GPU's fault was seen (the kubelet is told Unhealthy), even where the watch cannot see it now (a
+        // lost one). Read before the gauges' lock, which is never held while the book is taken.
+        let faulted: HashSet<String> = self.book().faulted.keys().cloned().collect();
+        for gpu in self.gauged.lock().unwrap_or_else(PoisonError::into_inner).iter() {
+            let watched = match seen.verdict(&gpu.uuid, silent) {
+                _ if faulted.contains(&gpu.uuid) => 1,
+                Verdict::Healthy => 1,
+                Verdict::Unknown(_) => 0,
+                Verdict::Unsaid => {
+                    self.metrics.watched.remove(gpu);
+                    continue;
+                }
+            };
+            self.metrics.watched.get_or_create(gpu).set(watched);
+        }
         let report: Vec<DeviceHealth> = {
             let book = self.book();
             // Not for a faulted GPU (a lost one cannot be watched): once its fault clears, it is renewed for.
@@ -395,6 +423,15 @@ impl Monitor {
             self.coverage.update(|seen| seen.set_unwatched(&gpu.uuid, (!watched).then_some(inject::UNWATCHED)));
             return self.report_health();
         }
+        let mut resets = self.resets.lock().unwrap_or_else(PoisonError::into_inner);
+        if read_before_reset(report.read_at, resets.get(&gpu.uuid).copied()) {
+            debug!(gpu = %gpu.uuid, action = ?report.action, "a reading taken before the GPU's reset; dropped");
+            return;
+        }
+        if report.action == Action::Reset {
+            resets.insert(gpu.uuid.clone(), std::time::Instant::now());
+        }
+        drop(resets);
         let transition = match report.action {
             Action::Fault(fault) => self.book().record(&gpu.uuid, fault, self.clock.now(), &self.policy),
             Action::Reset => self.book().reset(&gpu.uuid),
@@ -573,6 +610,11 @@ fn restored_note(restored: &[String], kept: &str, missing: bool) -> String {
     )
 }
 
+/// Whether a reading taken at `read_at` is older than the GPU's last reset, at `reset_at`.
+fn read_before_reset(read_at: Option<std::time::Instant>, reset_at: Option<std::time::Instant>) -> bool {
+    matches!((read_at, reset_at), (Some(read), Some(reset)) if read < reset)
+}
+
 /// When this boot began, on the wall clock (`btime` in /proc/stat); `None` where it cannot be read.
 fn boot_wall_time() -> Option<i64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
@@ -683,6 +725,33 @@ mod tests {
         monitor.book().record(&gpus[2].uuid, Fault::GpuLost, monitor.clock.now(), &Policy::default());
         monitor.update_health(&devices);
         assert!(!monitor.coverage.renewal_asked(), "a renewal asked for a faulted GPU");
+        Ok(())
+    }
+
+    /// A GPU's reset (the simulated `clear`) that lands while a discovery round, which read the GPU lost before it,
+    /// publishes: the round's late lost report is stale and leaves the GPU healthy, where it used to fault it again
+    /// until the healthy window ended. A lost reading taken after the reset still faults it.
+    #[tokio::test]
+    async fn a_lost_reading_older_than_the_reset_is_dropped() -> anyhow::Result<()> {
+        let dir = tempfile::tempdir()?;
+        let monitor = monitor(dir.path());
+        // Events go nowhere: this is about the book, not what the node is told.
+        crate::kube_client::install_crypto_provider();
+        let nowhere = Client::try_from(kube::Config::new("http://127.0.0.1:9".parse()?))?;
+        let events = events::NodeEvents::new(nowhere, "node-a", Arc::default());
+        let gpus = [crate::node_agent::gpu::test_gpu(0, "0000:00:00.0")];
+        let report = |action, read_at| Injection { gpu: gpus[0].uuid.clone(), action, read_at };
+        let faulted = || monitor.book().get(&gpus[0].uuid).is_some();
+
+        monitor.apply(&report(Action::Fault(Fault::GpuLost), None), &gpus, &events);
+        let read_lost = std::time::Instant::now();
+        assert!(faulted(), "an injected loss did not fault the GPU");
+        monitor.apply(&report(Action::Reset, None), &gpus, &events);
+        assert!(!faulted(), "the reset did not heal the GPU");
+        monitor.apply(&report(Action::Fault(Fault::GpuLost), Some(read_lost)), &gpus, &events);
+        assert!(!faulted(), "a lost reading taken before the reset faulted the GPU again");
+        monitor.apply(&report(Action::Fault(Fault::GpuLost), Some(std::time::Instant::now())), &gpus, &events);
+        assert!(faulted(), "a lost reading taken after the reset was dropped");
         Ok(())
     }
 

@@ -292,7 +292,7 @@ impl Subscribed<'_> {
 
 fn send(reports: &UnboundedSender<Injection>, uuid: &str, action: Action) {
     // The monitor gone means the agent is stopping.
-    let _ = reports.send(Injection { gpu: uuid.to_string(), action });
+    let _ = reports.send(Injection { gpu: uuid.to_string(), action, read_at: None });
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use super::gpu::{Gpu, MigDevice, normalize_version};
 pub const MAX_DEVICES_PER_SLICE: usize = 128;
 /// The API's limit on devices per slice once any device in it has taints.
 pub const MAX_DEVICES_PER_SLICE_WITH_TAINTS: usize = 64;
-/// The API's limit on a string attribute.
+/// The API's limit on a string attribute, in bytes (Go's `len`).
 const MAX_STRING_ATTRIBUTE: usize = 64;
 
 /// How the scheduler may hand out a GPU.
@@ -149,7 +149,7 @@ fn mig_capacity(memory_bytes: u64, start: u32, size: u32) -> Map<String, Value> 
 fn common_attributes(gpu: &Gpu) -> Map<String, Value> {
     let mut attributes = Map::new();
     let mut string = |name: &str, value: &str| {
-        let value: String = value.chars().take(MAX_STRING_ATTRIBUTE).collect();
+        let value = &value[..value.floor_char_boundary(MAX_STRING_ATTRIBUTE)];
         attributes.insert(name.into(), json!({"string": value}));
     };
     string("productName", &gpu.product_name);
@@ -310,6 +310,15 @@ mod tests {
 
     fn gpus(spec: &str) -> Vec<Gpu> {
         Simulated::new("node", spec).expect("spec").discover().expect("discover")
+    }
+
+    #[test]
+    fn a_string_attribute_is_cut_to_the_apis_64_bytes_at_a_character() {
+        let mut gpu = gpus("1xH100-80GB").remove(0);
+        gpu.product_name = "NVIDIA H100 ".to_string() + &"é".repeat(40);
+        let d = device(&Device::whole(&gpu), Sharing::Whole);
+        let name = d["attributes"]["productName"]["string"].as_str().expect("productName");
+        assert!(name.len() <= 64 && name.len() >= 63 && gpu.product_name.starts_with(name), "{name}");
     }
 
     #[test]
