@@ -32,6 +32,10 @@ import tarfile
 # libgcc and the users root/nonroot/nobody; the binary needs no more of it (no shell, no CA bundle: in-cluster
 # configuration carries its own CA).
 STAND_IN_BASES = ("gcr.io/distroless/cc-debian12:nonroot",)
+# The label naming an image's base: the stand-in is not that base (its C library is the build machine's, with no
+# package records a scanner could read), so the label is replaced by STAND_IN_LABEL saying what it is instead.
+BASE_NAME_LABEL = "org.opencontainers.image.base.name"
+STAND_IN_LABEL = "dev.gpu-dra.image.base-stand-in"
 # What the runtime stage may contain; anything else is refused with the line that has it.
 RUNTIME_INSTRUCTIONS = ("FROM", "ARG", "LABEL", "COPY", "USER", "ENTRYPOINT")
 # distroless's PATH, so that `kubectl exec` and probes resolve commands the same way on both images.
@@ -384,7 +388,12 @@ def gpu_dra_image(name: str, dockerfile: str, context: str, build_args: dict[str
     # At the path the loader and ldd name, with the content of the file behind any symlink (Debian's /lib64 and
     # /lib are links into /usr; here they are plain directories).
     base += [file(path, pathlib.Path(path).read_bytes(), 0o755) for path in sorted(libraries)]
-    config = {"User": stage.user, "Entrypoint": stage.entrypoint, "Env": [DEFAULT_PATH], "Labels": stage.labels}
+    labels = {k: v for k, v in stage.labels.items() if k != BASE_NAME_LABEL}
+    labels[STAND_IN_LABEL] = (
+        f"{stage.base} stood in for by the build machine's C runtime ({', '.join(sorted(libraries))}): "
+        "no package records; build the Dockerfile with a container engine for the real base"
+    )
+    config = {"User": stage.user, "Entrypoint": stage.entrypoint, "Env": [DEFAULT_PATH], "Labels": labels}
     history = [f"stand-in for {stage.base}: {' '.join(sorted(libraries))}, /etc/passwd, /etc/group (e2e/oci_image.py)"]
     history += [c[3] for c in stage.copies]
     return Image(name, [base, copied], config, history)
