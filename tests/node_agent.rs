@@ -641,8 +641,8 @@ async fn beside_a_device_plugin_serving_gpus_the_agent_publishes_none_until_it_i
     agent.process.terminate()?;
     let restarted = Instant::now();
     agent.process = start_agent(&ctx, &node, &agent.dirs, &gpus)?;
+    // Ready once it has published (here: held back), read at once: the rest of the grace period is a few seconds.
     agent.wait_ready().await?;
-    tokio::time::sleep(Duration::from_secs(1)).await;
     ensure!(device_names(&slices_of(&ctx, &node).await?).is_empty(), "published at once after a restart");
     wait_devices(&ctx, &node, 2).await.with_context(|| agent.log_tail())?;
     // The plugin last served at most a round and a stop before the restart: the rest of the 6 s is 3 s or more.

@@ -29,6 +29,9 @@ pub(super) async fn finished_pod_claim_is_deleted_once_and_never_recreated(ctx: 
     create_template(&ctx, "one-gpu", one_gpu()).await?;
     create_pod(&ctx, "job-0", json!([{"name": "gpu", "resourceClaimTemplateName": "one-gpu"}])).await?;
     let claim = claim_statuses(&wait_recorded(&ctx, "job-0", 1).await?)[0].1.clone().context("no claim")?;
+    // The scheduler's one write, once the claim exists, is done before the pod finishes (a write of its made after
+    // the finish would read as the controller's).
+    objects::unschedulable(&ctx.client, &ctx.namespace, "job-0", Duration::from_secs(30)).await?;
 
     // As the kubelet reports a completed Job pod.
     let pods = objects::pods(&ctx);

@@ -2,13 +2,12 @@
 //! new share may be prepared beside them.
 
 use anyhow::{Context as _, ensure};
-use kube::api::{Patch, PatchParams};
 use serde_json::json;
 
 use super::support::node::{DRIVER, Kubelet, NodeDirs};
 use super::support::process::Component;
-use super::support::{TestContext, cluster, objects};
-use super::{allocated_claim_with, node_name, ready_agent};
+use super::support::{TestContext, cluster};
+use super::{allocated_claim_with, node_name, ready_agent, reallocate};
 
 /// A pod holding a 60 GiB share of an 80 GB GPU is deleted with `--force --grace-period=0` (or its node's kubelet is
 /// slow to stop it): its claim is deallocated and the scheduler hands the memory to a new pod's 40 GiB share on the
@@ -63,19 +62,14 @@ pub(super) async fn a_claim_allocated_again_as_another_share_is_not_answered_wit
     let shares_served = cluster::kubernetes_minor()? >= 36;
     let (node, dirs, agent) = one_gpu_node(&ctx).await?;
     let ns = ctx.namespace.as_str();
-    let share = |n| json!([share_of_gpu_0(&node, n, "20Gi")]);
     let uid = allocated_claim_with(&ctx, "moved", vec![share_of_gpu_0(&node, 1, "20Gi")], json!([])).await?;
     let mut kubelet = Kubelet::register(&dirs).await?;
     let first = kubelet.prepare(&[(ns, "moved", &uid)]).await?;
     ensure!(first.get(&uid).is_some_and(|a| a.error.is_empty()), "{first:?}");
 
     // Deallocated, then allocated again as another share, without an unprepare between.
-    let claims = objects::claims(&ctx);
-    let cleared = json!({"status": {"allocation": null, "reservedFor": null}});
-    claims.patch_status("moved", &PatchParams::default(), &Patch::Merge(&cleared)).await?;
-    let again = json!({"status": {"allocation": {"devices": {"results": share(2)}},
-        "reservedFor": [{"resource": "pods", "name": "again", "uid": format!("{uid}-again")}]}});
-    claims.patch_status("moved", &PatchParams::default(), &Patch::Merge(&again)).await?;
+    let again = vec![share_of_gpu_0(&node, 2, "20Gi")];
+    reallocate(&ctx, "moved", again, ("again", &format!("{uid}-again"))).await?;
     let answers = kubelet.prepare(&[(ns, "moved", &uid)]).await?;
     let answer = answers.get(&uid).context("no answer")?;
     if !shares_served {

@@ -13,10 +13,10 @@ use k8s_openapi::api::events::v1::Event;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
-use super::support::node::{DRIVER, Kubelet, NodeDirs};
+use super::support::node::{Kubelet, NodeDirs};
 use super::support::process::Component;
 use super::support::{TestContext, objects, wait};
-use super::{allocated_claim, checkpoint, node_name, prepares_fully, ready_agent_with};
+use super::{allocated_claim, checkpoint, gpu_result, node_name, prepares_fully, ready_agent_with, reallocate};
 
 const CHECK_EVERY: &str = "1s";
 
@@ -116,10 +116,7 @@ pub(super) async fn with_warn_a_forgotten_claim_is_reported_and_kept(ctx: TestCo
     ensure!(agent.metric("gpu_dra_kubelet_plugin_stale_claims_unprepared_total", &[]).await? == 0.0, "counter");
 
     // Allocated again, another GPU, while still forgotten: its prepare is refused, not answered with the old GPU.
-    let result = json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": "gpu-1"});
-    let status = json!({"status": {"allocation": {"devices": {"results": [result]}},
-        "reservedFor": [{"resource": "pods", "name": "again", "uid": format!("{forgotten}-again")}]}});
-    objects::claims(&ctx).patch_status("forgotten", &PatchParams::default(), &Patch::Merge(&status)).await?;
+    reallocate(&ctx, "forgotten", vec![gpu_result(&node, "gpu-1")], ("again", &format!("{forgotten}-again"))).await?;
     let answers = Kubelet::register(&dirs).await?.prepare(&[(ns, "forgotten", &forgotten)]).await?;
     let answer = answers.get(&forgotten).context("no answer")?;
     ensure!(
@@ -168,24 +165,6 @@ async fn pod_naming(ctx: &TestContext, name: &str, node: &str, claim: &str) -> a
     created.metadata.uid.context("created pod has no UID")
 }
 
-/// Deallocates `claim` and allocates it `device` of the node's pool, reserved for the pod `pod` (`uid`).
-async fn reallocate(
-    ctx: &TestContext,
-    claim: &str,
-    node: &str,
-    device: &str,
-    pod: &str,
-    uid: &str,
-) -> anyhow::Result<()> {
-    let none = json!({"status": {"allocation": null, "reservedFor": null}});
-    objects::claims(ctx).patch_status(claim, &PatchParams::default(), &Patch::Merge(&none)).await?;
-    let result = json!({"request": "gpus", "driver": DRIVER, "pool": node, "device": device});
-    let status = json!({"status": {"allocation": {"devices": {"results": [result]}},
-        "reservedFor": [{"resource": "pods", "name": pod, "uid": uid}]}});
-    objects::claims(ctx).patch_status(claim, &PatchParams::default(), &Patch::Merge(&status)).await?;
-    Ok(())
-}
-
 async fn unprepared(dirs: &NodeDirs, uid: &str, what: &str) -> anyhow::Result<()> {
     wait::until(what, Duration::from_secs(30), || async { Ok((!dirs.cdi_spec(uid).exists()).then_some(())) }).await
 }
@@ -210,7 +189,7 @@ pub(super) async fn a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_
     let moved = allocated_claim(&ctx, "moved", &node, &["gpu-1"], json!([])).await?;
     prepares_fully(&dirs, ns, "moved", &moved, "gpu-1").await?;
     let waiting = pod_naming(&ctx, "waiting", &node, "moved").await?;
-    reallocate(&ctx, "moved", &node, "gpu-0", "waiting", &waiting).await?;
+    reallocate(&ctx, "moved", vec![gpu_result(&node, "gpu-0")], ("waiting", &waiting)).await?;
     unprepared(&dirs, &moved, "the claim allocated other devices to be unprepared").await?;
     // Deleted and created again under its name for another pod: that pod names the new claim.
     let again = allocated_claim(&ctx, "again", &node, &["gpu-1"], json!([])).await?;
@@ -218,7 +197,7 @@ pub(super) async fn a_claim_deleted_while_its_pod_runs_is_kept_until_the_pod_is_
     objects::claims(&ctx).delete("again", &DeleteParams::default()).await?;
     allocated_claim(&ctx, "again", &node, &["gpu-1"], json!([])).await?;
     let next = pod_naming(&ctx, "next", &node, "again").await?;
-    reallocate(&ctx, "again", &node, "gpu-1", "next", &next).await?;
+    reallocate(&ctx, "again", vec![gpu_result(&node, "gpu-1")], ("next", &next)).await?;
     unprepared(&dirs, &again, "the claim created again for another pod to be unprepared").await?;
 
     let held = allocated_claim(&ctx, "held", &node, &["gpu-0"], json!([])).await?;

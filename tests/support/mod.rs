@@ -135,10 +135,12 @@ impl Default for Pace {
     }
 }
 
-/// Like [`run`], on a cluster of the binary's own even when `KUBECONFIG` names a running one: for tests that
-/// disturb the control plane, e.g. stop the API server.
+/// Like [`run`], on a cluster of the binary's own even when `KUBECONFIG` names a running one, one test at a time:
+/// for tests that disturb the control plane (stop the API server, cut its connections), which would disturb each
+/// other's measurements too.
 pub fn run_on_own_cluster(binary: &str, tests: &[Test]) -> ! {
-    run_on(binary, tests, Pace::default(), || Cluster::start_own(binary, false, &[]))
+    let pace = Pace { serial: true, ..Pace::default() };
+    run_on(binary, tests, pace, || Cluster::start_own(binary, false, &[]))
 }
 
 fn run_on(binary: &str, tests: &[Test], pace: Pace, start: impl FnOnce() -> anyhow::Result<Cluster>) -> ! {
