@@ -14,11 +14,14 @@ ENV GPU_DRA_BUILD_COMMIT=$REVISION
 WORKDIR /src
 COPY . .
 # The same command CI's toolchain runs, with the lock file as is. The caches speed up rebuilds; the binary is copied
-# out of the target cache within the same step.
+# out of the target cache within the same step. The licenses travel with it: gpu-dra's, and the notices of the
+# crates built into it (e2e/third_party_notices.py writes that file from Cargo.lock; make lint checks it).
 RUN --mount=type=cache,target=/usr/local/cargo/registry,sharing=locked \
     --mount=type=cache,target=/src/target,sharing=locked \
     cargo build --release --locked \
-    && install -D -m 0755 target/release/gpu-dra /out/gpu-dra
+    && install -D -m 0755 target/release/gpu-dra /out/gpu-dra \
+    && install -D -m 0644 LICENSE /out/LICENSE \
+    && install -D -m 0644 THIRD-PARTY-NOTICES /out/THIRD-PARTY-NOTICES
 
 # --- run --------------------------------------------------------------------------------------------------------
 # glibc and libgcc only (distroless/cc): the binary is dynamically linked against glibc, and NVML
@@ -34,6 +37,8 @@ LABEL org.opencontainers.image.title="gpu-dra" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.base.name="gcr.io/distroless/cc-debian12:nonroot"
 COPY --from=build /out/gpu-dra /gpu-dra
+COPY --from=build /out/LICENSE /usr/share/doc/gpu-dra/LICENSE
+COPY --from=build /out/THIRD-PARTY-NOTICES /usr/share/doc/gpu-dra/THIRD-PARTY-NOTICES
 # Non-root by default (uid 65532, `nonroot`): right for the controller. The node agent's DaemonSet runs it as root
 # (runAsUser 0 in the chart) because it creates sockets in the kubelet's root-owned plugin directories and writes
 # the CDI and state directories on the host.

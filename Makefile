@@ -36,9 +36,10 @@ bench: k8s-binaries ## Benchmark the claim controller against kube-controller-ma
 	$(CARGO) bench --locked --bench kubelet_plugin
 	$(CARGO) bench --locked --bench kubelet_prepare
 
-lint: ## cargo fmt --check, clippy with warnings as errors, hadolint on the Dockerfile, cargo-deny (offline)
+lint: ## cargo fmt --check, clippy with warnings as errors, THIRD-PARTY-NOTICES current, hadolint on the Dockerfile, cargo-deny (offline)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --locked --all-targets -- -D warnings
+	e2e/third_party_notices.py --check
 	e2e/hadolint.sh
 	e2e/cargo-deny.sh
 

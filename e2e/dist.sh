@@ -6,6 +6,8 @@
 #   dist/gpu-dra-image-VERSION.tar    the gpu-dra OCI image archive (e2e/build-images.sh), tagged
 #                                     <image.repository>:VERSION as the chart deploys it by default
 #                                     (`ctr -n k8s.io images import`, `skopeo copy oci-archive:…`)
+#   dist/LICENSE                      gpu-dra's license (Apache-2.0)
+#   dist/THIRD-PARTY-NOTICES          the licenses of the crates built into the binary (e2e/third_party_notices.py)
 #   dist/SHA256SUMS                   `cd dist && sha256sum -c SHA256SUMS`
 #
 # Usage: e2e/dist.sh   (`make dist` builds the binary and helm first)
@@ -37,5 +39,6 @@ images=$(mktemp -d)
 trap 'rm -rf "$images"' EXIT
 "$root/e2e/build-images.sh" --binary "$binary" "$images" >/dev/null
 mv "$images/gpu-dra.tar" "$out/gpu-dra-image-$version.tar"
-(cd "$out" && sha256sum -- gpu-dra-* >SHA256SUMS)
+install -m 0644 "$root/LICENSE" "$root/THIRD-PARTY-NOTICES" "$out/"
+(cd "$out" && sha256sum -- gpu-dra-* LICENSE THIRD-PARTY-NOTICES >SHA256SUMS)
 printf '[dist] %s\n' "$(cd "$out" && ls -l --block-size=K -- *)" >&2

@@ -292,8 +292,9 @@ def installed_files(stage: list[Instruction]) -> dict[str, tuple[str, int]]:
 
 
 def runtime_stage(dockerfile: str, context: str, build_args: dict[str, str], binary: str | None) -> RuntimeStage:
-    """Reads the last stage of the Dockerfile. `binary`, when given, replaces the file the COPY takes from the build
-    stage (the build stage's `install` names its path in the build context, e.g. target/release/gpu-dra)."""
+    """Reads the last stage of the Dockerfile. `binary`, when given, replaces the file a COPY takes from the build
+    stage's cargo output (the build stage's `install` names its path in the build context: target/release/gpu-dra);
+    the other files a COPY takes (LICENSE, THIRD-PARTY-NOTICES) are read from the build context."""
     try:
         text = pathlib.Path(dockerfile).read_text(encoding="utf-8")
     except OSError as e:
@@ -363,7 +364,9 @@ def runtime_stage(dockerfile: str, context: str, build_args: dict[str, str], bin
                     "so e2e/oci_image.py cannot tell which file of the repository it is"
                 )
             context_path, mode = made[src]
-            host = binary or os.path.join(context, context_path)
+            # `binary` stands for cargo's output only; the other files (the licenses) are the repository's.
+            from_cargo = context_path.startswith("target/release/")
+            host = binary if binary and from_cargo else os.path.join(context, context_path)
             stage.copies.append((dest, host, mode, f"COPY {ins.args}"))
     return stage
 
@@ -382,9 +385,14 @@ def gpu_dra_image(name: str, dockerfile: str, context: str, build_args: dict[str
     libraries: set[str] = set()
     for dest, host, mode, _ in stage.copies:
         if not os.path.isfile(host):
-            raise BuildError(f"{host} does not exist: build it first with `make release` (cargo build --release)")
+            how = {
+                "THIRD-PARTY-NOTICES": "write it with e2e/third_party_notices.py",
+                "LICENSE": "restore it from git (git checkout LICENSE)",
+            }.get(os.path.basename(host), "build it first with `make release` (cargo build --release)")
+            raise BuildError(f"{host} does not exist: {how}")
         copied.append(file(dest, pathlib.Path(host).read_bytes(), mode))
-        libraries.update(linked_libraries(host))
+        if mode & 0o111:
+            libraries.update(linked_libraries(host))
     # At the path the loader and ldd name, with the content of the file behind any symlink (Debian's /lib64 and
     # /lib are links into /usr; here they are plain directories).
     base += [file(path, pathlib.Path(path).read_bytes(), 0o755) for path in sorted(libraries)]

@@ -146,8 +146,8 @@ pub struct NodeAgentArgs {
     #[arg(long, env = "GPU_DRA_KUBELET_REGISTRY_DIR", default_value = "/var/lib/kubelet/plugins_registry")]
     pub kubelet_registry_dir: PathBuf,
     /// How long the kubelet may take to register the plugin once its registration socket is there before the agent
-    /// warns (Warning Event `NotRegistered` on the Node): a kubelet whose root directory is not the one the
-    /// registry directory is under never looks there, and every pod given this node's GPUs then fails.
+    /// warns (Warning Event `NotRegistered` on the Node) and `/readyz` fails: a kubelet whose root directory is not
+    /// the one the registry directory is under never looks there, and every pod given this node's GPUs then fails.
     #[arg(long, env = "GPU_DRA_KUBELET_REGISTRATION_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub kubelet_registration_timeout: Duration,
     /// The kubelet's plugins directory; the DRA socket goes into `<dir>/<driver>/dra.sock`.

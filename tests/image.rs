@@ -216,6 +216,14 @@ fn the_gpu_dra_image_is_the_dockerfiles_runtime_stage_and_runs() {
     assert_eq!(sha256(&shipped, false), sha256(&binary, false), "/gpu-dra is not target/release/gpu-dra");
     let mode = std::fs::metadata(&shipped).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()));
     assert_eq!(mode.map(|m| m & 0o7777).ok(), Some(0o755), "/gpu-dra's mode (install -m 0755 in the build stage)");
+    // The licenses travel with the binary: gpu-dra's and the notices of the crates built into it, the repository's
+    // files (not the binary `--binary` names), readable by anyone.
+    for license in ["LICENSE", "THIRD-PARTY-NOTICES"] {
+        let inside = rootfs.join("usr/share/doc/gpu-dra").join(license);
+        assert_eq!(sha256(&inside, false), sha256(&repo().join(license), false), "/usr/share/doc/gpu-dra/{license}");
+        let mode = std::fs::metadata(&inside).map(|m| std::os::unix::fs::PermissionsExt::mode(&m.permissions()));
+        assert_eq!(mode.map(|m| m & 0o7777).ok(), Some(0o644), "{license}'s mode");
+    }
     // Every library ldd names, and the loader at the path the binary names, with this machine's content.
     let ldd = run(Command::new("ldd").arg(&binary));
     let libraries: Vec<&str> =
@@ -354,4 +362,36 @@ fn bad_input_is_refused_with_what_to_do() {
         }
         assert!(!out.join("gpu-dra.tar").exists(), "{args:?} wrote an archive");
     }
+}
+
+/// THIRD-PARTY-NOTICES is what Cargo.lock gives (`make lint` checks it too): the crates built into the binary with
+/// their license texts, not the build-time (.proto compiler) or test-only crates; a file that is not refused naming
+/// the command that writes it.
+#[test]
+fn the_third_party_notices_are_the_crates_built_into_the_binary() {
+    let script = repo().join("e2e/third_party_notices.py");
+    run(Command::new("python3").arg(&script).arg("--check"));
+    let notices = read("THIRD-PARTY-NOTICES");
+    let listed = |name: &str| notices.lines().any(|l| l.starts_with(&format!("{name} ")));
+    for shipped in ["tokio", "kube-client", "tonic", "prost", "nvml-wrapper", "serde_json", "rustls"] {
+        assert!(listed(shipped), "{shipped} is built into the binary but not in THIRD-PARTY-NOTICES");
+    }
+    for not_shipped in ["protox", "tonic-prost-build", "prost-build", "libtest-mimic"] {
+        assert!(!listed(not_shipped), "{not_shipped} (build or test only) is in THIRD-PARTY-NOTICES");
+    }
+    assert!(notices.contains("Permission is hereby granted, free of charge"), "no MIT text");
+    assert!(notices.contains("TERMS AND CONDITIONS FOR USE, REPRODUCTION, AND DISTRIBUTION"), "no Apache-2.0 text");
+
+    let stale = scratch("notices").join("THIRD-PARTY-NOTICES");
+    let without_tokio: String =
+        notices.lines().filter(|l| !l.starts_with("tokio ")).map(|l| format!("{l}\n")).collect();
+    std::fs::write(&stale, without_tokio).unwrap_or_else(|e| panic!("{}: {e}", stale.display()));
+    let out = Command::new("python3").arg(&script).arg("--check").arg("--file").arg(&stale).output();
+    let out = out.unwrap_or_else(|e| panic!("{}: {e}", script.display()));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a stale file passed the check");
+    assert!(
+        stderr.contains("is not what Cargo.lock gives") && stderr.contains("run e2e/third_party_notices.py"),
+        "{stderr}"
+    );
 }

@@ -232,13 +232,26 @@ struct Document {
     sharing: Sharing,
 }
 
+/// Control characters (line breaks, terminal escapes), the Unicode line and paragraph separators, and the marks
+/// and overrides of text direction (bidirectional text: what makes `a.gpu` read as another name).
+fn reshapes_text(c: char) -> bool {
+    const SEPARATORS: [char; 2] = ['\u{2028}', '\u{2029}'];
+    const DIRECTION_MARKS: [char; 2] = ['\u{200e}', '\u{200f}'];
+    c.is_control()
+        || SEPARATORS.contains(&c)
+        || DIRECTION_MARKS.contains(&c)
+        || ('\u{202a}'..='\u{202e}').contains(&c)
+        || ('\u{2066}'..='\u{2069}').contains(&c)
+}
+
 impl GpuConfig {
-    /// Decodes and validates one opaque parameter object for `driver`. The error names the offending field, its
-    /// control characters escaped: serde repeats a field name as the tenant wrote it, and the error goes to the
-    /// agent's log, where a line break would begin a line of the tenant's making, and to the pod's Events.
+    /// Decodes and validates one opaque parameter object for `driver`. The error names the offending field, with
+    /// the characters that reshape text escaped: serde repeats a field name as the tenant wrote it, and the error
+    /// goes to the agent's log, where a line break would begin a line of the tenant's making, and to the pod's
+    /// Events, where a direction override would show the text reordered.
     pub fn decode(driver: &str, parameters: &serde_json::Value) -> Result<GpuConfig, String> {
         Self::decode_as_written(driver, parameters).map_err(|error| {
-            error.chars().flat_map(|c| if c.is_control() { c.escape_default().collect() } else { vec![c] }).collect()
+            error.chars().flat_map(|c| if reshapes_text(c) { c.escape_default().collect() } else { vec![c] }).collect()
         })
     }
 
@@ -488,6 +501,11 @@ mod tests {
         let error = GpuConfig::decode(DRIVER, &parameters).expect_err("an unknown field");
         assert!(!error.chars().any(char::is_control), "{error:?}");
         assert!(error.contains("x\\nINFO forged line\\u{1b}[31m"), "{error}");
+        let reordered = json!({"apiVersion": format!("{DRIVER}/v1alpha1"), "kind": "GpuConfig",
+                               "a\u{202e}upg\u{2028}b\u{2066}": 1});
+        let error = GpuConfig::decode(DRIVER, &reordered).expect_err("an unknown field");
+        assert!(!error.chars().any(reshapes_text), "{error:?}");
+        assert!(error.contains("a\\u{202e}upg\\u{2028}b\\u{2066}"), "{error}");
     }
 
     #[test]

@@ -301,7 +301,7 @@ impl MpsDaemons {
             let deadline = Instant::now() + STOP_TIMEOUT;
             let asked = send(&self.program, &dirs, "quit");
             let pipe = dirs.pipe.join(CONTROL_PIPE);
-            let may_quit = asked.is_ok() || (pipe.exists() && control_pipe_is_its_own(&pipe).is_ok());
+            let may_quit = asked.is_ok() || control_pipe_is_its_own(&pipe).is_ok();
             while may_quit && !supervised.thread.is_finished() && Instant::now() < deadline {
                 std::thread::sleep(Duration::from_millis(20));
             }

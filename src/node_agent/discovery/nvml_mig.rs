@@ -233,46 +233,78 @@ const PROFILE_INFO_V2: u32 = std::mem::size_of::<nvmlGpuInstanceProfileInfo_v2_t
 
 /// NVML's name of GPU instance profile `profile_id` on `device` (see [`profile_name`]), found by asking each profile
 /// index (what NVML's profile information is asked by; a GPU instance reports the ID). `None` where the driver
-/// has no such call or names no profile of that ID.
+/// names no profile of that ID, or cannot be asked: said once in the log, since the name then falls back to the
+/// instance's size (`1g.12gb` for a `1g.12gb+me`), which selectors of NVIDIA's names miss.
 fn nvml_profile_name(nvml: &Nvml, device: &Device<'_>, profile_id: u32) -> Option<String> {
-    let sym = nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()).ok()?;
-    (0..NVML_GPU_INSTANCE_PROFILE_COUNT).find_map(|index| {
-        // SAFETY: see the module documentation; the structure is plain C data NVML fills in, its version set.
-        let info = unsafe {
-            let mut info: nvmlGpuInstanceProfileInfo_v2_t = std::mem::zeroed();
-            info.version = PROFILE_INFO_V2;
-            nvml_try(sym(device.handle(), index, &mut info)).ok()?;
-            info
-        };
-        if info.id != profile_id {
+    // Once each: discovery asks again every round.
+    static UNASKED: std::sync::Once = std::sync::Once::new();
+    static MISSHAPEN: std::sync::Once = std::sync::Once::new();
+    let unasked = |error: NvmlError| {
+        UNASKED.call_once(|| {
+            warn!(
+                profile_id, %error,
+                "NVML's MIG profile names could not be read; profiles the table lacks are named from their size"
+            )
+        })
+    };
+    let sym = match nvml_sym(nvml.lib().nvmlDeviceGetGpuInstanceProfileInfoV.as_ref()) {
+        Ok(sym) => sym,
+        Err(error) => {
+            unasked(error);
             return None;
         }
-        let name = profile_name(&info.name);
-        if name.is_none() {
-            // Once: discovery asks again every round.
-            static SAID: std::sync::Once = std::sync::Once::new();
-            let raw: String = info.name.iter().take_while(|c| **c != 0).map(|c| *c as u8 as char).collect();
-            SAID.call_once(|| {
-                warn!(profile_id, raw, "NVML's name of a MIG profile is not shaped like one; named from its size")
-            });
+    };
+    for index in 0..NVML_GPU_INSTANCE_PROFILE_COUNT {
+        // SAFETY: see the module documentation; the structure is plain C data NVML fills in, its version set.
+        let asked = unsafe {
+            let mut info: nvmlGpuInstanceProfileInfo_v2_t = std::mem::zeroed();
+            info.version = PROFILE_INFO_V2;
+            nvml_try(sym(device.handle(), index, &mut info)).map(|()| info)
+        };
+        let info = match asked {
+            Ok(info) => info,
+            // A profile index this GPU does not have.
+            Err(NvmlError::NotSupported | NvmlError::InvalidArg | NvmlError::NotFound) => continue,
+            Err(error) => {
+                unasked(error);
+                return None;
+            }
+        };
+        if info.id == profile_id {
+            return profile_name(&info.name)
+                .map_err(|raw| {
+                    MISSHAPEN.call_once(|| {
+                        warn!(
+                            profile_id,
+                            raw, "NVML's name of a MIG profile is not shaped like one; named from its size"
+                        )
+                    })
+                })
+                .ok();
         }
-        name
-    })
+    }
+    None
 }
 
 /// A MIG profile's name from NVML's (`MIG 1g.12gb+me` → `1g.12gb+me`): up to its NUL, without the `MIG ` prefix,
 /// and only when shaped as NVIDIA's names are (`<compute>g.<memory>gb`, then suffixes such as `+me`, `-me`,
-/// `+gfx`, `+me.all`), at most 64 bytes (a device attribute's limit).
-fn profile_name(raw: &[std::os::raw::c_char]) -> Option<String> {
+/// `+gfx`, `+me.all`), at most 64 bytes (a device attribute's limit). Otherwise the text as read, for the warning.
+fn profile_name(raw: &[std::os::raw::c_char]) -> Result<String, String> {
     let bytes: Vec<u8> = raw.iter().take_while(|c| **c != 0).map(|c| *c as u8).collect();
-    let text = std::str::from_utf8(&bytes).ok()?.trim();
-    let name = text.strip_prefix("MIG ").unwrap_or(text).trim();
-    let (compute, rest) = name.split_once("g.")?;
+    let text = String::from_utf8_lossy(&bytes);
+    let name = text.trim();
+    let name = name.strip_prefix("MIG ").unwrap_or(name).trim();
     let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
-    let memory_end = rest.find("gb")?;
-    let suffix = &rest[memory_end + 2..];
-    let suffix_ok = suffix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
-    (digits(compute) && digits(&rest[..memory_end]) && suffix_ok && name.len() <= 64).then(|| name.to_string())
+    let shaped = name.split_once("g.").and_then(|(compute, rest)| {
+        let memory_end = rest.find("gb")?;
+        let suffix = &rest[memory_end + 2..];
+        let suffix_ok = suffix.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"+-.".contains(&b));
+        (digits(compute) && digits(&rest[..memory_end]) && suffix_ok).then_some(())
+    });
+    match shaped {
+        Some(()) if name.len() <= 64 => Ok(name.to_string()),
+        _ => Err(text.into_owned()),
+    }
 }
 
 fn instance_ids(nvml: &Nvml, mig: &Device<'_>) -> Result<(u32, u32), NvmlError> {
@@ -351,12 +383,13 @@ mod tests {
             ("MIG 1g.10GB", None),
         ];
         for (text, want) in cases {
-            assert_eq!(profile_name(&raw(text)).as_deref(), want, "{text:?}");
+            assert_eq!(profile_name(&raw(text)).ok().as_deref(), want, "{text:?}");
         }
         // Not NUL-terminated within the buffer: refused by the 64-byte limit of an attribute.
         let mut full = [b'1' as std::os::raw::c_char; 96];
-        assert_eq!(profile_name(&full), None);
+        assert_eq!(profile_name(&full).ok(), None);
         full[..7].copy_from_slice(&raw("1g.10gb")[..7]);
-        assert_eq!(profile_name(&full), None, "a name running to the end of the buffer");
+        assert_eq!(profile_name(&full).ok(), None, "a name running to the end of the buffer");
+        assert_eq!(profile_name(&raw("MIG 1g.10GB")), Err("MIG 1g.10GB".to_string()), "the text, for the warning");
     }
 }
