@@ -122,9 +122,13 @@ def digest(text: str) -> str:
 
 def render(found: list[Crate]) -> str:
     texts: dict[str, tuple[str, list[str]]] = {}  # digest -> (text, the crates and files shipping it)
+    keys: list[set[str]] = []  # the digests of each crate's texts, in the order of `found`
     for crate in found:
+        keys.append(set())
         for file_name, text in crate.texts:
-            texts.setdefault(digest(text), (text, []))[1].append(f"{crate.name} {crate.version} ({file_name})")
+            key = digest(text)
+            keys[-1].add(key)
+            texts.setdefault(key, (text, []))[1].append(f"{crate.name} {crate.version} ({file_name})")
     number = {key: i + 1 for i, key in enumerate(sorted(texts, key=lambda key: texts[key][1][0]))}
     without = [c for c in found if not c.texts]
     out = [
@@ -141,8 +145,8 @@ def render(found: list[Crate]) -> str:
         "Crates",
         RULE,
     ]
-    for crate in found:
-        refs = sorted({number[digest(t)] for _, t in crate.texts})
+    for crate, crate_keys in zip(found, keys):
+        refs = sorted(number[key] for key in crate_keys)
         if refs:
             where = "texts " + ", ".join(f"[{n}]" for n in refs)
         else:

@@ -45,7 +45,7 @@ struct WireTemplate {
     spec: Option<WireTemplateSpec>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 struct WireTemplateSpec {
     #[serde(default)]
     metadata: Option<WireClaimMeta>,
@@ -64,11 +64,14 @@ struct WireClaimMeta {
 
 impl From<WireTemplate> for ResourceClaimTemplate {
     fn from(wire: WireTemplate) -> Self {
-        let (meta, spec) = (wire.spec.as_ref().and_then(|s| s.metadata.as_ref()), wire.spec.as_ref());
-        let labels = meta.and_then(|m| m.labels.clone()).unwrap_or_default();
-        let annotations = meta.and_then(|m| m.annotations.clone()).unwrap_or_default();
-        let claim_spec = spec.and_then(|s| s.spec.clone());
-        Self { metadata: wire.metadata.into_meta(), labels, annotations, claim_spec }
+        let WireTemplateSpec { metadata, spec } = wire.spec.unwrap_or_default();
+        let WireClaimMeta { labels, annotations } = metadata.unwrap_or_default();
+        Self {
+            metadata: wire.metadata.into_meta(),
+            labels: labels.unwrap_or_default(),
+            annotations: annotations.unwrap_or_default(),
+            claim_spec: spec,
+        }
     }
 }
 
